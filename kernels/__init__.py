@@ -1,0 +1,1 @@
+"""Triton kernels for the paged KV cache (importable as minisgl.kernels). See docs/kernels.md."""

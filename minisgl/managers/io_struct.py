@@ -1,0 +1,270 @@
+"""Typed messages between the stages of a request (seed 000 / seed 004).
+
+    GenerateReqInput            HTTP layer -> TokenizerManager        (in-process only)
+    TokenizedGenerateReqInput   TokenizerManager -> Scheduler         (ZMQ)
+    BatchTokenIDOutput          Scheduler -> DetokenizerManager       (ZMQ)
+    BatchStrOutput              DetokenizerManager -> TokenizerManager (ZMQ)
+    AbortReq, FlushCache*, GetLoad*, ClearDecodeStatusReq, SchedulerSnapshotOut: control
+
+Everything that crosses a process boundary is one of the dataclasses registered in
+`_MESSAGE_TYPES` and travels as JSON through `encode` / `decode`: no pickling of
+arbitrary objects, no lookups in `globals()` (STYLE.md habit 4). Each type has a
+round-trip test (tests/test_io_struct.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Union
+
+from minisgl.sampling.sampling_params import SamplingParams
+
+
+def new_rid() -> str:
+    return uuid.uuid4().hex
+
+
+# --------------------------------------------------------------------------- requests
+@dataclass
+class GenerateReqInput:
+    """The unified runtime request: it no longer knows whether it came from chat or completions."""
+
+    text: Optional[Union[str, List[str]]] = None
+    input_ids: Optional[Union[List[int], List[List[int]]]] = None
+    sampling_params: Optional[Union[Dict[str, Any], List[Dict[str, Any]]]] = None
+    rid: Optional[Union[str, List[str]]] = None
+    return_logprob: Union[bool, List[bool]] = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    stream: bool = False
+    priority: Optional[int] = None
+    # filled by normalize_batch_and_arguments()
+    is_single: bool = True
+    batch_size: int = 1
+
+    def normalize_batch_and_arguments(self) -> None:
+        """Decide single vs batch and broadcast per-request arguments to lists for a batch."""
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("Exactly one of `text` and `input_ids` must be given")
+        if self.text is not None:
+            self.is_single = isinstance(self.text, str)
+            self.batch_size = 1 if self.is_single else len(self.text)
+        else:
+            ids = self.input_ids
+            self.is_single = len(ids) == 0 or not isinstance(ids[0], list)
+            self.batch_size = 1 if self.is_single else len(ids)
+        if not self.is_single and self.batch_size == 0:
+            raise ValueError("A batch request needs at least one prompt")
+        if self.is_single:
+            if self.rid is None:
+                self.rid = new_rid()
+            return
+        n = self.batch_size
+        if self.rid is None:
+            self.rid = [new_rid() for _ in range(n)]
+        elif not isinstance(self.rid, list) or len(self.rid) != n:
+            raise ValueError(f"`rid` must be a list of {n} ids for a batch of {n} prompts")
+        if not isinstance(self.sampling_params, list):
+            self.sampling_params = [dict(self.sampling_params or {}) for _ in range(n)]
+        elif len(self.sampling_params) != n:
+            raise ValueError(f"`sampling_params` must have {n} entries for a batch of {n} prompts")
+        if not isinstance(self.return_logprob, list):
+            self.return_logprob = [self.return_logprob] * n
+
+    def __getitem__(self, i: int) -> "GenerateReqInput":
+        """The i-th request of a normalized batch, as a single request."""
+        assert not self.is_single
+        return GenerateReqInput(
+            text=self.text[i] if self.text is not None else None,
+            input_ids=self.input_ids[i] if self.input_ids is not None else None,
+            sampling_params=self.sampling_params[i],
+            rid=self.rid[i],
+            return_logprob=self.return_logprob[i],
+            logprob_start_len=self.logprob_start_len,
+            top_logprobs_num=self.top_logprobs_num,
+            stream=self.stream,
+            priority=self.priority,
+        )
+
+
+@dataclass
+class TokenizedGenerateReqInput:
+    """What the scheduler consumes: ids, verified SamplingParams, control fields."""
+
+    rid: str
+    input_text: Optional[str]
+    input_ids: List[int]
+    sampling_params: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    stream: bool = False
+    priority: Optional[int] = None
+    created_time: float = 0.0  # time.time() when the TokenizerManager received it
+
+
+@dataclass
+class AbortReq:
+    """Abort one rid (or all). From the TokenizerManager to the Scheduler, and back as a reply."""
+
+    rid: str = ""
+    abort_all: bool = False
+    finished_reason: Optional[Dict[str, Any]] = None
+
+
+@dataclass
+class FlushCacheReqInput:
+    pass
+
+
+@dataclass
+class FlushCacheReqOutput:
+    success: bool
+    message: str = ""
+
+
+@dataclass
+class GetLoadReqInput:
+    pass
+
+
+@dataclass
+class GetLoadReqOutput:
+    """Scheduler load and KV accounting, for /metrics and tests (KV returns to zero when idle)."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    num_used_tokens: int
+    available_tokens: int
+    evictable_tokens: int
+    protected_tokens: int
+    max_total_num_tokens: int
+    token_usage: float
+    cache_hit_rate: float
+    new_token_ratio: float
+    num_retracted_reqs_total: int = 0
+
+
+@dataclass
+class ClearDecodeStatusReq:
+    """Tell the detokenizer to drop the decode state of these rids (aborted before finishing)."""
+
+    rids: List[str] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerSnapshotOut:
+    """One scheduler step's snapshot (schema: docs/snapshot.md), published with --visualize."""
+
+    step: int
+    snapshot_json: str
+
+
+# --------------------------------------------------------------------------- outputs
+@dataclass
+class BatchTokenIDOutput:
+    """Scheduler -> detokenizer: new token ids of every request that emits this step.
+
+    `decode_ids[i]` is the delta of ids to append to the detokenizer's window; on the
+    first emission of a rid it starts with up to 5 prompt tokens of left context and
+    `read_offsets[i]` marks where the output begins inside that window.
+    `output_ids[i]` is the delta of output ids (through the stop token, if any).
+    """
+
+    rids: List[str]
+    finished_reasons: List[Optional[Dict[str, Any]]]
+    decode_ids: List[List[int]]
+    read_offsets: List[int]
+    output_ids: List[List[int]]
+    skip_special_tokens: List[bool]
+    spaces_between_special_tokens: List[bool]
+    no_stop_trim: List[bool]
+    stop_strs: List[List[str]]
+    prompt_tokens: List[int]
+    completion_tokens: List[int]
+    cached_tokens: List[int]
+    # logprobs of the new tokens (empty lists when not requested)
+    output_token_logprobs_val: List[List[float]] = field(default_factory=list)
+    output_token_logprobs_idx: List[List[int]] = field(default_factory=list)
+    output_top_logprobs_val: List[List[List[float]]] = field(default_factory=list)
+    output_top_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
+    # per-request timing, seconds: queue / schedule / forward / ttft / e2e (set when known)
+    time_stats: List[Dict[str, float]] = field(default_factory=list)
+
+
+@dataclass
+class BatchStrOutput:
+    """Detokenizer -> TokenizerManager: text deltas, ready for the client."""
+
+    rids: List[str]
+    finished_reasons: List[Optional[Dict[str, Any]]]
+    output_strs: List[str]
+    output_ids: List[List[int]]
+    prompt_tokens: List[int]
+    completion_tokens: List[int]
+    cached_tokens: List[int]
+    output_token_logprobs_val: List[List[float]] = field(default_factory=list)
+    output_token_logprobs_idx: List[List[int]] = field(default_factory=list)
+    output_top_logprobs_val: List[List[List[float]]] = field(default_factory=list)
+    output_top_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
+    time_stats: List[Dict[str, float]] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- codec
+_MESSAGE_TYPES: Dict[str, type] = {
+    cls.__name__: cls
+    for cls in (
+        TokenizedGenerateReqInput,
+        SamplingParams,
+        AbortReq,
+        FlushCacheReqInput,
+        FlushCacheReqOutput,
+        GetLoadReqInput,
+        GetLoadReqOutput,
+        ClearDecodeStatusReq,
+        SchedulerSnapshotOut,
+        BatchTokenIDOutput,
+        BatchStrOutput,
+    )
+}
+
+
+def _to_jsonable(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        name = type(obj).__name__
+        if name not in _MESSAGE_TYPES:
+            raise TypeError(f"{name} is not a registered io_struct message type")
+        return {"__type__": name, **{f.name: _to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}}
+    if isinstance(obj, (list, tuple)):
+        return [_to_jsonable(x) for x in obj]
+    if isinstance(obj, dict):
+        return {str(k): _to_jsonable(v) for k, v in obj.items()}
+    if obj is None or isinstance(obj, (str, int, float, bool)):
+        return obj
+    raise TypeError(f"cannot send a {type(obj).__name__} across a process boundary")
+
+
+def _from_jsonable(obj: Any) -> Any:
+    if isinstance(obj, list):
+        return [_from_jsonable(x) for x in obj]
+    if isinstance(obj, dict):
+        if "__type__" in obj:
+            cls = _MESSAGE_TYPES[obj["__type__"]]
+            return cls(**{k: _from_jsonable(v) for k, v in obj.items() if k != "__type__"})
+        return {k: _from_jsonable(v) for k, v in obj.items()}
+    return obj
+
+
+def encode(msg: Any) -> bytes:
+    """Serialize a registered message (JSON; -inf logprobs survive as `-Infinity`)."""
+    return json.dumps(_to_jsonable(msg), separators=(",", ":")).encode()
+
+
+def decode(data: bytes) -> Any:
+    obj = _from_jsonable(json.loads(data))
+    if not dataclasses.is_dataclass(obj):
+        raise TypeError("received a message that is not a registered io_struct type")
+    return obj

@@ -1,0 +1,76 @@
+"""ForwardBatch: the tensors of one forward pass, passed down explicitly (no globals).
+
+Where it sits: Scheduler -> ScheduleBatch.get_forward_batch() -> ForwardBatch ->
+ModelRunner.forward -> model -> layers -> attention backend. Every layer that needs
+positions, KV slots or sequence lengths reads them from the ForwardBatch argument,
+never from a module-level context (STYLE.md habit 6).
+
+Vocabulary (SGLang's):
+- extend: the tokens of a request computed in this pass; `prefix` = tokens whose K/V
+  are already in the pool (radix hit or an earlier chunk).
+- `seq_lens[i] = extend_prefix_lens[i] + extend_seq_lens[i]` for extend; for decode it
+  is the length *including* the token fed in this step.
+- `out_cache_loc`: one KV slot per token of `input_ids`, where this pass writes K/V.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, List, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from minisgl.layers.attention.base import AttentionBackend
+    from minisgl.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+
+class ForwardMode(enum.IntEnum):
+    EXTEND = 1  # prefill / chunked prefill: several tokens per request
+    DECODE = 2  # one token per request
+    MIXED = 3  # extend batch with decoding requests riding as 1-token extends (--enable-mixed-chunk)
+    IDLE = 4  # nothing to run
+
+    def is_extend(self) -> bool:
+        """MIXED runs through the extend path: a decode row is an extend of length 1."""
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
+
+    def is_mixed(self) -> bool:
+        return self == ForwardMode.MIXED
+
+
+@dataclass
+class ForwardBatch:
+    forward_mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64, absolute position of each token
+    out_cache_loc: torch.Tensor  # [num_tokens] int64, KV slot written for each token
+    req_pool_indices: torch.Tensor  # [bs] int64, row of each request in req_to_token
+    seq_lens: torch.Tensor  # [bs] int64, total tokens with K/V after this pass
+    seq_lens_cpu: List[int]  # same, on the host (no device sync to read it)
+    req_to_token_pool: "ReqToTokenPool"
+    token_to_kv_pool: "MHATokenToKVPool"
+    attn_backend: "AttentionBackend"
+    # extend only ([bs] each; None for decode)
+    extend_prefix_lens: Optional[torch.Tensor] = None
+    extend_seq_lens: Optional[torch.Tensor] = None
+    extend_prefix_lens_cpu: Optional[List[int]] = None
+    extend_seq_lens_cpu: Optional[List[int]] = None
+    # logits for every position (e.g. prompt logprobs, parity tests), not only the last
+    return_all_logits: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def last_token_indices(self) -> torch.Tensor:
+        """Index into input_ids of each request's last token: the only rows that reach the LM head."""
+        if self.forward_mode.is_decode():
+            return torch.arange(self.batch_size, device=self.input_ids.device)
+        assert self.extend_seq_lens is not None
+        return torch.cumsum(self.extend_seq_lens, dim=0) - 1  # [bs]

@@ -1,0 +1,133 @@
+"""SamplingParams: how one request samples and when it stops.
+
+Where it sits: the OpenAI layer maps request fields onto these SGLang keys
+(`to_sampling_params`), the TokenizerManager builds a SamplingParams from the dict,
+calls `normalize(tokenizer)` and `verify(vocab_size)`, and sends it inside
+TokenizedGenerateReqInput to the Scheduler, where it lives on `Req.sampling_params`.
+The sampler reads the numeric knobs; `Req.check_finished` reads the stop conditions.
+
+Defaults are SGLang's native-API defaults (sglang-facts.md §10.3): max_new_tokens 128,
+temperature 1.0, top_p 1.0, top_k -1 (all), min_p 0, penalties 0 / 0 / 1.0.
+Greedy: a temperature below 1e-6 becomes temperature 1.0 with top_k 1, as in SGLang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Set, Union
+
+TOP_K_ALL = 1 << 30
+_GREEDY_EPS = 1e-6
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: Optional[int] = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: Optional[Union[str, List[str]]] = None
+    stop_token_ids: Optional[List[int]] = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    seed: Optional[int] = None
+    n: int = 1
+    stream_interval: Optional[int] = None
+    # filled by normalize(): stop strings as a list, and their longest length in tokens
+    stop_strs: List[str] = field(default_factory=list)
+    stop_str_max_len: int = 0
+
+    KEYS = (
+        "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p",
+        "frequency_penalty", "presence_penalty", "repetition_penalty", "stop", "stop_token_ids",
+        "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+        "seed", "n", "stream_interval",
+    )  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, d: Optional[Dict[str, Any]]) -> "SamplingParams":
+        """Build from SGLang's sampling_params dict; an unknown key is an error, never ignored."""
+        d = dict(d or {})
+        unknown = sorted(set(d) - set(cls.KEYS))
+        if unknown:
+            raise ValueError(f"Unknown sampling parameter(s) {unknown}; supported: {list(cls.KEYS)}")
+        return cls(**d)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.top_k == 1
+
+    def normalize(self, tokenizer: Any = None) -> None:
+        """Canonical form: greedy mapping, top_k -1 -> all, stop as a list, stop-string token length."""
+        if self.temperature is not None and 0 <= self.temperature < _GREEDY_EPS:
+            self.temperature = 1.0
+            self.top_k = 1
+        if self.top_k == -1:
+            self.top_k = TOP_K_ALL
+        if isinstance(self.stop, str):
+            self.stop_strs = [self.stop]
+        elif self.stop:
+            self.stop_strs = list(self.stop)
+        if self.stop_token_ids is not None:
+            self.stop_token_ids = sorted(set(int(t) for t in self.stop_token_ids))
+        if self.stop_strs and tokenizer is not None:
+            self.stop_str_max_len = max(len(tokenizer.encode(s, add_special_tokens=False)) for s in self.stop_strs)
+        else:
+            # Without a tokenizer, a stop string never needs more tokens than characters.
+            self.stop_str_max_len = max((len(s) for s in self.stop_strs), default=0)
+
+    def verify(self, vocab_size: Optional[int] = None) -> None:
+        """Raise ValueError naming the field and its valid range (sglang-facts.md §10.3)."""
+        if self.temperature is None or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.top_k < 1 and self.top_k != -1:
+            raise ValueError(f"top_k must be -1 (all) or >= 1, got {self.top_k}")
+        if not -2 <= self.frequency_penalty <= 2:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not -2 <= self.presence_penalty <= 2:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not 0 < self.repetition_penalty <= 2:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens ({self.max_new_tokens})")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.stream_interval is not None and self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
+        if vocab_size is not None and self.stop_token_ids:
+            bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def copy(self) -> "SamplingParams":
+        return dataclasses.replace(self, stop_strs=list(self.stop_strs))
+
+
+def stop_token_set(params: SamplingParams, eos_token_ids: Set[int]) -> Set[int]:
+    """Token ids that finish a request: stop_token_ids and EOS.
+
+    As in SGLang, `ignore_eos` skips the token-based check entirely (stop_token_ids too);
+    stop strings and max_new_tokens still apply.
+    """
+    if params.ignore_eos:
+        return set()
+    return set(params.stop_token_ids or ()) | set(eos_token_ids)

@@ -1,0 +1,227 @@
+"""ServerArgs: every engine option in one frozen dataclass, built once and resolved once.
+
+Where it sits: the CLI (`minisgl serve`, `minisgl generate`) and `minisgl.Engine(...)`
+build a `ServerArgs`, call `resolve_server_args` once to fill every "auto" value, and
+hand the resolved object to every process. Nothing mutates it afterwards: the
+dataclass is frozen, and resolution returns a new object (`dataclasses.replace`).
+
+Flag names follow SGLang (`--model-path`/`--model`, `--page-size`, `--chunked-prefill-size`,
+...), so a reader can move between `sglang.launch_server --help` and `minisgl serve --help`.
+The argparse parser is generated from the dataclass fields, so a new option is one field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, Optional, Sequence
+
+# The built-in model ships inside the package (DESIGN.md, "The built-in model").
+BUILTIN_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "builtin-model")
+
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _opt(help: str, *flags: str, **meta: Any) -> dict:
+    """Field metadata: help text, extra flag aliases, and argparse extras (choices...)."""
+    return {"help": help, "flags": flags, **meta}
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    # --- model and tokenizer ---
+    model_path: Optional[str] = field(
+        default=None,
+        metadata=_opt("Model directory or Hugging Face hub id. Default: the built-in model.", "--model"),
+    )
+    tokenizer_path: Optional[str] = field(default=None, metadata=_opt("Tokenizer path. Default: the model path.", "--tokenizer"))
+    served_model_name: Optional[str] = field(default=None, metadata=_opt("Model name reported by /v1/models. Default: the model path."))
+    context_length: Optional[int] = field(default=None, metadata=_opt("Maximum context length. Default: from the model config."))
+    trust_remote_code: bool = field(default=False, metadata=_opt("Allow custom code in the tokenizer directory."))
+
+    # --- device and dtype ---
+    device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata=_opt("cpu, cuda, or auto (cuda when available).", choices=DEVICES))
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
+        default="auto", metadata=_opt("Model dtype. auto = float32 on CPU, bfloat16 on CUDA.", choices=DTYPES)
+    )
+    attention_backend: str = field(
+        default="auto", metadata=_opt("torch, triton, or auto (triton on CUDA, torch on CPU).", choices=ATTENTION_BACKENDS)
+    )
+    tp_size: int = field(default=1, metadata=_opt("Tensor-parallel size (minisgl runs one rank).", "--tp"))
+    random_seed: int = field(default=0, metadata=_opt("Seed of the global sampling RNG.", "--seed"))
+
+    # --- memory ---
+    page_size: int = field(default=1, metadata=_opt("Tokens per KV page."))
+    max_total_tokens: Optional[int] = field(default=None, metadata=_opt("KV pool size in tokens. Default: from memory."))
+    mem_fraction_static: Optional[float] = field(
+        default=None, metadata=_opt("CUDA: fraction of GPU memory for weights + KV pool. Default 0.85.")
+    )
+    cpu_kv_cache_gb: float = field(default=1.0, metadata=_opt("CPU: KV pool budget in GiB when --max-total-tokens is unset."))
+    max_running_requests: Optional[int] = field(default=None, metadata=_opt("Request slots (rows of req_to_token)."))
+    disable_radix_cache: bool = field(default=False, metadata=_opt("Turn the prefix (radix) cache off."))
+
+    # --- scheduling ---
+    schedule_policy: str = field(default="fcfs", metadata=_opt("Waiting-queue order.", choices=SCHEDULE_POLICIES))
+    chunked_prefill_size: Optional[int] = field(
+        default=None, metadata=_opt("Max tokens of one request per prefill (-1 disables chunking). Default: 2048 CPU, 8192 CUDA.")
+    )
+    max_prefill_tokens: int = field(default=16384, metadata=_opt("Max tokens per prefill batch (the first request may exceed it)."))
+    prefill_max_requests: Optional[int] = field(default=None, metadata=_opt("Max requests admitted per prefill batch."))
+    enable_mixed_chunk: bool = field(default=False, metadata=_opt("Let decoding requests ride in prefill batches."))
+    schedule_conservativeness: float = field(default=1.0, metadata=_opt("Scales the initial new_token_ratio."))
+    max_queued_requests: Optional[int] = field(default=None, metadata=_opt("Reject new requests (503) above this queue length."))
+    allow_auto_truncate: bool = field(default=False, metadata=_opt("Truncate over-long prompts instead of rejecting them."))
+    stream_interval: int = field(default=1, metadata=_opt("Stream every N tokens."))
+    decode_log_interval: int = field(default=40, metadata=_opt("Log a decode line every N decode steps."))
+
+    # --- server ---
+    host: str = field(default="127.0.0.1", metadata=_opt("HTTP host."))
+    port: int = field(default=30000, metadata=_opt("HTTP port (0 picks a free one)."))
+    api_key: Optional[str] = field(default=None, metadata=_opt("Require `Authorization: Bearer KEY` on every route but /health."))
+    visualize: bool = field(default=False, metadata=_opt("Serve the live scheduler visualizer at /visualizer."))
+    enable_dynamic_batch_tokenizer: bool = field(default=False, metadata=_opt("Tokenize concurrent single texts in one batched call."))
+    soft_watchdog_timeout: Optional[float] = field(default=None, metadata=_opt("Log when one loop iteration takes longer (seconds)."))
+    watchdog_timeout: float = field(default=300.0, metadata=_opt("Exit when a forward makes no progress for this long (seconds)."))
+    log_level: str = field(default="info", metadata=_opt("Logging level."))
+    log_requests: bool = field(default=False, metadata=_opt("Log every request's inputs and outputs."))
+
+    def __post_init__(self) -> None:
+        # Validation only: no I/O, no mutation (STYLE.md habit 5).
+        if self.page_size < 1:
+            raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
+        if self.tp_size != 1:
+            raise ValueError("minisgl runs a single tensor-parallel rank: use --tp-size 1")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size * 2:
+            raise ValueError(f"--max-total-tokens must hold at least two pages, got {self.max_total_tokens}")
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be >= 1, got {self.stream_interval}")
+
+    @property
+    def is_resolved(self) -> bool:
+        return self.device != "auto" and self.dtype != "auto" and self.attention_backend != "auto" and self.model_path is not None
+
+    # ------------------------------------------------------------------ argparse
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Add one flag per field, named after the field (`--page-size`), plus its aliases."""
+        for f in fields(ServerArgs):
+            meta = f.metadata
+            names = ["--" + f.name.replace("_", "-"), *meta.get("flags", ())]
+            kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": meta.get("help", "")}
+            if f.type in ("bool", bool):
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                kwargs["type"] = _field_parser(f.type)
+                if "choices" in meta:
+                    kwargs["choices"] = meta["choices"]
+            parser.add_argument(*names, **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+    @classmethod
+    def from_argv(cls, argv: Sequence[str]) -> "ServerArgs":
+        parser = argparse.ArgumentParser()
+        cls.add_cli_args(parser)
+        return cls.from_cli_args(parser.parse_args(list(argv)))
+
+
+def _field_parser(type_name: Any):
+    """Map a field's (string) annotation to an argparse `type`."""
+    name = str(type_name)
+    if "Literal" in name or "str" in name:
+        return str
+    if "int" in name:
+        return int
+    if "float" in name:
+        return float
+    return str
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def resolve_server_args(args: ServerArgs) -> ServerArgs:
+    """Fill every "auto" once and return a new, fully resolved ServerArgs.
+
+    Values that need the model config (context length, KV pool size) are resolved by
+    the ModelRunner, which owns the model; they stay None here.
+    """
+    device = args.device
+    if device == "auto":
+        device = "cuda" if _cuda_available() else "cpu"
+    elif device == "cuda" and not _cuda_available():
+        raise ValueError("--device cuda was requested but torch sees no CUDA device; use --device cpu")
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    if device == "cpu" and dtype == "float16":
+        raise ValueError("float16 is not supported on CPU (matmuls are ~100x slower); use float32 or bfloat16")
+    backend = args.attention_backend
+    if backend == "auto":
+        backend = "triton" if device == "cuda" else "torch"
+    chunk = args.chunked_prefill_size
+    if chunk is None:
+        chunk = 8192 if device == "cuda" else 2048
+    mem_fraction = args.mem_fraction_static if args.mem_fraction_static is not None else 0.85
+    model_path = args.model_path or BUILTIN_MODEL_DIR
+    return dataclasses.replace(
+        args,
+        device=device,
+        dtype=dtype,
+        attention_backend=backend,
+        chunked_prefill_size=chunk,
+        mem_fraction_static=mem_fraction,
+        model_path=model_path,
+        tokenizer_path=args.tokenizer_path or model_path,
+        served_model_name=args.served_model_name or model_path,
+    )
+
+
+def chunked_prefill_enabled(args: ServerArgs) -> bool:
+    """SGLang: chunked_prefill_size <= 0 means chunking is disabled."""
+    return args.chunked_prefill_size is not None and args.chunked_prefill_size > 0
+
+
+@dataclass(frozen=True)
+class PortArgs:
+    """The ipc:// endpoints that connect the three processes (DESIGN.md, "Processes").
+
+    Who binds and who connects:
+      scheduler_input_ipc_name  Scheduler PULL binds; TokenizerManager PUSH connects.
+      detokenizer_ipc_name      Detokenizer PULL binds; Scheduler PUSH connects.
+      tokenizer_ipc_name        TokenizerManager PULL binds; Detokenizer PUSH and the
+                                Scheduler's control PUSH (abort/flush/load replies) connect.
+      visualizer_ipc_name       Scheduler PUB binds (with --visualize); HTTP SUB connects.
+    All live in one private temp dir, so nothing but HTTP listens on TCP.
+    """
+
+    ipc_dir: str
+    scheduler_input_ipc_name: str
+    detokenizer_ipc_name: str
+    tokenizer_ipc_name: str
+    visualizer_ipc_name: str
+
+    @classmethod
+    def init_new(cls, ipc_dir: Optional[str] = None) -> "PortArgs":
+        import tempfile
+
+        d = ipc_dir or tempfile.mkdtemp(prefix="minisgl-")
+        return cls(
+            ipc_dir=d,
+            scheduler_input_ipc_name=f"ipc://{d}/scheduler_input",
+            detokenizer_ipc_name=f"ipc://{d}/detokenizer",
+            tokenizer_ipc_name=f"ipc://{d}/tokenizer",
+            visualizer_ipc_name=f"ipc://{d}/visualizer",
+        )

@@ -1,0 +1,123 @@
+"""Offline model factory for tests, benchmarks and the built-in model script.
+
+Nothing here downloads: the tokenizer is a byte-level BPE trained in well under a
+second on Python's own documentation (`pydoc_data.topics`), and models are Hugging Face
+configs with random weights saved with `save_pretrained`. A byte-level BPE splits
+multi-byte characters across tokens, which is what the detokenizer tests need.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Dict, Iterable, List, Optional
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def corpus_texts() -> List[str]:
+    """~0.5 MB of English technical prose that ships with every CPython."""
+    import pydoc_data.topics as topics
+
+    return list(topics.topics.values())
+
+
+def train_tokenizer(vocab_size: int = 2048, texts: Optional[Iterable[str]] = None) -> Any:
+    """A byte-level BPE with <|im_start|>/<|im_end|> and a chat template, as a transformers tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(texts) if texts is not None else corpus_texts(), trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=1 << 20,
+    )
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_tokenizer(vocab_size: int) -> Any:
+    return train_tokenizer(vocab_size)
+
+
+def make_config(arch: str, vocab_size: int, **overrides: Any) -> Any:
+    """A tiny config of one of the four supported architectures (float32, random init)."""
+    import transformers as tf
+
+    base: Dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        eos_token_id=2,  # <|im_end|>
+        pad_token_id=0,
+        bos_token_id=None,
+    )
+    if arch == "qwen3":
+        base["head_dim"] = 32
+        base["tie_word_embeddings"] = True
+    base.update(overrides)
+    cls = {
+        "llama": tf.LlamaConfig,
+        "qwen2": tf.Qwen2Config,
+        "qwen3": tf.Qwen3Config,
+        "mistral": tf.MistralConfig,
+    }[arch]
+    return cls(**base)
+
+
+def make_tiny_model(
+    path: str,
+    arch: str = "qwen3",
+    vocab_size: int = 512,
+    seed: int = 0,
+    dtype: str = "float32",
+    init_std: float = 0.1,
+    **config_overrides: Any,
+) -> str:
+    """Write a random-weight model + tokenizer to `path` and return it.
+
+    `init_std` is larger than HF's default 0.02 so random logits are not nearly flat:
+    greedy parity tests then compare well-separated argmaxes.
+    """
+    import torch
+    import transformers as tf
+
+    os.makedirs(path, exist_ok=True)
+    tok = _cached_tokenizer(vocab_size)
+    cfg = make_config(arch, vocab_size=len(tok), initializer_range=init_std, **config_overrides)
+    cls = {
+        "llama": tf.LlamaForCausalLM,
+        "qwen2": tf.Qwen2ForCausalLM,
+        "qwen3": tf.Qwen3ForCausalLM,
+        "mistral": tf.MistralForCausalLM,
+    }[arch]
+    torch.manual_seed(seed)
+    model = cls(cfg).to(getattr(torch, dtype))
+    model.generation_config.eos_token_id = cfg.eos_token_id
+    model.generation_config.pad_token_id = cfg.pad_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

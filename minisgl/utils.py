@@ -1,0 +1,90 @@
+"""Small shared helpers: tokenizer loading, ZMQ sockets, process hygiene.
+
+Used by every stage; holds no state of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from typing import Any, Optional
+
+logger = logging.getLogger("minisgl")
+
+
+def configure_logging(level: str = "info", prefix: str = "") -> None:
+    fmt = f"[%(asctime)s{' ' + prefix if prefix else ''}] %(message)s"
+    logging.basicConfig(level=getattr(logging, level.upper()), format=fmt, datefmt="%Y-%m-%d %H:%M:%S", force=True)
+
+
+def get_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
+    """A Hugging Face tokenizer; a clear error when it cannot be found offline."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except OSError as e:
+        raise ValueError(
+            f"Cannot load the tokenizer from {path!r}: {e}. Pass a local directory with tokenizer files, "
+            "or a hub id while online."
+        ) from e
+
+
+def get_zmq_socket(context: Any, socket_type: int, endpoint: str, bind: bool) -> Any:
+    """A PUSH/PULL/PUB/SUB socket on an ipc:// endpoint. No high-water-mark drops on PUSH/PULL."""
+    import zmq
+
+    sock = context.socket(socket_type)
+    if socket_type in (zmq.PUSH, zmq.PULL):
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.LINGER, 0)
+    if bind:
+        sock.bind(endpoint)
+    else:
+        sock.connect(endpoint)
+    return sock
+
+
+def kill_itself_when_parent_died() -> None:
+    """Child processes die with their parent (DESIGN.md: never an orphaned scheduler)."""
+    if os.name != "posix":
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        # Not Linux: fall back to polling the parent pid.
+        parent = os.getppid()
+
+        def _watch() -> None:
+            while True:
+                if os.getppid() != parent:
+                    os._exit(1)
+                time.sleep(1.0)
+
+        threading.Thread(target=_watch, daemon=True).start()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def set_random_seed(seed: Optional[int]) -> None:
+    import random
+
+    import torch
+
+    if seed is None:
+        return
+    random.seed(seed)
+    torch.manual_seed(seed)

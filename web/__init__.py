@@ -1,0 +1,1 @@
+"""Web assets of the live scheduler visualizer (templates/ and static/), served by the HTTP process."""
