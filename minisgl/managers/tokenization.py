@@ -1,0 +1,81 @@
+"""Tokenization of one request (seed 000: `_tokenize_one_request` + `_create_tokenized_object`).
+
+Where it sits: GenerateReqInput (single) -> TokenizedGenerateReqInput. The server's
+TokenizerManager (async, HTTP process) and the in-process Engine both call these
+functions, so a prompt becomes the same ids and the same verified SamplingParams on
+either path.
+
+- `tokenize_one_request` normalises the input form (text or input_ids) into ids.
+- `create_tokenized_object` builds the scheduler's input: SamplingParams from SGLang's
+  dict, `normalize(tokenizer)` (greedy mapping, stop strings) and `verify(vocab_size)`.
+Bad input raises ValueError with a message that says what to change (HTTP 400 upstream).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, List, Optional
+
+from minisgl.managers.io_struct import GenerateReqInput, TokenizedGenerateReqInput
+from minisgl.sampling.sampling_params import SamplingParams
+
+
+def encode_text(tokenizer: Any, text: str) -> List[int]:
+    """Prompt text -> ids. Special tokens in the text (e.g. a rendered chat template) stay special."""
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def encode_texts(tokenizer: Any, texts: List[str]) -> List[List[int]]:
+    """Several prompts in one batched tokenizer call (the dynamic batch tokenizer's unit of work)."""
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def validate_input_ids(input_ids: List[int], vocab_size: int) -> None:
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
+        raise ValueError("input_ids must be a list of integers")
+    bad = [t for t in input_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"input_ids {bad[:8]} are outside the vocabulary [0, {vocab_size})")
+
+
+def create_tokenized_object(
+    obj: GenerateReqInput,
+    input_text: Optional[str],
+    input_ids: List[int],
+    tokenizer: Any,
+    vocab_size: int,
+) -> TokenizedGenerateReqInput:
+    """Wrap ids + verified SamplingParams into what the scheduler consumes."""
+    assert obj.is_single and isinstance(obj.rid, str)
+    if len(input_ids) == 0:
+        raise ValueError("The prompt is empty: send at least one token")
+    params = SamplingParams.from_dict(obj.sampling_params)
+    params.normalize(tokenizer)
+    params.verify(vocab_size)
+    if obj.top_logprobs_num < 0:
+        raise ValueError(f"top_logprobs_num must be >= 0, got {obj.top_logprobs_num}")
+    return TokenizedGenerateReqInput(
+        rid=obj.rid,
+        input_text=input_text,
+        input_ids=list(input_ids),
+        sampling_params=params,
+        return_logprob=bool(obj.return_logprob),
+        logprob_start_len=obj.logprob_start_len,
+        top_logprobs_num=obj.top_logprobs_num,
+        stream=obj.stream,
+        priority=obj.priority,
+        created_time=time.time(),
+    )
+
+
+def tokenize_one_request(tokenizer: Any, obj: GenerateReqInput, vocab_size: int) -> TokenizedGenerateReqInput:
+    """Text or input_ids -> TokenizedGenerateReqInput (synchronous; the Engine's path)."""
+    if obj.input_ids is not None:
+        input_ids = list(obj.input_ids)
+        validate_input_ids(input_ids, vocab_size)
+        input_text = None
+    else:
+        assert isinstance(obj.text, str)
+        input_text = obj.text
+        input_ids = encode_text(tokenizer, input_text)
+    return create_tokenized_object(obj, input_text, input_ids, tokenizer, vocab_size)

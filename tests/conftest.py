@@ -1,0 +1,47 @@
+"""Shared pytest setup.
+
+- Triton kernels run on CPU through the interpreter: TRITON_INTERPRET must be set
+  before any module with @triton.jit is imported, so it is set here, first.
+- Tiny random-weight models (minisgl.test_utils.make_tiny_model) are built once per
+  session and shared: `tiny_model` (Qwen3) and `tiny_model_factory(arch, **overrides)`.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+try:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:  # pragma: no cover - torch is a hard dependency
+    pass
+
+from typing import Any, Callable, Dict, Tuple
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
+    """Build (once per distinct arguments) a tiny model directory and return its path."""
+    from minisgl.test_utils import make_tiny_model
+
+    cache: Dict[Tuple[Any, ...], str] = {}
+
+    def make(arch: str = "qwen3", **overrides: Any) -> str:
+        key = (arch, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+        if key not in cache:
+            path = tmp_path_factory.mktemp(f"tiny-{arch}")
+            cache[key] = make_tiny_model(str(path), arch, **overrides)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_factory: Callable[..., str]) -> str:
+    return tiny_model_factory("qwen3")
