@@ -72,6 +72,25 @@ class TokenToKVPoolAllocator:
         else:
             self.free_group.append(free_index)
 
+    def is_free(self, index: torch.Tensor) -> torch.Tensor:
+        """[n] bool: whether each slot's page is in the free list (used by integrity checks)."""
+        free_ids = torch.cat((self.free_pages, self.release_pages))  # [num_free_pages]
+        return torch.isin(index.to(torch.int64) // self.page_size, free_ids)
+
+    def check_free_list(self) -> None:
+        """Raise AssertionError if the free list is corrupt: a page listed twice is a double
+        free (available_size() would then exceed size), page 0 is the reserved padding page."""
+        free_ids = torch.cat((self.free_pages, self.release_pages))  # [num_free_pages]
+        num_ids = self.size // self.page_size
+        unique = torch.unique(free_ids)
+        if len(unique) != len(free_ids):
+            counts = torch.bincount(free_ids, minlength=num_ids + 1)
+            twice = torch.nonzero(counts > 1).flatten()[:8].tolist()
+            raise AssertionError(f"double free: page/slot ids {twice} are in the free list more than once")
+        if len(free_ids) > 0:
+            assert int(free_ids.min()) >= 1, "the reserved padding slot/page 0 is in the free list"
+            assert int(free_ids.max()) <= num_ids, f"free list holds id {int(free_ids.max())} > {num_ids}"
+
     def free_group_begin(self) -> None:
         """Batch all frees of one step into a single tensor op (freed at free_group_end)."""
         self.is_not_in_free_group = False
