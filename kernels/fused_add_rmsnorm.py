@@ -1,0 +1,89 @@
+"""fused_add_rmsnorm: residual add and RMSNorm in one pass over the hidden states.
+
+Where it sits: every decoder layer, twice (before attention and before the MLP), when
+the triton backend is on. In: x [N, H] (the sublayer output), the running residual
+[N, H] or None (first layer), weight [H]. Out: (out, residual_out), new tensors:
+
+    residual_out = x + residual          (x when residual is None)
+    out = residual_out / sqrt(mean(residual_out^2) + eps) * weight
+
+computed in fp32, both outputs stored in x.dtype.
+
+Bound: memory. Unfused, torch reads x and residual, writes the sum, reads it back for
+the norm and writes the output: 5 * N * H elements. Fused, each row is read once and
+both outputs written once: 4 * N * H elements (3 when residual is None) plus H for
+the weight, and only ~4 FLOPs per element.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import FLOAT_DTYPES, check_tensor
+
+
+def fused_add_rmsnorm_ref(
+    x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference, in fp32 (the same math as HF's LlamaRMSNorm after the residual add)."""
+    h = x.float() if residual is None else x.float() + residual.float()  # [N, H]
+    out = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()
+    return out.to(x.dtype), h.to(x.dtype)
+
+
+@triton.jit
+def _fused_add_rmsnorm_kernel(
+    X,  # [N, H] sublayer output
+    Residual,  # [N, H] running residual (ignored when HAS_RESIDUAL is False)
+    Weight,  # [H] RMSNorm scale
+    Out,  # [N, H] out: normalised hidden states
+    Residual_out,  # [N, H] out: x + residual
+    stride_x,  # X row stride
+    stride_r,  # Residual row stride
+    stride_o,  # Out row stride
+    stride_ro,  # Residual_out row stride
+    H,  # hidden size
+    eps,  # added to the mean square before the rsqrt
+    HAS_RESIDUAL: tl.constexpr,  # False for the first layer: residual_out = x
+    BLOCK: tl.constexpr,  # next power of two >= H: one program holds a whole row
+):
+    i = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < H
+    h = tl.load(X + i * stride_x + offs, mask=mask, other=0.0).to(tl.float32)  # [BLOCK]
+    if HAS_RESIDUAL:
+        h += tl.load(Residual + i * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Residual_out + i * stride_ro + offs, h.to(Residual_out.dtype.element_ty), mask=mask)
+    # masked lanes hold 0, so the sum over BLOCK is the sum over H
+    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
+    w = tl.load(Weight + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Out + i * stride_o + offs, (h * rstd * w).to(Out.dtype.element_ty), mask=mask)
+
+
+def fused_add_rmsnorm(
+    x: torch.Tensor,  # [N, H]
+    residual: Optional[torch.Tensor],  # [N, H] or None
+    weight: torch.Tensor,  # [H]
+    eps: float,
+) -> Tuple[torch.Tensor, torch.Tensor]:  # ([N, H], [N, H])
+    """Return (rmsnorm(x + residual) * weight, x + residual), both new tensors in x.dtype."""
+    check_tensor("x", x, 2, FLOAT_DTYPES)
+    N, H = x.shape
+    if residual is not None:
+        check_tensor("residual", residual, 2, FLOAT_DTYPES, x.device, (N, H))
+    check_tensor("weight", weight, 1, FLOAT_DTYPES, x.device, (H,))
+    out = torch.empty_like(x)
+    residual_out = torch.empty_like(x)
+    if N == 0:
+        return out, residual_out
+    _fused_add_rmsnorm_kernel[(N,)](
+        x, x if residual is None else residual, weight, out, residual_out,
+        x.stride(0), x.stride(0) if residual is None else residual.stride(0),
+        out.stride(0), residual_out.stride(0), H, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(H),
+    )  # fmt: skip
+    return out, residual_out
