@@ -1,0 +1,332 @@
+"""HTTP server (stage 1 + process launch, seed 004). In: HTTP. Out: HTTP, via three processes.
+
+`launch_server(server_args)` resolves the args once, makes the ipc endpoints
+(`PortArgs`, a private temp dir), spawns the Scheduler and the Detokenizer, waits for
+their ready messages, then runs the FastAPI app (with the TokenizerManager) under
+uvicorn in this process:
+
+    HTTP (this process) --TokenizedGenerateReqInput--> Scheduler --BatchTokenIDOutput--> Detokenizer
+          ^--------------------------------- BatchStrOutput -------------------------------+
+
+A monitor task watches the children: if one dies, the server exits non-zero within
+about a second instead of hanging. SIGINT / SIGTERM stop uvicorn; the children are then
+terminated (and die with us anyway: `kill_itself_when_parent_died`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import multiprocessing as mp
+import shutil
+import socket
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from minisgl.entrypoints.openai.protocol import (
+    UNSUPPORTED_FIELDS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    ModelCard,
+    ModelList,
+)
+from minisgl.entrypoints.openai.serving_base import create_error_response, error_body, sse_data
+from minisgl.entrypoints.openai.serving_chat import OpenAIServingChat
+from minisgl.entrypoints.openai.serving_completions import OpenAIServingCompletions
+from minisgl.managers.io_struct import GenerateReqInput
+from minisgl.managers.tokenizer_manager import ReqAbortedError, TokenizerManager
+from minisgl.server_args import PortArgs, ServerArgs, resolve_server_args
+from minisgl.utils import configure_logging, get_tokenizer
+
+logger = logging.getLogger("minisgl.http_server")
+
+READY_TIMEOUT_S = 600.0  # loading a real model on CPU can take minutes
+
+
+# --------------------------------------------------------------------------- the app
+def _validation_message(exc: RequestValidationError) -> Tuple[str, Optional[str]]:
+    """Pydantic errors -> one readable message naming the field(s), and the first field as `param`."""
+    parts: List[str] = []
+    params: List[str] = []
+    for err in exc.errors():
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        field = ".".join(loc)
+        if err.get("type") == "json_invalid":
+            parts.append(f"The request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}")
+        elif err.get("type") == "extra_forbidden":
+            name = loc[-1] if loc else field
+            why = "is not supported by minisgl" if name in UNSUPPORTED_FIELDS else "is not a known parameter"
+            parts.append(f"Unsupported parameter '{field}': it {why}")
+        else:
+            parts.append(f"Invalid parameter '{field}': {err.get('msg')}" if field else str(err.get("msg")))
+        if field:
+            params.append(field)
+    return "; ".join(parts) or "Invalid request", (params[0] if params else None)
+
+
+def create_app(
+    server_args: ServerArgs,
+    tokenizer_manager: TokenizerManager,
+    is_healthy: Callable[[], bool],
+    port_args: Optional[PortArgs] = None,
+) -> FastAPI:
+    """The FastAPI app: OpenAI routes, SGLang's native /generate, and the ops routes."""
+    app = FastAPI(title="minisgl")
+    serving_chat = OpenAIServingChat(tokenizer_manager)
+    serving_completions = OpenAIServingCompletions(tokenizer_manager)
+    tm = tokenizer_manager
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return create_error_response(message, 400, param=param)  # 400, never FastAPI's 422
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return create_error_response(str(exc.detail), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("Internal server error on %s", request.url.path)
+        return create_error_response(f"Internal server error: {exc}", 500, err_type="InternalServerError")
+
+    if server_args.api_key:
+        expected = f"Bearer {server_args.api_key}"
+
+        @app.middleware("http")
+        async def _check_api_key(request: Request, call_next: Any) -> Response:
+            if request.url.path != "/health" and request.headers.get("authorization") != expected:
+                return create_error_response("Invalid or missing API key", 401, err_type="AuthenticationError")
+            return await call_next(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await serving_chat.handle_request(request, raw_request)
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest, raw_request: Request) -> Response:
+        return await serving_completions.handle_request(request, raw_request)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        card = ModelCard(id=tm.model_name, max_model_len=tm.context_len)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.post("/generate")
+    async def generate(request: GenerateRequest, raw_request: Request) -> Response:
+        return await _native_generate(tm, request, raw_request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if is_healthy() else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        try:
+            tm.metrics.observe_load(await tm.get_load())
+        except asyncio.TimeoutError:
+            logger.warning("/metrics: the scheduler did not answer GetLoadReqInput; gauges are stale")
+        return Response(generate_latest(tm.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/get_load")
+    async def get_load() -> Response:
+        return JSONResponse(dataclasses.asdict(await tm.get_load()))
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> Response:
+        out = await tm.flush_cache()
+        status = 200 if out.success else 400
+        return Response(out.message or ("Cache flushed." if out.success else "Cache not flushed."), status_code=status)
+
+    @app.post("/abort_request")
+    async def abort_request(raw_request: Request) -> Response:
+        try:
+            body: Dict[str, Any] = await raw_request.json()
+        except ValueError:
+            return create_error_response("The request body is not valid JSON")
+        if not isinstance(body, dict) or not isinstance(body.get("rid", ""), str):
+            return create_error_response("Expected {\"rid\": str, \"abort_all\": bool}", param="rid")
+        tm.abort_request(rid=body.get("rid", ""), abort_all=bool(body.get("abort_all", False)))
+        return Response(status_code=200)
+
+    if server_args.visualize:
+        from minisgl.visualizer.sse import register_visualizer_routes
+
+        register_visualizer_routes(app, server_args, port_args)
+    return app
+
+
+async def _native_generate(tm: TokenizerManager, request: GenerateRequest, raw_request: Request) -> Response:
+    """SGLang's /generate: {"text", "output_ids", "meta_info"} (a list for batches); stream = cumulative text."""
+    obj = GenerateReqInput(
+        text=request.text,
+        input_ids=request.input_ids,
+        sampling_params=request.sampling_params,
+        rid=request.rid,
+        return_logprob=request.return_logprob,
+        top_logprobs_num=request.top_logprobs_num,
+        stream=request.stream,
+    )
+    try:
+        gen = tm.generate_request(obj, raw_request)
+        if not request.stream:
+            outs = sorted([out async for out in gen], key=lambda o: o.get("index", 0))
+            return JSONResponse(outs[0] if obj.is_single and len(outs) == 1 else outs)
+        first = await gen.__anext__()  # errors before the first token are real HTTP errors
+    except ReqAbortedError as e:
+        return create_error_response(e.message, e.status_code)
+    except ValueError as e:
+        return create_error_response(str(e))
+
+    async def events() -> Any:
+        texts: Dict[int, str] = {}
+        ids: Dict[int, List[int]] = {}
+        try:
+            out: Optional[Dict[str, Any]] = first
+            while out is not None:
+                index = out.get("index", 0)
+                texts[index] = texts.get(index, "") + out["text"]
+                ids.setdefault(index, []).extend(out["output_ids"])
+                yield sse_data({**out, "text": texts[index], "output_ids": ids[index]})
+                out = await gen.__anext__()
+        except StopAsyncIteration:
+            yield sse_data("[DONE]")
+        except ValueError as e:
+            yield sse_data(error_body(str(e)))
+        finally:
+            await gen.aclose()
+
+    return EventSourceResponse(events())
+
+
+# --------------------------------------------------------------------------- launch
+def _spawn_children(server_args: ServerArgs, port_args: PortArgs) -> Tuple[List[mp.Process], List[Any]]:
+    from minisgl.managers.detokenizer_manager import run_detokenizer_process
+    from minisgl.managers.scheduler import run_scheduler_process
+
+    ctx = mp.get_context("spawn")
+    procs, readers = [], []
+    for name, target in (("scheduler", run_scheduler_process), ("detokenizer", run_detokenizer_process)):
+        reader, writer = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=target, args=(server_args, port_args, writer), name=f"minisgl-{name}", daemon=True)
+        proc.start()
+        writer.close()
+        procs.append(proc)
+        readers.append(reader)
+    return procs, readers
+
+
+def _wait_ready(procs: List[mp.Process], readers: List[Any], timeout: float = READY_TIMEOUT_S) -> List[Dict[str, Any]]:
+    """Each child's ready message; raise RuntimeError with the child's own message on failure."""
+    infos: List[Dict[str, Any]] = []
+    deadline = time.monotonic() + timeout
+    for proc, reader in zip(procs, readers):
+        while not reader.poll(0.2):
+            if not proc.is_alive():
+                raise RuntimeError(f"{proc.name} exited with code {proc.exitcode} before it was ready")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{proc.name} was not ready after {timeout:.0f} s")
+        try:
+            info = reader.recv()
+        except EOFError:
+            raise RuntimeError(f"{proc.name} closed its pipe before it was ready (exit code {proc.exitcode})")
+        if info.get("status") != "ready":
+            raise RuntimeError(f"{proc.name} failed to start: {info.get('message', info)}")
+        infos.append(info)
+    return infos
+
+
+def _bind_socket(host: str, port: int) -> socket.socket:
+    """Bind the HTTP socket ourselves: with port 0 the kernel picks, and we know the real port."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _terminate(procs: List[mp.Process]) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=2)
+
+
+async def _serve(server_args: ServerArgs, port_args: PortArgs, procs: List[mp.Process], sched_info: Dict[str, Any], tokenizer: Any) -> int:
+    """Run uvicorn + the TokenizerManager until a signal (exit 0) or a dead child (exit 1)."""
+    import uvicorn
+
+    tm = TokenizerManager(server_args, port_args, tokenizer, int(sched_info["context_len"]), int(sched_info["vocab_size"]))
+    handle_loop = asyncio.get_running_loop().create_task(tm.handle_loop())
+
+    def is_healthy() -> bool:
+        return all(p.is_alive() for p in procs) and not handle_loop.done()
+
+    app = create_app(server_args, tm, is_healthy, port_args)
+    sock = _bind_socket(server_args.host, server_args.port)
+    host, port = sock.getsockname()[:2]
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2, access_log=False)
+    server = uvicorn.Server(config)
+    exit_code = 0
+
+    async def monitor() -> None:
+        nonlocal exit_code
+        announced = False
+        while not server.should_exit:
+            if not announced and server.started:
+                announced = True
+                print(f"minisgl server ready at http://{host}:{port}", flush=True)
+                logger.info("The server is fired up and ready to roll! (max_total_num_tokens=%s)", sched_info.get("max_total_num_tokens"))
+            dead = [p for p in procs if not p.is_alive()]
+            if dead or handle_loop.done():
+                what = ", ".join(f"{p.name} (exit code {p.exitcode})" for p in dead) or "the TokenizerManager loop"
+                logger.error("%s died; shutting the server down", what)
+                exit_code = 1
+                server.should_exit = True
+                server.force_exit = True  # do not wait for open streams: nothing will answer them
+            await asyncio.sleep(0.2)
+
+    monitor_task = asyncio.get_running_loop().create_task(monitor())
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        monitor_task.cancel()
+        handle_loop.cancel()
+        tm.close()
+    return exit_code
+
+
+def launch_server(server_args: ServerArgs) -> None:
+    """Start the three processes and serve until stopped; exits non-zero if a process dies."""
+    server_args = server_args if server_args.is_resolved else resolve_server_args(server_args)
+    configure_logging(server_args.log_level, prefix="HTTP")
+    port_args = PortArgs.init_new()
+    procs, readers = _spawn_children(server_args, port_args)
+    exit_code = 1
+    try:
+        tokenizer = get_tokenizer(server_args.tokenizer_path, server_args.trust_remote_code)
+        sched_info, _ = _wait_ready(procs, readers)
+        exit_code = asyncio.run(_serve(server_args, port_args, procs, sched_info, tokenizer))
+    except (RuntimeError, ValueError, OSError) as e:
+        logger.error("Server failed: %s", e)
+        print(f"minisgl server failed: {e}", file=sys.stderr, flush=True)
+    finally:
+        _terminate(procs)
+        shutil.rmtree(port_args.ipc_dir, ignore_errors=True)
+    sys.exit(exit_code)

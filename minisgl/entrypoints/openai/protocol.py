@@ -1,0 +1,274 @@
+"""OpenAI protocol objects (stage 1, seed 000). In: request JSON. Out: pydantic objects.
+
+Where it sits: the HTTP routes validate the body into `ChatCompletionRequest` /
+`CompletionRequest`; the serving classes turn those into `GenerateReqInput` through
+`to_sampling_params`, and build the responses and stream chunks defined here.
+
+Every request model is `extra="forbid"` and `strict=True`: a field minisgl does not
+implement (tools, response_format, logit_bias, ...) or a value of the wrong type is a
+400 that names the field, never silently ignored (STYLE.md). Only int -> float is
+coerced, as JSON has a single number type.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+_STRICT = ConfigDict(extra="forbid", strict=True)
+
+# Fields of the OpenAI API that minisgl does not implement. Naming them lets the error
+# say "not supported" rather than "unknown" (the 400 is the same either way).
+UNSUPPORTED_FIELDS = frozenset(
+    {
+        "tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias",
+        "parallel_tool_calls", "audio", "modalities", "prediction", "reasoning_effort", "store",
+        "metadata", "service_tier", "web_search_options", "suffix", "best_of", "user",
+    }
+)  # fmt: skip
+
+
+# --------------------------------------------------------------------------- common
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error envelope `{"error": {...}}` (see docs/server.md for why not SGLang's flat body)."""
+
+    error: ErrorInfo
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool = False
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "minisgl"
+    max_model_len: Optional[int] = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: List[ModelCard] = Field(default_factory=list)
+
+
+class _SamplingFields(BaseModel):
+    """Sampling fields shared by chat and completions (sglang-facts.md §10.3)."""
+
+    model_config = _STRICT
+    model: str
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    top_k: Optional[int] = None
+    min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: Optional[float] = Field(default=None, gt=0.0, le=2.0)
+    min_tokens: int = Field(default=0, ge=0)
+    stop: Optional[Union[str, List[str]]] = None
+    stop_token_ids: Optional[List[int]] = None
+    seed: Optional[int] = None
+    n: int = Field(default=1, ge=1, le=128)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    rid: Optional[str] = None
+
+    def _common_sampling_params(self, max_new_tokens: Optional[int]) -> Dict[str, Any]:
+        """The SGLang sampling_params dict. Unset knobs keep SGLang's defaults."""
+        params: Dict[str, Any] = {
+            "max_new_tokens": max_new_tokens,
+            "min_new_tokens": self.min_tokens,
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "top_k": -1 if self.top_k is None else self.top_k,
+            "min_p": 0.0 if self.min_p is None else self.min_p,
+            "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty,
+            "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+            "spaces_between_special_tokens": self.spaces_between_special_tokens,
+            "no_stop_trim": self.no_stop_trim,
+            "seed": self.seed,
+            "n": self.n,
+        }
+        return params
+
+
+# --------------------------------------------------------------------------- chat
+class ContentPart(BaseModel):
+    model_config = _STRICT
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = _STRICT
+    # "tool" / "function" messages need tool support, which minisgl does not have.
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, List[ContentPart]]
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: List[ChatMessage]
+    max_tokens: Optional[int] = Field(default=None, ge=0)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=0)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    continue_final_message: bool = False
+
+    def to_sampling_params(self) -> Dict[str, Any]:
+        # max_completion_tokens wins over the deprecated max_tokens; None lets the
+        # scheduler clamp to the context length (sglang-facts.md §10.3).
+        max_new = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._common_sampling_params(max_new)
+
+
+class ChatCompletionMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: Optional[str] = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[List[int]] = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: List[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: Optional[List[ChatTokenLogprob]] = None
+
+
+class ChatCompletionResponseChoice(BaseModel):
+    index: int
+    message: ChatCompletionMessage
+    logprobs: Optional[ChatChoiceLogprobs] = None
+    finish_reason: Optional[str] = None
+    matched_stop: Optional[Union[int, str]] = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: List[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Optional[str] = None
+    content: Optional[str] = None
+
+
+class ChatCompletionResponseStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChatChoiceLogprobs] = None
+    finish_reason: Optional[str] = None
+    matched_stop: Optional[Union[int, str]] = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: List[ChatCompletionResponseStreamChoice]
+    usage: Optional[UsageInfo] = None
+
+
+# --------------------------------------------------------------------------- completions
+class CompletionRequest(_SamplingFields):
+    # a string, a list of strings, a list of token ids, or a list of lists of token ids
+    prompt: Union[str, List[str], List[int], List[List[int]]]
+    max_tokens: Optional[int] = Field(default=16, ge=0)
+    echo: bool = False
+    logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+
+    def to_sampling_params(self) -> Dict[str, Any]:
+        return self._common_sampling_params(self.max_tokens)
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: List[int] = Field(default_factory=list)
+    token_logprobs: List[Optional[float]] = Field(default_factory=list)
+    tokens: List[str] = Field(default_factory=list)
+    top_logprobs: List[Optional[Dict[str, float]]] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = None
+    matched_stop: Optional[Union[int, str]] = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: List[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: List[CompletionResponseChoice]
+    usage: Optional[UsageInfo] = None
+
+
+# --------------------------------------------------------------------------- native /generate
+class GenerateRequest(BaseModel):
+    """SGLang's native /generate body: text or input_ids (single or batch) + sampling_params."""
+
+    model_config = _STRICT
+    text: Optional[Union[str, List[str]]] = None
+    input_ids: Optional[Union[List[int], List[List[int]]]] = None
+    sampling_params: Optional[Dict[str, Any]] = None
+    rid: Optional[Union[str, List[str]]] = None
+    return_logprob: bool = False
+    top_logprobs_num: int = Field(default=0, ge=0)
+    stream: bool = False

@@ -1,0 +1,172 @@
+"""OpenAIServingBase (stage 1, seed 000). In: a validated protocol request. Out: an HTTP response.
+
+Where it sits: the FastAPI route hands the pydantic request to `handle_request`, which
+runs `_validate_request` -> `_convert_to_internal_request` (-> GenerateReqInput) and
+then the streaming or non-streaming path over `TokenizerManager.generate_request`.
+Subclasses (chat, completions) supply the conversion and the response shapes; this
+module owns the error mapping (never a 500 for bad input) and the shared helpers
+(finish reasons, usage, token strings).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from http import HTTPStatus
+from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
+
+from fastapi import HTTPException, Request
+from fastapi.responses import JSONResponse, Response
+from sse_starlette.sse import EventSourceResponse
+
+from minisgl.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, PromptTokensDetails, UsageInfo
+from minisgl.managers.io_struct import GenerateReqInput
+from minisgl.managers.tokenizer_manager import ReqAbortedError, TokenizerManager
+
+logger = logging.getLogger("minisgl.serving")
+
+
+def error_body(message: str, status_code: int = 400, err_type: Optional[str] = None, param: Optional[str] = None) -> Dict[str, Any]:
+    """OpenAI's envelope: the openai SDKs read `error.message` / `.type` / `.param` / `.code` from it."""
+    if err_type is None:
+        err_type = "BadRequestError" if status_code == 400 else HTTPStatus(status_code).phrase.replace(" ", "")
+    return ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param, code=status_code)).model_dump()
+
+
+def create_error_response(message: str, status_code: int = 400, err_type: Optional[str] = None, param: Optional[str] = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status_code, err_type, param), status_code=status_code)
+
+
+def sse_data(obj: Any) -> Dict[str, str]:
+    """One SSE event `data: <json>` (sse-starlette adds the framing)."""
+    return {"data": obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))}
+
+
+def openai_finish_reason(reason: Optional[Dict[str, Any]]) -> Tuple[Optional[str], Optional[Any]]:
+    """SGLang's finish_reason dict -> OpenAI's finish_reason string and SGLang's matched_stop."""
+    if reason is None:
+        return None, None
+    kind = reason.get("type")
+    if kind == "stop":
+        return "stop", reason.get("matched")
+    return kind, None  # "length" or "abort"
+
+
+def abort_status(reason: Optional[Dict[str, Any]]) -> Optional[int]:
+    """The HTTP status an abort carries (e.g. 503 when the queue is full), else None."""
+    if isinstance(reason, dict) and reason.get("type") == "abort" and reason.get("status_code"):
+        return int(reason["status_code"])
+    return None
+
+
+class UsageCounter:
+    """Usage over the choices of one response: prompt counted once per prompt (idx % n == 0)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.prompt_tokens: Dict[int, int] = {}
+        self.completion_tokens: Dict[int, int] = {}
+        self.cached_tokens: Dict[int, int] = {}
+
+    def update(self, index: int, meta_info: Dict[str, Any]) -> None:
+        self.prompt_tokens[index] = meta_info["prompt_tokens"]
+        self.completion_tokens[index] = meta_info["completion_tokens"]
+        self.cached_tokens[index] = meta_info.get("cached_tokens", 0)
+
+    def usage(self) -> UsageInfo:
+        prompt = sum(v for i, v in self.prompt_tokens.items() if i % self.n == 0)
+        cached = sum(v for i, v in self.cached_tokens.items() if i % self.n == 0)
+        completion = sum(self.completion_tokens.values())
+        return UsageInfo(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
+
+
+class OpenAIServingBase:
+    """handle_request: validate -> convert -> stream or not, with SGLang's error mapping."""
+
+    def __init__(self, tokenizer_manager: TokenizerManager) -> None:
+        self.tokenizer_manager = tokenizer_manager
+        self.tokenizer = tokenizer_manager.tokenizer
+        self._token_str_cache: Dict[int, str] = {}
+
+    # --- subclass hooks
+    def _validate_request(self, request: Any) -> Optional[str]:
+        return None
+
+    def _convert_to_internal_request(self, request: Any) -> GenerateReqInput:
+        raise NotImplementedError
+
+    async def _handle_non_streaming_request(self, adapted: GenerateReqInput, request: Any, raw_request: Request) -> Response:
+        raise NotImplementedError
+
+    def _stream_events(self, first: Dict[str, Any], rest: AsyncIterator[Dict[str, Any]], adapted: GenerateReqInput, request: Any) -> AsyncIterator[Dict[str, str]]:
+        raise NotImplementedError
+
+    # --- the shared path
+    async def handle_request(self, request: Any, raw_request: Request) -> Response:
+        received_time = time.time()
+        if request.model != self.tokenizer_manager.model_name:
+            return create_error_response(
+                f"The model `{request.model}` does not exist. Served model: `{self.tokenizer_manager.model_name}`.",
+                status_code=404, err_type="NotFoundError", param="model",
+            )  # fmt: skip
+        error = self._validate_request(request)
+        if error is not None:
+            return create_error_response(error)
+        try:
+            adapted = self._convert_to_internal_request(request)
+            logger.debug("Request converted at %.3f: rid=%s", received_time, adapted.rid)
+            if request.stream:
+                return await self._handle_streaming_request(adapted, request, raw_request)
+            return await self._handle_non_streaming_request(adapted, request, raw_request)
+        except HTTPException as e:
+            return create_error_response(str(e.detail), status_code=e.status_code)
+        except ReqAbortedError as e:
+            return create_error_response(e.message, status_code=e.status_code)
+        except ValueError as e:
+            return create_error_response(str(e))
+        except Exception as e:
+            logger.exception("Internal server error")
+            return create_error_response(f"Internal server error: {e}", status_code=500, err_type="InternalServerError")
+
+    async def _handle_streaming_request(self, adapted: GenerateReqInput, request: Any, raw_request: Request) -> Response:
+        gen = self.tokenizer_manager.generate_request(adapted, raw_request)
+        # Kick-start the generator before sending headers, so that tokenization and
+        # context-length errors are a real HTTP 400, not an error event after a 200.
+        try:
+            first = await gen.__anext__()
+        except StopAsyncIteration:
+            raise ValueError("The request produced no output")
+        return EventSourceResponse(self._guarded_stream(first, gen, adapted, request))
+
+    async def _guarded_stream(self, first: Dict[str, Any], gen: Any, adapted: GenerateReqInput, request: Any) -> AsyncIterator[Dict[str, str]]:
+        """Errors after the headers become an error event + [DONE]; the generator is always closed."""
+        try:
+            async for event in self._stream_events(first, gen, adapted, request):
+                yield event
+        except ReqAbortedError as e:
+            yield sse_data(error_body(e.message, e.status_code))
+            yield sse_data("[DONE]")
+        except ValueError as e:
+            yield sse_data(error_body(str(e)))
+            yield sse_data("[DONE]")
+        finally:
+            await gen.aclose()  # a disconnect cancels us here: the TokenizerManager aborts the rid
+
+    async def _collect(self, adapted: GenerateReqInput, raw_request: Request) -> List[Dict[str, Any]]:
+        """All final outputs of a non-streaming request, ordered by choice index."""
+        outs = [out async for out in self.tokenizer_manager.generate_request(adapted, raw_request)]
+        return sorted(outs, key=lambda out: out.get("index", 0))
+
+    # --- helpers for logprobs
+    def token_str(self, token_id: int) -> str:
+        s = self._token_str_cache.get(token_id)
+        if s is None:
+            s = self.tokenizer.decode([token_id])
+            self._token_str_cache[token_id] = s
+        return s

@@ -1,0 +1,169 @@
+"""OpenAIServingChat (stage 1, seed 000). In: ChatCompletionRequest. Out: chat.completion(.chunk).
+
+`_convert_to_internal_request` renders the messages with the tokenizer's chat template
+and builds a `GenerateReqInput` (text + `to_sampling_params`), which no longer knows it
+came from a chat request. The rendered prompt travels as text so that it goes through
+the same TokenizerManager tokenization (and dynamic batching) as every other prompt.
+Streaming follows sglang-facts.md §10.4: a role chunk per choice, content deltas, a
+finish chunk per choice, an optional usage chunk, then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Dict, List, Optional
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from minisgl.entrypoints.openai.protocol import (
+    ChatChoiceLogprobs,
+    ChatCompletionMessage,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatTokenLogprob,
+    DeltaMessage,
+    TopLogprob,
+)
+from minisgl.entrypoints.openai.serving_base import (
+    OpenAIServingBase,
+    UsageCounter,
+    abort_status,
+    error_body,
+    openai_finish_reason,
+    sse_data,
+)
+from minisgl.managers.io_struct import GenerateReqInput
+
+
+class OpenAIServingChat(OpenAIServingBase):
+    def _validate_request(self, request: ChatCompletionRequest) -> Optional[str]:
+        if not request.messages:
+            return "Messages cannot be empty."
+        if request.top_logprobs and not request.logprobs:
+            return "top_logprobs requires logprobs to be true."
+        if request.continue_final_message and request.messages[-1].role != "assistant":
+            return "continue_final_message requires the last message to be from the assistant."
+        max_new = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        context_len = self.tokenizer_manager.context_len
+        if max_new is not None and max_new > context_len:
+            return f"max_completion_tokens is too large: {max_new}. This model supports at most {context_len} completion tokens."
+        return None
+
+    def _apply_chat_template(self, request: ChatCompletionRequest) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("This model's tokenizer has no chat template; use /v1/completions instead.")
+        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=not request.continue_final_message,
+                continue_final_message=request.continue_final_message,
+            )
+        except Exception as e:  # jinja2.TemplateError and friends: the messages do not fit the template
+            raise ValueError(f"Cannot apply the chat template to these messages: {e}") from e
+
+    def _convert_to_internal_request(self, request: ChatCompletionRequest) -> GenerateReqInput:
+        return GenerateReqInput(
+            text=self._apply_chat_template(request),
+            sampling_params=request.to_sampling_params(),
+            rid=request.rid,
+            return_logprob=request.logprobs,
+            top_logprobs_num=request.top_logprobs or 0,
+            stream=request.stream,
+        )
+
+    # ------------------------------------------------------------------ logprobs
+    def _logprobs(self, meta_info: Dict[str, Any], request: ChatCompletionRequest) -> Optional[ChatChoiceLogprobs]:
+        if not request.logprobs:
+            return None
+        tops = meta_info.get("output_top_logprobs") or []
+        content: List[ChatTokenLogprob] = []
+        for k, (logprob, token_id) in enumerate(meta_info.get("output_token_logprobs") or []):
+            token = self.token_str(token_id)
+            top = tops[k] if k < len(tops) and request.top_logprobs else []
+            content.append(
+                ChatTokenLogprob(
+                    token=token,
+                    logprob=logprob,
+                    bytes=list(token.encode("utf-8")),
+                    top_logprobs=[
+                        TopLogprob(token=self.token_str(tid), logprob=lp, bytes=list(self.token_str(tid).encode("utf-8")))
+                        for lp, tid in top
+                    ],
+                )
+            )
+        return ChatChoiceLogprobs(content=content)
+
+    # ------------------------------------------------------------------ non-streaming
+    async def _handle_non_streaming_request(self, adapted: GenerateReqInput, request: ChatCompletionRequest, raw_request: Request) -> Response:
+        outs = await self._collect(adapted, raw_request)
+        usage = UsageCounter(request.n)
+        choices = []
+        for out in outs:
+            index = out.get("index", 0)
+            meta = out["meta_info"]
+            usage.update(index, meta)
+            finish_reason, matched = openai_finish_reason(meta["finish_reason"])
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=index,
+                    message=ChatCompletionMessage(content=out["text"]),
+                    logprobs=self._logprobs(meta, request),
+                    finish_reason=finish_reason,
+                    matched_stop=matched,
+                )
+            )
+        response = ChatCompletionResponse(id=_base_rid(outs[0]), model=request.model, choices=choices, usage=usage.usage())
+        return JSONResponse(response.model_dump(exclude_none=False))
+
+    # ------------------------------------------------------------------ streaming
+    async def _stream_events(
+        self, first: Dict[str, Any], rest: AsyncIterator[Dict[str, Any]], adapted: GenerateReqInput, request: ChatCompletionRequest
+    ) -> AsyncIterator[Dict[str, str]]:
+        rid = _base_rid(first)
+        usage = UsageCounter(request.n)
+        role_sent: set = set()
+
+        def chunk(index: int, delta: DeltaMessage, **kw: Any) -> Dict[str, str]:
+            choice = ChatCompletionResponseStreamChoice(index=index, delta=delta, **kw)
+            body = ChatCompletionStreamResponse(id=rid, model=request.model, choices=[choice])
+            return sse_data(body.model_dump(exclude_none=True))
+
+        async def outputs() -> AsyncIterator[Dict[str, Any]]:
+            yield first
+            async for out in rest:
+                yield out
+
+        async for out in outputs():
+            index = out.get("index", 0)
+            meta = out["meta_info"]
+            usage.update(index, meta)
+            if index not in role_sent:
+                role_sent.add(index)
+                yield chunk(index, DeltaMessage(role="assistant", content=""))
+            logprobs = self._logprobs(meta, request)
+            if out["text"] or (logprobs is not None and logprobs.content):
+                yield chunk(index, DeltaMessage(content=out["text"]), logprobs=logprobs)
+            reason = meta["finish_reason"]
+            if reason is not None:
+                status = abort_status(reason)
+                if status is not None:
+                    yield sse_data(error_body(reason.get("message") or "Aborted", status))
+                    yield sse_data("[DONE]")
+                    return
+                finish_reason, matched = openai_finish_reason(reason)
+                yield chunk(index, DeltaMessage(), finish_reason=finish_reason, matched_stop=matched)
+        if request.stream_options is not None and request.stream_options.include_usage:
+            body = ChatCompletionStreamResponse(id=rid, model=request.model, choices=[], usage=usage.usage())
+            yield sse_data(body.model_dump(exclude_none=True))
+        yield sse_data("[DONE]")
+
+
+def _base_rid(out: Dict[str, Any]) -> str:
+    """The response id: the request's rid (sub-requests of n > 1 are `<rid>-<j>`)."""
+    rid = out["meta_info"]["id"]
+    return rid.rsplit("-", 1)[0] if "index" in out and "-" in rid else rid

@@ -1,0 +1,142 @@
+"""OpenAIServingCompletions (stage 1). In: CompletionRequest. Out: text_completion (chunks).
+
+A prompt is a string, a list of strings, a list of token ids or a list of lists of ids;
+lists become a batch GenerateReqInput (one choice per prompt and sample, index = i * n + j).
+`echo` prepends the prompt text; `logprobs=k` returns OpenAI's legacy logprobs shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Dict, List, Optional
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from minisgl.entrypoints.openai.protocol import (
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+)
+from minisgl.entrypoints.openai.serving_base import (
+    OpenAIServingBase,
+    UsageCounter,
+    abort_status,
+    error_body,
+    openai_finish_reason,
+    sse_data,
+)
+from minisgl.managers.io_struct import GenerateReqInput
+
+
+class OpenAIServingCompletions(OpenAIServingBase):
+    def _validate_request(self, request: CompletionRequest) -> Optional[str]:
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            return None if prompt else "The prompt cannot be empty."
+        if len(prompt) == 0:
+            return "The prompt cannot be an empty list."
+        if isinstance(prompt[0], list) and any(len(p) == 0 for p in prompt):
+            return "A token-id prompt cannot be empty."
+        if request.echo and request.logprobs is not None:
+            return "echo together with logprobs needs prompt logprobs, which minisgl does not compute."
+        return None
+
+    def _convert_to_internal_request(self, request: CompletionRequest) -> GenerateReqInput:
+        prompt = request.prompt
+        is_ids = isinstance(prompt, list) and isinstance(prompt[0], (int, list))
+        return GenerateReqInput(
+            text=None if is_ids else prompt,
+            input_ids=prompt if is_ids else None,
+            sampling_params=request.to_sampling_params(),
+            rid=request.rid,
+            return_logprob=request.logprobs is not None,
+            top_logprobs_num=request.logprobs or 0,
+            stream=request.stream,
+        )
+
+    def _prompt_text(self, request: CompletionRequest, index: int) -> str:
+        """The text of the prompt behind choice `index` (for echo)."""
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            return prompt
+        item = prompt[index // request.n] if isinstance(prompt[0], (str, list)) else prompt
+        return item if isinstance(item, str) else self.tokenizer.decode(item)
+
+    def _logprobs(self, meta_info: Dict[str, Any], request: CompletionRequest, text_offset: int) -> Optional[CompletionLogprobs]:
+        if request.logprobs is None:
+            return None
+        result = CompletionLogprobs()
+        tops = meta_info.get("output_top_logprobs") or []
+        for k, (logprob, token_id) in enumerate(meta_info.get("output_token_logprobs") or []):
+            token = self.token_str(token_id)
+            result.tokens.append(token)
+            result.token_logprobs.append(logprob)
+            result.text_offset.append(text_offset)
+            text_offset += len(token)
+            top = tops[k] if k < len(tops) else []
+            result.top_logprobs.append({self.token_str(tid): lp for lp, tid in top} if request.logprobs else None)
+        return result
+
+    async def _handle_non_streaming_request(self, adapted: GenerateReqInput, request: CompletionRequest, raw_request: Request) -> Response:
+        outs = await self._collect(adapted, raw_request)
+        usage = UsageCounter(request.n)
+        choices: List[CompletionResponseChoice] = []
+        for out in outs:
+            index = out.get("index", 0)
+            meta = out["meta_info"]
+            usage.update(index, meta)
+            prefix = self._prompt_text(request, index) if request.echo else ""
+            finish_reason, matched = openai_finish_reason(meta["finish_reason"])
+            choices.append(
+                CompletionResponseChoice(
+                    index=index,
+                    text=prefix + out["text"],
+                    logprobs=self._logprobs(meta, request, len(prefix)),
+                    finish_reason=finish_reason,
+                    matched_stop=matched,
+                )
+            )
+        rid = outs[0]["meta_info"]["id"]
+        response = CompletionResponse(id=rid, model=request.model, choices=choices, usage=usage.usage())
+        return JSONResponse(response.model_dump())
+
+    async def _stream_events(
+        self, first: Dict[str, Any], rest: AsyncIterator[Dict[str, Any]], adapted: GenerateReqInput, request: CompletionRequest
+    ) -> AsyncIterator[Dict[str, str]]:
+        rid = first["meta_info"]["id"]
+        usage = UsageCounter(request.n)
+        text_offsets: Dict[int, int] = {}
+
+        def chunk(choice: CompletionResponseChoice) -> Dict[str, str]:
+            return sse_data(CompletionStreamResponse(id=rid, model=request.model, choices=[choice]).model_dump(exclude_none=True))
+
+        async def outputs() -> AsyncIterator[Dict[str, Any]]:
+            yield first
+            async for out in rest:
+                yield out
+
+        async for out in outputs():
+            index = out.get("index", 0)
+            meta = out["meta_info"]
+            usage.update(index, meta)
+            text = out["text"]
+            if index not in text_offsets:
+                text = (self._prompt_text(request, index) if request.echo else "") + text
+                text_offsets[index] = len(text) - len(out["text"])
+            reason = meta["finish_reason"]
+            status = abort_status(reason)
+            if status is not None:
+                yield sse_data(error_body(reason.get("message") or "Aborted", status))
+                yield sse_data("[DONE]")
+                return
+            finish_reason, matched = openai_finish_reason(reason)
+            logprobs = self._logprobs(meta, request, text_offsets[index])
+            text_offsets[index] += len(out["text"])
+            if text or finish_reason is not None or (logprobs is not None and logprobs.tokens):
+                yield chunk(CompletionResponseChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason, matched_stop=matched))
+        if request.stream_options is not None and request.stream_options.include_usage:
+            body = CompletionStreamResponse(id=rid, model=request.model, choices=[], usage=usage.usage())
+            yield sse_data(body.model_dump(exclude_none=True))
+        yield sse_data("[DONE]")

@@ -1,0 +1,551 @@
+"""TokenizerManager (stage 2, seed 000 + seed 004). In: GenerateReqInput. Out: response dicts.
+
+Where it sits: inside the HTTP process, on uvicorn's asyncio loop. The OpenAI serving
+layer hands it a `GenerateReqInput`; it registers a `ReqState` in `rid_to_state`,
+tokenizes, sends `TokenizedGenerateReqInput` to the Scheduler (ZMQ PUSH), and
+`handle_loop` fills each ReqState from the `BatchStrOutput`s the Detokenizer sends back
+(ZMQ PULL on tokenizer_ipc_name). `_wait_one_response` turns a ReqState into the
+stream of dicts the serving layer renders:
+
+    {"text": str, "output_ids": [int], "meta_info": {"id", "finish_reason", "prompt_tokens",
+     "completion_tokens", "cached_tokens", "output_token_logprobs": [(logprob, id)],
+     "output_top_logprobs": [[(logprob, id), ...]], "e2e_latency"?}}  (+ "index" for batches)
+
+Streaming dicts carry deltas (SGLang's incremental streaming); the final dict of a
+non-streaming request carries the whole text, ids and logprobs.
+Owns: rid_to_state, the request-side Prometheus metrics, the dynamic batch tokenizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import copy
+import dataclasses
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
+
+import zmq
+import zmq.asyncio
+
+from minisgl.managers import tokenization
+from minisgl.managers.io_struct import (
+    AbortReq,
+    BatchStrOutput,
+    FlushCacheReqInput,
+    FlushCacheReqOutput,
+    GenerateReqInput,
+    GetLoadReqInput,
+    GetLoadReqOutput,
+    TokenizedGenerateReqInput,
+    decode,
+    encode,
+)
+from minisgl.server_args import PortArgs, ServerArgs
+from minisgl.utils import get_zmq_socket
+
+logger = logging.getLogger("minisgl.tokenizer_manager")
+
+# SGLANG_REQUEST_STATE_WAIT_TIMEOUT: how often a waiting request checks for a gone client.
+REQUEST_STATE_WAIT_TIMEOUT = float(os.environ.get("MINISGL_REQUEST_STATE_WAIT_TIMEOUT", "4"))
+# A backlog this long means the client reads slower than the engine writes (seed 004).
+STREAMING_BACKLOG_WARN = 20
+
+
+class ReqAbortedError(Exception):
+    """A request finished with an abort that carries an HTTP status (e.g. 503 queue full)."""
+
+    def __init__(self, message: str, status_code: int) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+
+
+@dataclass
+class ReqState:
+    """Everything the HTTP side knows about one in-flight rid (SGLang's ReqState)."""
+
+    obj: GenerateReqInput
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    out_list: List[Dict[str, Any]] = field(default_factory=list)
+    finished: bool = False
+    sent: bool = False  # TokenizedGenerateReqInput left for the scheduler
+    # time stats (perf_counter seconds)
+    created_time: float = field(default_factory=time.perf_counter)
+    tokenize_finish_time: float = 0.0
+    first_token_time: float = 0.0
+    last_time: float = 0.0
+    last_completion_tokens: int = 0
+    finished_time: float = 0.0
+    # accumulated output
+    text: str = ""
+    output_ids: List[int] = field(default_factory=list)
+    output_token_logprobs: List[Tuple[float, int]] = field(default_factory=list)
+    output_top_logprobs: List[List[Tuple[float, int]]] = field(default_factory=list)
+    prompt_tokens: int = 0
+
+
+class TokenizerMetricsCollector:
+    """Request-side Prometheus metrics with SGLang's names (sglang-facts.md §9.2).
+
+    Each collector owns its registry, so several servers (or tests) in one process
+    never collide on the global prometheus registry.
+    """
+
+    def __init__(self, model_name: str) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self.labels = {"model_name": model_name}
+        r = self.registry
+        self.prompt_tokens_total = Counter("sglang:prompt_tokens", "Prefill tokens processed.", labels, registry=r)
+        self.generation_tokens_total = Counter("sglang:generation_tokens", "Generation tokens produced.", labels, registry=r)
+        self.cached_tokens_total = Counter("sglang:cached_tokens", "Prompt tokens served from the prefix cache.", labels, registry=r)
+        self.num_requests_total = Counter("sglang:num_requests", "Requests finished.", labels, registry=r)
+        self.num_aborted_requests_total = Counter("sglang:num_aborted_requests", "Requests aborted.", labels, registry=r)
+        self.time_to_first_token = Histogram(
+            "sglang:time_to_first_token_seconds", "Time to first token.", labels, registry=r,
+            buckets=[0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400],
+        )  # fmt: skip
+        self.inter_token_latency = Histogram(
+            "sglang:inter_token_latency_seconds", "Time between output tokens.", labels, registry=r,
+            buckets=[0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.06, 0.08,
+                     0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0],
+        )  # fmt: skip
+        self.e2e_request_latency = Histogram(
+            "sglang:e2e_request_latency_seconds", "End-to-end request latency.", labels, registry=r,
+            buckets=[0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 800, 1200, 2400],
+        )  # fmt: skip
+        # Scheduler-side gauges: refreshed from GetLoadReqOutput on every /metrics scrape.
+        self.num_running_reqs = Gauge("sglang:num_running_reqs", "Requests in the running batch.", labels, registry=r)
+        self.num_queue_reqs = Gauge("sglang:num_queue_reqs", "Requests in the waiting queue.", labels, registry=r)
+        self.num_used_tokens = Gauge("sglang:num_used_tokens", "KV slots held by requests.", labels, registry=r)
+        self.token_usage = Gauge("sglang:token_usage", "Fraction of the KV pool in use.", labels, registry=r)
+        self.cache_hit_rate = Gauge("sglang:cache_hit_rate", "Prefix cache hit rate.", labels, registry=r)
+        self.max_total_num_tokens = Gauge("sglang:max_total_num_tokens", "KV pool size in tokens.", labels, registry=r)
+
+    def observe_load(self, load: GetLoadReqOutput) -> None:
+        self.num_running_reqs.labels(**self.labels).set(load.num_running_reqs)
+        self.num_queue_reqs.labels(**self.labels).set(load.num_waiting_reqs)
+        self.num_used_tokens.labels(**self.labels).set(load.num_used_tokens)
+        self.token_usage.labels(**self.labels).set(load.token_usage)
+        self.cache_hit_rate.labels(**self.labels).set(load.cache_hit_rate)
+        self.max_total_num_tokens.labels(**self.labels).set(load.max_total_num_tokens)
+
+    def observe_output(self, state: ReqState, completion_tokens: int, now: float) -> None:
+        """TTFT once on the first output; ITL as interval / new tokens, counted per token."""
+        if state.first_token_time == 0.0:
+            state.first_token_time = now
+            self.time_to_first_token.labels(**self.labels).observe(now - state.created_time)
+        else:
+            new_tokens = completion_tokens - state.last_completion_tokens
+            if new_tokens > 0:
+                interval = (now - state.last_time) / new_tokens
+                for _ in range(new_tokens):
+                    self.inter_token_latency.labels(**self.labels).observe(interval)
+        state.last_time = now
+        state.last_completion_tokens = completion_tokens
+
+    def observe_finished(self, state: ReqState, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
+        self.prompt_tokens_total.labels(**self.labels).inc(prompt_tokens)
+        self.generation_tokens_total.labels(**self.labels).inc(completion_tokens)
+        self.cached_tokens_total.labels(**self.labels).inc(cached_tokens)
+        self.num_requests_total.labels(**self.labels).inc()
+        self.e2e_request_latency.labels(**self.labels).observe(state.finished_time - state.created_time)
+
+
+class AsyncDynamicBatchTokenizer:
+    """Tokenize concurrent single texts in one batched call (`--enable-dynamic-batch-tokenizer`).
+
+    Texts submitted while a batch is being tokenized (or within `batch_wait_timeout_s`
+    of the first one) are tokenized together by the next call; the tokenizer runs in
+    one worker thread so the event loop keeps accepting requests meanwhile.
+    """
+
+    def __init__(self, tokenizer: Any, max_batch_size: int = 32, batch_wait_timeout_s: float = 0.002) -> None:
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.batch_wait_timeout_s = batch_wait_timeout_s
+        self.pending: List[Tuple[str, asyncio.Future]] = []
+        self.batch_sizes: List[int] = []  # one entry per batched tokenizer call (for logs and tests)
+        self._worker: Optional[asyncio.Task] = None
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dyn-tokenizer")
+
+    async def encode(self, text: str) -> List[int]:
+        fut = asyncio.get_running_loop().create_future()
+        self.pending.append((text, fut))
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.get_running_loop().create_task(self._run())
+        return await fut
+
+    async def _run(self) -> None:
+        await asyncio.sleep(self.batch_wait_timeout_s)  # let concurrent arrivals join the batch
+        loop = asyncio.get_running_loop()
+        while self.pending:
+            batch, self.pending = self.pending[: self.max_batch_size], self.pending[self.max_batch_size :]
+            texts = [text for text, _ in batch]
+            self.batch_sizes.append(len(texts))
+            try:
+                ids = await loop.run_in_executor(self._executor, tokenization.encode_texts, self.tokenizer, texts)
+            except Exception as e:  # the tokenizer failed: every waiter gets the error
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(e)
+                continue
+            for (_, fut), row in zip(batch, ids):
+                if not fut.done():
+                    fut.set_result(list(row))
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class TokenizerManager:
+    """The HTTP process's end of the pipeline: GenerateReqInput in, response dicts out."""
+
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        port_args: PortArgs,
+        tokenizer: Any,
+        context_len: int,
+        vocab_size: int,
+    ) -> None:
+        self.server_args = server_args
+        self.tokenizer = tokenizer
+        self.context_len = context_len
+        self.vocab_size = vocab_size
+        self.model_name = server_args.served_model_name or server_args.model_path or "minisgl"
+        self.rid_to_state: Dict[str, ReqState] = {}
+        self.metrics = TokenizerMetricsCollector(self.model_name)
+        self.dynamic_batch_tokenizer = (
+            AsyncDynamicBatchTokenizer(tokenizer) if server_args.enable_dynamic_batch_tokenizer else None
+        )
+        self.wait_timeout = REQUEST_STATE_WAIT_TIMEOUT
+        self.context = zmq.asyncio.Context()
+        self.recv_from_detokenizer = get_zmq_socket(self.context, zmq.PULL, port_args.tokenizer_ipc_name, bind=True)
+        self.send_to_scheduler = get_zmq_socket(self.context, zmq.PUSH, port_args.scheduler_input_ipc_name, bind=False)
+        # One control request of each kind in flight at a time; handle_loop resolves it.
+        self._control_locks: Dict[type, asyncio.Lock] = {}
+        self._control_futures: Dict[type, asyncio.Future] = {}
+        self.last_receive_tstamp = time.time()
+
+    # ------------------------------------------------------------------ generate
+    async def generate_request(self, obj: GenerateReqInput, request: Any = None) -> AsyncIterator[Dict[str, Any]]:
+        """Seed 000's order: normalize, default priority, rid check, state, tokenize, send, wait."""
+        obj.normalize_batch_and_arguments()
+        if obj.priority is None:
+            obj.priority = 0
+        n = int((obj.sampling_params or {}).get("n", 1)) if obj.is_single else 1
+        if obj.is_single and n == 1:
+            async for out in self._generate_one(obj, request):
+                yield out
+        else:
+            async for out in self._handle_batch_request(obj, request):
+                yield out
+
+    async def _generate_one(self, obj: GenerateReqInput, request: Any) -> AsyncIterator[Dict[str, Any]]:
+        state = self._init_req_state(obj)
+        try:
+            tokenized = await self._tokenize_one_request(obj)
+            state.tokenize_finish_time = time.perf_counter()
+            state.prompt_tokens = len(tokenized.input_ids)
+            self._send_one_request(tokenized, state)
+            async for out in self._wait_one_response(obj, state, request):
+                yield out
+        finally:
+            # Error, or the consumer went away (client disconnect cancels the stream):
+            # free the scheduler's memory now and forget the state, since nobody reads it.
+            if not state.finished and self.rid_to_state.get(obj.rid) is state:
+                if state.sent:
+                    self.abort_request(obj.rid)
+                del self.rid_to_state[obj.rid]
+
+    def _init_req_state(self, obj: GenerateReqInput) -> ReqState:
+        rid = obj.rid
+        assert isinstance(rid, str)
+        if rid in self.rid_to_state:
+            raise ValueError(f"Duplicate request ID detected: rid={rid} is already in flight")
+        state = ReqState(obj=obj)
+        if self.server_args.log_requests:
+            logger.info("Receive: rid=%s text=%r input_ids=%s sampling_params=%s", rid, obj.text, obj.input_ids, obj.sampling_params)
+        else:
+            logger.debug("Receive: rid=%s", rid)
+        self.rid_to_state[rid] = state  # registered BEFORE tokenizing (0.5.23 order)
+        return state
+
+    async def _tokenize_one_request(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
+        if obj.input_ids is None and self.dynamic_batch_tokenizer is not None:
+            input_ids = await self._tokenize_texts(obj.text)
+            tokenized = self._create_tokenized_object(obj, obj.text, input_ids)
+        else:
+            tokenized = tokenization.tokenize_one_request(self.tokenizer, obj, self.vocab_size)
+        self._validate_one_request(tokenized)
+        return tokenized
+
+    async def _tokenize_texts(self, text: str) -> List[int]:
+        assert self.dynamic_batch_tokenizer is not None
+        return await self.dynamic_batch_tokenizer.encode(text)
+
+    def _create_tokenized_object(self, obj: GenerateReqInput, text: Optional[str], ids: List[int]) -> TokenizedGenerateReqInput:
+        return tokenization.create_tokenized_object(obj, text, ids, self.tokenizer, self.vocab_size)
+
+    def _validate_one_request(self, tokenized: TokenizedGenerateReqInput) -> None:
+        """Context-length gates with SGLang's messages; --allow-auto-truncate truncates/clamps instead."""
+        input_len = len(tokenized.input_ids)
+        params = tokenized.sampling_params
+        if input_len >= self.context_len:
+            if not self.server_args.allow_auto_truncate:
+                raise ValueError(
+                    f"The input ({input_len} tokens) is longer than the model's context length ({self.context_len} tokens)."
+                )
+            tokenized.input_ids = tokenized.input_ids[: self.context_len - 1]
+            input_len = len(tokenized.input_ids)
+        max_new = params.max_new_tokens
+        if max_new is not None and input_len + max_new > self.context_len:
+            if not self.server_args.allow_auto_truncate:
+                raise ValueError(
+                    f"Requested token count exceeds the model's maximum context length of {self.context_len} tokens. "
+                    f"You requested a total of {input_len + max_new} tokens: {input_len} tokens from the input "
+                    f"messages and {max_new} tokens for the completion. Please reduce the number of tokens in the "
+                    "input messages or the completion to fit within the limit."
+                )
+            params.max_new_tokens = max(0, self.context_len - input_len)
+
+    def _send_one_request(self, tokenized: TokenizedGenerateReqInput, state: ReqState) -> None:
+        self.send_to_scheduler.send(encode(tokenized))
+        state.sent = True
+
+    async def _wait_one_response(self, obj: GenerateReqInput, state: ReqState, request: Any) -> AsyncIterator[Dict[str, Any]]:
+        while True:
+            try:
+                await asyncio.wait_for(state.event.wait(), timeout=self.wait_timeout)
+            except asyncio.TimeoutError:
+                if request is not None and await request.is_disconnected():
+                    self.abort_request(obj.rid)
+                    raise ValueError(f"Request is disconnected from the client side (type 1). Abort request rid={obj.rid}")
+                continue
+            # Drain atomically: no await between reading and clearing.
+            out_list, state.out_list = state.out_list, []
+            finished = state.finished
+            state.event.clear()
+            if len(out_list) >= STREAMING_BACKLOG_WARN:
+                logger.warning(
+                    "Streaming backlog: rid=%s, coalescing %d queued chunks into one. This may inflate P99 ITL.",
+                    obj.rid, len(out_list),
+                )  # fmt: skip
+            out = coalesce_streaming_chunks(out_list)
+            if finished:
+                if not obj.stream:
+                    out = self._full_output(state, out)
+                self._check_abort_status(out, obj.stream)
+                if self.server_args.log_requests:
+                    logger.info("Finish: rid=%s out=%r", obj.rid, out["text"])
+                yield out
+                return
+            if obj.stream:
+                yield out
+            elif request is not None and await request.is_disconnected():
+                self.abort_request(obj.rid)
+                raise ValueError(f"Request is disconnected from the client side (type 3). Abort request rid={obj.rid}")
+
+    @staticmethod
+    def _full_output(state: ReqState, last: Dict[str, Any]) -> Dict[str, Any]:
+        meta = dict(last["meta_info"])
+        meta["output_token_logprobs"] = list(state.output_token_logprobs)
+        meta["output_top_logprobs"] = list(state.output_top_logprobs)
+        return {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
+
+    @staticmethod
+    def _check_abort_status(out: Dict[str, Any], stream: bool) -> None:
+        """An abort with an HTTP status becomes that error for a non-streaming request."""
+        reason = out["meta_info"].get("finish_reason")
+        if isinstance(reason, dict) and reason.get("type") == "abort" and reason.get("status_code"):
+            if not stream:
+                raise ReqAbortedError(reason.get("message") or "Aborted", int(reason["status_code"]))
+
+    # ------------------------------------------------------------------ batches and n > 1
+    def _expand_batch(self, obj: GenerateReqInput) -> List[GenerateReqInput]:
+        """One single request per (prompt i, sample j), at index i * n + j.
+
+        Samples of one prompt get rids `<rid>-<j>` (the scheduler's abort matches by
+        prefix, so aborting `<rid>` aborts all), n = 1, and seed + j so that a seeded
+        n > 1 request returns n different yet reproducible samples.
+        """
+        singles = [obj] if obj.is_single else [obj[i] for i in range(obj.batch_size)]
+        subs: List[GenerateReqInput] = []
+        for single in singles:
+            params = dict(single.sampling_params or {})
+            n = int(params.get("n", 1))
+            for j in range(n):
+                sub_params = dict(params, n=1)
+                if n > 1 and params.get("seed") is not None:
+                    sub_params["seed"] = int(params["seed"]) + j
+                sub = dataclasses.replace(single, sampling_params=sub_params, is_single=True, batch_size=1)
+                sub.rid = f"{single.rid}-{j}" if n > 1 else single.rid
+                sub.priority = obj.priority
+                subs.append(sub)
+        return subs
+
+    async def _handle_batch_request(self, obj: GenerateReqInput, request: Any) -> AsyncIterator[Dict[str, Any]]:
+        """Fan out into several rids and merge their outputs, each tagged with its "index"."""
+        subs = self._expand_batch(obj)
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(index: int, sub: GenerateReqInput) -> None:
+            try:
+                async for out in self._generate_one(sub, request):
+                    queue.put_nowait((index, out))
+            except Exception as e:  # surfaced to the consumer, which cancels the siblings
+                queue.put_nowait((index, e))
+            finally:
+                queue.put_nowait((index, done))
+
+        tasks = [asyncio.get_running_loop().create_task(pump(i, sub)) for i, sub in enumerate(subs)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                index, item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    item["index"] = index
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()  # each sub-generator's finally aborts its rid if still running
+
+    # ------------------------------------------------------------------ abort and control
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        if not abort_all and rid not in self.rid_to_state:
+            return
+        self.send_to_scheduler.send(encode(AbortReq(rid=rid, abort_all=abort_all)))
+        self.metrics.num_aborted_requests_total.labels(**self.metrics.labels).inc()
+
+    async def flush_cache(self) -> FlushCacheReqOutput:
+        return await self._control_request(FlushCacheReqInput(), FlushCacheReqOutput)
+
+    async def get_load(self) -> GetLoadReqOutput:
+        return await self._control_request(GetLoadReqInput(), GetLoadReqOutput)
+
+    async def _control_request(self, msg: Any, reply_type: type, timeout: float = 10.0) -> Any:
+        lock = self._control_locks.setdefault(reply_type, asyncio.Lock())
+        async with lock:
+            fut = asyncio.get_running_loop().create_future()
+            self._control_futures[reply_type] = fut
+            self.send_to_scheduler.send(encode(msg))
+            try:
+                return await asyncio.wait_for(fut, timeout=timeout)
+            finally:
+                self._control_futures.pop(reply_type, None)
+
+    # ------------------------------------------------------------------ receive loop
+    async def handle_loop(self) -> None:
+        """Receive BatchStrOutput and control replies forever; fill ReqStates."""
+        while True:
+            recv = decode(await self.recv_from_detokenizer.recv())
+            self.last_receive_tstamp = time.time()
+            if isinstance(recv, BatchStrOutput):
+                self._handle_batch_output(recv)
+            elif isinstance(recv, AbortReq):
+                self._handle_abort_req(recv)
+            elif type(recv) in self._control_futures:
+                fut = self._control_futures[type(recv)]
+                if not fut.done():
+                    fut.set_result(recv)
+            else:
+                logger.warning("TokenizerManager received an unexpected %s", type(recv).__name__)
+
+    def _handle_batch_output(self, recv: BatchStrOutput) -> None:
+        now = time.perf_counter()
+        for i, rid in enumerate(recv.rids):
+            state = self.rid_to_state.get(rid)
+            if state is None:
+                logger.debug("Received output for rid=%s but the state was deleted", rid)
+                continue
+            token_logprobs, top_logprobs = _logprobs_of(recv, i)
+            state.text += recv.output_strs[i]
+            state.output_ids.extend(recv.output_ids[i])
+            state.output_token_logprobs.extend(token_logprobs)
+            state.output_top_logprobs.extend(top_logprobs)
+            finish_reason = recv.finished_reasons[i]
+            meta_info: Dict[str, Any] = {
+                "id": rid,
+                "finish_reason": finish_reason,
+                "prompt_tokens": recv.prompt_tokens[i],
+                "completion_tokens": recv.completion_tokens[i],
+                "cached_tokens": recv.cached_tokens[i],
+                "output_token_logprobs": token_logprobs,
+                "output_top_logprobs": top_logprobs,
+            }
+            out = {"text": recv.output_strs[i], "output_ids": list(recv.output_ids[i]), "meta_info": meta_info}
+            is_abort = isinstance(finish_reason, dict) and finish_reason.get("type") == "abort"
+            if not is_abort:
+                self.metrics.observe_output(state, recv.completion_tokens[i], now)
+            if finish_reason is not None:
+                state.finished = True
+                state.finished_time = now
+                meta_info["e2e_latency"] = now - state.created_time
+                del self.rid_to_state[rid]
+                if not is_abort:
+                    self.metrics.observe_finished(state, recv.prompt_tokens[i], recv.completion_tokens[i], recv.cached_tokens[i])
+            state.out_list.append(out)
+            state.event.set()
+
+    def _handle_abort_req(self, recv: AbortReq) -> None:
+        """The scheduler aborted a request before it ran (e.g. from the waiting queue)."""
+        state = self.rid_to_state.pop(recv.rid, None)
+        if state is None:
+            return
+        state.finished = True
+        state.finished_time = time.perf_counter()
+        reason = recv.finished_reason or {"type": "abort", "message": "Abort in waiting queue", "status_code": None}
+        meta_info = {
+            "id": recv.rid,
+            "finish_reason": reason,
+            "prompt_tokens": state.prompt_tokens,
+            "completion_tokens": len(state.output_ids),
+            "cached_tokens": 0,
+            "output_token_logprobs": [],
+            "output_top_logprobs": [],
+            "e2e_latency": state.finished_time - state.created_time,
+        }
+        state.out_list.append({"text": "", "output_ids": [], "meta_info": meta_info})
+        state.event.set()
+
+    def close(self) -> None:
+        if self.dynamic_batch_tokenizer is not None:
+            self.dynamic_batch_tokenizer.close()
+        self.context.destroy(linger=0)
+
+
+def _logprobs_of(recv: BatchStrOutput, i: int) -> Tuple[List[Tuple[float, int]], List[List[Tuple[float, int]]]]:
+    """Request i's new (logprob, token id) pairs and top-k lists; empty when not requested."""
+    token: List[Tuple[float, int]] = []
+    top: List[List[Tuple[float, int]]] = []
+    if i < len(recv.output_token_logprobs_val) and recv.output_token_logprobs_val[i]:
+        token = list(zip(recv.output_token_logprobs_val[i], recv.output_token_logprobs_idx[i]))
+    if i < len(recv.output_top_logprobs_val) and recv.output_top_logprobs_val[i]:
+        top = [list(zip(vals, idxs)) for vals, idxs in zip(recv.output_top_logprobs_val[i], recv.output_top_logprobs_idx[i])]
+    return token, top
+
+
+def coalesce_streaming_chunks(out_list: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Several queued delta chunks -> one: texts, ids and logprobs concatenated, last meta_info."""
+    if len(out_list) == 1:
+        return out_list[0]
+    meta = copy.copy(out_list[-1]["meta_info"])
+    meta["output_token_logprobs"] = [lp for out in out_list for lp in out["meta_info"]["output_token_logprobs"]]
+    meta["output_top_logprobs"] = [tl for out in out_list for tl in out["meta_info"]["output_top_logprobs"]]
+    return {
+        "text": "".join(out["text"] for out in out_list),
+        "output_ids": [t for out in out_list for t in out["output_ids"]],
+        "meta_info": meta,
+    }
