@@ -1,0 +1,585 @@
+"""Req and ScheduleBatch (stage 3, the scheduler's data; sglang-facts.md §6).
+
+Where it sits: `Scheduler.handle_generate_request` turns a TokenizedGenerateReqInput into
+a `Req`; the PrefillAdder picks requests into a `ScheduleBatch`, which allocates request
+rows and KV slots (`prepare_for_extend` / `prepare_for_decode`) and builds the
+`ForwardBatch` the ModelRunner consumes. Results come back as token ids that the
+Scheduler appends to `Req.output_ids`, after which `Req.check_finished` decides.
+
+Length vocabulary (SGLang's, one word per concept):
+    fill_ids          = origin_input_ids + output_ids, cut at the chunk end when chunked
+    prefix_indices    = KV slots of the part of fill_ids already in the pool (radix hit,
+                        or the earlier chunks of this request)
+    extend_input_len  = len(fill_ids) - len(prefix_indices): tokens computed this pass
+    kv_committed_len  = tokens of this request whose K/V are in the pool
+Owns: nothing global; a ScheduleBatch borrows the pools, the allocator and the tree.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set
+
+import torch
+
+from minisgl.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from minisgl.sampling.sampling_params import SamplingParams, stop_token_set
+
+if TYPE_CHECKING:
+    from minisgl.mem_cache.allocator import TokenToKVPoolAllocator
+    from minisgl.mem_cache.memory_pool import ReqToTokenPool
+
+# SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION: the reservation for one request's future
+# output is clipped so a huge max_new_tokens does not block admission forever.
+CLIP_MAX_NEW_TOKENS = 4096
+# SGLANG_RETRACT_DECODE_STEPS: decode steps of headroom freed per kept request on retract.
+RETRACT_DECODE_STEPS = 20
+# Prompt tokens sent to the detokenizer as left context on a request's first emission.
+INIT_INCREMENTAL_DETOKENIZATION_OFFSET = 5
+
+
+# --------------------------------------------------------------------------- finish reasons
+class BaseFinishReason:
+    def to_json(self) -> Dict[str, Any]:
+        raise NotImplementedError
+
+
+@dataclass
+class FINISH_MATCHED_TOKEN(BaseFinishReason):
+    matched: int
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"type": "stop", "matched": self.matched}
+
+
+@dataclass
+class FINISH_MATCHED_STR(BaseFinishReason):
+    matched: str
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"type": "stop", "matched": self.matched}
+
+
+@dataclass
+class FINISH_LENGTH(BaseFinishReason):
+    length: int
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"type": "length", "length": self.length}
+
+
+@dataclass
+class FINISH_ABORT(BaseFinishReason):
+    message: str = "Aborted"
+    status_code: Optional[int] = None
+    err_type: Optional[str] = None
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"type": "abort", "message": self.message, "status_code": self.status_code, "err_type": self.err_type}
+
+
+# --------------------------------------------------------------------------- time stats
+@dataclass
+class ReqTimeStats:
+    """time.perf_counter() stamps of one request's trip through the scheduler (§9.1)."""
+
+    scheduler_recv_time: float = 0.0
+    wait_queue_entry_time: float = 0.0
+    forward_entry_time: float = 0.0
+    prefill_finished_time: float = 0.0
+    completion_time: float = 0.0
+
+    def to_ms_dict(self) -> Dict[str, float]:
+        """The TTFT split of seed 002 (docs/snapshot.md): only the parts already known."""
+        out: Dict[str, float] = {}
+        if self.wait_queue_entry_time:
+            out["queue_ms"] = (self.wait_queue_entry_time - self.scheduler_recv_time) * 1e3
+        if self.forward_entry_time:
+            out["schedule_ms"] = (self.forward_entry_time - self.wait_queue_entry_time) * 1e3
+        if self.prefill_finished_time:
+            out["forward_ms"] = (self.prefill_finished_time - self.forward_entry_time) * 1e3
+            out["ttft_ms"] = (self.prefill_finished_time - self.scheduler_recv_time) * 1e3
+        if self.completion_time:
+            out["e2e_ms"] = (self.completion_time - self.scheduler_recv_time) * 1e3
+        return out
+
+
+def _empty_indices() -> torch.Tensor:
+    return torch.empty(0, dtype=torch.int64)
+
+
+# --------------------------------------------------------------------------- Req
+class Req:
+    """One request inside the scheduler, from arrival to finish (and back, on retraction)."""
+
+    def __init__(
+        self,
+        rid: str,
+        origin_input_text: Optional[str],
+        origin_input_ids: List[int],
+        sampling_params: SamplingParams,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        stream: bool = False,
+        eos_token_ids: Optional[Set[int]] = None,
+        vocab_size: Optional[int] = None,
+        tokenizer: Any = None,
+    ) -> None:
+        self.rid = rid
+        self.origin_input_text = origin_input_text
+        self.origin_input_ids = list(origin_input_ids)
+        # the detokenizer's left context comes from the prompt as the user sent it
+        self.origin_input_ids_unpadded = list(origin_input_ids)
+        self.output_ids: List[int] = []
+        self.fill_ids: List[int] = []
+        self.sampling_params = sampling_params
+        self.return_logprob = return_logprob
+        self.logprob_start_len = logprob_start_len
+        self.top_logprobs_num = top_logprobs_num
+        self.stream = stream
+        self.eos_token_ids: Set[int] = set(eos_token_ids or ())
+        self.vocab_size = vocab_size
+        self.tokenizer = tokenizer
+
+        # memory and prefix state
+        self.req_pool_idx: Optional[int] = None
+        self.prefix_indices: torch.Tensor = _empty_indices()  # [prefix_len] int64 KV slots
+        self.extend_input_len = 0
+        self.last_node: Any = None
+        self.cache_protected_len = 0
+        self.kv_committed_len = 0
+        self.is_chunked = 0  # non-final chunks scheduled whose result is not yet processed
+        self.num_chunks_done = 0  # extend passes of the current prefill round (for snapshots)
+
+        # finish state; to_finish is applied at the next check_finished, never mid-loop
+        self.finished_reason: Optional[BaseFinishReason] = None
+        self.to_finish: Optional[BaseFinishReason] = None
+        self.finished_len: Optional[int] = None
+        self.finished_output = False
+
+        # retraction and cache accounting
+        self.is_retracted = False
+        self.retracted_stain = False
+        self.retraction_count = 0
+        self.cached_tokens = 0
+        self.already_computed = 0
+
+        # streaming state (§6.8)
+        self.surr_offset: Optional[int] = None
+        self.read_offset: Optional[int] = None
+        self.surr_and_decode_ids: List[int] = []
+        self.cur_decode_ids_len = 0
+        self.send_token_offset = 0
+        self.send_decode_id_offset = 0
+
+        # logprobs of output tokens, aligned with output_ids
+        self.output_token_logprobs_val: List[float] = []
+        self.output_token_logprobs_idx: List[int] = []
+        self.output_top_logprobs_val: List[List[float]] = []
+        self.output_top_logprobs_idx: List[List[int]] = []
+
+        self.time_stats = ReqTimeStats(scheduler_recv_time=time.perf_counter())
+
+    # ------------------------------------------------------------------ lengths
+    @property
+    def seqlen(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def set_extend_input_len(self, extend_input_len: int) -> None:
+        self.extend_input_len = extend_input_len
+
+    def init_next_round_input(self, tree_cache: Any = None) -> None:
+        """fill_ids = origin + output; with a tree, match the longest cached prefix (§6.2).
+
+        At least one token is always left to compute, because its logits are needed.
+        """
+        self.fill_ids = self.origin_input_ids + self.output_ids
+        if tree_cache is not None:
+            max_prefix_len = len(self.fill_ids) - 1
+            if self.return_logprob and self.logprob_start_len >= 0:
+                max_prefix_len = min(max_prefix_len, self.logprob_start_len)
+            max_prefix_len = max(max_prefix_len, 0)
+            match = tree_cache.match_prefix(self.fill_ids[:max_prefix_len])
+            self.prefix_indices = match.device_indices
+            self.last_node = match.last_device_node
+            self.cache_protected_len = len(self.prefix_indices)
+        self.set_extend_input_len(len(self.fill_ids) - len(self.prefix_indices))
+
+    # ------------------------------------------------------------------ finishing
+    def set_finish_with_abort(self, error_msg: str) -> None:
+        """Reject before running: a one-token prefill carries the abort out the normal path."""
+        self.origin_input_ids = [0]
+        self.return_logprob = False
+        self.logprob_start_len = -1
+        self.to_finish = FINISH_ABORT(error_msg, 400, "BadRequestError")
+
+    def check_finished(self) -> None:
+        """Decide whether the token just appended ends the request (0.5.9 order, §6.3)."""
+        if self.finished():
+            return
+        if self.to_finish is not None:
+            self.finished_reason, self.to_finish = self.to_finish, None
+            # The token sampled in this step was produced after the abort was asked for:
+            # it is not part of the answer.
+            self.finished_len = max(len(self.output_ids) - 1, 0)
+            return
+        max_new_tokens = self.sampling_params.max_new_tokens
+        if len(self.output_ids) >= max_new_tokens:
+            self.finished_reason = FINISH_LENGTH(length=max_new_tokens)
+            self.finished_len = max_new_tokens
+            return
+        last_token = self.output_ids[-1]
+        if last_token in self._stop_token_ids():
+            self.finished_reason = FINISH_MATCHED_TOKEN(matched=last_token)
+            self.finished_len = len(self.output_ids)
+            return
+        if self.vocab_size is not None and not 0 <= last_token < self.vocab_size:
+            self.finished_reason = FINISH_MATCHED_STR(matched="NaN happened")
+            return
+        if self.sampling_params.stop_strs:
+            tail = self.tail_str()
+            for stop_str in self.sampling_params.stop_strs:
+                if stop_str in tail:
+                    self.finished_reason = FINISH_MATCHED_STR(matched=stop_str)
+                    return
+
+    def _stop_token_ids(self) -> Set[int]:
+        ids = stop_token_set(self.sampling_params, self.eos_token_ids)
+        if not self.sampling_params.ignore_eos and getattr(self.tokenizer, "eos_token_id", None) is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def tail_str(self) -> str:
+        """Decoded tail of the output tokens only: a stop string never matches the prompt."""
+        tail_len = min(self.sampling_params.stop_str_max_len + 2, len(self.output_ids))
+        if tail_len == 0:
+            return ""
+        if self.tokenizer is None:
+            raise ValueError("stop strings need the scheduler to hold a tokenizer")
+        return self.tokenizer.decode(self.output_ids[-tail_len:])
+
+    def check_match_stop_str_prefix(self) -> bool:
+        """True while the tail contains a stop string or ends with a prefix of one (hold back)."""
+        if not self.sampling_params.stop_strs or not self.output_ids:
+            return False
+        tail = self.tail_str()
+        for stop_str in self.sampling_params.stop_strs:
+            if stop_str in tail:
+                return True
+            if any(tail.endswith(stop_str[:i]) for i in range(1, len(stop_str))):
+                return True
+        return False
+
+    @property
+    def output_ids_through_stop(self) -> List[int]:
+        if self.finished_len is not None:
+            return self.output_ids[: self.finished_len]
+        return self.output_ids
+
+    def init_incremental_detokenize(self) -> tuple[List[int], int]:
+        """The detokenizer's id window: up to 5 prompt tokens of left context, then the output."""
+        output_ids = self.output_ids_through_stop
+        if self.read_offset is None or self.surr_offset is None:
+            self.read_offset = len(self.origin_input_ids_unpadded)
+            self.surr_offset = max(self.read_offset - INIT_INCREMENTAL_DETOKENIZATION_OFFSET, 0)
+            self.surr_and_decode_ids = self.origin_input_ids_unpadded[self.surr_offset :] + list(output_ids)
+        else:
+            self.surr_and_decode_ids.extend(output_ids[self.cur_decode_ids_len :])
+        self.cur_decode_ids_len = len(output_ids)
+        return self.surr_and_decode_ids, self.read_offset - self.surr_offset
+
+    # ------------------------------------------------------------------ retraction
+    def reset_for_retract(self) -> None:
+        """Back to the waiting queue; output_ids are kept and re-prefilled with the prompt."""
+        self.prefix_indices = _empty_indices()
+        self.last_node = None
+        self.extend_input_len = 0
+        self.is_chunked = 0
+        self.num_chunks_done = 0
+        self.cache_protected_len = 0
+        self.req_pool_idx = None
+        self.is_retracted = True
+        self.retracted_stain = True
+        self.retraction_count += 1
+        self.kv_committed_len = 0
+
+    def __repr__(self) -> str:
+        return f"Req(rid={self.rid}, input_len={len(self.origin_input_ids)}, output_len={len(self.output_ids)})"
+
+
+# --------------------------------------------------------------------------- memory helpers
+def evict_from_tree_cache(tree_cache: Any, allocator: "TokenToKVPoolAllocator", num_tokens: int) -> None:
+    """Evict unlocked radix leaves only when the free list alone cannot cover num_tokens."""
+    if allocator.available_size() < num_tokens:
+        tree_cache.evict(num_tokens)
+
+
+def release_kv_cache(req: Req, tree_cache: Any, req_to_token_pool: "ReqToTokenPool", is_insert: bool = True) -> None:
+    """A request leaves the pool: its KV goes into the tree (or is freed), its row is freed."""
+    tree_cache.cache_finished_req(req, is_insert=is_insert)
+    if req.req_pool_idx is not None:
+        req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx = None
+
+
+# --------------------------------------------------------------------------- ScheduleBatch
+class ScheduleBatch:
+    """The requests of one forward pass, plus the running (decode) batch between passes.
+
+    Per-pass arrays (input_ids, seq_lens, out_cache_loc, ...) are rebuilt by
+    prepare_for_extend / prepare_for_decode / mix_with_running; between passes only
+    `reqs` matters, so filter_batch and merge_batch only edit the request list.
+    """
+
+    def __init__(
+        self,
+        reqs: List[Req],
+        req_to_token_pool: "ReqToTokenPool",
+        token_to_kv_pool_allocator: "TokenToKVPoolAllocator",
+        tree_cache: Any,
+        chunked_req: Optional[Req] = None,
+    ) -> None:
+        self.reqs = reqs
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
+        self.tree_cache = tree_cache
+        self.chunked_req = chunked_req
+        self.page_size = token_to_kv_pool_allocator.page_size
+        self.forward_mode = ForwardMode.IDLE
+        self.batch_is_full = False
+        # decode requests riding in a MIXED batch (they skip cache_unfinished_req)
+        self.decoding_reqs: Optional[List[Req]] = None
+        self.prefill_stats: Optional[Dict[str, Any]] = None
+        self._reset_pass_arrays()
+
+    @classmethod
+    def init_new(
+        cls,
+        reqs: List[Req],
+        req_to_token_pool: "ReqToTokenPool",
+        token_to_kv_pool_allocator: "TokenToKVPoolAllocator",
+        tree_cache: Any,
+        chunked_req: Optional[Req] = None,
+    ) -> "ScheduleBatch":
+        return cls(reqs, req_to_token_pool, token_to_kv_pool_allocator, tree_cache, chunked_req)
+
+    def _reset_pass_arrays(self) -> None:
+        self.input_ids: List[int] = []
+        self.positions: List[int] = []
+        self.seq_lens: List[int] = []
+        self.prefix_lens: List[int] = []
+        self.extend_lens: List[int] = []
+        self.out_cache_loc: torch.Tensor = _empty_indices()
+
+    def is_empty(self) -> bool:
+        return len(self.reqs) == 0
+
+    def batch_size(self) -> int:
+        return len(self.reqs)
+
+    @property
+    def return_logprob(self) -> bool:
+        return any(r.return_logprob for r in self.reqs)
+
+    def is_prefill_only(self) -> bool:
+        return all(r.sampling_params.max_new_tokens == 0 for r in self.reqs)
+
+    # ------------------------------------------------------------------ allocation
+    def _alloc_token_slots(self, alloc_fn: Any, num_tokens: int, *args: Any) -> torch.Tensor:
+        evict_from_tree_cache(self.tree_cache, self.token_to_kv_pool_allocator, num_tokens)
+        out = alloc_fn(*args)
+        if out is None:
+            raise RuntimeError(
+                f"KV cache out of memory: need {num_tokens} tokens, "
+                f"available {self.token_to_kv_pool_allocator.available_size()}, "
+                f"evictable {self.tree_cache.evictable_size()}"
+            )
+        return out
+
+    def _pages_needed_for_extend(self) -> int:
+        """Slots the allocator must hand out: extend tokens, rounded to whole new pages."""
+        P = self.page_size
+        if P == 1:
+            return sum(self.extend_lens)
+        return sum(((s + P - 1) // P - (p + P - 1) // P) * P for p, s in zip(self.prefix_lens, self.seq_lens))
+
+    def _alloc_req_rows(self) -> None:
+        """A new request takes a row; the chunked request keeps the row it already holds."""
+        new_reqs = [r for r in self.reqs if r.req_pool_idx is None]
+        rows = self.req_to_token_pool.alloc(len(new_reqs))
+        if rows is None:
+            raise RuntimeError("req_to_token_pool is out of request rows: the request-slot check was skipped")
+        for req, row in zip(new_reqs, rows):
+            req.req_pool_idx = row
+
+    def prepare_for_extend(self) -> None:
+        """Rows + KV slots for every extend token; req_to_token gets prefix and new slots (§6.4)."""
+        self.forward_mode = ForwardMode.EXTEND
+        self._reset_pass_arrays()
+        for req in self.reqs:
+            prefix_len = len(req.prefix_indices)
+            assert len(req.fill_ids) - prefix_len == req.extend_input_len
+            self.input_ids.extend(req.fill_ids[prefix_len:])
+            self.positions.extend(range(prefix_len, len(req.fill_ids)))
+            self.prefix_lens.append(prefix_len)
+            self.seq_lens.append(len(req.fill_ids))
+            self.extend_lens.append(req.extend_input_len)
+        self._alloc_req_rows()
+        pool = self.req_to_token_pool
+        last_loc = []
+        for req, prefix_len in zip(self.reqs, self.prefix_lens):
+            pool.write(req.req_pool_idx, 0, req.prefix_indices)
+            last_loc.append(int(req.prefix_indices[-1]) if prefix_len > 0 else -1)
+        allocator = self.token_to_kv_pool_allocator
+        extend_num_tokens = sum(self.extend_lens)
+        self.out_cache_loc = self._alloc_token_slots(
+            allocator.alloc_extend, self._pages_needed_for_extend(), self.prefix_lens, self.seq_lens, last_loc, extend_num_tokens
+        )  # [extend_num_tokens] int64
+        offset = 0
+        for req, prefix_len, seq_len in zip(self.reqs, self.prefix_lens, self.seq_lens):
+            pool.write(req.req_pool_idx, prefix_len, self.out_cache_loc[offset : offset + seq_len - prefix_len])
+            offset += seq_len - prefix_len
+            req.kv_committed_len = seq_len
+            # Earlier chunks of this request are not cache hits; a retracted request's
+            # re-prefill is not counted either (it was computed once already).
+            if not req.retracted_stain:
+                req.cached_tokens += prefix_len - req.already_computed
+                req.already_computed = seq_len
+            req.is_retracted = False
+            req.num_chunks_done += 1
+
+    def mix_with_running(self, running_batch: "ScheduleBatch") -> None:
+        """--enable-mixed-chunk: decoding requests join this extend pass as 1-token extends."""
+        assert running_batch.forward_mode.is_decode()
+        self.forward_mode = ForwardMode.MIXED
+        self.input_ids.extend(running_batch.input_ids)
+        self.positions.extend(running_batch.positions)
+        self.prefix_lens.extend(s - 1 for s in running_batch.seq_lens)
+        self.seq_lens.extend(running_batch.seq_lens)
+        self.extend_lens.extend([1] * running_batch.batch_size())
+        self.out_cache_loc = torch.cat([self.out_cache_loc, running_batch.out_cache_loc])  # [num_tokens]
+        self.decoding_reqs = list(running_batch.reqs)
+        self.reqs = self.reqs + running_batch.reqs
+
+    def new_tokens_required_next_decode(self, reqs: Optional[List[Req]] = None) -> int:
+        """One slot per request; with pages, a whole page for each request that starts one."""
+        reqs = self.reqs if reqs is None else reqs
+        if self.page_size == 1:
+            return len(reqs)
+        return sum(self.page_size for r in reqs if r.kv_committed_len % self.page_size == 0)
+
+    def check_decode_mem(self, selected_indices: Optional[List[int]] = None) -> bool:
+        """Evict from the tree if needed, then: is there room for one more token each?"""
+        reqs = self.reqs if selected_indices is None else [self.reqs[i] for i in selected_indices]
+        num_tokens = self.new_tokens_required_next_decode(reqs)
+        evict_from_tree_cache(self.tree_cache, self.token_to_kv_pool_allocator, num_tokens)
+        return self.token_to_kv_pool_allocator.available_size() >= num_tokens
+
+    def prepare_for_decode(self) -> None:
+        """Feed each request its last sampled token; one new KV slot per request (§6.5)."""
+        self.forward_mode = ForwardMode.DECODE
+        self._reset_pass_arrays()
+        pool = self.req_to_token_pool
+        # invariant (no overlap): the last sampled token has no K/V yet
+        old_lens = [r.kv_committed_len for r in self.reqs]
+        assert all(n == r.seqlen - 1 for n, r in zip(old_lens, self.reqs))
+        self.input_ids = [r.output_ids[-1] for r in self.reqs]
+        self.positions = list(old_lens)
+        self.seq_lens = [n + 1 for n in old_lens]
+        self.prefix_lens = list(old_lens)
+        self.extend_lens = [1] * len(self.reqs)
+        last_loc = [int(pool.req_to_token[r.req_pool_idx, n - 1]) for r, n in zip(self.reqs, old_lens)]
+        allocator = self.token_to_kv_pool_allocator
+        self.out_cache_loc = self._alloc_token_slots(
+            allocator.alloc_decode, self.new_tokens_required_next_decode(), self.seq_lens, last_loc
+        )  # [bs] int64
+        for i, req in enumerate(self.reqs):
+            pool.req_to_token[req.req_pool_idx, old_lens[i]] = self.out_cache_loc[i]
+            req.kv_committed_len += 1
+
+    # ------------------------------------------------------------------ membership
+    def filter_batch(self, chunked_req_to_exclude: Optional[Set[Req]] = None, keep_indices: Optional[List[int]] = None) -> None:
+        """Drop finished (and excluded) requests. Frees nothing: finishing already did."""
+        if keep_indices is None:
+            exclude = chunked_req_to_exclude or set()
+            keep_indices = [i for i, r in enumerate(self.reqs) if not r.finished() and r not in exclude]
+        self.reqs = [self.reqs[i] for i in keep_indices]
+        self._reset_pass_arrays()
+
+    def merge_batch(self, other: "ScheduleBatch") -> None:
+        self.reqs.extend(other.reqs)
+        self._reset_pass_arrays()
+
+    def release_req(self, idx: int, remaining_count: int) -> None:
+        """Retract one request: free its KV without inserting it, then make decode headroom."""
+        req = self.reqs[idx]
+        release_kv_cache(req, self.tree_cache, self.req_to_token_pool, is_insert=False)
+        evict_from_tree_cache(self.tree_cache, self.token_to_kv_pool_allocator, remaining_count * RETRACT_DECODE_STEPS)
+        req.reset_for_retract()
+
+    def retract_decode(self) -> tuple[List[Req], float]:
+        """Free memory by sending requests back to the queue (§1.7).
+
+        Order: fewest output tokens first, ties the longest prompt first; at least one
+        request is retracted and at least one kept. Returns (retracted, new_token_ratio).
+        """
+        # sorted descending, popped from the end
+        sorted_indices = sorted(
+            range(len(self.reqs)),
+            key=lambda i: (len(self.reqs[i].output_ids), -len(self.reqs[i].origin_input_ids)),
+            reverse=True,
+        )
+        retracted: List[Req] = []
+        first_iter = True
+        while first_iter or not self.check_decode_mem(selected_indices=sorted_indices):
+            if len(sorted_indices) == 1:
+                if not self.check_decode_mem(selected_indices=sorted_indices):
+                    raise RuntimeError("Out of memory even after retracting all other requests in the decode batch.")
+                break
+            first_iter = False
+            idx = sorted_indices.pop()
+            retracted.append(self.reqs[idx])
+            self.release_req(idx, remaining_count=len(sorted_indices))
+        self.filter_batch(keep_indices=sorted(sorted_indices))
+        total_decoded = sum(len(r.output_ids) for r in self.reqs)
+        total_max_new = sum(r.sampling_params.max_new_tokens for r in self.reqs)
+        new_ratio = min(1.0, (total_decoded + RETRACT_DECODE_STEPS * len(self.reqs)) / (total_max_new + 1))
+        return retracted, new_ratio
+
+    # ------------------------------------------------------------------ to the model
+    def get_forward_batch(self, model_runner: Any) -> ForwardBatch:
+        """The tensors of this pass, on the model's device (extend and MIXED share a layout)."""
+        device = model_runner.device
+
+        def as_tensor(values: List[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        is_extend = self.forward_mode.is_extend()
+        return ForwardBatch(
+            forward_mode=self.forward_mode,
+            batch_size=len(self.reqs),
+            input_ids=as_tensor(self.input_ids),  # [num_tokens]
+            positions=as_tensor(self.positions),  # [num_tokens]
+            out_cache_loc=self.out_cache_loc.to(device),  # [num_tokens]
+            req_pool_indices=as_tensor([r.req_pool_idx for r in self.reqs]),  # [bs]
+            seq_lens=as_tensor(self.seq_lens),  # [bs]
+            seq_lens_cpu=list(self.seq_lens),
+            req_to_token_pool=model_runner.req_to_token_pool,
+            token_to_kv_pool=model_runner.token_to_kv_pool,
+            attn_backend=model_runner.attn_backend,
+            extend_prefix_lens=as_tensor(self.prefix_lens) if is_extend else None,  # [bs]
+            extend_seq_lens=as_tensor(self.extend_lens) if is_extend else None,  # [bs]
+            extend_prefix_lens_cpu=list(self.prefix_lens) if is_extend else None,
+            extend_seq_lens_cpu=list(self.extend_lens) if is_extend else None,
+        )
+
+    def get_sampling_info(self, vocab_size: int, device: str, eos_token_ids: Set[int]) -> Any:
+        """SamplingBatchInfo of this pass (penalties read output_ids, so it is rebuilt per pass)."""
+        from minisgl.sampling.sampling_batch_info import SamplingBatchInfo
+
+        return SamplingBatchInfo.from_reqs(self.reqs, vocab_size, device, eos_token_ids)

@@ -1,0 +1,828 @@
+"""Scheduler (stage 3). In: TokenizedGenerateReqInput, AbortReq, control requests.
+Out: BatchTokenIDOutput (to the detokenizer), control replies (to the tokenizer).
+Owns: waiting_queue, running_batch, chunked_req, the RadixCache, new_token_ratio.
+
+One iteration (`run_step`) is SGLang's event_loop_normal body without the I/O:
+
+    batch = get_next_batch_to_run()   # stash chunk, merge last prefill, prefill first, else decode
+    result = run_batch(batch)         # ModelRunner.forward + sample
+    process_batch_result(batch, result)  # append tokens, finish, release, stream
+
+The class does no socket I/O (STYLE.md habit 7): inputs arrive through
+`process_input_requests(msgs)`, outputs are collected and handed out by
+`pop_outputs()`. The Engine calls these directly; `event_loop_normal` at the bottom
+of this file is the thin ZMQ shell the server runs in its own process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from minisgl.managers.io_struct import (
+    AbortReq,
+    BatchTokenIDOutput,
+    FlushCacheReqInput,
+    FlushCacheReqOutput,
+    GetLoadReqInput,
+    GetLoadReqOutput,
+    TokenizedGenerateReqInput,
+)
+from minisgl.managers.schedule_batch import (
+    CLIP_MAX_NEW_TOKENS,
+    FINISH_ABORT,
+    Req,
+    ScheduleBatch,
+    release_kv_cache,
+)
+from minisgl.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
+from minisgl.model_executor.forward_batch_info import ForwardMode
+from minisgl.server_args import ServerArgs, chunked_prefill_enabled
+
+logger = logging.getLogger("minisgl.scheduler")
+
+# new_token_ratio defaults (SGLANG_INIT_NEW_TOKEN_RATIO, ..._MIN_..._FACTOR, ..._DECAY_STEPS)
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
+NEW_TOKEN_RATIO_DECAY_STEPS = 600
+# a non-streaming request still emits every 50 tokens, keeping the detokenizer incremental
+DEFAULT_FORCE_STREAM_INTERVAL = 50
+
+
+class Scheduler:
+    def __init__(self, server_args: ServerArgs, model_runner: Any, tokenizer: Any = None) -> None:
+        from minisgl.mem_cache.radix_cache import RadixCache
+
+        self.server_args = server_args
+        self.model_runner = model_runner
+        self.tokenizer = tokenizer
+        self.model_config = model_runner.model_config
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.token_to_kv_pool_allocator = model_runner.token_to_kv_pool_allocator
+        self.page_size = model_runner.page_size
+        self.max_total_num_tokens = model_runner.max_total_num_tokens
+        self.max_running_requests = model_runner.max_running_requests
+        self.tree_cache = RadixCache(
+            self.req_to_token_pool, self.token_to_kv_pool_allocator, self.page_size, disable=server_args.disable_radix_cache
+        )
+        self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, self.page_size)
+        # max_req_len bounds prompt + output; prompts stay 5 tokens below it (tp_worker.py)
+        self.max_req_len = min(self.model_config.context_len - 1, self.max_total_num_tokens - 1)
+        self.max_req_input_len = self.max_req_len - 5
+        self.chunked_prefill_size = server_args.chunked_prefill_size if chunked_prefill_enabled(server_args) else None
+        self.is_mixed_chunk = self.chunked_prefill_size is not None and server_args.enable_mixed_chunk
+
+        self.waiting_queue: List[Req] = []
+        self.running_batch = self._empty_batch()
+        self.cur_batch: Optional[ScheduleBatch] = None
+        self.last_batch: Optional[ScheduleBatch] = None
+        self.chunked_req: Optional[Req] = None
+        self.forward_ct = 0
+        self.forward_ct_decode = 0
+
+        self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * server_args.schedule_conservativeness, 1.0)
+        self.min_new_token_ratio = min(self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
+        self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.new_token_ratio = self.init_new_token_ratio
+
+        self.num_retracted_reqs_total = 0
+        self.total_hit_tokens = 0
+        self.total_input_tokens = 0
+        self.last_prefill_log_time = time.perf_counter()
+        self.last_decode_log_time = time.perf_counter()
+        self.num_generated_tokens = 0
+        self._outputs: List[BatchTokenIDOutput] = []
+        self._reset_step_record()
+
+    def _empty_batch(self) -> ScheduleBatch:
+        return ScheduleBatch.init_new([], self.req_to_token_pool, self.token_to_kv_pool_allocator, self.tree_cache)
+
+    def _reset_step_record(self) -> None:
+        """What this step did, for snapshot(): events, finished requests, adder record, log line."""
+        self.events: List[Dict[str, Any]] = []
+        self.finished_records: List[Dict[str, Any]] = []
+        self.adder_record: Optional[Dict[str, Any]] = None
+        self.log_line = ""
+
+    def _event(self, type_: str, req: Req, detail: str = "") -> None:
+        self.events.append({"type": type_, "rid": req.rid, "detail": detail})
+
+    # ------------------------------------------------------------------ inputs
+    def process_input_requests(self, recv_reqs: List[Any]) -> List[Any]:
+        """Dispatch each message by type; returns the control replies for the tokenizer."""
+        replies: List[Any] = []
+        for msg in recv_reqs:
+            if isinstance(msg, TokenizedGenerateReqInput):
+                self.handle_generate_request(msg)
+            elif isinstance(msg, AbortReq):
+                self.abort_request(msg)
+            elif isinstance(msg, FlushCacheReqInput):
+                replies.append(self.flush_cache())
+            elif isinstance(msg, GetLoadReqInput):
+                replies.append(self.get_load())
+            else:
+                raise TypeError(f"the scheduler does not handle {type(msg).__name__}")
+        return replies
+
+    def handle_generate_request(self, recv_req: TokenizedGenerateReqInput) -> Req:
+        """Build the Req, then SGLang's gates in order (§1.5)."""
+        req = Req(
+            recv_req.rid,
+            recv_req.input_text,
+            recv_req.input_ids,
+            recv_req.sampling_params,
+            return_logprob=recv_req.return_logprob,
+            logprob_start_len=recv_req.logprob_start_len,
+            top_logprobs_num=recv_req.top_logprobs_num,
+            stream=recv_req.stream,
+            eos_token_ids=self.model_config.hf_eos_token_ids,
+            vocab_size=self.model_config.vocab_size,
+            tokenizer=self.tokenizer,
+        )
+        self._event("arrive", req, f"input_len={len(req.origin_input_ids)}")
+        self.init_req_max_new_tokens(req)
+        error_msg = self.validate_input_length(req)
+        if error_msg is not None:
+            req.set_finish_with_abort(error_msg)
+            self._add_request_to_queue(req)
+            return req
+        # logprob_start_len fix-ups (only output logprobs are computed in minisgl)
+        if not req.return_logprob:
+            req.logprob_start_len = -1
+        elif req.logprob_start_len == -1:
+            req.logprob_start_len = len(req.origin_input_ids) - 1
+        if req.logprob_start_len > len(req.origin_input_ids):
+            req.set_finish_with_abort(
+                f"logprob_start_len={req.logprob_start_len} is higher than the number of input tokens "
+                f"{len(req.origin_input_ids)}. Request with a lower logprob_start_len."
+            )
+        self._add_request_to_queue(req)
+        return req
+
+    def init_req_max_new_tokens(self, req: Req) -> None:
+        """The single most important clamp: prompt + output must fit max_req_len."""
+        params = req.sampling_params
+        requested = params.max_new_tokens if params.max_new_tokens is not None else 1 << 30
+        params.max_new_tokens = max(min(requested, self.max_req_len - len(req.origin_input_ids) - 1), 0)
+
+    def validate_input_length(self, req: Req) -> Optional[str]:
+        if len(req.origin_input_ids) < self.max_req_input_len:
+            return None
+        if self.server_args.allow_auto_truncate:
+            logger.warning(
+                "Request length is longer than the KV cache pool size or the max context length. "
+                "Truncated. len(origin_input_ids)=%d, max_req_input_len=%d",
+                len(req.origin_input_ids),
+                self.max_req_input_len,
+            )
+            req.origin_input_ids = req.origin_input_ids[: self.max_req_input_len]
+            return None
+        return (
+            f"Input length ({len(req.origin_input_ids)} tokens) exceeds the maximum allowed length "
+            f"({self.max_req_input_len} tokens). Use a shorter input or enable --allow-auto-truncate."
+        )
+
+    def _add_request_to_queue(self, req: Req, is_retracted: bool = False) -> None:
+        max_queued = self.server_args.max_queued_requests
+        if not is_retracted and max_queued is not None and len(self.waiting_queue) >= max_queued:
+            req.finished_reason = FINISH_ABORT("The request queue is full.", 503, "ServiceUnavailableError")
+            self._finish_without_running(req, "queue full")
+            return
+        if not req.time_stats.wait_queue_entry_time:
+            req.time_stats.wait_queue_entry_time = time.perf_counter()
+        self.waiting_queue.append(req)
+
+    def _finish_without_running(self, req: Req, detail: str) -> None:
+        """A request that holds no memory ends here: report it through the normal output path."""
+        req.time_stats.completion_time = time.perf_counter()
+        self._event("abort", req, detail)
+        self._record_finished(req)
+        self.stream_output([req])
+
+    def abort_request(self, recv_req: AbortReq) -> None:
+        """Abort by rid prefix (or all): waiting and mid-chunk requests at once, running ones next step."""
+
+        def matches(req: Req) -> bool:
+            return recv_req.abort_all or req.rid.startswith(recv_req.rid)
+
+        for req in [r for r in self.waiting_queue if matches(r)]:
+            self.waiting_queue.remove(req)
+            req.finished_reason = FINISH_ABORT()
+            self._finish_without_running(req, "aborted while waiting")
+        if self.chunked_req is not None and matches(self.chunked_req):
+            req, self.chunked_req = self.chunked_req, None
+            # Its computed chunks are committed KV: they go into the tree like a finish.
+            req.finished_reason = FINISH_ABORT()
+            self._release_finished(req)
+            self._event("abort", req, "aborted mid-chunk")
+            self.stream_output([req])
+        running = list(self.running_batch.reqs)
+        if self.last_batch is not None and self.last_batch.forward_mode.is_extend():
+            running += self.last_batch.reqs  # just prefilled, not yet merged into running_batch
+        for req in running:
+            if matches(req) and not req.finished():
+                # finished by the normal path after one more forward (SGLang's method 3)
+                req.to_finish = FINISH_ABORT()
+
+    def flush_cache(self) -> FlushCacheReqOutput:
+        if not self.is_idle():
+            return FlushCacheReqOutput(False, "Cache not flushed because there are pending requests.")
+        self.tree_cache.reset()
+        self.token_to_kv_pool_allocator.clear()
+        self.req_to_token_pool.clear()
+        return FlushCacheReqOutput(True, "Cache flushed.")
+
+    def get_load(self) -> GetLoadReqOutput:
+        available = self.token_to_kv_pool_allocator.available_size()
+        evictable = self.tree_cache.evictable_size()
+        used = self.max_total_num_tokens - (available + evictable)
+        total = self.total_hit_tokens + self.total_input_tokens
+        return GetLoadReqOutput(
+            num_running_reqs=len(self.running_batch.reqs),
+            num_waiting_reqs=len(self.waiting_queue),
+            num_used_tokens=used,
+            available_tokens=available,
+            evictable_tokens=evictable,
+            protected_tokens=self.tree_cache.protected_size(),
+            max_total_num_tokens=self.max_total_num_tokens,
+            token_usage=used / self.max_total_num_tokens,
+            cache_hit_rate=self.total_hit_tokens / total if total else 0.0,
+            new_token_ratio=self.new_token_ratio,
+            num_retracted_reqs_total=self.num_retracted_reqs_total,
+        )
+
+    def pop_outputs(self) -> List[BatchTokenIDOutput]:
+        out, self._outputs = self._outputs, []
+        return out
+
+    def is_idle(self) -> bool:
+        """Nothing waiting, running, mid-chunk, or just prefilled and not yet merged."""
+        just_prefilled = (
+            self.last_batch is not None
+            and self.last_batch.forward_mode.is_extend()
+            and any(not r.finished() for r in self.last_batch.reqs)
+        )
+        return not self.waiting_queue and self.running_batch.is_empty() and self.chunked_req is None and not just_prefilled
+
+    # ------------------------------------------------------------------ one iteration
+    def run_step(self) -> Optional[ScheduleBatch]:
+        """One scheduler iteration; returns the batch it ran (None when idle)."""
+        self._reset_step_record()
+        batch = self.get_next_batch_to_run()
+        self.cur_batch = batch
+        if batch is not None:
+            result = self.run_batch(batch)
+            self.process_batch_result(batch, result)
+        else:
+            self.self_check_during_idle()
+        self.last_batch = batch
+        return batch
+
+    def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
+        """Stash the chunk, merge the last prefill into running, prefill first, else decode (§1.3)."""
+        chunked_req_to_exclude = set()
+        if self.chunked_req is not None:
+            chunked_req_to_exclude.add(self.chunked_req)
+            # the chunk computed so far goes into the tree; prefix_indices/last_node move on
+            self.tree_cache.cache_unfinished_req(self.chunked_req, chunked=True)
+        last_batch = self.last_batch
+        if last_batch is not None and last_batch.forward_mode.is_extend():
+            if last_batch.chunked_req is not None:
+                chunked_req_to_exclude.add(last_batch.chunked_req)
+            last_bs = last_batch.batch_size()
+            last_batch.filter_batch(chunked_req_to_exclude=chunked_req_to_exclude)
+            if last_batch.batch_size() < last_bs:
+                self.running_batch.batch_is_full = False
+            if not last_batch.is_empty() and not last_batch.is_prefill_only():
+                self.running_batch.merge_batch(last_batch)
+            # merged: the last batch must not be merged a second time
+            self.last_batch = None
+
+        new_batch = self.get_new_batch_prefill()
+        if new_batch is not None:
+            return new_batch
+        if not self.running_batch.is_empty():
+            self.running_batch = self.update_running_batch(self.running_batch)
+            return None if self.running_batch.is_empty() else self.running_batch
+        return None
+
+    def get_num_allocatable_reqs(self, running_bs: int) -> int:
+        """Request slots left: the running cap, and free req_to_token rows (+ the chunked one's)."""
+        held = 1 if self.chunked_req is not None else 0
+        return min(self.max_running_requests - running_bs, self.req_to_token_pool.available_size() + held)
+
+    def get_new_batch_prefill(self) -> Optional[ScheduleBatch]:
+        """Admit the chunked request first, then the waiting queue in policy order (§1.4)."""
+        running_bs = len(self.running_batch.reqs)
+        if (self.running_batch.batch_is_full or not self.waiting_queue) and self.chunked_req is None:
+            reason = "BATCH_FULL" if self.running_batch.batch_is_full else "QUEUE_EMPTY"
+            self.adder_record = self._record_without_adder(reason, running_bs)
+            return None
+        if self.get_num_allocatable_reqs(running_bs) <= 0 and self.chunked_req is None:
+            self.running_batch.batch_is_full = True
+            self.adder_record = self._record_without_adder("BATCH_FULL", running_bs)
+            return None
+
+        self.policy.calc_priority(self.waiting_queue)
+        adder = PrefillAdder(
+            self.page_size,
+            self.tree_cache,
+            self.token_to_kv_pool_allocator,
+            self.running_batch,
+            self.new_token_ratio,
+            self.server_args.max_prefill_tokens,
+            self.chunked_prefill_size,
+            running_bs if self.is_mixed_chunk else 0,
+            self.server_args.prefill_max_requests,
+        )
+        if self.chunked_req is not None:
+            self.chunked_req.init_next_round_input()
+            self.chunked_req = adder.add_chunked_req(self.chunked_req)
+        self._admit_waiting(adder, running_bs)
+        self.adder_record = adder.record()
+        self.adder_record["budgets"]["request_slots_left"] = self.get_num_allocatable_reqs(running_bs) - len(adder.can_run_list)
+        self.adder_record["budgets"]["total_tokens"] = self.max_total_num_tokens
+        if not adder.can_run_list:
+            return None
+        return self._build_prefill_batch(adder, running_bs)
+
+    def _admit_waiting(self, adder: PrefillAdder, running_bs: int) -> None:
+        """Offer queued requests until the first one that does not fit (head-of-line blocking)."""
+        for req in self.waiting_queue:
+            if len(adder.can_run_list) >= self.get_num_allocatable_reqs(running_bs):
+                self.running_batch.batch_is_full = True
+            if self.running_batch.batch_is_full:
+                adder.record_stop("BATCH_FULL", f"no request slot left (max_running_requests={self.max_running_requests})")
+                return
+            req.init_next_round_input(self.tree_cache)
+            res = adder.add_one_req(req, has_chunked_req=self.chunked_req is not None)
+            if res != AddReqResult.CONTINUE:
+                if res == AddReqResult.NO_TOKEN:
+                    # only "full" if something holds memory that will come back (0.5.23)
+                    self.running_batch.batch_is_full = len(adder.can_run_list) > 0 or not self.running_batch.is_empty()
+                return
+        adder.record_stop("QUEUE_EMPTY", "every waiting request was admitted")
+
+    def _record_without_adder(self, reason: str, running_bs: int) -> Dict[str, Any]:
+        detail = "running batch is full" if reason == "BATCH_FULL" else "waiting queue is empty"
+        return {
+            "stop_reason": reason,
+            "stop_detail": detail,
+            "budgets": {
+                "rem_total_tokens": None,
+                "rem_input_tokens": None,
+                "rem_chunk_tokens": None,
+                "max_prefill_tokens": self.server_args.max_prefill_tokens,
+                "chunked_prefill_size": self.chunked_prefill_size,
+                "prefill_max_requests": self.server_args.prefill_max_requests,
+                "num_admitted": 0,
+                "request_slots_left": self.get_num_allocatable_reqs(running_bs),
+                "total_tokens": self.max_total_num_tokens,
+            },
+            "admitted": [],
+        }
+
+    def _build_prefill_batch(self, adder: PrefillAdder, running_bs: int) -> ScheduleBatch:
+        admitted = {id(r) for r in adder.can_run_list}
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
+        if adder.new_chunked_req is not None:
+            assert self.chunked_req is None, "at most one request is mid-chunk"
+            self.chunked_req = adder.new_chunked_req
+        if self.chunked_req is not None:
+            self.chunked_req.is_chunked += 1
+        now = time.perf_counter()
+        for req in adder.can_run_list:
+            if not req.time_stats.forward_entry_time:
+                req.time_stats.forward_entry_time = now
+        new_batch = ScheduleBatch.init_new(
+            adder.can_run_list, self.req_to_token_pool, self.token_to_kv_pool_allocator, self.tree_cache, self.chunked_req
+        )
+        new_batch.prepare_for_extend()
+        for req in adder.can_run_list:
+            if req is self.chunked_req:
+                self._event("chunk", req, f"chunk {req.num_chunks_done}: {len(req.fill_ids)}/{req.seqlen} tokens")
+        new_batch.prefill_stats = {
+            "log_input_tokens": adder.log_input_tokens,
+            "log_hit_tokens": adder.log_hit_tokens,
+            "running_bs": running_bs,
+            "num_new_seqs": len(adder.can_run_list),
+        }
+        no_logprob = not (new_batch.return_logprob or self.running_batch.return_logprob)
+        if self.is_mixed_chunk and not self.running_batch.is_empty() and no_logprob:
+            self.running_batch.filter_batch()
+            if not self.running_batch.is_empty():
+                self.running_batch.prepare_for_decode()
+                new_batch.mix_with_running(self.running_batch)
+                batch_is_full = self.running_batch.batch_is_full
+                self.running_batch = self._empty_batch()
+                self.running_batch.batch_is_full = batch_is_full
+        return new_batch
+
+    def update_running_batch(self, batch: ScheduleBatch) -> ScheduleBatch:
+        """Drop finished, make room for one token each (evict, then retract), decay the ratio (§1.6)."""
+        initial_bs = batch.batch_size()
+        batch.filter_batch()
+        if batch.is_empty():
+            batch.batch_is_full = False
+            return batch
+        if not batch.check_decode_mem():
+            old_ratio = self.new_token_ratio
+            retracted, self.new_token_ratio = batch.retract_decode()
+            self.num_retracted_reqs_total += len(retracted)
+            logger.warning(
+                "KV cache pool is full. Retract requests. #retracted_reqs: %d, #new_tokens_gained: %d, "
+                "#new_token_ratio: %.4f -> %.4f",
+                len(retracted),
+                sum(r.seqlen - 1 for r in retracted),
+                old_ratio,
+                self.new_token_ratio,
+            )
+            for req in retracted:
+                self._event("retract", req, f"output_len={len(req.output_ids)}")
+                self._add_request_to_queue(req, is_retracted=True)
+        else:
+            self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
+        if batch.batch_size() < initial_bs:
+            batch.batch_is_full = False
+        batch.prepare_for_decode()
+        return batch
+
+    def run_batch(self, batch: ScheduleBatch) -> Any:
+        """Forward + sample. Returns the ModelRunner's SampleOutput."""
+        self.forward_ct += 1
+        forward_batch = batch.get_forward_batch(self.model_runner)
+        logits_output = self.model_runner.forward(forward_batch)
+        sampling_info = batch.get_sampling_info(
+            self.model_config.vocab_size, self.model_runner.device, self.model_config.hf_eos_token_ids
+        )
+        return self.model_runner.sample(logits_output, sampling_info)
+
+    def self_check_during_idle(self) -> None:
+        """Idle: reset the ratio and check that no KV slot leaked (§12.1)."""
+        if not self.is_idle():
+            return
+        self.new_token_ratio = self.init_new_token_ratio
+        self.check_memory_when_idle()
+
+    def check_memory_when_idle(self) -> None:
+        self.tree_cache.check_integrity()
+        available = self.token_to_kv_pool_allocator.available_size()
+        evictable = self.tree_cache.evictable_size()
+        protected = self.tree_cache.protected_size()
+        # invariant: available + evictable + protected == total when idle, nothing protected
+        if available + evictable + protected != self.max_total_num_tokens or protected != 0:
+            raise RuntimeError(
+                f"KV slot leak detected when idle: available={available} evictable={evictable} "
+                f"protected={protected} total={self.max_total_num_tokens}"
+            )
+        if self.req_to_token_pool.available_size() != self.req_to_token_pool.size:
+            raise RuntimeError("request row leak detected when idle")
+
+    # ------------------------------------------------------------------ results
+    def process_batch_result(self, batch: ScheduleBatch, result: Any) -> None:
+        if batch.forward_mode.is_decode():
+            self.process_batch_result_decode(batch, result)
+        elif batch.forward_mode.is_extend():
+            self.process_batch_result_prefill(batch, result)
+
+    def process_batch_result_prefill(self, batch: ScheduleBatch, result: Any) -> None:
+        """Append the first token (unless mid-chunk), finish or cache the prompt, stream (§6.8)."""
+        next_token_ids = result.next_token_ids.tolist()
+        decoding = {id(r) for r in batch.decoding_reqs or []}
+        skip_stream_req: Optional[Req] = None
+        for i, (req, token) in enumerate(zip(batch.reqs, next_token_ids)):
+            if req.finished() or req.is_retracted:
+                continue
+            if req.is_chunked > 0:
+                # a non-final chunk: its sampled token is meaningless, nothing streams
+                req.is_chunked -= 1
+                skip_stream_req = req
+                continue
+            if not req.time_stats.prefill_finished_time:
+                req.time_stats.prefill_finished_time = time.perf_counter()
+                if id(req) not in decoding:
+                    self._event("prefill_done", req, f"cached_tokens={req.cached_tokens}")
+            req.output_ids.append(int(token))
+            self._append_logprobs(req, result, i)
+            req.check_finished()
+            if req.finished():
+                self._release_finished(req)
+            elif id(req) not in decoding:
+                # the prompt enters the tree now, locked while the request runs
+                self.tree_cache.cache_unfinished_req(req)
+        self.stream_output(batch.reqs, skip_stream_req)
+        self.log_prefill_stats(batch)
+
+    def process_batch_result_decode(self, batch: ScheduleBatch, result: Any) -> None:
+        next_token_ids = result.next_token_ids.tolist()
+        self.token_to_kv_pool_allocator.free_group_begin()
+        for i, (req, token) in enumerate(zip(batch.reqs, next_token_ids)):
+            if req.finished() or req.is_retracted:
+                continue
+            req.output_ids.append(int(token))
+            self._append_logprobs(req, result, i)
+            req.check_finished()
+            if req.finished():
+                self._release_finished(req)
+        self.stream_output(batch.reqs)
+        self.token_to_kv_pool_allocator.free_group_end()
+        self.forward_ct_decode += 1
+        self.num_generated_tokens += len(batch.reqs)
+        if self.forward_ct_decode % self.server_args.decode_log_interval == 0:
+            self.log_decode_stats(batch)
+
+    def _append_logprobs(self, req: Req, result: Any, i: int) -> None:
+        if not req.return_logprob or result.next_token_logprobs is None:
+            return
+        req.output_token_logprobs_val.append(float(result.next_token_logprobs[i]))
+        req.output_token_logprobs_idx.append(req.output_ids[-1])
+        if req.top_logprobs_num > 0 and result.top_logprobs_val is not None:
+            vals, idxs = result.top_logprobs_val[i], result.top_logprobs_idx[i]
+            req.output_top_logprobs_val.append([float(v) for v in (vals.tolist() if torch.is_tensor(vals) else vals)])
+            req.output_top_logprobs_idx.append([int(v) for v in (idxs.tolist() if torch.is_tensor(idxs) else idxs)])
+
+    def _release_finished(self, req: Req) -> None:
+        """Finished: KV of origin + output[:-1] goes into the tree, the row is freed."""
+        release_kv_cache(req, self.tree_cache, self.req_to_token_pool)
+        req.time_stats.completion_time = time.perf_counter()
+        finish = req.finished_reason.to_json()
+        self._event("abort" if finish["type"] == "abort" else "finish", req, json.dumps(finish))
+        self._record_finished(req)
+
+    def _record_finished(self, req: Req) -> None:
+        self.finished_records.append(
+            {
+                "rid": req.rid,
+                "finish_reason": req.finished_reason.to_json(),
+                "output_len": len(req.output_ids_through_stop),
+                **req.time_stats.to_ms_dict(),
+            }
+        )
+
+    # ------------------------------------------------------------------ streaming
+    def _should_stream(self, req: Req) -> bool:
+        if req.finished():
+            return not req.finished_output
+        n = len(req.output_ids)
+        if n == 0:
+            return False
+        if req.stream:
+            interval = req.sampling_params.stream_interval or self.server_args.stream_interval
+            due = n % interval == 1 if interval > 1 else n % interval == 0
+            # hold back while the tail could still become a stop string
+            return due and not req.check_match_stop_str_prefix()
+        return n % DEFAULT_FORCE_STREAM_INTERVAL == 0
+
+    def stream_output(self, reqs: List[Req], skip_req: Optional[Req] = None) -> None:
+        """Collect one BatchTokenIDOutput for every request that emits this step."""
+        emitting = [r for r in reqs if r is not skip_req and self._should_stream(r)]
+        if not emitting:
+            return
+        out = BatchTokenIDOutput(
+            rids=[], finished_reasons=[], decode_ids=[], read_offsets=[], output_ids=[], skip_special_tokens=[],
+            spaces_between_special_tokens=[], no_stop_trim=[], stop_strs=[], prompt_tokens=[],
+            completion_tokens=[], cached_tokens=[],
+        )  # fmt: skip
+        for req in emitting:
+            if req.finished():
+                req.finished_output = True
+            decode_ids, read_offset = req.init_incremental_detokenize()
+            through_stop = req.output_ids_through_stop
+            start, end = req.send_token_offset, len(through_stop)
+            params = req.sampling_params
+            out.rids.append(req.rid)
+            out.finished_reasons.append(req.finished_reason.to_json() if req.finished() else None)
+            out.decode_ids.append(list(decode_ids[req.send_decode_id_offset :]))
+            out.read_offsets.append(read_offset)
+            out.output_ids.append(list(through_stop[start:end]))
+            out.skip_special_tokens.append(params.skip_special_tokens)
+            out.spaces_between_special_tokens.append(params.spaces_between_special_tokens)
+            out.no_stop_trim.append(params.no_stop_trim)
+            out.stop_strs.append(list(params.stop_strs))
+            out.prompt_tokens.append(len(req.origin_input_ids))
+            out.completion_tokens.append(len(through_stop))
+            out.cached_tokens.append(req.cached_tokens)
+            out.output_token_logprobs_val.append(req.output_token_logprobs_val[start:end])
+            out.output_token_logprobs_idx.append(req.output_token_logprobs_idx[start:end])
+            out.output_top_logprobs_val.append(req.output_top_logprobs_val[start:end])
+            out.output_top_logprobs_idx.append(req.output_top_logprobs_idx[start:end])
+            out.time_stats.append(req.time_stats.to_ms_dict())
+            req.send_decode_id_offset = len(decode_ids)
+            req.send_token_offset = end
+        self._outputs.append(out)
+
+    # ------------------------------------------------------------------ logs
+    def _token_usage(self) -> tuple[int, float]:
+        """Locked (protected) tree nodes count as used, as in SGLang."""
+        num_used = self.max_total_num_tokens - (
+            self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size()
+        )
+        return num_used, num_used / self.max_total_num_tokens
+
+    def _graph_label(self) -> str:
+        return "cuda graph" if str(self.model_runner.device).startswith("cuda") else "cpu graph"
+
+    def log_prefill_stats(self, batch: ScheduleBatch) -> None:
+        stats = batch.prefill_stats
+        if stats is None:
+            return
+        now = time.perf_counter()
+        throughput = stats["log_input_tokens"] / max(now - self.last_prefill_log_time, 1e-9)
+        self.last_prefill_log_time = now
+        self.total_hit_tokens += stats["log_hit_tokens"]
+        self.total_input_tokens += stats["log_input_tokens"]
+        _, usage = self._token_usage()
+        self.log_line = (
+            f"Prefill batch, #new-seq: {stats['num_new_seqs']}, #new-token: {stats['log_input_tokens']}, "
+            f"#cached-token: {stats['log_hit_tokens']}, token usage: {usage:.2f}, "
+            f"#running-req: {stats['running_bs']}, #queue-req: {len(self.waiting_queue)}, "
+            f"input throughput (token/s): {throughput:.2f}, {self._graph_label()}: False"
+        )
+        logger.info(self.log_line)
+
+    def log_decode_stats(self, batch: ScheduleBatch) -> None:
+        now = time.perf_counter()
+        gen_throughput = self.num_generated_tokens / max(now - self.last_decode_log_time, 1e-9)
+        self.last_decode_log_time, self.num_generated_tokens = now, 0
+        num_used, usage = self._token_usage()
+        self.log_line = (
+            f"Decode batch, #running-req: {batch.batch_size()}, #token: {num_used}, token usage: {usage:.2f}, "
+            f"{self._graph_label()}: False, gen throughput (token/s): {gen_throughput:.2f}, "
+            f"#queue-req: {len(self.waiting_queue)}"
+        )
+        logger.info(self.log_line)
+
+    # ------------------------------------------------------------------ snapshot
+    def snapshot(self) -> Dict[str, Any]:
+        """The scheduler's state after the last step, JSON-ready (schema: docs/snapshot.md)."""
+        now = time.perf_counter()
+        batch = self.cur_batch
+        mode = batch.forward_mode.name if batch is not None else ForwardMode.IDLE.name
+        available = self.token_to_kv_pool_allocator.available_size()
+        evictable = self.tree_cache.evictable_size()
+        protected = self.tree_cache.protected_size()
+        summary = self.tree_cache.summary(max_nodes=64)
+        return {
+            "step": self.forward_ct,
+            "time": time.time(),
+            "forward_mode": mode,
+            "log_line": self.log_line,
+            "waiting_queue": [
+                {
+                    "rid": r.rid,
+                    "input_len": len(r.origin_input_ids),
+                    "prefix_len": len(r.prefix_indices),
+                    "output_len": len(r.output_ids),
+                    "waited_ms": (now - r.time_stats.wait_queue_entry_time) * 1e3,
+                    "retracted": r.is_retracted,
+                    "retraction_count": r.retraction_count,
+                }
+                for r in self.waiting_queue
+            ],
+            "chunked_req": self._chunked_req_snapshot(),
+            "batch": None if batch is None else {"forward_mode": mode, "reqs": self._batch_reqs_snapshot(batch)},
+            "running_batch": [
+                {"rid": r.rid, "input_len": len(r.origin_input_ids), "output_len": len(r.output_ids),
+                 "max_new_tokens": r.sampling_params.max_new_tokens}
+                for r in self._decoding_reqs()
+            ],  # fmt: skip
+            "adder": self.adder_record,
+            "memory": {
+                "total": self.max_total_num_tokens,
+                "available": available,
+                "evictable": evictable,
+                "protected": protected,
+                "used": self.max_total_num_tokens - available - evictable,
+                "page_size": self.page_size,
+                "req_slots_total": self.req_to_token_pool.size,
+                "req_slots_free": self.req_to_token_pool.available_size(),
+            },
+            "radix": summary,
+            "new_token_ratio": self.new_token_ratio,
+            "events": list(self.events),
+            "finished": list(self.finished_records),
+        }
+
+    def _num_chunks(self, req: Req) -> int:
+        """Chunks of the current prefill round: done so far + what the rest still needs."""
+        remaining = req.seqlen - len(req.fill_ids) if req is self.chunked_req else 0
+        size = self.chunked_prefill_size or max(remaining, 1)
+        return req.num_chunks_done + -(-remaining // size)
+
+    def _chunked_req_snapshot(self) -> Optional[Dict[str, Any]]:
+        req = self.chunked_req
+        if req is None:
+            return None
+        return {"rid": req.rid, "done_tokens": len(req.fill_ids), "total_tokens": req.seqlen,
+                "chunk_index": req.num_chunks_done, "num_chunks": self._num_chunks(req)}  # fmt: skip
+
+    def _batch_reqs_snapshot(self, batch: ScheduleBatch) -> List[Dict[str, Any]]:
+        decoding = {id(r) for r in batch.decoding_reqs or []}
+        out = []
+        for i, r in enumerate(batch.reqs):
+            is_decode = batch.forward_mode.is_decode() or id(r) in decoding
+            out.append(
+                {
+                    "rid": r.rid,
+                    "extend_len": batch.extend_lens[i] if i < len(batch.extend_lens) else 1,
+                    "prefix_len": batch.prefix_lens[i] if i < len(batch.prefix_lens) else 0,
+                    "is_chunked": r.is_chunked,
+                    "chunk_index": 0 if is_decode else r.num_chunks_done,
+                    "num_chunks": 0 if is_decode else self._num_chunks(r),
+                    "is_decode": is_decode,
+                    "output_len": len(r.output_ids),
+                    "max_new_tokens": r.sampling_params.max_new_tokens,
+                }
+            )
+        return out
+
+    def _decoding_reqs(self) -> List[Req]:
+        """Requests that will decode next: the running batch plus the just-prefilled ones."""
+        reqs = [r for r in self.running_batch.reqs if not r.finished()]
+        if self.last_batch is not None and self.last_batch.forward_mode.is_extend():
+            known = {id(r) for r in reqs}
+            reqs += [
+                r for r in self.last_batch.reqs
+                if not r.finished() and r is not self.chunked_req and id(r) not in known
+                and r.sampling_params.max_new_tokens > 0
+            ]  # fmt: skip
+        return reqs
+
+
+# --------------------------------------------------------------------------- the process shell
+def event_loop_normal(scheduler: Scheduler, recv_from_tokenizer: Any, send_to_detokenizer: Any,
+                      send_to_tokenizer: Any, publish_snapshot: Any = None) -> None:  # fmt: skip
+    """recv everything pending -> process -> one step -> send; block on recv when idle."""
+    import zmq
+
+    from minisgl.managers.io_struct import SchedulerSnapshotOut, decode, encode
+
+    while True:
+        recv_reqs = []
+        if scheduler.is_idle():
+            recv_reqs.append(decode(recv_from_tokenizer.recv()))  # nothing to do: wait
+        while True:
+            try:
+                recv_reqs.append(decode(recv_from_tokenizer.recv(zmq.NOBLOCK)))
+            except zmq.ZMQError:
+                break
+        for reply in scheduler.process_input_requests(recv_reqs):
+            send_to_tokenizer.send(encode(reply))
+        for out in scheduler.pop_outputs():  # e.g. aborts of waiting requests
+            send_to_detokenizer.send(encode(out))
+        batch = scheduler.run_step()
+        for out in scheduler.pop_outputs():
+            send_to_detokenizer.send(encode(out))
+        if publish_snapshot is not None and (batch is not None or recv_reqs):
+            msg = SchedulerSnapshotOut(scheduler.forward_ct, json.dumps(scheduler.snapshot()))
+            try:
+                publish_snapshot.send(encode(msg), zmq.NOBLOCK)  # never slows scheduling
+            except zmq.ZMQError:
+                pass
+
+
+def run_scheduler_process(server_args: ServerArgs, port_args: Any, pipe_writer: Any) -> None:
+    """Child process entry: build ModelRunner + Scheduler, report ready, loop forever."""
+    import sys
+
+    import zmq
+
+    from minisgl.model_executor.model_runner import ModelRunner
+    from minisgl.utils import configure_logging, get_tokenizer, get_zmq_socket, kill_itself_when_parent_died
+
+    kill_itself_when_parent_died()
+    configure_logging(server_args.log_level, prefix="Scheduler")
+    try:
+        model_runner = ModelRunner(server_args)
+        tokenizer = get_tokenizer(server_args.tokenizer_path, server_args.trust_remote_code)
+        scheduler = Scheduler(server_args, model_runner, tokenizer)
+        context = zmq.Context(2)
+        recv_from_tokenizer = get_zmq_socket(context, zmq.PULL, port_args.scheduler_input_ipc_name, bind=True)
+        send_to_detokenizer = get_zmq_socket(context, zmq.PUSH, port_args.detokenizer_ipc_name, bind=False)
+        send_to_tokenizer = get_zmq_socket(context, zmq.PUSH, port_args.tokenizer_ipc_name, bind=False)
+        publish = None
+        if server_args.visualize:
+            publish = get_zmq_socket(context, zmq.PUB, port_args.visualizer_ipc_name, bind=True)
+            publish.setsockopt(zmq.SNDHWM, 16)
+        pipe_writer.send(
+            {
+                "status": "ready",
+                "max_total_num_tokens": scheduler.max_total_num_tokens,
+                "context_len": scheduler.model_config.context_len,
+                "vocab_size": scheduler.model_config.vocab_size,
+                "max_req_input_len": scheduler.max_req_input_len,
+            }
+        )
+    except Exception as e:  # start-up failed: say why on the pipe, exit non-zero
+        logger.exception("Scheduler failed to start")
+        pipe_writer.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
+        sys.exit(1)
+    try:
+        event_loop_normal(scheduler, recv_from_tokenizer, send_to_detokenizer, send_to_tokenizer, publish)
+    except Exception:
+        logger.exception("Scheduler hit an exception")
+        sys.exit(1)
