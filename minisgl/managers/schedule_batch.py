@@ -313,12 +313,6 @@ class Req:
 
 
 # --------------------------------------------------------------------------- memory helpers
-def evict_from_tree_cache(tree_cache: Any, allocator: "TokenToKVPoolAllocator", num_tokens: int) -> None:
-    """Evict unlocked radix leaves only when the free list alone cannot cover num_tokens."""
-    if allocator.available_size() < num_tokens:
-        tree_cache.evict(num_tokens)
-
-
 def release_kv_cache(req: Req, tree_cache: Any, req_to_token_pool: "ReqToTokenPool", is_insert: bool = True) -> None:
     """A request leaves the pool: its KV goes into the tree (or is freed), its row is freed."""
     tree_cache.cache_finished_req(req, is_insert=is_insert)
@@ -391,7 +385,7 @@ class ScheduleBatch:
 
     # ------------------------------------------------------------------ allocation
     def _alloc_token_slots(self, alloc_fn: Any, num_tokens: int, *args: Any) -> torch.Tensor:
-        evict_from_tree_cache(self.tree_cache, self.token_to_kv_pool_allocator, num_tokens)
+        self.tree_cache.evict_if_needed(num_tokens)
         out = alloc_fn(*args)
         if out is None:
             raise RuntimeError(
@@ -477,7 +471,7 @@ class ScheduleBatch:
         """Evict from the tree if needed, then: is there room for one more token each?"""
         reqs = self.reqs if selected_indices is None else [self.reqs[i] for i in selected_indices]
         num_tokens = self.new_tokens_required_next_decode(reqs)
-        evict_from_tree_cache(self.tree_cache, self.token_to_kv_pool_allocator, num_tokens)
+        self.tree_cache.evict_if_needed(num_tokens)
         return self.token_to_kv_pool_allocator.available_size() >= num_tokens
 
     def prepare_for_decode(self) -> None:
@@ -519,7 +513,7 @@ class ScheduleBatch:
         """Retract one request: free its KV without inserting it, then make decode headroom."""
         req = self.reqs[idx]
         release_kv_cache(req, self.tree_cache, self.req_to_token_pool, is_insert=False)
-        evict_from_tree_cache(self.tree_cache, self.token_to_kv_pool_allocator, remaining_count * RETRACT_DECODE_STEPS)
+        self.tree_cache.evict_if_needed(remaining_count * RETRACT_DECODE_STEPS)
         req.reset_for_retract()
 
     def retract_decode(self) -> tuple[List[Req], float]:

@@ -469,18 +469,32 @@ class Scheduler:
         self.check_memory_when_idle()
 
     def check_memory_when_idle(self) -> None:
-        self.tree_cache.check_integrity()
-        available = self.token_to_kv_pool_allocator.available_size()
-        evictable = self.tree_cache.evictable_size()
-        protected = self.tree_cache.protected_size()
-        # invariant: available + evictable + protected == total when idle, nothing protected
-        if available + evictable + protected != self.max_total_num_tokens or protected != 0:
-            raise RuntimeError(
-                f"KV slot leak detected when idle: available={available} evictable={evictable} "
-                f"protected={protected} total={self.max_total_num_tokens}"
-            )
+        """invariant: available + evictable + protected == total when idle, nothing protected."""
+        self.tree_cache.check_integrity(total=self.max_total_num_tokens)
+        if self.tree_cache.protected_size() != 0:
+            raise RuntimeError(f"{self.tree_cache.protected_size()} tree tokens still locked when idle")
         if self.req_to_token_pool.available_size() != self.req_to_token_pool.size:
             raise RuntimeError("request row leak detected when idle")
+
+    def check_integrity(self) -> None:
+        """The same conservation law at any step: slots held by live requests outside the
+        tree (their own pages past cache_protected_len) count as used."""
+        P = self.page_size
+        held = sum(
+            -(-r.kv_committed_len // P) * P - r.cache_protected_len for r in self._reqs_holding_rows()
+        )
+        available = self.token_to_kv_pool_allocator.available_size() + held
+        self.tree_cache.check_integrity(available_size=available, total=self.max_total_num_tokens)
+
+    def _reqs_holding_rows(self) -> List[Req]:
+        reqs: Dict[int, Req] = {}
+        for batch in (self.running_batch, self.last_batch):
+            for r in batch.reqs if batch is not None else []:
+                if r.req_pool_idx is not None:
+                    reqs[id(r)] = r
+        if self.chunked_req is not None and self.chunked_req.req_pool_idx is not None:
+            reqs[id(self.chunked_req)] = self.chunked_req
+        return list(reqs.values())
 
     # ------------------------------------------------------------------ results
     def process_batch_result(self, batch: ScheduleBatch, result: Any) -> None:

@@ -1,0 +1,248 @@
+"""Engine: the whole serving stack in one process and one thread, no sockets (DESIGN.md).
+
+Where it sits: the in-process twin of the server. It runs the same objects the server's
+processes run, with direct calls in place of ZMQ:
+
+    generate / add_request --tokenize_one_request--> TokenizedGenerateReqInput
+        --Scheduler.process_input_requests--> Req in waiting_queue
+    step(): Scheduler.run_step() --pop_outputs--> BatchTokenIDOutput
+        --DetokenizerManager.handle_batch_token_id_out--> BatchStrOutput --> per-rid state
+
+`step()` runs exactly one scheduler iteration and returns `snapshot()` (docs/snapshot.md),
+so a notebook can watch the scheduler decide, one batch at a time.
+Owns: the ModelRunner, the Scheduler, the DetokenizerManager, one tokenizer, and a
+`_ReqState` per request submitted and not yet collected.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Union
+
+from minisgl.managers.io_struct import AbortReq, BatchStrOutput, GenerateReqInput, new_rid
+from minisgl.server_args import ServerArgs, resolve_server_args
+
+Prompt = Union[str, List[str], None]
+InputIds = Union[List[int], List[List[int]], None]
+
+
+@dataclass
+class _ReqState:
+    """What the user will get back for one rid (the Engine's ReqState)."""
+
+    rid: str
+    created_time: float
+    text: str = ""
+    output_ids: List[int] = field(default_factory=list)
+    finished: bool = False
+    meta_info: Dict[str, Any] = field(default_factory=dict)
+    first_token_time: float = 0.0
+    finished_time: float = 0.0
+    # incremental chunks not yet handed to a streaming caller
+    pending: List[Dict[str, Any]] = field(default_factory=list)
+
+
+class Engine:
+    """`Engine(model_path=None, **server_args)`: the built-in model unless a path is given."""
+
+    def __init__(self, model_path: Optional[str] = None, **kwargs: Any) -> None:
+        from minisgl.managers.detokenizer_manager import DetokenizerManager
+        from minisgl.managers.scheduler import Scheduler
+        from minisgl.model_executor.model_runner import ModelRunner
+        from minisgl.utils import get_tokenizer
+
+        self.server_args = resolve_server_args(ServerArgs(model_path=model_path, **kwargs))
+        self.model_runner = ModelRunner(self.server_args)
+        self.tokenizer = get_tokenizer(self.server_args.tokenizer_path, self.server_args.trust_remote_code)
+        self.scheduler = Scheduler(self.server_args, self.model_runner, self.tokenizer)
+        self.detokenizer = DetokenizerManager(self.server_args)
+        self.vocab_size: int = self.model_runner.model_config.vocab_size
+        self.rid_to_state: Dict[str, _ReqState] = {}
+
+    # ------------------------------------------------------------------ submission
+    def add_request(
+        self,
+        prompt: Optional[str] = None,
+        sampling_params: Optional[Dict[str, Any]] = None,
+        input_ids: Optional[List[int]] = None,
+        stream: bool = False,
+        rid: Optional[str] = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+    ) -> str:
+        """Tokenize one request and queue it in the scheduler; returns its rid."""
+        from minisgl.managers.tokenization import tokenize_one_request
+
+        params = dict(sampling_params or {})
+        if params.get("n", 1) != 1:
+            raise ValueError("add_request takes one request; use generate(..., sampling_params={'n': k}) for n > 1")
+        obj = GenerateReqInput(
+            text=prompt, input_ids=input_ids, sampling_params=params, rid=rid or new_rid(),
+            return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,
+        )  # fmt: skip
+        obj.normalize_batch_and_arguments()
+        if not obj.is_single:
+            raise ValueError("add_request takes a single prompt; pass a list to generate()")
+        if obj.rid in self.rid_to_state:
+            raise ValueError(f"rid {obj.rid!r} is already in flight")
+        tokenized = tokenize_one_request(self.tokenizer, obj, self.vocab_size)
+        self.rid_to_state[obj.rid] = _ReqState(rid=obj.rid, created_time=time.perf_counter())
+        self.scheduler.process_input_requests([tokenized])
+        self._drain_outputs()  # a request rejected at the gate (queue full) finishes here
+        return obj.rid
+
+    def _submit(
+        self, prompt: Prompt, sampling_params: Any, input_ids: InputIds, stream: bool, **kwargs: Any
+    ) -> tuple[List[str], bool]:
+        """Fan a generate() call out into single requests (n copies each). Returns (rids, single)."""
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("Exactly one of `prompt` and `input_ids` must be given")
+        if prompt is not None:
+            single = isinstance(prompt, str)
+            prompts: List[Any] = [prompt] if single else list(prompt)
+            key = "prompt"
+        else:
+            single = len(input_ids) == 0 or not isinstance(input_ids[0], list)
+            prompts = [input_ids] if single else list(input_ids)
+            key = "input_ids"
+        params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"`sampling_params` must have {len(prompts)} entries for {len(prompts)} prompts")
+        rids: List[str] = []
+        for p, params in zip(prompts, params_list):
+            params = dict(params or {})
+            n = params.pop("n", 1)
+            if n < 1:
+                raise ValueError(f"n must be >= 1, got {n}")
+            for _ in range(n):
+                rids.append(self.add_request(**{key: p}, sampling_params=params, stream=stream, **kwargs))
+        return rids, single and len(rids) == 1
+
+    def generate(
+        self,
+        prompt: Prompt = None,
+        sampling_params: Optional[Union[Dict[str, Any], List[Dict[str, Any]]]] = None,
+        input_ids: InputIds = None,
+        stream: bool = False,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+    ) -> Any:
+        """SGLang's shapes: one prompt -> dict; a list (or n > 1) -> list; stream -> iterator."""
+        rids, single = self._submit(
+            prompt, sampling_params, input_ids, stream, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num
+        )
+        if stream:
+            return self._stream(rids, single)
+        while not all(self.rid_to_state[r].finished for r in rids):
+            self.step()
+        results = [self._pop_result(r) for r in rids]
+        return results[0] if single else results
+
+    def _stream(self, rids: List[str], single: bool) -> Iterator[Dict[str, Any]]:
+        """Incremental dicts (text and output_ids deltas) as the scheduler produces them."""
+        while True:
+            for index, rid in enumerate(rids):
+                state = self.rid_to_state[rid]
+                for chunk in state.pending:
+                    yield chunk if single else {**chunk, "index": index}
+                state.pending.clear()
+            if all(self.rid_to_state[r].finished for r in rids):
+                break
+            self.step()
+        for rid in rids:
+            self.rid_to_state.pop(rid)
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> Dict[str, Any]:
+        """One scheduler iteration; returns the snapshot of the scheduler after it."""
+        self.scheduler.run_step()
+        self._drain_outputs()
+        return self.scheduler.snapshot()
+
+    def snapshot(self) -> Dict[str, Any]:
+        return self.scheduler.snapshot()
+
+    def has_unfinished_requests(self) -> bool:
+        return any(not s.finished for s in self.rid_to_state.values())
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> int:
+        """Step until every submitted request finished; returns the number of steps."""
+        steps = 0
+        while self.has_unfinished_requests():
+            if steps >= max_steps:
+                raise RuntimeError(f"requests still unfinished after {max_steps} steps")
+            self.step()
+            steps += 1
+        return steps
+
+    def _drain_outputs(self) -> None:
+        for out in self.scheduler.pop_outputs():
+            self._handle_str_output(self.detokenizer.handle_batch_token_id_out(out))
+
+    def _handle_str_output(self, out: BatchStrOutput) -> None:
+        now = time.perf_counter()
+        for i, rid in enumerate(out.rids):
+            state = self.rid_to_state.get(rid)
+            if state is None:
+                continue  # collected already (e.g. aborted by the caller)
+            state.text += out.output_strs[i]
+            state.output_ids.extend(out.output_ids[i])
+            if out.output_ids[i] and not state.first_token_time:
+                state.first_token_time = now
+            finish = out.finished_reasons[i]
+            state.meta_info = {
+                "id": rid,
+                "prompt_tokens": out.prompt_tokens[i],
+                "completion_tokens": out.completion_tokens[i],
+                "cached_tokens": out.cached_tokens[i],
+                "finish_reason": finish,
+                **(out.time_stats[i] if i < len(out.time_stats) else {}),
+            }
+            if out.output_token_logprobs_val and out.output_token_logprobs_val[i]:
+                logprobs = state.meta_info.setdefault("output_token_logprobs", [])
+                logprobs.extend(zip(out.output_token_logprobs_val[i], out.output_token_logprobs_idx[i]))
+            if finish is not None:
+                state.finished = True
+                state.finished_time = now
+            state.meta_info["e2e_latency"] = (now - state.created_time) if state.finished else None
+            state.meta_info["ttft"] = (state.first_token_time - state.created_time) if state.first_token_time else None
+            state.pending.append(
+                {"text": out.output_strs[i], "output_ids": list(out.output_ids[i]), "meta_info": dict(state.meta_info)}
+            )
+
+    def _pop_result(self, rid: str) -> Dict[str, Any]:
+        state = self.rid_to_state.pop(rid)
+        return {"text": state.text, "output_ids": state.output_ids, "meta_info": state.meta_info}
+
+    def get_result(self, rid: str) -> Dict[str, Any]:
+        """The result of a finished request started with add_request (and forget it)."""
+        if not self.rid_to_state[rid].finished:
+            raise ValueError(f"request {rid!r} has not finished; call step() until it does")
+        return self._pop_result(rid)
+
+    # ------------------------------------------------------------------ control
+    def abort(self, rid: str) -> None:
+        """Abort a request (waiting, mid-chunk or running); its result carries finish type abort."""
+        self.scheduler.abort_request(AbortReq(rid=rid))
+        self._drain_outputs()
+
+    def flush_cache(self) -> bool:
+        return self.scheduler.flush_cache().success
+
+    def get_load(self) -> Any:
+        return self.scheduler.get_load()
+
+    def shutdown(self) -> None:
+        """Abort everything in flight and drop the model (an Engine is single-use after this)."""
+        if self.has_unfinished_requests():
+            self.scheduler.abort_request(AbortReq(abort_all=True))
+            self.run_until_idle()
+        self.rid_to_state.clear()
+        self.model_runner = None  # type: ignore[assignment]
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
