@@ -37,7 +37,6 @@ class _ReqState:
     output_ids: List[int] = field(default_factory=list)
     finished: bool = False
     meta_info: Dict[str, Any] = field(default_factory=dict)
-    first_token_time: float = 0.0
     finished_time: float = 0.0
     # incremental chunks not yet handed to a streaming caller
     pending: List[Dict[str, Any]] = field(default_factory=list)
@@ -188,8 +187,6 @@ class Engine:
                 continue  # collected already (e.g. aborted by the caller)
             state.text += out.output_strs[i]
             state.output_ids.extend(out.output_ids[i])
-            if out.output_ids[i] and not state.first_token_time:
-                state.first_token_time = now
             finish = out.finished_reasons[i]
             state.meta_info = {
                 "id": rid,
@@ -206,7 +203,10 @@ class Engine:
                 state.finished = True
                 state.finished_time = now
             state.meta_info["e2e_latency"] = (now - state.created_time) if state.finished else None
-            state.meta_info["ttft"] = (state.first_token_time - state.created_time) if state.first_token_time else None
+            # a non-streaming request emits only at the end, so its TTFT is the scheduler's
+            # queue + schedule + forward (prefill_finished - recv), as SGLang 0.5.23 reports
+            ttft_ms = state.meta_info.get("ttft_ms")
+            state.meta_info["ttft"] = ttft_ms / 1e3 if ttft_ms is not None else None
             state.pending.append(
                 {"text": out.output_strs[i], "output_ids": list(out.output_ids[i]), "meta_info": dict(state.meta_info)}
             )
