@@ -138,7 +138,11 @@ def test_cjk_streams_each_character_as_soon_as_complete(mgr: DetokenizerManager)
         assert shown == tok.decode(out_ids[: i + 1]).rstrip("\ufffd")
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.function_scoped_fixture],
+)
 @given(
     ids=st.lists(st.integers(min_value=0, max_value=2047), min_size=1, max_size=24),
     seed=st.integers(min_value=0, max_value=10_000),
@@ -273,7 +277,8 @@ def test_interleaved_requests_in_one_batch(mgr: DetokenizerManager) -> None:
         for rid, ids in (("a", a), ("b", b)):
             if i < len(ids):
                 done = i == len(ids) - 1
-                rows.append(dict(rid=rid, decode_ids=[ids[i]], finished_reason={"type": "length", "length": len(ids)} if done else None))
+                reason = {"type": "length", "length": len(ids)} if done else None
+                rows.append(dict(rid=rid, decode_ids=[ids[i]], finished_reason=reason))
         out = mgr.handle_batch_token_id_out(token_msg(rows))
         for rid, s in zip(out.rids, out.output_strs):
             got[rid] += s

@@ -36,7 +36,9 @@ NEG_INF = float("-inf")
 
 
 def _sampling_params() -> SamplingParams:
-    p = SamplingParams.from_dict({"temperature": 0.0, "max_new_tokens": 7, "stop": ["\n\n", "终"], "stop_token_ids": [5, 2], "seed": 3})
+    p = SamplingParams.from_dict(
+        {"temperature": 0.0, "max_new_tokens": 7, "stop": ["\n\n", "终"], "stop_token_ids": [5, 2], "seed": 3}
+    )
     p.normalize()
     return p
 
@@ -47,7 +49,10 @@ SAMPLES: Dict[str, Any] = {
         return_logprob=True, logprob_start_len=0, top_logprobs_num=2, stream=True, priority=-1, created_time=1.5,
     ),  # fmt: skip
     "SamplingParams": _sampling_params(),
-    "AbortReq": AbortReq(rid="r1", abort_all=False, finished_reason={"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}),
+    "AbortReq": AbortReq(
+        rid="r1", abort_all=False,
+        finished_reason={"type": "abort", "message": "Aborted", "status_code": None, "err_type": None},
+    ),  # fmt: skip
     "FlushCacheReqInput": FlushCacheReqInput(),
     "FlushCacheReqOutput": FlushCacheReqOutput(success=False, message="requests are running"),
     "GetLoadReqInput": GetLoadReqInput(),

@@ -244,7 +244,9 @@ class DetokenizerManager:
         s = self.decode_status.get(rid)
         if s is None:
             # First emission: decode_ids = left context + output, read_offset = output start.
-            s = DecodeStatus(decoded_text="", decode_ids=list(recv.decode_ids[i]), surr_offset=0, read_offset=recv.read_offsets[i])
+            s = DecodeStatus(
+                decoded_text="", decode_ids=list(recv.decode_ids[i]), surr_offset=0, read_offset=recv.read_offsets[i]
+            )
             self.decode_status[rid] = s
             if len(self.decode_status) > DETOKENIZER_MAX_STATES:
                 old_rid, _ = self.decode_status.popitem(last=False)
