@@ -231,6 +231,7 @@ class Scheduler:
     def flush_cache(self) -> FlushCacheReqOutput:
         if not self.is_idle():
             return FlushCacheReqOutput(False, "Cache not flushed because there are pending requests.")
+        self.running_batch.filter_batch()
         self.tree_cache.reset()
         self.token_to_kv_pool_allocator.clear()
         self.req_to_token_pool.clear()
@@ -266,7 +267,9 @@ class Scheduler:
             and self.last_batch.forward_mode.is_extend()
             and any(not r.finished() for r in self.last_batch.reqs)
         )
-        return not self.waiting_queue and self.running_batch.is_empty() and self.chunked_req is None and not just_prefilled
+        # finished requests linger in running_batch until the next filter_batch; they hold nothing
+        running = any(not r.finished() for r in self.running_batch.reqs)
+        return not self.waiting_queue and not running and self.chunked_req is None and not just_prefilled
 
     # ------------------------------------------------------------------ one iteration
     def run_step(self) -> Optional[ScheduleBatch]:

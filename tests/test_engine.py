@@ -1,0 +1,87 @@
+"""Engine API: SGLang's shapes for generate (single, list, stream, n), step() and snapshot()."""
+
+from __future__ import annotations
+
+import pytest
+
+from minisgl import Engine
+
+GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+SNAPSHOT_KEYS = {
+    "step", "time", "forward_mode", "log_line", "waiting_queue", "chunked_req", "batch", "running_batch",
+    "adder", "memory", "radix", "new_token_ratio", "events", "finished",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    with Engine(tiny_model, device="cpu", max_total_tokens=2048) as e:
+        yield e
+
+
+def test_generate_single_returns_sglang_dict(engine):
+    out = engine.generate("The quick brown fox", GREEDY)
+    assert set(out) == {"text", "output_ids", "meta_info"}
+    meta = out["meta_info"]
+    assert len(out["output_ids"]) == 6 and meta["completion_tokens"] == 6
+    assert meta["finish_reason"] == {"type": "length", "length": 6}
+    assert meta["prompt_tokens"] == len(engine.tokenizer.encode("The quick brown fox", add_special_tokens=False))
+    assert meta["e2e_latency"] > 0 and 0 < meta["ttft"] <= meta["e2e_latency"]
+    assert out["text"] == engine.tokenizer.decode(out["output_ids"])
+
+
+def test_generate_list_and_input_ids(engine):
+    outs = engine.generate(["one", "two three"], GREEDY)
+    assert isinstance(outs, list) and len(outs) == 2
+    ids = engine.tokenizer.encode("one", add_special_tokens=False)
+    assert engine.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"] == outs[0]["output_ids"]
+
+
+def test_stream_deltas_concatenate_to_the_full_answer(engine):
+    full = engine.generate("streaming text", GREEDY)
+    chunks = list(engine.generate("streaming text", GREEDY, stream=True))
+    assert len(chunks) == 6  # stream_interval 1: one chunk per token
+    assert "".join(c["text"] for c in chunks) == full["text"]
+    assert sum((c["output_ids"] for c in chunks), []) == full["output_ids"]
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_n_fans_out_into_n_requests(engine):
+    outs = engine.generate("same prompt", {**GREEDY, "n": 2})
+    assert len(outs) == 2 and outs[0]["output_ids"] == outs[1]["output_ids"]
+    assert outs[0]["meta_info"]["id"] != outs[1]["meta_info"]["id"]
+
+
+def test_step_and_snapshot_follow_the_documented_schema(engine):
+    rid = engine.add_request("step by step", GREEDY)
+    snap = engine.step()
+    assert set(snap) == SNAPSHOT_KEYS
+    assert snap["forward_mode"] == "EXTEND" and snap["batch"]["reqs"][0]["rid"] == rid
+    assert snap["log_line"].startswith("Prefill batch, #new-seq: 1, #new-token: ")
+    assert set(snap["memory"]) == {"total", "available", "evictable", "protected", "used", "page_size",
+                                   "req_slots_total", "req_slots_free"}  # fmt: skip
+    assert snap["adder"]["stop_reason"] == "QUEUE_EMPTY" and snap["adder"]["admitted"] == [rid]
+    assert set(snap["radix"]) >= {"num_nodes", "total_tokens", "evictable", "protected", "tree"}
+    snap = engine.step()
+    assert snap["forward_mode"] == "DECODE" and [r["rid"] for r in snap["running_batch"]] == [rid]
+    engine.run_until_idle()
+    assert engine.snapshot()["finished"][0]["rid"] == rid
+    assert set(engine.snapshot()["finished"][0]) >= {"finish_reason", "queue_ms", "schedule_ms", "forward_ms", "ttft_ms"}
+    engine.get_result(rid)
+    assert engine.step()["forward_mode"] == "IDLE"  # idle step also runs the leak check
+
+
+def test_flush_cache_and_load(engine):
+    engine.generate("fill the cache", GREEDY)
+    assert engine.get_load().evictable_tokens > 0
+    assert engine.flush_cache()
+    load = engine.get_load()
+    assert load.evictable_tokens == 0 and load.available_tokens == load.max_total_num_tokens
+
+
+def test_add_request_rejects_n_and_bad_params(engine):
+    with pytest.raises(ValueError, match="n > 1"):
+        engine.add_request("x", {"n": 2})
+    with pytest.raises(ValueError, match="top_p"):
+        engine.add_request("x", {"top_p": 2.0})
