@@ -252,7 +252,9 @@ def _from_jsonable(obj: Any) -> Any:
         return [_from_jsonable(x) for x in obj]
     if isinstance(obj, dict):
         if "__type__" in obj:
-            cls = _MESSAGE_TYPES[obj["__type__"]]
+            cls = _MESSAGE_TYPES.get(obj["__type__"])
+            if cls is None:
+                raise TypeError(f"{obj['__type__']!r} is not a registered io_struct message type")
             return cls(**{k: _from_jsonable(v) for k, v in obj.items() if k != "__type__"})
         return {k: _from_jsonable(v) for k, v in obj.items()}
     return obj
