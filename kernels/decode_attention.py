@@ -92,7 +92,9 @@ def _decode_stage1_kernel(
     offs_d = tl.arange(0, HEAD_DIM)  # [D]
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_g[:, None], other=0.0)
     if UPCAST:
-        q = q.to(tl.float32)  # [BLOCK_H, D]
+        q = q.to(tl.float32)
+    else:
+        q = q.to(K_Buffer.dtype.element_ty)  # tl.dot needs both operands in one dtype
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max score per head
     l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp(score - m_i)

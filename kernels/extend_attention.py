@@ -106,6 +106,8 @@ def _extend_attention_kernel(
     q = tl.load(q_ptrs, mask=mask_m[:, None], other=0.0)  # [BLOCK_M, D]
     if UPCAST:
         q = q.to(tl.float32)
+    else:
+        q = q.to(K_Buffer.dtype.element_ty)  # tl.dot needs both operands in one dtype
     pos_q = prefix_len + offs_m  # [BLOCK_M] absolute position of each query
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)

@@ -7,7 +7,9 @@ the triton backend is on. In: x [N, H] (the sublayer output), the running residu
     residual_out = x + residual          (x when residual is None)
     out = residual_out / sqrt(mean(residual_out^2) + eps) * weight
 
-computed in fp32, both outputs stored in x.dtype.
+computed in fp32 and stored in x.dtype. To match Hugging Face's LlamaRMSNorm bit for
+bit in bf16, the kernel rounds where HF does: the sum to x.dtype before the norm,
+and the normalised row to x.dtype before the weight multiply.
 
 Bound: memory. Unfused, torch reads x and residual, writes the sum, reads it back for
 the norm and writes the output: 5 * N * H elements. Fused, each row is read once and
@@ -29,10 +31,11 @@ from .common import FLOAT_DTYPES, check_tensor
 def fused_add_rmsnorm_ref(
     x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference, in fp32 (the same math as HF's LlamaRMSNorm after the residual add)."""
-    h = x.float() if residual is None else x.float() + residual.float()  # [N, H]
-    out = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()
-    return out.to(x.dtype), h.to(x.dtype)
+    """Torch reference: HF's LlamaRMSNorm after the residual add (statistics in fp32)."""
+    residual_out = x if residual is None else (x.float() + residual.float()).to(x.dtype)  # [N, H]
+    h = residual_out.float()
+    normed = (h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps)).to(x.dtype)  # [N, H]
+    return (normed.float() * weight.float()).to(x.dtype), residual_out
 
 
 @triton.jit
@@ -57,11 +60,14 @@ def _fused_add_rmsnorm_kernel(
     h = tl.load(X + i * stride_x + offs, mask=mask, other=0.0).to(tl.float32)  # [BLOCK]
     if HAS_RESIDUAL:
         h += tl.load(Residual + i * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Residual_out + i * stride_ro + offs, h.to(Residual_out.dtype.element_ty), mask=mask)
+    h = h.to(Residual_out.dtype.element_ty)  # round the sum to the model dtype, as HF does
+    tl.store(Residual_out + i * stride_ro + offs, h, mask=mask)
+    h = h.to(tl.float32)
     # masked lanes hold 0, so the sum over BLOCK is the sum over H
     rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
+    normed = (h * rstd).to(Out.dtype.element_ty).to(tl.float32)  # HF rounds before the weight
     w = tl.load(Weight + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Out + i * stride_o + offs, (h * rstd * w).to(Out.dtype.element_ty), mask=mask)
+    tl.store(Out + i * stride_o + offs, (normed * w).to(Out.dtype.element_ty), mask=mask)
 
 
 def fused_add_rmsnorm(
