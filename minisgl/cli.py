@@ -36,7 +36,7 @@ def _build_parser() -> argparse.ArgumentParser:
 def _generate(args: argparse.Namespace) -> int:
     from minisgl import Engine
 
-    engine = Engine(ServerArgs(model_path=args.model_path, device=args.device))
+    engine = Engine(args.model_path, device=args.device)
     try:
         out = engine.generate(args.prompt, {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature})
     finally:

@@ -224,6 +224,7 @@ def _spawn_children(server_args: ServerArgs, port_args: PortArgs) -> Tuple[List[
         writer.close()
         procs.append(proc)
         readers.append(reader)
+        print(f"minisgl {name} pid={proc.pid}", flush=True)  # lets operators (and tests) find each process
     return procs, readers
 
 

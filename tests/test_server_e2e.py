@@ -1,0 +1,374 @@
+"""End-to-end: `python -m minisgl serve` as real processes, driven by the official openai client.
+
+Two servers per module (each started once): `server` with default flags, and
+`server_dyn` with --enable-dynamic-batch-tokenizer and --api-key. The oracle for text is
+the in-process Engine on the same tiny model, greedy. The last test kills server_dyn's
+scheduler and expects the server to exit non-zero within seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Dict, Iterator, List
+
+import httpx
+import openai
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+MAX_TOKENS = 8
+PROMPTS = ["The quick brown fox", "def main():", "Python lists are", "In the beginning"]
+
+
+class Server:
+    def __init__(self, model: str, log_path: str, *flags: str) -> None:
+        env = dict(os.environ, MINISGL_REQUEST_STATE_WAIT_TIMEOUT="0.5", HF_HUB_OFFLINE="1")
+        cmd = [sys.executable, "-m", "minisgl", "serve", "--model", model, "--port", "0", "--device", "cpu",
+               "--max-total-tokens", "8192", "--log-level", "warning", *flags]  # fmt: skip
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.model = model
+        self.url = self._wait_ready(timeout=180)
+        self.pids = {name: int(pid) for name, pid in re.findall(r"minisgl (\w+) pid=(\d+)", self._read_log())}
+
+    def _read_log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def _wait_ready(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = re.search(r"ready at (http://[\d.]+:\d+)", self._read_log())
+            if m:
+                return m.group(1)
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self._read_log()}")
+            time.sleep(0.2)
+        raise RuntimeError(f"server not ready after {timeout}s:\n{self._read_log()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    s = Server(tiny_model, str(tmp_path_factory.mktemp("srv") / "server.log"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def server_dyn(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = str(tmp_path_factory.mktemp("srv") / "server_dyn.log")
+    s = Server(tiny_model, log, "--enable-dynamic-batch-tokenizer", "--api-key", "sekret")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model: str) -> Iterator[Any]:
+    from minisgl import Engine
+
+    eng = Engine(tiny_model, device="cpu", max_total_tokens=8192)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(engine: Any) -> Dict[str, Any]:
+    """Greedy Engine outputs for the raw prompts and their chat renderings."""
+    ref: Dict[str, Any] = {}
+    for p in PROMPTS:
+        chat_prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+        for key, text in (("raw", p), ("chat", chat_prompt)):
+            out = engine.generate(text, {"max_new_tokens": MAX_TOKENS, "temperature": 0})
+            ref[(key, p)] = out
+    return ref
+
+
+def _client(s: Server, **kw: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=s.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+
+
+def _aclient(s: Server, **kw: Any) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=s.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, timeout=120, **kw)
+
+
+def _chat_msgs(p: str) -> List[Dict[str, str]]:
+    return [{"role": "user", "content": p}]
+
+
+# --------------------------------------------------------------------------- text equals the Engine
+def test_chat_non_stream_matches_engine_and_counts_usage(server: Server, reference: Dict[str, Any]) -> None:
+    client = _client(server)
+    for p in PROMPTS[:2]:
+        r = client.chat.completions.create(model=server.model, messages=_chat_msgs(p), max_tokens=MAX_TOKENS, temperature=0)
+        ref = reference[("chat", p)]
+        assert r.choices[0].message.content == ref["text"]
+        assert r.choices[0].message.role == "assistant"
+        assert r.usage.prompt_tokens == ref["meta_info"]["prompt_tokens"]
+        assert r.usage.completion_tokens == ref["meta_info"]["completion_tokens"]
+        assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+        assert r.usage.prompt_tokens_details.cached_tokens >= 0
+        assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_chat_stream_async_matches_engine_with_usage_chunk(server: Server, reference: Dict[str, Any]) -> None:
+    async def run() -> None:
+        client = _aclient(server)
+        p = PROMPTS[2]
+        stream = await client.chat.completions.create(
+            model=server.model, messages=_chat_msgs(p), max_tokens=MAX_TOKENS, temperature=0,
+            stream=True, stream_options={"include_usage": True},
+        )  # fmt: skip
+        chunks = [c async for c in stream]
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        ref = reference[("chat", p)]
+        assert text == ref["text"]
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert finish == [ref["meta_info"]["finish_reason"]["type"]]
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == ref["meta_info"]["completion_tokens"]
+        assert chunks[-1].usage.prompt_tokens == ref["meta_info"]["prompt_tokens"]
+        await client.close()
+
+    asyncio.run(run())
+
+
+def test_completions_stream_and_not_match_engine(server: Server, reference: Dict[str, Any]) -> None:
+    client = _client(server)
+    p = PROMPTS[0]
+    ref = reference[("raw", p)]
+    r = client.completions.create(model=server.model, prompt=p, max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].text == ref["text"]
+    assert r.usage.completion_tokens == ref["meta_info"]["completion_tokens"]
+    text = "".join(c.choices[0].text for c in client.completions.create(
+        model=server.model, prompt=p, max_tokens=MAX_TOKENS, temperature=0, stream=True) if c.choices)  # fmt: skip
+    assert text == ref["text"]
+    echo = client.completions.create(model=server.model, prompt=p, max_tokens=MAX_TOKENS, temperature=0, echo=True)
+    assert echo.choices[0].text == p + ref["text"]
+
+
+def test_completions_batch_and_token_id_prompts(server: Server, reference: Dict[str, Any], engine: Any) -> None:
+    client = _client(server)
+    r = client.completions.create(model=server.model, prompt=PROMPTS[:3], max_tokens=MAX_TOKENS, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [reference[("raw", p)]["text"] for p in PROMPTS[:3]]
+    ids = engine.tokenizer.encode(PROMPTS[1], add_special_tokens=False)
+    r = client.completions.create(model=server.model, prompt=ids, max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].text == reference[("raw", PROMPTS[1])]["text"]
+    assert r.usage.prompt_tokens == len(ids)
+
+
+def test_default_completion_length_is_16(server: Server) -> None:
+    r = _client(server).completions.create(model=server.model, prompt=PROMPTS[0], temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
+
+
+def test_stop_string_cuts_the_text(server: Server, engine: Any) -> None:
+    p = PROMPTS[3]
+    full = engine.generate(p, {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True})["text"]
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    expected = full[: full.find(stop)]
+    r = _client(server).completions.create(model=server.model, prompt=p, max_tokens=24, temperature=0, stop=[stop],
+                                           extra_body={"ignore_eos": True})  # fmt: skip
+    assert r.choices[0].text == expected
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_n2_returns_two_choices(server: Server, reference: Dict[str, Any]) -> None:
+    p = PROMPTS[0]
+    r = _client(server).chat.completions.create(model=server.model, messages=_chat_msgs(p), max_tokens=MAX_TOKENS, temperature=0, n=2)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert all(c.message.content == reference[("chat", p)]["text"] for c in r.choices)
+    ref_meta = reference[("chat", p)]["meta_info"]
+    assert r.usage.prompt_tokens == ref_meta["prompt_tokens"]  # the prompt is counted once
+    assert r.usage.completion_tokens == 2 * ref_meta["completion_tokens"]
+
+
+def test_seed_reproducibility(server: Server) -> None:
+    client = _client(server)
+
+    def sample(seed: int) -> List[str]:
+        r = client.completions.create(model=server.model, prompt=PROMPTS[1], max_tokens=12, temperature=1.0, seed=seed, n=2,
+                                      extra_body={"ignore_eos": True})  # fmt: skip
+        return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert len(first) == 2
+
+
+def test_logprobs_shape(server: Server) -> None:
+    client = _client(server)
+    r = client.chat.completions.create(model=server.model, messages=_chat_msgs(PROMPTS[0]), max_tokens=MAX_TOKENS,
+                                       temperature=0, logprobs=True, top_logprobs=3)  # fmt: skip
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for tok in content:
+        assert tok.logprob <= 0 and len(tok.top_logprobs) == 3
+        assert tok.logprob == pytest.approx(max(t.logprob for t in tok.top_logprobs), abs=1e-5)  # greedy picks the top
+    assert "".join(t.token for t in content) == r.choices[0].message.content or "\ufffd" in r.choices[0].message.content
+    c = client.completions.create(model=server.model, prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=2)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == c.usage.completion_tokens
+    assert all(len(t) <= 2 for t in lp.top_logprobs)
+
+
+def test_models_endpoint(server: Server) -> None:
+    assert [m.id for m in _client(server).models.list().data] == [server.model]
+
+
+def test_native_generate(server: Server, reference: Dict[str, Any]) -> None:
+    body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0}}
+    out = httpx.post(server.url + "/generate", json=body, timeout=60).json()
+    assert out["text"] == reference[("raw", PROMPTS[0])]["text"]
+    assert out["meta_info"]["completion_tokens"] == len(out["output_ids"])
+    body["text"] = PROMPTS[:2]
+    outs = httpx.post(server.url + "/generate", json=body, timeout=60).json()
+    assert [o["text"] for o in outs] == [reference[("raw", p)]["text"] for p in PROMPTS[:2]]
+
+
+# --------------------------------------------------------------------------- concurrency, disconnect
+def test_64_concurrent_streaming_clients(server: Server, reference: Dict[str, Any]) -> None:
+    async def one(client: openai.AsyncOpenAI, p: str) -> str:
+        stream = await client.completions.create(model=server.model, prompt=p, max_tokens=MAX_TOKENS, temperature=0, stream=True)
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def run() -> List[str]:
+        client = _aclient(server, http_client=openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=100)))
+        try:
+            return await asyncio.gather(*(one(client, PROMPTS[i % len(PROMPTS)]) for i in range(64)))
+        finally:
+            await client.close()
+
+    texts = asyncio.run(run())
+    assert texts == [reference[("raw", PROMPTS[i % len(PROMPTS)])]["text"] for i in range(64)]
+
+
+def _load(s: Server) -> Dict[str, Any]:
+    return httpx.get(s.url + "/get_load", timeout=10).json()
+
+
+def _metric(s: Server, name: str, headers: Dict[str, str] | None = None) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(s.url + "/metrics", headers=headers or {}, timeout=10).text
+    return sum(sample.value for fam in text_string_to_metric_families(text) for sample in fam.samples if sample.name == name)
+
+
+def test_client_disconnect_aborts_and_frees_kv(server: Server) -> None:
+    aborted_before = _metric(server, "sglang:num_aborted_requests_total")
+    body = {"model": server.model, "prompt": PROMPTS[0], "max_tokens": 1500, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                break  # got a token: hang up mid-stream
+    assert _load(server)["num_running_reqs"] <= 1
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        load = _load(server)
+        if load["num_running_reqs"] == 0 and load["num_used_tokens"] == 0:
+            break
+        time.sleep(0.2)
+    assert load["num_running_reqs"] == 0 and load["num_used_tokens"] == 0 and load["token_usage"] == 0.0
+    assert _metric(server, "sglang:num_aborted_requests_total") == aborted_before + 1
+
+
+# --------------------------------------------------------------------------- bad input, metrics
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"messages": []}, "Messages cannot be empty"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"temperature": 9.0}, "temperature"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"messages": [{"role": "user", "content": "word " * 3000}]}, "context length"),
+    ],
+)
+def test_bad_inputs_are_4xx_and_server_keeps_serving(server: Server, kwargs: Dict[str, Any], needle: str) -> None:
+    client = _client(server)
+    args: Dict[str, Any] = {"model": server.model, "messages": _chat_msgs("hi"), "max_tokens": 4}
+    args.update(kwargs)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**args)
+    assert needle in e.value.message
+    assert httpx.get(server.url + "/health").status_code == 200
+    ok = client.completions.create(model=server.model, prompt="ok", max_tokens=2)
+    assert ok.usage.completion_tokens >= 1
+
+
+def test_bad_json_unknown_model_and_wrong_types(server: Server) -> None:
+    r = httpx.post(server.url + "/v1/chat/completions", content=b"{oops", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    r = httpx.post(server.url + "/v1/completions", json={"model": server.model, "prompt": "x", "max_tokens": "many"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    with pytest.raises(openai.NotFoundError):
+        _client(server).chat.completions.create(model="no-such-model", messages=_chat_msgs("x"), max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="context"):
+        _client(server).chat.completions.create(model=server.model, messages=_chat_msgs("word " * 3000), max_tokens=2, stream=True)
+
+
+def test_metrics_parse_and_counters_move(server: Server) -> None:
+    before = {n: _metric(server, n) for n in ("sglang:prompt_tokens_total", "sglang:generation_tokens_total",
+                                              "sglang:e2e_request_latency_seconds_count", "sglang:time_to_first_token_seconds_count")}  # fmt: skip
+    r = _client(server).completions.create(model=server.model, prompt=PROMPTS[2], max_tokens=4, temperature=0)
+    after = {n: _metric(server, n) for n in before}
+    assert after["sglang:prompt_tokens_total"] == before["sglang:prompt_tokens_total"] + r.usage.prompt_tokens
+    assert after["sglang:generation_tokens_total"] == before["sglang:generation_tokens_total"] + r.usage.completion_tokens
+    assert after["sglang:e2e_request_latency_seconds_count"] == before["sglang:e2e_request_latency_seconds_count"] + 1
+    assert after["sglang:time_to_first_token_seconds_count"] == before["sglang:time_to_first_token_seconds_count"] + 1
+    for gauge in ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage", "sglang:cache_hit_rate"):
+        assert _metric(server, gauge) >= 0.0
+
+
+def test_flush_cache(server: Server) -> None:
+    assert httpx.post(server.url + "/flush_cache", timeout=10).status_code == 200
+    assert _load(server)["evictable_tokens"] == 0
+
+
+# --------------------------------------------------------------------------- dynamic batch tokenizer, api key, crash
+def test_dynamic_batch_tokenizer_concurrent_requests(server_dyn: Server, reference: Dict[str, Any]) -> None:
+    assert httpx.get(server_dyn.url + "/v1/models").status_code == 401
+    assert httpx.get(server_dyn.url + "/health").status_code == 200
+
+    async def run() -> List[str]:
+        client = _aclient(server_dyn, api_key="sekret")
+        try:
+            rs = await asyncio.gather(*(
+                client.chat.completions.create(model=server_dyn.model, messages=_chat_msgs(PROMPTS[i % 4]),
+                                               max_tokens=MAX_TOKENS, temperature=0)
+                for i in range(16)))  # fmt: skip
+            return [r.choices[0].message.content for r in rs]
+        finally:
+            await client.close()
+
+    assert asyncio.run(run()) == [reference[("chat", PROMPTS[i % 4])]["text"] for i in range(16)]
+
+
+def test_killing_the_scheduler_exits_the_server_nonzero(server_dyn: Server) -> None:
+    assert "scheduler" in server_dyn.pids
+    os.kill(server_dyn.pids["scheduler"], signal.SIGKILL)
+    start = time.monotonic()
+    code = server_dyn.proc.wait(timeout=15)
+    assert code != 0
+    assert time.monotonic() - start < 10
