@@ -1,1 +1,1 @@
-"""Web assets of the live scheduler visualizer (templates/ and static/), served by the HTTP process."""
+"""The visualizer's page assets (installed as `minisgl.web`): templates/ (jinja2) and static/ (plain JS + CSS)."""

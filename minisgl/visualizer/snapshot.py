@@ -1,0 +1,142 @@
+"""Snapshot helpers (visualizer, stage 6). In: `Scheduler.snapshot()` dicts. Out: checked, merged, summarised dicts.
+
+The scheduler describes itself after every step with one JSON-ready dict
+(docs/snapshot.md). Everything the visualizer shows (the browser page, the
+ipywidgets `SchedulerWidget`, the notebooks) reads only that dict; this module
+holds the pure functions they share:
+
+- `validate_snapshot` / `check_snapshot`: does a dict follow the schema?
+- `kv_segments`: the KV memory bar (used by requests, protected, evictable, free).
+- `step_summary`: one line of the timeline strip.
+- `merge_snapshots`: coalescing. A browser renders ~20 updates/s while the
+  scheduler may run hundreds of steps/s; the merged snapshot is the newest state
+  plus every event and finished request of the steps it stands for, so a
+  retract, finish or abort is never lost to coalescing.
+
+No I/O here, so the SSE hub, the widget and the tests can all call it directly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Sequence
+
+FORWARD_MODES = ("EXTEND", "DECODE", "MIXED", "IDLE")
+STOP_REASONS = ("NO_TOKEN", "OTHER", "BATCH_FULL", "QUEUE_EMPTY", "CONTINUE", None)
+EVENT_TYPES = ("arrive", "chunk", "prefill_done", "retract", "finish", "abort")
+
+# Top-level keys and the Python types their values must have (docs/snapshot.md).
+_NUMBER = (int, float)
+_TOP_LEVEL: Dict[str, Any] = {
+    "step": int,
+    "time": _NUMBER,
+    "forward_mode": str,
+    "log_line": str,
+    "waiting_queue": list,
+    "chunked_req": (dict, type(None)),
+    "batch": (dict, type(None)),
+    "running_batch": list,
+    "adder": (dict, type(None)),
+    "memory": dict,
+    "radix": dict,
+    "new_token_ratio": _NUMBER,
+    "events": list,
+    "finished": list,
+}
+_MEMORY_KEYS = ("total", "available", "evictable", "protected", "used")
+_WAITING_KEYS = ("rid", "input_len", "prefix_len", "waited_ms", "retracted")
+_BATCH_REQ_KEYS = ("rid", "extend_len", "prefix_len", "chunk_index", "num_chunks", "is_decode")
+_FINISHED_KEYS = ("rid", "finish_reason", "queue_ms", "schedule_ms", "forward_ms", "ttft_ms")
+
+
+def _missing(record: Mapping[str, Any], keys: Sequence[str], where: str) -> List[str]:
+    return [f"{where}: missing key {k!r}" for k in keys if k not in record]
+
+
+def validate_snapshot(snap: Any) -> List[str]:
+    """Every way `snap` departs from docs/snapshot.md, as readable messages ([] = valid)."""
+    if not isinstance(snap, dict):
+        return [f"snapshot must be a dict, got {type(snap).__name__}"]
+    problems: List[str] = []
+    for key, types in _TOP_LEVEL.items():
+        if key not in snap:
+            problems.append(f"missing key {key!r}")
+        elif isinstance(snap[key], bool) or not isinstance(snap[key], types):
+            problems.append(f"{key!r} has type {type(snap[key]).__name__}")
+    if problems:
+        return problems
+    if snap["forward_mode"] not in FORWARD_MODES:
+        problems.append(f"forward_mode {snap['forward_mode']!r} is not one of {FORWARD_MODES}")
+    problems += _missing(snap["memory"], _MEMORY_KEYS, "memory")
+    for i, req in enumerate(snap["waiting_queue"]):
+        problems += _missing(req, _WAITING_KEYS, f"waiting_queue[{i}]")
+    if snap["batch"] is not None:
+        for i, req in enumerate(snap["batch"].get("reqs", [])):
+            problems += _missing(req, _BATCH_REQ_KEYS, f"batch.reqs[{i}]")
+    if snap["adder"] is not None and snap["adder"].get("stop_reason") not in STOP_REASONS:
+        problems.append(f"adder.stop_reason {snap['adder'].get('stop_reason')!r} is not one of {STOP_REASONS}")
+    for i, ev in enumerate(snap["events"]):
+        if ev.get("type") not in EVENT_TYPES:
+            problems.append(f"events[{i}].type {ev.get('type')!r} is not one of {EVENT_TYPES}")
+    for i, fin in enumerate(snap["finished"]):
+        problems += _missing(fin, _FINISHED_KEYS, f"finished[{i}]")
+    return problems
+
+
+def check_snapshot(snap: Any) -> Dict[str, Any]:
+    """Return `snap` if it follows the schema, else raise ValueError listing what is wrong."""
+    problems = validate_snapshot(snap)
+    if problems:
+        raise ValueError("invalid scheduler snapshot: " + "; ".join(problems))
+    return snap
+
+
+def kv_segments(memory: Mapping[str, int]) -> Dict[str, int]:
+    """Split the KV pool into the four bar segments; they always sum to `total`.
+
+    The scheduler counts `used = total - available - evictable`, which includes the
+    locked (protected) radix nodes, as SGLang's token usage does. The bar shows the
+    protected part on its own, so `used` here is what requests hold outside the tree.
+    """
+    total = int(memory["total"])
+    free = int(memory["available"])
+    evictable = int(memory["evictable"])
+    protected = min(int(memory["protected"]), max(total - free - evictable, 0))
+    used = max(total - free - evictable - protected, 0)
+    return {"used": used, "protected": protected, "evictable": evictable, "free": free, "total": total}
+
+
+def step_summary(snap: Mapping[str, Any]) -> Dict[str, Any]:
+    """One timeline entry: what kind of step it was and how big, plus its log line."""
+    batch = snap.get("batch") or {}
+    reqs = batch.get("reqs", [])
+    return {
+        "step": snap["step"],
+        "time": snap["time"],
+        "forward_mode": snap["forward_mode"],
+        "batch_size": len(reqs),
+        "num_extend_tokens": sum(r["extend_len"] for r in reqs if not r.get("is_decode")),
+        "num_decode_reqs": sum(1 for r in reqs if r.get("is_decode")),
+        "has_chunked": any(r.get("num_chunks", 0) > 1 for r in reqs if not r.get("is_decode")),
+        "num_waiting": len(snap.get("waiting_queue", [])),
+        "event_types": sorted({ev["type"] for ev in snap.get("events", [])}),
+        "log_line": snap.get("log_line", ""),
+    }
+
+
+def merge_snapshots(snaps: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
+    """Coalesce consecutive snapshots (oldest first) into one.
+
+    The result is the newest snapshot's state, with
+      events   = every step's events in order, each tagged with its `step`,
+      finished = every step's finished requests in order, each tagged with its `step`,
+      steps    = the `step_summary` of every merged step (the timeline needs them all),
+      coalesced_steps = how many scheduler steps this one update stands for.
+    """
+    if not snaps:
+        raise ValueError("merge_snapshots needs at least one snapshot")
+    merged = dict(snaps[-1])
+    merged["events"] = [{**ev, "step": s["step"]} for s in snaps for ev in s.get("events", [])]
+    merged["finished"] = [{**fin, "step": s["step"]} for s in snaps for fin in s.get("finished", [])]
+    merged["steps"] = [step_summary(s) for s in snaps]
+    merged["coalesced_steps"] = len(snaps)
+    return merged

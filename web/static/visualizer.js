@@ -1,0 +1,295 @@
+// minisgl live scheduler visualizer (docs/visualizer.md).
+// In: scheduler snapshots (docs/snapshot.md) from SSE /visualizer/events, each possibly a
+// merge of several steps (merge_snapshots: newest state + every event/finished of the steps
+// it stands for + `steps`, one timeline summary per step). Out: the panels of the page.
+// Owns: `frames` (what step back / forward walk through) and the accumulated timeline
+// and finished list. Plain JS, no libraries, no network beyond this server.
+"use strict";
+
+const CONFIG = JSON.parse(document.getElementById("viz-config").textContent);
+const MAX_TIMELINE = 240;   // steps kept in the timeline strip
+const MAX_FINISHED = 60;    // finished requests listed
+const state = {
+  live: true,
+  frames: [],      // snapshots, oldest first (live: SSE updates; paused: the server's ring buffer)
+  cursor: -1,      // index in frames of the snapshot on screen
+  timeline: [],    // step summaries, oldest first
+  finished: [],    // finished records, newest first
+};
+
+const $ = (id) => document.getElementById(id);
+const esc = (s) => String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
+const fmtMs = (ms) => (ms == null ? "–" : ms >= 1000 ? (ms / 1000).toFixed(2) + " s" : ms.toFixed(1) + " ms");
+const pct = (x, total) => (total > 0 ? Math.max(0, Math.min(100, (100 * x) / total)) : 0);
+const seg = (cls, x, total, title) => `<div class="seg ${cls}" style="width:${pct(x, total)}%" title="${esc(title)}"></div>`;
+
+// ------------------------------------------------------------------ panels
+function renderWaiting(snap) {
+  const q = snap.waiting_queue;
+  $("waiting-count").textContent = q.length;
+  $("waiting-queue").innerHTML = q.length === 0 ? '<p class="empty">empty</p>' : q.map((r) => `
+    <div class="req-card" data-rid="${esc(r.rid)}" data-retracted="${r.retracted ? 1 : 0}">
+      <div><span class="rid">${esc(r.rid)}</span>${r.retracted ? `<span class="badge">retracted ×${r.retraction_count}</span>` : ""}</div>
+      <div>prompt ${r.input_len} tok · cached ${r.prefix_len}</div>
+      <div class="detail">waited ${fmtMs(r.waited_ms)}${r.output_len ? ` · ${r.output_len} out` : ""}</div>
+    </div>`).join("");
+}
+
+function batchRow(r) {
+  const total = r.prefix_len + r.extend_len;
+  const kind = r.is_decode ? "decode" : "extend";
+  const chunk = !r.is_decode && r.num_chunks > 1 ? `<span class="chunk">chunk ${r.chunk_index}/${r.num_chunks}</span> ` : "";
+  const label = r.is_decode ? `decode · out ${r.output_len}/${r.max_new_tokens}` : `${chunk}+${r.extend_len} on ${r.prefix_len}`;
+  return `<div class="row batch-req" data-rid="${esc(r.rid)}" data-decode="${r.is_decode ? 1 : 0}"
+      data-chunk-index="${r.chunk_index}" data-num-chunks="${r.num_chunks}" data-extend-len="${r.extend_len}" data-prefix-len="${r.prefix_len}">
+    <span class="rid">${esc(r.rid)}</span>
+    <div class="stackbar">${seg("prefix", r.prefix_len, total, `cached prefix ${r.prefix_len}`)}${seg(kind, r.extend_len, total, `${kind} ${r.extend_len}`)}</div>
+    <span class="label">${label}</span></div>`;
+}
+
+function renderBatch(snap) {
+  const mode = snap.forward_mode;
+  for (const el of [$("forward-mode"), $("batch-mode")]) { el.dataset.mode = mode; el.textContent = mode; }
+  const reqs = snap.batch ? snap.batch.reqs : [];
+  $("batch").dataset.size = reqs.length;
+  $("batch").innerHTML = reqs.length === 0 ? '<p class="empty">no batch ran</p>' : reqs.map(batchRow).join("");
+  const c = snap.chunked_req;
+  $("chunked-req").innerHTML = c ? `<p class="detail" data-rid="${esc(c.rid)}">chunked_req <b>${esc(c.rid)}</b>:
+      ${c.done_tokens}/${c.total_tokens} tokens prefilled, chunk ${c.chunk_index}/${c.num_chunks}</p>` : "";
+}
+
+function renderRunning(snap) {
+  const rs = snap.running_batch;
+  $("running-count").textContent = rs.length;
+  $("running-batch").innerHTML = rs.length === 0 ? '<p class="empty">nothing decoding</p>' : rs.map((r) => `
+    <div class="row running-req" data-rid="${esc(r.rid)}">
+      <span class="rid">${esc(r.rid)}</span>
+      <div class="stackbar">${seg("progress", r.output_len, r.max_new_tokens, "generated")}</div>
+      <span class="label">${r.output_len} / ${r.max_new_tokens} tok</span></div>`).join("");
+}
+
+// Each budget: what is left of what limit (null = unlimited).
+function budgetRows(a) {
+  const b = a.budgets || {};
+  const slotsTotal = b.num_admitted + (b.request_slots_left ?? 0);
+  return [
+    ["rem_total_tokens", b.rem_total_tokens, b.total_tokens],
+    ["rem_input_tokens", b.rem_input_tokens, b.max_prefill_tokens],
+    ["rem_chunk_tokens", b.rem_chunk_tokens, b.chunked_prefill_size],
+    ["requests", b.prefill_max_requests == null ? null : b.prefill_max_requests - b.num_admitted, b.prefill_max_requests],
+    ["slots", b.request_slots_left, slotsTotal],
+  ];
+}
+
+function renderAdder(snap) {
+  const a = snap.adder;
+  const reason = a ? a.stop_reason || "" : "";
+  $("stop-reason").dataset.reason = reason;
+  $("stop-reason").textContent = a ? reason || "no stop" : "no prefill attempt";
+  $("stop-detail").textContent = a ? a.stop_detail || "" : "";
+  $("admitted").textContent = a && a.admitted && a.admitted.length ? "admitted: " + a.admitted.join(", ") : "";
+  $("budgets").innerHTML = !a ? "" : budgetRows(a).map(([name, left, limit]) => {
+    const unlimited = left == null || limit == null;
+    const text = unlimited ? (left == null ? "unlimited" : `${left} left`) : `${left} / ${limit}`;
+    const exhausted = !unlimited && left <= 0 ? 1 : 0;
+    return `<div class="budget" data-budget="${name}" data-left="${left ?? ""}" data-exhausted="${exhausted}">
+      <span class="name">${name}</span>
+      <div class="stackbar">${unlimited ? "" : seg("left", Math.max(left, 0), limit, `${name} left`)}</div>
+      <span class="label">${text}</span></div>`;
+  }).join("");
+}
+
+// Mirrors minisgl.visualizer.snapshot.kv_segments: `used` there includes protected nodes.
+function kvSegments(m) {
+  const protectedTok = Math.min(m.protected, Math.max(m.total - m.available - m.evictable, 0));
+  const used = Math.max(m.total - m.available - m.evictable - protectedTok, 0);
+  return { used, protected: protectedTok, evictable: m.evictable, free: m.available, total: m.total };
+}
+
+function radixNode(n, depth) {
+  const label = n.id === 0 ? "root" : `#${n.id} · ${n.len} tok`;
+  const kids = n.children && n.children.length ? `<ul>${n.children.map((c) => radixNode(c, depth + 1)).join("")}</ul>` : "";
+  return `<li><span class="rnode" data-node="${n.id}" data-len="${n.len}" data-locked="${n.lock_ref > 0 && n.id !== 0 ? 1 : 0}"
+    data-root="${n.id === 0 ? 1 : 0}" title="lock_ref ${n.lock_ref}">${label}</span>${kids}</li>`;
+}
+
+function renderMemory(snap) {
+  const m = snap.memory, k = kvSegments(m);
+  $("kv-bar").innerHTML = ["used", "protected", "evictable", "free"].map((kind) =>
+    `<div class="seg kv-seg ${kind}" data-kind="${kind}" data-tokens="${k[kind]}" style="width:${pct(k[kind], k.total)}%"
+      title="${kind} ${k[kind]} tokens"></div>`).join("");
+  $("kv-numbers").textContent = `used ${k.used} · protected ${k.protected} · evictable ${k.evictable} · free ${k.free} / ${k.total} tokens`;
+  $("new-token-ratio").textContent = snap.new_token_ratio.toFixed(3);
+  $("req-slots").textContent = `${m.req_slots_total - m.req_slots_free} / ${m.req_slots_total}`;
+  const r = snap.radix;
+  $("radix-info").textContent = `${r.num_nodes} nodes · ${r.total_tokens} tokens (locked = protected)`;
+  $("radix-tree").innerHTML = r.tree ? `<ul>${radixNode(r.tree, 0)}</ul>` : "";
+}
+
+function renderEvents(snap) {
+  const evs = snap.events;
+  $("events").innerHTML = evs.length === 0 ? '<li class="empty">none</li>' : evs.map((e) => `
+    <li class="event" data-type="${esc(e.type)}" data-rid="${esc(e.rid)}"><span class="etype">${esc(e.type)}</span>
+      <b>${esc(e.rid)}</b> <span class="detail">${e.step != null ? `step ${e.step} · ` : ""}${esc(e.detail || "")}</span></li>`).join("");
+}
+
+function renderTimeline(snap) {
+  const maxBs = Math.max(1, ...state.timeline.map((s) => s.batch_size));
+  $("timeline").innerHTML = state.timeline.map((s) => `<div class="tl-step${s.step === snap.step ? " current" : ""}"
+      data-step="${s.step}" data-mode="${s.forward_mode}" data-bs="${s.batch_size}" data-chunked="${s.has_chunked ? 1 : 0}"
+      data-waiting="${s.num_waiting}" data-events="${s.event_types.join(" ")}" style="height:${10 + (44 * s.batch_size) / maxBs}px"
+      title="${esc(`step ${s.step} ${s.forward_mode} bs=${s.batch_size} +${s.num_extend_tokens} tok\n${s.log_line}`)}"></div>`).join("");
+  $("timeline").scrollLeft = $("timeline").scrollWidth;
+  $("log-line").textContent = snap.log_line || `(step ${snap.step}: ${snap.forward_mode}, no log line)`;
+}
+
+function finishedRow(f) {
+  const total = f.queue_ms + f.schedule_ms + f.forward_ms;
+  const type = f.finish_reason ? f.finish_reason.type : "?";
+  return `<div class="row finished-req" data-rid="${esc(f.rid)}" data-ttft="${f.ttft_ms.toFixed(3)}" data-finish="${esc(type)}">
+    <span class="rid">${esc(f.rid)}</span>
+    <div class="stackbar">${seg("queue", f.queue_ms, total, `queue ${fmtMs(f.queue_ms)}`)}${seg("schedule", f.schedule_ms, total,
+      `schedule ${fmtMs(f.schedule_ms)}`)}${seg("forward", f.forward_ms, total, `forward ${fmtMs(f.forward_ms)}`)}</div>
+    <span class="label">TTFT ${fmtMs(f.ttft_ms)} <span class="finish-type">${esc(type)}</span></span>
+    <span></span><span class="label" style="grid-column: 2 / 4">queue ${fmtMs(f.queue_ms)} + schedule ${fmtMs(f.schedule_ms)}
+      + forward ${fmtMs(f.forward_ms)} · ${f.output_len} tok · e2e ${fmtMs(f.e2e_ms)}</span></div>`;
+}
+
+function renderFinished() {
+  $("finished").innerHTML = state.finished.length === 0 ? '<p class="empty">none yet</p>' : state.finished.map(finishedRow).join("");
+}
+
+function render(snap) {
+  $("step-num").textContent = snap.step;
+  document.body.dataset.step = snap.step;
+  renderWaiting(snap); renderBatch(snap); renderRunning(snap); renderAdder(snap);
+  renderMemory(snap); renderEvents(snap); renderTimeline(snap); renderFinished();
+  const vs = $("view-status");
+  vs.dataset.live = state.live ? 1 : 0;
+  vs.textContent = state.live ? "LIVE" : `PAUSED · ${state.cursor + 1}/${state.frames.length}`;
+}
+
+// ------------------------------------------------------------------ data
+function absorb(update) {
+  // Timeline and finished list accumulate across updates, whatever is on screen.
+  const steps = update.steps || [];
+  const lastStep = state.timeline.length ? state.timeline[state.timeline.length - 1].step : -1;
+  for (const s of steps) {
+    if (s.step > lastStep) state.timeline.push(s);
+    else if (s.step === lastStep) state.timeline[state.timeline.length - 1] = s;  // republished step
+  }
+  state.timeline.splice(0, Math.max(0, state.timeline.length - MAX_TIMELINE));
+  for (const f of update.finished || []) state.finished.unshift(f);
+  state.finished.length = Math.min(state.finished.length, MAX_FINISHED);
+}
+
+function onUpdate(update) {
+  absorb(update);
+  if (!state.live) return;  // paused: keep accumulating, do not move the view
+  state.frames.push(update);
+  state.frames.splice(0, Math.max(0, state.frames.length - CONFIG.history_size));
+  state.cursor = state.frames.length - 1;
+  render(update);
+}
+
+function connect() {
+  const es = new EventSource("/visualizer/events");
+  es.addEventListener("open", () => { $("conn-status").dataset.state = "open"; $("conn-status").textContent = "connected"; });
+  es.addEventListener("error", () => { $("conn-status").dataset.state = "error"; $("conn-status").textContent = "reconnecting…"; });
+  es.addEventListener("snapshot", (e) => onUpdate(JSON.parse(e.data)));
+}
+
+async function loadHistory() {
+  // Paused view: every single step still in the server's ring buffer, not the coalesced updates.
+  const res = await fetch("/visualizer/history");
+  const body = await res.json();
+  if (body.entries.length) {
+    state.frames = body.entries.map((s) => ({ ...s, events: s.events.map((e) => ({ ...e, step: s.step })) }));
+    state.cursor = state.frames.length - 1;
+  }
+}
+
+// ------------------------------------------------------------------ controls
+async function pause() {
+  state.live = false;
+  $("btn-pause").textContent = "Resume";
+  await loadHistory();
+  if (state.frames.length) render(state.frames[state.cursor]);
+}
+
+function resume() {
+  state.live = true;
+  $("btn-pause").textContent = "Pause";
+  state.frames = state.frames.slice(-1);
+  state.cursor = state.frames.length - 1;
+  fetch("/visualizer/snapshot").then((r) => r.json()).then((snap) => { if (snap && state.live) render(snap); });
+}
+
+async function stepBy(delta) {
+  if (state.live) await pause();
+  if (!state.frames.length) return;
+  state.cursor = Math.max(0, Math.min(state.frames.length - 1, state.cursor + delta));
+  render(state.frames[state.cursor]);
+}
+
+function jumpToStep(step) {
+  const i = state.frames.findIndex((f) => f.step === step);
+  if (!state.live && i >= 0) { state.cursor = i; render(state.frames[i]); }
+}
+
+// A mixed workload that shows chunking, prefix hits and decode batching at once.
+// Prompts are token ids (ids 10..249 exist in every byte-level vocabulary), so the lengths
+// are exact whatever the tokenizer: short ones, one longer than 2.5 chunks, and two that
+// share a prefix with an earlier request (sent after it finished, so the radix cache hits).
+function tokens(n, seed) {
+  const out = [];
+  let x = seed * 7919 + 17;
+  for (let i = 0; i < n; i++) { x = (x * 1103515245 + 12345) % 2147483648; out.push(10 + (x % 240)); }
+  return out;
+}
+
+async function sendDemo() {
+  const models = await fetch("/v1/models").then((r) => r.json());
+  const ctx = models.data[0].max_model_len || 2048;
+  const chunk = CONFIG.chunked_prefill_size > 0 ? CONFIG.chunked_prefill_size : 256;
+  const maxNew = 24;
+  const cap = (n) => Math.max(4, Math.min(n, ctx - maxNew - 1));
+  const shared = tokens(cap(Math.round(chunk * 0.8)), 1);
+  const gen = (ids, rid, n = maxNew) => fetch("/generate", {
+    method: "POST", headers: { "Content-Type": "application/json" },
+    body: JSON.stringify({ input_ids: ids, rid, sampling_params: { max_new_tokens: n, temperature: 0, ignore_eos: true } }),
+  }).then((r) => r.json());
+  const tag = Date.now().toString(36).slice(-4);
+  $("demo-status").textContent = "sending 7 requests…";
+  const wave1 = [
+    gen(tokens(cap(Math.round(chunk * 0.3)), 2), `demo-${tag}-A-short`),
+    gen(tokens(cap(Math.round(chunk * 2.5)), 3), `demo-${tag}-B-long`),
+    gen(tokens(cap(Math.round(chunk * 0.5)), 4), `demo-${tag}-C-short`),
+    gen(shared.concat(tokens(cap(Math.round(chunk * 0.2)), 5)), `demo-${tag}-D-prefix`),
+    gen(tokens(cap(Math.round(chunk * 0.4)), 6), `demo-${tag}-E-short`, maxNew * 2),
+  ];
+  await wave1[3];  // D finished: its prompt is in the radix tree now
+  const wave2 = [
+    gen(shared.concat(tokens(cap(Math.round(chunk * 0.2)), 7)), `demo-${tag}-F-hit`),
+    gen(shared.concat(tokens(cap(Math.round(chunk * 0.3)), 8)), `demo-${tag}-G-hit`),
+  ];
+  await Promise.all(wave1.concat(wave2));
+  $("demo-status").textContent = "demo done";
+}
+
+function bindControls() {
+  $("btn-pause").addEventListener("click", () => (state.live ? pause() : resume()));
+  $("btn-back").addEventListener("click", () => stepBy(-1));
+  $("btn-forward").addEventListener("click", () => stepBy(1));
+  $("btn-demo").addEventListener("click", () => sendDemo().catch((e) => { $("demo-status").textContent = "demo failed: " + e; }));
+  $("timeline").addEventListener("click", (e) => { const s = e.target.closest(".tl-step"); if (s) jumpToStep(Number(s.dataset.step)); });
+  document.addEventListener("keydown", (e) => {
+    if (e.target.tagName === "INPUT") return;
+    if (e.key === "ArrowLeft") { e.preventDefault(); stepBy(-1); }
+    else if (e.key === "ArrowRight") { e.preventDefault(); stepBy(1); }
+    else if (e.key === " ") { e.preventDefault(); state.live ? pause() : resume(); }
+  });
+}
+
+bindControls();
+connect();  // the first SSE update is the latest snapshot, so the page fills at once
