@@ -1,0 +1,125 @@
+"""When a request ends: stop strings, stop token ids, EOS, max_new_tokens, aborts, over-long prompts.
+
+Every abort path must leave no leaked KV slot or request row: `engine.step()` on an
+idle engine runs the scheduler's idle check (available + evictable + protected == total).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from minisgl import Engine, SamplingParams
+from minisgl.managers.schedule_batch import FINISH_MATCHED_TOKEN, Req
+
+GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    return Engine(tiny_model, device="cpu", max_total_tokens=2048, chunked_prefill_size=32, context_length=128)
+
+
+def _assert_no_leak(engine):
+    assert not engine.has_unfinished_requests()
+    engine.step()  # idle: Scheduler.check_memory_when_idle raises on a leak
+    engine.scheduler.check_memory_when_idle()
+
+
+def test_stop_string_spanning_a_token_boundary(engine):
+    tok = engine.tokenizer
+    base = engine.generate("Once upon a time", GREEDY)
+    pieces = [tok.decode([t]) for t in base["output_ids"]]
+    i = next(i for i in range(2, len(pieces) - 1) if pieces[i].strip() and pieces[i + 1].strip())
+    stop = pieces[i][-1] + pieces[i + 1][0]  # last char of one token + first char of the next
+    out = engine.generate("Once upon a time", {**GREEDY, "stop": stop})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert stop not in out["text"]
+    assert out["text"] == base["text"][: base["text"].find(stop)]
+    _assert_no_leak(engine)
+
+
+def test_stop_token_ids_and_max_new_tokens(engine):
+    base = engine.generate("Hello there", GREEDY)
+    assert base["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
+    stop_id = base["output_ids"][3]
+    first = base["output_ids"].index(stop_id)
+    out = engine.generate("Hello there", {**GREEDY, "ignore_eos": False, "stop_token_ids": [stop_id]})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
+    assert out["output_ids"] == base["output_ids"][: first + 1]  # through the stop token
+    # ignore_eos skips every token-based stop, stop_token_ids included (SGLang)
+    ignored = engine.generate("Hello there", {**GREEDY, "stop_token_ids": [stop_id]})
+    assert ignored["output_ids"] == base["output_ids"]
+
+
+def test_eos_finishes_unless_ignore_eos():
+    params = SamplingParams(max_new_tokens=10)
+    params.normalize()
+    req = Req("r", None, [5, 6], params, eos_token_ids={7})
+    req.output_ids.append(7)
+    req.check_finished()
+    assert req.finished_reason == FINISH_MATCHED_TOKEN(matched=7) and req.finished_len == 1
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    params.normalize()
+    req = Req("r", None, [5, 6], params, eos_token_ids={7})
+    req.output_ids.append(7)
+    req.check_finished()
+    assert not req.finished()
+
+
+def test_abort_while_waiting(engine):
+    rid = engine.add_request("never runs", GREEDY)
+    engine.abort(rid)
+    out = engine.get_result(rid)
+    assert out["meta_info"]["finish_reason"]["type"] == "abort" and out["output_ids"] == []
+    _assert_no_leak(engine)
+
+
+def test_abort_mid_chunk(engine):
+    rid = engine.add_request(input_ids=list(range(10, 110)), sampling_params=GREEDY)
+    snap = engine.step()
+    assert snap["chunked_req"]["rid"] == rid
+    engine.abort(rid)
+    assert engine.scheduler.chunked_req is None
+    out = engine.get_result(rid)
+    assert out["meta_info"]["finish_reason"]["type"] == "abort" and out["output_ids"] == []
+    _assert_no_leak(engine)
+
+
+def test_abort_while_decoding(engine):
+    rid = engine.add_request("decode then abort", GREEDY)
+    for _ in range(3):
+        engine.step()
+    engine.abort(rid)
+    engine.run_until_idle()
+    out = engine.get_result(rid)
+    assert out["meta_info"]["finish_reason"] == {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+    assert 0 < len(out["output_ids"]) < 12
+    _assert_no_leak(engine)
+
+
+def test_prompt_longer_than_context_is_rejected_and_others_run(engine):
+    bad = engine.add_request(input_ids=list(range(10, 210)), sampling_params=GREEDY)
+    good = engine.add_request("a normal prompt", GREEDY)
+    engine.run_until_idle()
+    finish = engine.get_result(bad)["meta_info"]["finish_reason"]
+    assert finish["type"] == "abort" and finish["status_code"] == 400 and finish["err_type"] == "BadRequestError"
+    assert finish["message"].startswith("Input length (200 tokens) exceeds the maximum allowed length (122 tokens).")
+    assert engine.get_result(good)["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
+    _assert_no_leak(engine)
+
+
+def test_max_new_tokens_is_clamped_to_the_context(engine):
+    out = engine.generate(input_ids=list(range(10, 110)), sampling_params={**GREEDY, "max_new_tokens": 1000})
+    # max_req_len = context 128 - 1 = 127; 127 - 100 prompt - 1 = 26
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 26}
+
+
+def test_queue_full_is_a_503_abort(tiny_model):
+    engine = Engine(tiny_model, device="cpu", max_total_tokens=1024, max_queued_requests=1)
+    first = engine.add_request("first", GREEDY)
+    second = engine.add_request("second", GREEDY)
+    finish = engine.get_result(second)["meta_info"]["finish_reason"]
+    assert finish == {"type": "abort", "message": "The request queue is full.", "status_code": 503,
+                      "err_type": "ServiceUnavailableError"}  # fmt: skip
+    engine.run_until_idle()
+    assert engine.get_result(first)["meta_info"]["finish_reason"]["type"] == "length"
