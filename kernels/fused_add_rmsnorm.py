@@ -86,10 +86,12 @@ def fused_add_rmsnorm(
     residual_out = torch.empty_like(x)
     if N == 0:
         return out, residual_out
+    block = triton.next_power_of_2(H)
     _fused_add_rmsnorm_kernel[(N,)](
         x, x if residual is None else residual, weight, out, residual_out,
         x.stride(0), x.stride(0) if residual is None else residual.stride(0),
         out.stride(0), residual_out.stride(0), H, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(H),
+        HAS_RESIDUAL=residual is not None, BLOCK=block,
+        num_warps=min(max(block // 512, 1), 16),  # wide rows: more warps, fewer registers per thread
     )  # fmt: skip
     return out, residual_out

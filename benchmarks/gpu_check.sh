@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One GPU check for the CUDA path (issue 6), meant for a CUDA machine that has python3
+# with torch + triton + transformers and nothing of this project but the checkout:
+#   1. install the project (editable, no deps, no network),
+#   2. kernel tests on CUDA (tests/test_kernels.py: the same tests as on CPU, device cuda),
+#   3. the engine with the triton backend against the torch backend (tests/test_triton_backend.py),
+#   4. the transformers parity tests (tests/test_model_parity.py, which holds the bfloat16 check),
+#   5. each kernel's benchmark (benchmarks/bench_kernels.py: GB/s, vs torch, vs device copy),
+#   6. the offline throughput benchmark (benchmarks/bench_offline.py) when it exists.
+# Each step has its own time limit so the whole script ends in under 8 minutes; a step
+# that fails does not stop the others. The summary table is printed last.
+#   usage: bash benchmarks/gpu_check.sh [LOG_DIR]     (LOG_DIR defaults to a temp dir)
+set -u
+cd "$(dirname "$0")/.."
+LOG_DIR="${1:-$(mktemp -d)}"
+mkdir -p "$LOG_DIR"
+PY="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+unset TRITON_INTERPRET  # the kernels must compile for the GPU here
+SUMMARY=()
+
+step() {  # step NAME TIMEOUT_S COMMAND...: run, log to LOG_DIR/NAME.log, record rc and seconds
+    local name="$1" limit="$2"; shift 2
+    local t0=$SECONDS rc
+    echo "=== $name (limit ${limit}s): $*"
+    timeout --kill-after=5 "$limit" "$@" 2>&1 | tee "$LOG_DIR/$name.log" | tail -n 25
+    rc=${PIPESTATUS[0]}
+    local status="ok"; [ "$rc" -ne 0 ] && status="FAIL rc=$rc"; [ "$rc" -eq 124 ] && status="TIMEOUT"
+    SUMMARY+=("$(printf '%-16s %-12s %5ss  %s' "$name" "$status" "$((SECONDS - t0))" "$(grep -E 'passed|failed|error' "$LOG_DIR/$name.log" | tail -n 1 | cut -c1-70)")")
+}
+
+"$PY" -c "import torch, triton; assert torch.cuda.is_available(), 'no CUDA device'; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" || exit 1
+step install 40 "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e .
+step kernels 110 "$PY" -m pytest -q -rs tests/test_kernels.py
+step triton_engine 80 "$PY" -m pytest -q -rs tests/test_triton_backend.py
+step parity 90 "$PY" -m pytest -q -rs tests/test_model_parity.py
+step bench_kernels 90 "$PY" benchmarks/bench_kernels.py
+if [ -f benchmarks/bench_offline.py ]; then
+    step bench_offline 60 "$PY" benchmarks/bench_offline.py
+else
+    SUMMARY+=("$(printf '%-16s %-12s' bench_offline 'absent')")
+fi
+
+echo
+echo "=== kernel benchmark table"
+grep -A 20 '^kernel ' "$LOG_DIR/bench_kernels.log" 2>/dev/null || echo "(no table: see $LOG_DIR/bench_kernels.log)"
+echo
+echo "=== summary (logs in $LOG_DIR)"
+printf '%s\n' "${SUMMARY[@]}"
