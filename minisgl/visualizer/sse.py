@@ -31,7 +31,6 @@ import json
 import logging
 import threading
 from collections import deque
-from pathlib import Path
 from typing import Any, AsyncIterator, Deque, Dict, List, Optional, Tuple
 
 from fastapi import Request
@@ -40,6 +39,7 @@ from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 from sse_starlette.sse import EventSourceResponse, ServerSentEvent
 
+from minisgl.visualizer.render import web_dir
 from minisgl.visualizer.snapshot import merge_snapshots, validate_snapshot
 
 logger = logging.getLogger("minisgl.visualizer")
@@ -48,19 +48,6 @@ DEFAULT_HISTORY_SIZE = 512
 DEFAULT_MAX_RATE_HZ = 20.0
 _SUB_POLL_MS = 100  # how often the receiver thread checks for close()
 _SUB_RCVHWM = 10000  # snapshots queued in ZMQ before the SUB side drops (never reached in practice)
-
-
-def web_dir() -> Path:
-    """The visualizer's templates/ and static/: the installed `minisgl.web` package, or the repo's web/."""
-    try:
-        from importlib.resources import files
-
-        path = Path(str(files("minisgl.web")))
-        if (path / "templates").is_dir():
-            return path
-    except ModuleNotFoundError:
-        pass  # running from a source checkout that is not pip-installed
-    return Path(__file__).resolve().parents[2] / "web"
 
 
 class SnapshotHub:

@@ -69,9 +69,9 @@ function renderRunning(snap) {
 }
 
 // Each budget: what is left of what limit (null = unlimited).
-function budgetRows(a) {
+function budgetRows(a, memory) {
   const b = a.budgets || {};
-  const slotsTotal = b.num_admitted + (b.request_slots_left ?? 0);
+  const slotsTotal = memory.req_slots_total;
   return [
     ["rem_total_tokens", b.rem_total_tokens, b.total_tokens],
     ["rem_input_tokens", b.rem_input_tokens, b.max_prefill_tokens],
@@ -88,7 +88,7 @@ function renderAdder(snap) {
   $("stop-reason").textContent = a ? reason || "no stop" : "no prefill attempt";
   $("stop-detail").textContent = a ? a.stop_detail || "" : "";
   $("admitted").textContent = a && a.admitted && a.admitted.length ? "admitted: " + a.admitted.join(", ") : "";
-  $("budgets").innerHTML = !a ? "" : budgetRows(a).map(([name, left, limit]) => {
+  $("budgets").innerHTML = !a ? "" : budgetRows(a, snap.memory).map(([name, left, limit]) => {
     const unlimited = left == null || limit == null;
     const text = unlimited ? (left == null ? "unlimited" : `${left} left`) : `${left} / ${limit}`;
     const exhausted = !unlimited && left <= 0 ? 1 : 0;
@@ -262,16 +262,16 @@ async function sendDemo() {
   const tag = Date.now().toString(36).slice(-4);
   $("demo-status").textContent = "sending 7 requests…";
   const wave1 = [
-    gen(tokens(cap(Math.round(chunk * 0.3)), 2), `demo-${tag}-A-short`),
-    gen(tokens(cap(Math.round(chunk * 2.5)), 3), `demo-${tag}-B-long`),
-    gen(tokens(cap(Math.round(chunk * 0.5)), 4), `demo-${tag}-C-short`),
-    gen(shared.concat(tokens(cap(Math.round(chunk * 0.2)), 5)), `demo-${tag}-D-prefix`),
-    gen(tokens(cap(Math.round(chunk * 0.4)), 6), `demo-${tag}-E-short`, maxNew * 2),
+    gen(tokens(cap(Math.round(chunk * 0.3)), 2), `A-short-${tag}`),
+    gen(tokens(cap(Math.round(chunk * 2.5)), 3), `B-long-${tag}`),
+    gen(tokens(cap(Math.round(chunk * 0.5)), 4), `C-short-${tag}`),
+    gen(shared.concat(tokens(cap(Math.round(chunk * 0.2)), 5)), `D-prefix-${tag}`),
+    gen(tokens(cap(Math.round(chunk * 0.4)), 6), `E-short-${tag}`, maxNew * 2),
   ];
   await wave1[3];  // D finished: its prompt is in the radix tree now
   const wave2 = [
-    gen(shared.concat(tokens(cap(Math.round(chunk * 0.2)), 7)), `demo-${tag}-F-hit`),
-    gen(shared.concat(tokens(cap(Math.round(chunk * 0.3)), 8)), `demo-${tag}-G-hit`),
+    gen(shared.concat(tokens(cap(Math.round(chunk * 0.2)), 7)), `F-hit-${tag}`),
+    gen(shared.concat(tokens(cap(Math.round(chunk * 0.3)), 8)), `G-hit-${tag}`),
   ];
   await Promise.all(wave1.concat(wave2));
   $("demo-status").textContent = "demo done";

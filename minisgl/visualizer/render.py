@@ -1,0 +1,210 @@
+"""Snapshot -> panel HTML (visualizer, notebook side). In: snapshot dicts (docs/snapshot.md). Out: HTML strings.
+
+The ipywidgets `SchedulerWidget` shows the same panels as the browser page
+(web/static/visualizer.js) with the same CSS classes, colours and data attributes,
+rendered here in Python because a notebook has no SSE stream and nbval has no
+browser. Every function is pure: snapshot in, HTML string out, so a notebook can
+assert on the text it would show.
+"""
+
+from __future__ import annotations
+
+from html import escape
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+from minisgl.visualizer.snapshot import kv_segments
+
+
+def web_dir() -> Path:
+    """The visualizer's templates/ and static/: the installed `minisgl.web` package, or the repo's web/."""
+    from importlib.resources import files
+
+    checkout = Path(__file__).resolve().parents[2] / "web"
+    try:
+        installed = Path(str(files("minisgl.web")))
+    except ModuleNotFoundError:  # a source checkout that is not pip-installed
+        return checkout
+    return installed if (installed / "templates").is_dir() else checkout
+
+
+PANEL_NAMES = ("waiting", "batch", "running", "adder", "memory", "events", "timeline", "finished")
+
+
+def _pct(x: float, total: float) -> float:
+    return max(0.0, min(100.0, 100.0 * x / total)) if total > 0 else 0.0
+
+
+def _seg(cls: str, x: float, total: float, title: str, attrs: str = "") -> str:
+    return f'<div class="seg {cls}" {attrs} style="width:{_pct(x, total):.2f}%" title="{escape(title)}"></div>'
+
+
+def _ms(ms: Optional[float]) -> str:
+    if ms is None:
+        return "–"
+    return f"{ms / 1000:.2f} s" if ms >= 1000 else f"{ms:.1f} ms"
+
+
+def _panel(name: str, title: str, body: str) -> str:
+    return f'<section class="panel" id="panel-{name}" data-panel="{name}"><h2>{title}</h2>{body}</section>'
+
+
+def render_waiting(snap: Mapping[str, Any]) -> str:
+    cards = [
+        f'<div class="req-card" data-rid="{escape(r["rid"])}" data-retracted="{int(r["retracted"])}">'
+        f'<div><span class="rid">{escape(r["rid"])}</span>'
+        + (f'<span class="badge">retracted ×{r.get("retraction_count", 1)}</span>' if r["retracted"] else "")
+        + f'</div><div>prompt {r["input_len"]} tok · cached {r["prefix_len"]}</div>'
+        f'<div class="detail">waited {_ms(r["waited_ms"])}</div></div>'
+        for r in snap["waiting_queue"]
+    ]
+    body = f'<div class="cards">{"".join(cards) or "<p class=empty>empty</p>"}</div>'
+    return _panel("waiting", f'waiting_queue <span class="count">{len(cards)}</span>', body)
+
+
+def _batch_row(r: Mapping[str, Any]) -> str:
+    total = r["prefix_len"] + r["extend_len"]
+    kind = "decode" if r["is_decode"] else "extend"
+    if r["is_decode"]:
+        label = f'decode · out {r.get("output_len", 0)}/{r.get("max_new_tokens", "?")}'
+    else:
+        chunk = f'<span class="chunk">chunk {r["chunk_index"]}/{r["num_chunks"]}</span> ' if r["num_chunks"] > 1 else ""
+        label = f'{chunk}+{r["extend_len"]} on {r["prefix_len"]}'
+    return (
+        f'<div class="row batch-req" data-rid="{escape(r["rid"])}" data-decode="{int(r["is_decode"])}" '
+        f'data-chunk-index="{r["chunk_index"]}" data-num-chunks="{r["num_chunks"]}">'
+        f'<span class="rid">{escape(r["rid"])}</span><div class="stackbar">'
+        f'{_seg("prefix", r["prefix_len"], total, "cached prefix")}{_seg(kind, r["extend_len"], total, kind)}</div>'
+        f'<span class="label">{label}</span></div>'
+    )
+
+
+def render_batch(snap: Mapping[str, Any]) -> str:
+    mode = snap["forward_mode"]
+    reqs = (snap["batch"] or {}).get("reqs", [])
+    rows = "".join(_batch_row(r) for r in reqs) or '<p class="empty">no batch ran</p>'
+    c = snap["chunked_req"]
+    if c:
+        rows += (f'<p class="detail">chunked_req <b>{escape(c["rid"])}</b>: {c["done_tokens"]}/{c["total_tokens"]} '
+                 f'tokens prefilled, chunk {c["chunk_index"]}/{c["num_chunks"]}</p>')  # fmt: skip
+    title = f'batch of this step <span class="mode-tag" data-mode="{mode}">{mode}</span>'
+    return _panel("batch", title, rows)
+
+
+def render_running(snap: Mapping[str, Any]) -> str:
+    rows = "".join(
+        f'<div class="row running-req" data-rid="{escape(r["rid"])}"><span class="rid">{escape(r["rid"])}</span>'
+        f'<div class="stackbar">{_seg("progress", r["output_len"], r["max_new_tokens"], "generated")}</div>'
+        f'<span class="label">{r["output_len"]} / {r["max_new_tokens"]} tok</span></div>'
+        for r in snap["running_batch"]
+    )
+    count = len(snap["running_batch"])
+    return _panel("running", f'running_batch <span class="count">{count}</span>', rows or '<p class="empty">nothing decoding</p>')
+
+
+def _budget_rows(adder: Mapping[str, Any], memory: Mapping[str, Any]) -> List[tuple]:
+    b = adder.get("budgets") or {}
+    max_reqs = b.get("prefill_max_requests")
+    return [
+        ("rem_total_tokens", b.get("rem_total_tokens"), b.get("total_tokens")),
+        ("rem_input_tokens", b.get("rem_input_tokens"), b.get("max_prefill_tokens")),
+        ("rem_chunk_tokens", b.get("rem_chunk_tokens"), b.get("chunked_prefill_size")),
+        ("requests", None if max_reqs is None else max_reqs - b.get("num_admitted", 0), max_reqs),
+        ("slots", b.get("request_slots_left"), memory.get("req_slots_total")),
+    ]
+
+
+def render_adder(snap: Mapping[str, Any]) -> str:
+    a = snap["adder"]
+    if a is None:
+        return _panel("adder", 'PrefillAdder <span class="reason" data-reason="">no prefill attempt</span>', "")
+    rows = []
+    for name, left, limit in _budget_rows(a, snap["memory"]):
+        unlimited = left is None or limit is None
+        text = ("unlimited" if left is None else f"{left} left") if unlimited else f"{left} / {limit}"
+        bar = "" if unlimited else _seg("left", max(left, 0), limit, f"{name} left")
+        rows.append(f'<div class="budget" data-budget="{name}" data-exhausted="{int(not unlimited and left <= 0)}">'
+                    f'<span class="name">{name}</span><div class="stackbar">{bar}</div><span class="label">{text}</span></div>')  # fmt: skip
+    reason = a.get("stop_reason") or ""
+    admitted = ", ".join(a.get("admitted") or [])
+    body = (f'<p class="detail stop-detail">{escape(a.get("stop_detail") or "")}</p>{"".join(rows)}'
+            + (f'<p class="detail">admitted: {escape(admitted)}</p>' if admitted else ""))  # fmt: skip
+    return _panel("adder", f'PrefillAdder <span class="reason" data-reason="{reason}">{reason or "no stop"}</span>', body)
+
+
+def _radix_node(node: Mapping[str, Any]) -> str:
+    is_root = node["id"] == 0
+    label = "root" if is_root else f'#{node["id"]} · {node["len"]} tok'
+    kids = "".join(_radix_node(c) for c in node.get("children", []))
+    locked = int(node["lock_ref"] > 0 and not is_root)
+    return (f'<li><span class="rnode" data-node="{node["id"]}" data-locked="{locked}" data-root="{int(is_root)}">'
+            f'{label}</span>{f"<ul>{kids}</ul>" if kids else ""}</li>')  # fmt: skip
+
+
+def render_memory(snap: Mapping[str, Any]) -> str:
+    k = kv_segments(snap["memory"])
+    bar = "".join(
+        _seg(f"kv-seg {kind}", k[kind], k["total"], f"{kind} {k[kind]} tokens", f'data-kind="{kind}" data-tokens="{k[kind]}"')
+        for kind in ("used", "protected", "evictable", "free")
+    )
+    radix = snap["radix"]
+    tree = f'<ul>{_radix_node(radix["tree"])}</ul>' if radix.get("tree") else ""
+    body = (
+        f'<p class="detail">used {k["used"]} · protected {k["protected"]} · evictable {k["evictable"]} · '
+        f'free {k["free"]} / {k["total"]} tokens</p><div class="stackbar" id="kv-bar">{bar}</div>'
+        f'<p class="detail">new_token_ratio <b class="new-token-ratio">{snap["new_token_ratio"]:.3f}</b></p>'
+        f'<h3>radix tree <span class="detail">{radix["num_nodes"]} nodes · {radix["total_tokens"]} tokens</span></h3>'
+        f'<div id="radix-tree">{tree}</div>'
+    )
+    return _panel("memory", "KV memory", body)
+
+
+def render_events(snap: Mapping[str, Any]) -> str:
+    items = "".join(
+        f'<li class="event" data-type="{escape(e["type"])}" data-rid="{escape(e["rid"])}"><span class="etype">'
+        f'{escape(e["type"])}</span> <b>{escape(e["rid"])}</b> <span class="detail">{escape(e.get("detail", ""))}</span></li>'
+        for e in snap["events"]
+    )
+    return _panel("events", "events of this step", f'<ul id="events">{items or "<li class=empty>none</li>"}</ul>')
+
+
+def render_timeline(snap: Mapping[str, Any], timeline: Sequence[Mapping[str, Any]]) -> str:
+    max_bs = max([1] + [s["batch_size"] for s in timeline])
+    bars = "".join(
+        f'<div class="tl-step{" current" if s["step"] == snap["step"] else ""}" data-step="{s["step"]}" '
+        f'data-mode="{s["forward_mode"]}" data-bs="{s["batch_size"]}" data-chunked="{int(s["has_chunked"])}" '
+        f'style="height:{10 + 44 * s["batch_size"] / max_bs:.0f}px" title="{escape(s["log_line"])}"></div>'
+        for s in timeline
+    )
+    log = escape(snap["log_line"] or f'(step {snap["step"]}: {snap["forward_mode"]}, no log line)')
+    return _panel("timeline", "timeline", f'<div id="timeline">{bars}</div><pre id="log-line">{log}</pre>')
+
+
+def render_finished(finished: Sequence[Mapping[str, Any]]) -> str:
+    rows = []
+    for f in finished:
+        total = f["queue_ms"] + f["schedule_ms"] + f["forward_ms"]
+        bar = (_seg("queue", f["queue_ms"], total, "queue") + _seg("schedule", f["schedule_ms"], total, "schedule")
+               + _seg("forward", f["forward_ms"], total, "forward"))  # fmt: skip
+        rows.append(
+            f'<div class="row finished-req" data-rid="{escape(f["rid"])}" data-ttft="{f["ttft_ms"]:.3f}">'
+            f'<span class="rid">{escape(f["rid"])}</span><div class="stackbar">{bar}</div>'
+            f'<span class="label">TTFT {_ms(f["ttft_ms"])} = queue {_ms(f["queue_ms"])} + schedule '
+            f'{_ms(f["schedule_ms"])} + forward {_ms(f["forward_ms"])}</span></div>'
+        )
+    return _panel("finished", "finished requests (TTFT split)", "".join(rows) or '<p class="empty">none yet</p>')
+
+
+def render_panels(snap: Mapping[str, Any], timeline: Sequence[Mapping[str, Any]] = (),
+                  finished: Sequence[Mapping[str, Any]] = ()) -> Dict[str, str]:  # fmt: skip
+    """Every panel of the page for one snapshot; `timeline` and `finished` accumulate across steps."""
+    return {
+        "waiting": render_waiting(snap),
+        "batch": render_batch(snap),
+        "running": render_running(snap),
+        "adder": render_adder(snap),
+        "memory": render_memory(snap),
+        "events": render_events(snap),
+        "timeline": render_timeline(snap, timeline),
+        "finished": render_finished(finished),
+    }

@@ -1,0 +1,79 @@
+"""SchedulerWidget: its buttons drive a real in-process Engine and it shows what engine.snapshot() says."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, Iterator
+
+import pytest
+
+from minisgl.visualizer.widget import SchedulerWidget
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model: str) -> Iterator[Any]:
+    from minisgl import Engine
+
+    eng = Engine(tiny_model, device="cpu", chunked_prefill_size=32, max_total_tokens=2048, max_running_requests=8)
+    yield eng
+    eng.shutdown()
+
+
+def _stable(snap: Dict[str, Any]) -> Dict[str, Any]:
+    """The snapshot without the fields that change by merely reading it again (clocks)."""
+    out = {k: v for k, v in snap.items() if k != "time"}
+    out["waiting_queue"] = [{k: v for k, v in r.items() if k != "waited_ms"} for r in snap["waiting_queue"]]
+    return out
+
+
+def _rids(html: str, cls: str) -> list:
+    return re.findall(rf'class="[^"]*\b{cls}\b[^"]*" data-rid="([^"]+)"', html)
+
+
+def test_step_button_advances_the_engine_one_iteration_and_panels_match_the_snapshot(engine: Any) -> None:
+    widget = SchedulerWidget(engine)
+    widget.reset()
+    widget.add_request(20, 4, rid="A")
+    widget.add_request(70, 4, rid="B")  # 70 > chunked_prefill_size 32: chunked
+    widget.add_request(10, 4, rid="C")
+    assert _rids(widget.panels["waiting"], "req-card") == ["A", "B", "C"]
+    before = engine.scheduler.forward_ct
+
+    widget.buttons["Step"].click()
+    assert engine.scheduler.forward_ct == before + 1 and widget.step_count == 1
+    snap = engine.snapshot()
+    assert _stable(widget.last_snapshot) == _stable(snap)
+    # what the panels show is what the snapshot says
+    assert snap["forward_mode"] == "EXTEND"
+    assert 'data-mode="EXTEND"' in widget.panels["batch"]
+    assert _rids(widget.panels["batch"], "batch-req") == [r["rid"] for r in snap["batch"]["reqs"]] == ["A", "B"]
+    chunked = snap["chunked_req"]
+    assert chunked["rid"] == "B" and f'chunk {chunked["chunk_index"]}/{chunked["num_chunks"]}' in widget.panels["batch"]
+    assert _rids(widget.panels["waiting"], "req-card") == [r["rid"] for r in snap["waiting_queue"]] == ["C"]
+    assert f'data-reason="{snap["adder"]["stop_reason"]}"' in widget.panels["adder"]
+    assert [s["step"] for s in widget.timeline] == [snap["step"]]
+
+
+def test_run_n_steps_reaches_decode_then_finishes_with_ttft_and_reset_clears(engine: Any) -> None:
+    widget = SchedulerWidget(engine)
+    widget.reset()
+    for rid, n in (("A", 20), ("B", 70), ("C", 10)):
+        widget.add_request(n, 4, rid=rid)
+    widget.n_steps.value = 3
+    widget.buttons["Run N steps"].click()
+    assert widget.step_count == 3
+    modes = [s["forward_mode"] for s in widget.timeline]
+    assert modes[:3] == ["EXTEND", "EXTEND", "EXTEND"]  # A + B chunk 1, B chunk 2, B chunk 3 + C
+    widget.run(100)
+    assert not engine.has_unfinished_requests()
+    decode_steps = [s for s in widget.timeline if s["forward_mode"] == "DECODE"]
+    assert decode_steps and max(s["batch_size"] for s in decode_steps) == 3
+    assert sorted(f["rid"] for f in widget.finished) == ["A", "B", "C"]
+    assert len(re.findall(r'class="row finished-req"', widget.panels["finished"])) == 3
+    assert "TTFT" in widget.panels["finished"]
+    for rid in ("A", "B", "C"):
+        engine.get_result(rid)
+
+    widget.buttons["Reset"].click()
+    assert widget.step_count == 0 and widget.timeline == [] and widget.finished == []
+    assert widget.last_snapshot["radix"]["total_tokens"] == 0  # the radix cache was flushed
