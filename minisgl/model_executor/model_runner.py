@@ -1,0 +1,152 @@
+"""ModelRunner: owns the model, the KV memory and the sampler; runs one ForwardBatch.
+
+Where it sits: Scheduler -> ScheduleBatch -> ForwardBatch -> ModelRunner.forward ->
+LogitsProcessorOutput -> ModelRunner.sample -> SampleOutput -> Scheduler.
+Owns: model (DecoderForCausalLM), model_config, req_to_token_pool,
+token_to_kv_pool_allocator, token_to_kv_pool, attn_backend, sampler.
+
+Sizing (SGLang's formulas, sglang-facts.md §4.1; docs/model_execution.md):
+- context_len: --context-length, else the model's max_position_embeddings.
+- max_total_num_tokens (KV pool size in tokens): --max-total-tokens if given; on CUDA
+  (free memory after loading weights - total * (1 - mem_fraction_static)) / cell_size;
+  on CPU cpu_kv_cache_gb GiB / cell_size, capped at CPU_POOL_CONTEXTS * context_len
+  (a CPU never runs more than a few full contexts at once, and torch.zeros would touch
+  every byte of a big pool). Floored to a multiple of page_size.
+- max_running_requests: --max-running-requests, else SGLang's
+  min(max_total // 2, clamp(max_total / context_len * 512, 2048, 4096)); on CPU further
+  capped at CPU_MAX_RUNNING_REQUESTS.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from minisgl.layers.attention.base import AttentionBackend
+from minisgl.layers.logits_processor import LogitsProcessorOutput
+from minisgl.layers.sampler import SampleOutput, Sampler
+from minisgl.mem_cache.allocator import make_allocator
+from minisgl.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from minisgl.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from minisgl.models.loader import load_model, resolve_model_path
+from minisgl.models.model_config import ModelConfig
+from minisgl.sampling.sampling_batch_info import SamplingBatchInfo
+from minisgl.server_args import ServerArgs
+from minisgl.utils import set_random_seed
+
+logger = logging.getLogger("minisgl")
+
+CPU_POOL_CONTEXTS = 8
+CPU_MAX_RUNNING_REQUESTS = 256
+
+
+class ModelRunner:
+    def __init__(self, server_args: ServerArgs, show_progress: bool = True) -> None:
+        if not server_args.is_resolved:
+            raise ValueError("ModelRunner needs a resolved ServerArgs: call resolve_server_args first")
+        self.server_args = server_args
+        self.device: str = server_args.device
+        self.dtype: torch.dtype = getattr(torch, server_args.dtype)
+        self.page_size = server_args.page_size
+        set_random_seed(server_args.random_seed)  # the global RNG of unseeded sampling
+
+        assert server_args.model_path is not None
+        model_dir = resolve_model_path(server_args.model_path)
+        self.model_config = ModelConfig.from_pretrained(model_dir, server_args.context_length)
+        self.use_triton = server_args.attention_backend == "triton"
+        self.model = load_model(self.model_config, self.device, self.dtype, self.use_triton, show_progress)
+        self.sampler = Sampler()
+
+        self.max_total_num_tokens = self._profile_max_num_token()
+        self.max_running_requests = self._max_running_requests()
+        self.req_to_token_pool = ReqToTokenPool(
+            self.max_running_requests, self.model_config.context_len + self.page_size, self.device
+        )
+        self.token_to_kv_pool_allocator = make_allocator(self.max_total_num_tokens, self.page_size, self.device)
+        mc = self.model_config
+        self.token_to_kv_pool = MHATokenToKVPool(
+            self.max_total_num_tokens, self.page_size, self.dtype, mc.num_kv_heads, mc.head_dim, mc.num_layers, self.device
+        )
+        self.attn_backend = self._make_attn_backend()
+        logger.info(
+            "Load model %s (%s) on %s in %s: context_len=%d, max_total_num_tokens=%d, max_running_requests=%d, "
+            "page_size=%d, attention_backend=%s",
+            model_dir, mc.architecture, self.device, server_args.dtype, mc.context_len,
+            self.max_total_num_tokens, self.max_running_requests, self.page_size, server_args.attention_backend,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ sizing
+    @property
+    def cell_size(self) -> int:
+        mc = self.model_config
+        return MHATokenToKVPool.cell_size_bytes(mc.num_kv_heads, mc.head_dim, mc.num_layers, self.dtype)
+
+    def _profile_max_num_token(self) -> int:
+        args = self.server_args
+        if args.max_total_tokens is not None:
+            tokens = args.max_total_tokens
+        elif self.device == "cuda":
+            free, total = torch.cuda.mem_get_info()
+            rest = free - total * (1 - (args.mem_fraction_static or 0.85))
+            tokens = int(rest) // self.cell_size
+            if tokens <= 0:
+                raise RuntimeError(
+                    f"No GPU memory left for the KV cache (free {free / 2**30:.2f} GiB of {total / 2**30:.2f} GiB); "
+                    "raise --mem-fraction-static or use a smaller model"
+                )
+        else:
+            budget = int(args.cpu_kv_cache_gb * 2**30) // self.cell_size
+            tokens = min(budget, CPU_POOL_CONTEXTS * self.model_config.context_len)
+        tokens -= tokens % self.page_size
+        if tokens < 2 * self.page_size:
+            raise ValueError(f"KV pool of {tokens} tokens is too small; raise --max-total-tokens / --cpu-kv-cache-gb")
+        logger.info("KV cache: %d tokens, %.3f GiB (%d bytes per token)", tokens, tokens * self.cell_size / 2**30, self.cell_size)
+        return tokens
+
+    def _max_running_requests(self) -> int:
+        requested = self.server_args.max_running_requests
+        max_num_reqs = min(max(int(self.max_total_num_tokens / self.model_config.context_len * 512), 2048), 4096)
+        if requested is not None:
+            return max(1, min(requested, max_num_reqs))
+        n = min(self.max_total_num_tokens // 2, max_num_reqs)
+        if self.device == "cpu":
+            n = min(n, CPU_MAX_RUNNING_REQUESTS)
+        return max(1, n)
+
+    def _make_attn_backend(self) -> AttentionBackend:
+        backend = self.server_args.attention_backend
+        if backend == "torch":
+            from minisgl.layers.attention.torch_backend import TorchNativeAttnBackend
+
+            return TorchNativeAttnBackend(self)
+        if backend == "triton":
+            from minisgl.layers.attention.triton_backend import TritonAttnBackend
+
+            return TritonAttnBackend(self)
+        raise ValueError(f"Unknown attention backend {backend!r}; choose torch or triton")
+
+    # ------------------------------------------------------------------ running
+    def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        """One forward pass; logits of each request's last token (all tokens with return_all_logits)."""
+        if forward_batch.forward_mode == ForwardMode.IDLE:
+            empty = torch.empty((0, self.model_config.vocab_size), dtype=torch.float32, device=self.device)
+            return LogitsProcessorOutput(next_token_logits=empty)
+        with torch.inference_mode():
+            forward_batch.attn_backend.init_forward_metadata(forward_batch)
+            return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+    def sample(self, logits_output: LogitsProcessorOutput, sampling_info: SamplingBatchInfo) -> SampleOutput:
+        """Penalties and min_new_tokens, then the Sampler (sglang-facts.md §11)."""
+        with torch.inference_mode():
+            logits = logits_output.next_token_logits  # [bs, V] float32
+            if sampling_info.penalizer_orchestrator is not None:
+                logits = logits.clone()  # keep the model's logits intact for the caller
+                sampling_info.apply_logits_bias(logits)
+            return self.sampler(logits, sampling_info)
+
+    def make_sampling_info(self, reqs: "list", device: Optional[str] = None) -> SamplingBatchInfo:
+        """SamplingBatchInfo for `reqs` with this model's vocabulary and EOS ids."""
+        mc = self.model_config
+        return SamplingBatchInfo.from_reqs(reqs, mc.vocab_size, device or self.device, mc.hf_eos_token_ids)

@@ -1,0 +1,178 @@
+"""The generic decoder: one model class for Llama, Qwen2, Qwen3 and Mistral.
+
+Where it sits: ModelRunner.forward(forward_batch) -> DecoderForCausalLM.forward(input_ids,
+positions, forward_batch) -> LogitsProcessorOutput. In: the flattened tokens of a batch
+(every request's extend tokens, or one token per request in decode); out: next-token
+logits per request. K/V go into the paged pool through RadixAttention and the backend.
+
+Per layer (pre-norm, residual stream carried beside the hidden states):
+    h, residual = input_layernorm(h, residual)            # residual += h; h = norm(residual)
+    h = o_proj(attn(rope(q_norm(q)), rope(k_norm(k)), v))  # q_norm/k_norm: Qwen3 only
+    h, residual = post_attention_layernorm(h, residual)
+    h = down_proj(silu(gate) * up)
+The per-architecture differences are flags on ModelConfig (models/registry.py).
+Parameter names match the Hugging Face checkpoint, except the fused `qkv_proj` and
+`gate_up_proj`, which `load_weights` fills from q/k/v_proj and gate/up_proj.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Set, Tuple
+
+import torch
+from torch import nn
+
+from minisgl.layers.activation import SiluAndMul
+from minisgl.layers.layernorm import RMSNorm
+from minisgl.layers.linear import MergedColumnLinear, QKVLinear, ReplicatedLinear, VocabEmbedding, default_weight_loader
+from minisgl.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from minisgl.layers.radix_attention import RadixAttention
+from minisgl.layers.rotary_embedding import RotaryEmbedding
+from minisgl.model_executor.forward_batch_info import ForwardBatch
+from minisgl.models.model_config import ModelConfig
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, use_triton: bool) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, config.qkv_bias)
+        self.o_proj = ReplicatedLinear(self.num_heads * self.head_dim, config.hidden_size, config.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, use_triton) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, use_triton) if config.qk_norm else None
+        self.rotary_emb = RotaryEmbedding(
+            self.head_dim,
+            max(config.max_position_embeddings, config.context_len),
+            config.rope_theta,
+            config.rope_scaling,
+            use_triton,
+        )
+        self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        n, d = hidden_states.shape[0], self.head_dim
+        qkv = self.qkv_proj(hidden_states)  # [N, (Hq + 2 * Hkv) * D]
+        q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q.reshape(-1, d))[0]  # [N * Hq, D], normalised per head
+            k = self.k_norm(k.reshape(-1, d))[0]  # [N * Hkv, D]
+        # contiguous copies: RoPE rotates them in place, and the kernel wants dense rows
+        q = q.reshape(n, self.num_heads, d).contiguous()  # [N, Hq, D]
+        k = k.reshape(n, self.num_kv_heads, d).contiguous()  # [N, Hkv, D]
+        v = v.reshape(n, self.num_kv_heads, d)  # [N, Hkv, D]
+        self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v, forward_batch)  # [N, Hq, D]
+        return self.o_proj(out.reshape(n, self.num_heads * d))  # [N, hidden]
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnLinear(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        self.down_proj = ReplicatedLinear(config.intermediate_size, config.hidden_size, config.mlp_bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [N, hidden]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, use_triton: bool) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(config, layer_id, use_triton)
+        self.mlp = DecoderMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, use_triton)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, use_triton)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: Optional[torch.Tensor],
+        forward_batch: ForwardBatch,
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        hidden_states, residual = self.input_layernorm(hidden_states, residual)  # [N, hidden] each
+        hidden_states = self.self_attn(positions, hidden_states, forward_batch)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig, use_triton: bool) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(config, i, use_triton) for i in range(config.num_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, use_triton)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)  # [N, hidden]
+        residual: Optional[torch.Tensor] = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual, forward_batch)
+        return self.norm(hidden_states, residual)[0]  # [N, hidden]
+
+
+# checkpoint name fragment -> (fused parameter fragment, shard id)
+STACKED_PARAMS = (
+    (".q_proj", ".qkv_proj", "q"),
+    (".k_proj", ".qkv_proj", "k"),
+    (".v_proj", ".qkv_proj", "v"),
+    (".gate_proj", ".gate_up_proj", 0),
+    (".up_proj", ".gate_up_proj", 1),
+)
+# Buffers some checkpoints carry that the model recomputes.
+IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class DecoderForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, use_triton: bool = False) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, use_triton)
+        # Tied: the LM head reuses the embedding table (no lm_head.weight in the checkpoint).
+        self.lm_head = None if config.tie_word_embeddings else ReplicatedLinear(config.hidden_size, config.vocab_size)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [V, hidden]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        hidden_states = self.model(input_ids, positions, forward_batch)  # [N, hidden]
+        return self.logits_processor(hidden_states, self.lm_head_weight, forward_batch)
+
+    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors into the parameters; every parameter must be filled exactly once."""
+        params = dict(self.named_parameters())
+        loaded: Set[str] = set()
+        for name, tensor in weights:
+            if name.endswith(IGNORED_WEIGHT_SUFFIXES):
+                continue
+            if name.startswith("lm_head.") and self.lm_head is None:
+                continue  # tied checkpoints may still store a copy of the embedding
+            target, shard_id = name, None
+            for ckpt_part, param_part, sid in STACKED_PARAMS:
+                if ckpt_part in name:
+                    target, shard_id = name.replace(ckpt_part, param_part), sid
+                    break
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {self.config.architecture}")
+            param = params[target]
+            if shard_id is None:
+                default_weight_loader(param, tensor)
+            else:
+                owner = self.get_submodule(target.rsplit(".", 1)[0])
+                owner.weight_loader(param, tensor, shard_id)
+            loaded.add(f"{target}:{shard_id}")
+        expected = {f"{n}:{s}" for n in params for s in _shards_of(n)}
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights for {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+
+def _shards_of(param_name: str) -> Tuple[object, ...]:
+    if ".qkv_proj." in param_name:
+        return ("q", "k", "v")
+    if ".gate_up_proj." in param_name:
+        return (0, 1)
+    return (None,)

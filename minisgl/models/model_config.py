@@ -1,0 +1,140 @@
+"""ModelConfig: the model's shape, read once from config.json and generation_config.json.
+
+Where it sits: ModelRunner -> ModelConfig.from_pretrained(model_dir) -> decoder, KV pool
+sizing, the scheduler (context_len, vocab_size, hf_eos_token_ids).
+
+Handles both config spellings: transformers >= 5 writes `rope_parameters`
+({"rope_type", "rope_theta", ...}); older files write `rope_theta` and `rope_scaling`
+({"type" | "rope_type", "factor", ...}). Both become (rope_theta, rope_scaling).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Set, Tuple
+
+from minisgl.layers.rotary_embedding import SUPPORTED_ROPE_TYPES
+from minisgl.models.registry import get_arch_spec
+
+logger = logging.getLogger("minisgl")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_path: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[Dict[str, Any]]  # None = plain RoPE
+    max_position_embeddings: int
+    context_len: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    hf_eos_token_ids: Set[int] = field(default_factory=set)
+    hf_config: Dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str, context_length: Optional[int] = None) -> "ModelConfig":
+        cfg = _read_json(os.path.join(model_dir, "config.json"), required=True)
+        gen_cfg = _read_json(os.path.join(model_dir, "generation_config.json"), required=False)
+        architecture, spec = get_arch_spec(cfg)
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"Unsupported hidden_act {cfg['hidden_act']!r}; minisgl's MLP is gated SiLU")
+        num_heads = int(cfg["num_attention_heads"])
+        rope_theta, rope_scaling = parse_rope(cfg)
+        max_pos = int(cfg.get("max_position_embeddings", 2048))
+        return cls(
+            model_path=model_dir,
+            architecture=architecture,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // num_heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_pos,
+            context_len=_context_len(cfg, max_pos, context_length),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=spec.qkv_bias(cfg),
+            o_bias=spec.o_bias(cfg),
+            mlp_bias=spec.mlp_bias(cfg),
+            qk_norm=spec.qk_norm,
+            hf_eos_token_ids=_as_id_set(cfg.get("eos_token_id")) | _as_id_set(gen_cfg.get("eos_token_id")),
+            hf_config=cfg,
+        )
+
+
+def _read_json(path: str, required: bool) -> Dict[str, Any]:
+    if not os.path.exists(path):
+        if required:
+            raise ValueError(f"{path} not found: a model directory needs a Hugging Face config.json")
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _as_id_set(value: Any) -> Set[int]:
+    """eos_token_id may be absent, one int or a list of ints."""
+    if value is None:
+        return set()
+    if isinstance(value, int):
+        return {value}
+    return {int(v) for v in value}
+
+
+def parse_rope(cfg: Dict[str, Any]) -> Tuple[float, Optional[Dict[str, Any]]]:
+    """(rope_theta, rope_scaling or None) from either config spelling."""
+    params = cfg.get("rope_parameters")
+    if params and "full_attention" in params and "rope_type" not in params:
+        params = params["full_attention"]  # per-layer-type form; every supported model is full attention
+    if params:
+        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        scaling: Optional[Dict[str, Any]] = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = float(cfg.get("rope_theta", 10000.0))
+        scaling = dict(cfg["rope_scaling"]) if cfg.get("rope_scaling") else None
+    partial = (scaling or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"partial_rotary_factor={partial} is not supported (minisgl rotates the whole head)")
+    if scaling is None:
+        return theta, None
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"Unsupported rope_type {rope_type!r}; minisgl supports {SUPPORTED_ROPE_TYPES}")
+    if rope_type == "default":
+        return theta, None
+    return theta, {**scaling, "rope_type": rope_type}
+
+
+def _context_len(cfg: Dict[str, Any], max_pos: int, requested: Optional[int]) -> int:
+    """--context-length, else max_position_embeddings; never past a sliding window.
+
+    minisgl attends over the whole sequence. That equals sliding-window attention as long
+    as no sequence is longer than the window, so the context is capped at the window.
+    """
+    context_len = requested or max_pos
+    if requested and requested > max_pos:
+        logger.warning("context_length %d exceeds max_position_embeddings %d of the model", requested, max_pos)
+    window = cfg.get("sliding_window")
+    uses_window = cfg.get("use_sliding_window", True)  # Qwen2/3 switch it off with this flag
+    if window and uses_window and window < context_len:
+        logger.warning("capping context_len %d to the model's sliding_window %d", context_len, window)
+        context_len = int(window)
+    return int(context_len)

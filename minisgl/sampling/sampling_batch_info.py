@@ -1,0 +1,74 @@
+"""SamplingBatchInfo: the sampling knobs of a batch, as tensors (one row per request).
+
+Where it sits: Scheduler (ScheduleBatch) -> SamplingBatchInfo.from_reqs(reqs, ...) ->
+ModelRunner.sample(logits_output, sampling_info) -> apply_logits_bias + Sampler.
+In: the batch's Reqs (reads `sampling_params`, `output_ids`, `origin_input_ids`,
+`return_logprob`, `top_logprobs_num`); out: tensors the sampler reads.
+
+`SamplingParams.normalize` already mapped greedy (temperature ~0) to temperature 1 with
+top_k 1 and top_k -1 to "all"; here top_k is clipped to the vocabulary.
+Per-request seeds: `positions[i] = len(origin_input_ids) + len(output_ids)`, the position
+of the token being sampled, so a seeded request draws the same token at the same
+position whatever batch it is in (see layers/sampler.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Set
+
+import torch
+
+from minisgl.sampling.penalties import BatchedPenalizerOrchestrator
+
+
+@dataclass
+class SamplingBatchInfo:
+    temperatures: torch.Tensor  # [bs, 1] float32
+    top_ps: torch.Tensor  # [bs] float32
+    top_ks: torch.Tensor  # [bs] int64, in [1, V]
+    min_ps: torch.Tensor  # [bs] float32
+    is_all_greedy: bool  # every request has top_k == 1: argmax, no softmax
+    need_top_p_sampling: bool
+    need_top_k_sampling: bool
+    need_min_p_sampling: bool
+    seeds: Optional[torch.Tensor]  # [bs] int64, or None when no request has a seed
+    has_seed: Optional[torch.Tensor]  # [bs] bool
+    positions: torch.Tensor  # [bs] int64, position of the token being sampled
+    return_logprob: bool  # some request wants logprobs
+    top_logprobs_nums: List[int]  # [bs]
+    vocab_size: int
+    penalizer_orchestrator: Optional[BatchedPenalizerOrchestrator] = None
+
+    @classmethod
+    def from_reqs(
+        cls, reqs: Sequence[Any], vocab_size: int, device: str, eos_token_ids: Optional[Set[int]] = None
+    ) -> "SamplingBatchInfo":
+        params = [r.sampling_params for r in reqs]
+        top_ks = [min(max(p.top_k, 1), vocab_size) for p in params]
+        seeds = [p.seed for p in params]
+        any_seed = any(s is not None for s in seeds)
+        return cls(
+            temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)[:, None],
+            top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
+            min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+            is_all_greedy=all(k == 1 for k in top_ks),
+            need_top_p_sampling=any(p.top_p < 1.0 for p in params),
+            need_top_k_sampling=any(k < vocab_size for k in top_ks),
+            need_min_p_sampling=any(p.min_p > 0 for p in params),
+            seeds=torch.tensor([s or 0 for s in seeds], dtype=torch.int64, device=device) if any_seed else None,
+            has_seed=torch.tensor([s is not None for s in seeds], device=device) if any_seed else None,
+            positions=torch.tensor(
+                [len(r.origin_input_ids) + len(r.output_ids) for r in reqs], dtype=torch.int64, device=device
+            ),
+            return_logprob=any(bool(r.return_logprob) for r in reqs),
+            top_logprobs_nums=[int(r.top_logprobs_num or 0) if r.return_logprob else 0 for r in reqs],
+            vocab_size=vocab_size,
+            penalizer_orchestrator=BatchedPenalizerOrchestrator.from_reqs(reqs, vocab_size, device, eos_token_ids or set()),
+        )
+
+    def apply_logits_bias(self, logits: torch.Tensor) -> None:
+        """Penalties and min_new_tokens, in place on logits [bs, V] (sglang-facts.md §11.1)."""
+        if self.penalizer_orchestrator is not None:
+            self.penalizer_orchestrator.apply(logits)
