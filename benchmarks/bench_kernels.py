@@ -29,9 +29,8 @@ if not torch.cuda.is_available():
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path[:0] = [_ROOT, os.path.join(_ROOT, "tests")]  # the paged-batch builders live beside the kernel tests
-from test_kernels import _import_kernels, cos_sin_cache, paged_req_to_token  # noqa: E402
+from test_kernels import cos_sin_cache, paged_req_to_token  # noqa: E402
 
-_import_kernels()
 
 from minisgl.kernels.fused_add_rmsnorm import fused_add_rmsnorm, fused_add_rmsnorm_ref  # noqa: E402
 from minisgl.kernels.rotary_embedding import rotary_embedding_inplace, rotary_embedding_ref  # noqa: E402

@@ -16,35 +16,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import importlib.util
 import math
-import pathlib
-import sys
 from typing import List, Tuple
 
 import pytest
 
 
-def _import_kernels() -> None:
-    """Make `minisgl.kernels` importable when the repo is not pip-installed.
-
-    pyproject maps the top-level kernels/ folder to minisgl.kernels; without an
-    install, do the same mapping by hand.
-    """
-    try:
-        import minisgl.kernels  # noqa: F401
-    except ModuleNotFoundError:
-        kdir = pathlib.Path(__file__).resolve().parents[1] / "kernels"
-        spec = importlib.util.spec_from_file_location(
-            "minisgl.kernels", kdir / "__init__.py", submodule_search_locations=[str(kdir)]
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["minisgl.kernels"] = module
-        spec.loader.exec_module(module)
-
-
-_import_kernels()
 
 from minisgl.kernels.decode_attention import decode_attention, decode_attention_ref  # noqa: E402
 from minisgl.kernels.extend_attention import extend_attention, extend_attention_ref  # noqa: E402

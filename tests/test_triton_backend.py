@@ -16,29 +16,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import importlib.util
-import pathlib
-import sys
 from typing import Any, Dict, List
 
 import pytest
 
 
-def _import_kernels() -> None:
-    """Map kernels/ onto minisgl.kernels (as pyproject's package-dir does) when not pip-installed."""
-    try:
-        import minisgl.kernels  # noqa: F401
-    except ModuleNotFoundError:
-        kdir = pathlib.Path(__file__).resolve().parents[1] / "kernels"
-        spec = importlib.util.spec_from_file_location(
-            "minisgl.kernels", kdir / "__init__.py", submodule_search_locations=[str(kdir)]
-        )
-        assert spec is not None and spec.loader is not None
-        sys.modules["minisgl.kernels"] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-
-
-_import_kernels()
 
 from minisgl import Engine  # noqa: E402
 
