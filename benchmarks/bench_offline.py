@@ -1,0 +1,196 @@
+"""Offline throughput: how many output tokens per second does minisgl produce, against
+Hugging Face transformers on the same weights and requests, and against the FLOPs floor?
+
+The protocol of nano-vllm and mini-sglang: seed 0, N requests, input and output lengths
+uniform in [lo, hi], random token ids, ignore_eos (every request generates exactly its
+output length). The model is a Qwen3-shaped decoder with random weights that the script
+builds (benchmarks/common.py). With `--compare hf` the same process also runs
+transformers' static padded `generate` (batches of --hf-batch-size) and its continuous
+batching (`generate_batch`'s manager, per-request max_new_tokens), and prints ratios.
+
+    python benchmarks/bench_offline.py                 # minisgl only, the default workload
+    python benchmarks/bench_offline.py --compare hf    # + both HF paths (several minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any, Dict, List
+
+import common
+
+
+def run_minisgl(model_path: str, input_ids: List[List[int]], output_lens: List[int], args: argparse.Namespace) -> Dict[str, Any]:
+    """All requests queued at once, then step() to idle; each step timed and classified."""
+    from minisgl import Engine
+
+    engine = Engine(model_path, **_engine_kwargs(args))
+    # warm-up: one short request so allocator and kernels are warm
+    engine.generate(input_ids=[input_ids[0][:32]], sampling_params={"max_new_tokens": 4, "ignore_eos": True})
+    t_start = time.perf_counter()
+    for ids, out_len in zip(input_ids, output_lens):
+        engine.add_request(input_ids=ids, sampling_params={"max_new_tokens": out_len, "ignore_eos": True, "temperature": 0.0})
+    prefill_s = decode_s = 0.0
+    decode_steps: Dict[int, List[float]] = {}  # batch size -> step seconds
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t0
+        batch = engine.scheduler.cur_batch
+        if batch is None:
+            continue
+        if batch.forward_mode.is_decode():
+            decode_s += dt
+            decode_steps.setdefault(batch.batch_size(), []).append(dt)
+        else:
+            prefill_s += dt
+    wall = time.perf_counter() - t_start
+    results = [engine.get_result(rid) for rid in list(engine.rid_to_state)]
+    got = sorted(len(r["output_ids"]) for r in results)
+    if got != sorted(output_lens):
+        raise RuntimeError("minisgl produced different output lengths than requested (ignore_eos broken?)")
+    engine.shutdown()
+    return {"wall": wall, "prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": decode_steps}
+
+
+def _engine_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
+    kw: Dict[str, Any] = {"device": args.device, "dtype": args.dtype}
+    for name in ("max_running_requests", "chunked_prefill_size", "max_total_tokens"):
+        if getattr(args, name) is not None:
+            kw[name] = getattr(args, name)
+    if args.enable_mixed_chunk:
+        kw["enable_mixed_chunk"] = True
+    return kw
+
+
+def run_hf_static(model: Any, input_ids: List[List[int]], output_lens: List[int], batch_size: int) -> float:
+    """transformers `generate` on left-padded batches; each batch runs to its longest output."""
+    import torch
+
+    t0 = time.perf_counter()
+    for start in range(0, len(input_ids), batch_size):
+        ids, outs = input_ids[start : start + batch_size], output_lens[start : start + batch_size]
+        width = max(len(x) for x in ids)
+        tokens = torch.tensor([[0] * (width - len(x)) + x for x in ids])  # [bs, width], pad id 0 on the left
+        mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(x) for x in ids])[:, None]).long()
+        with torch.inference_mode():
+            model.generate(
+                input_ids=tokens, attention_mask=mask, max_new_tokens=max(outs), min_new_tokens=max(outs),
+                do_sample=False, pad_token_id=0,
+            )  # fmt: skip
+    return time.perf_counter() - t0
+
+
+def run_hf_continuous(model: Any, input_ids: List[List[int]], output_lens: List[int], args: argparse.Namespace) -> float:
+    """transformers continuous batching with each request's own max_new_tokens and no EOS."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    gc = GenerationConfig(max_new_tokens=max(output_lens), do_sample=False, eos_token_id=-1, pad_token_id=0)
+    total = sum(len(x) + o for x, o in zip(input_ids, output_lens))
+    cbc = ContinuousBatchingConfig(
+        page_size=64, num_blocks=total // 64 + 2 * len(input_ids) + 8,
+        max_batch_tokens=args.hf_max_batch_tokens, max_requests_per_batch=len(input_ids),
+    )  # fmt: skip
+    mgr = model.init_continuous_batching(generation_config=gc, continuous_batching_config=cbc)
+    mgr.start()
+    try:
+        t0 = time.perf_counter()
+        for i, (ids, out_len) in enumerate(zip(input_ids, output_lens)):
+            mgr.add_request(ids, request_id=f"r{i}", max_new_tokens=out_len, eos_token_id=-1)
+        done: Dict[str, int] = {}
+        while len(done) < len(input_ids):
+            r = mgr.get_result(timeout=1)
+            if r is not None and r.is_finished():
+                done[r.request_id] = len(r.generated_tokens)
+            elif r is None and not mgr.is_running():
+                raise RuntimeError("transformers' continuous batching thread died")
+        wall = time.perf_counter() - t0
+    finally:
+        mgr.stop(block=True)
+    if sum(done.values()) != sum(output_lens):
+        print(f"warning: HF continuous batching produced {sum(done.values())} tokens, asked {sum(output_lens)}")
+    return wall
+
+
+def report_decode_floor(run: Dict[str, Any], shape: common.ModelShape, args: argparse.Namespace) -> None:
+    """The median decode step at the target batch (or the largest seen) vs 2*P*bs / matmul rate."""
+    steps = run["decode_steps"]
+    if not steps:
+        return
+    bs = args.decode_batch if args.decode_batch in steps else max(steps)
+    step_s = statistics.median(steps[bs])
+    rate = common.matmul_rate(shape, bs, args.dtype, args.device)
+    floor_s = 2.0 * shape.matmul_params() * bs / rate
+    common.print_result("decode_step_batch", bs, "reqs", f"{len(steps[bs])} steps at this batch size")
+    common.print_result("decode_step_ms", step_s * 1e3, "ms")
+    common.print_result("decode_step_floor_ms", floor_s * 1e3, "ms", f"2*P*bs at {rate / 1e9:.0f} GFLOP/s (m={bs})")
+    common.print_result("decode_step_vs_floor", step_s / floor_s, "x", "target <= 2")
+    if args.device == "cuda":
+        import torch
+
+        bytes_per_step = shape.matmul_params() * torch.finfo(getattr(torch, args.dtype)).bits // 8
+        bw = common.copy_bandwidth("cuda")
+        common.print_result("decode_weight_GBps", bytes_per_step / step_s / 1e9, "GB/s", f"device copy {bw / 1e9:.0f} GB/s")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_model_args(p)
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--input-len", type=int, nargs=2, default=(64, 512), metavar=("LO", "HI"))
+    p.add_argument("--output-len", type=int, nargs=2, default=(32, 256), metavar=("LO", "HI"))
+    p.add_argument("--seed", type=int, default=0)
+    common.add_runtime_args(p)
+    p.add_argument("--max-running-requests", type=int, default=None)
+    p.add_argument("--chunked-prefill-size", type=int, default=None)
+    p.add_argument("--max-total-tokens", type=int, default=None)
+    p.add_argument("--enable-mixed-chunk", action="store_true")
+    p.add_argument("--decode-batch", type=int, default=64, help="Batch size at which the decode step is compared to its floor.")
+    p.add_argument("--compare", choices=("none", "hf"), default="none")
+    p.add_argument("--hf-batch-size", type=int, default=32, help="Static batch size of HF generate.")
+    p.add_argument("--hf-max-batch-tokens", type=int, default=2048)
+    args = p.parse_args()
+    common.apply_runtime_args(args)
+
+    model_path, shape = common.model_from_args(args)
+    input_ids, output_lens = common.random_requests(args.num_requests, tuple(args.input_len), tuple(args.output_len), shape.vocab, args.seed)
+    n_in, n_out = sum(map(len, input_ids)), sum(output_lens)
+    common.print_header(
+        "offline throughput (minisgl vs transformers)",
+        {"num_requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
+         "input_tokens": n_in, "output_tokens": n_out, "seed": args.seed, "ignore_eos": True},
+        {"model": model_path, "params": shape.matmul_params(), "device": args.device, "dtype": args.dtype,
+         "engine": _engine_kwargs(args), "compare": args.compare},
+    )  # fmt: skip
+
+    run = run_minisgl(model_path, input_ids, output_lens, args)
+    tps = n_out / run["wall"]
+    common.print_result("minisgl_output_tok_s", tps, "tok/s", f"wall {run['wall']:.2f} s")
+    common.print_result("minisgl_total_tok_s", (n_in + n_out) / run["wall"], "tok/s")
+    common.print_result("minisgl_prefill_tok_s", n_in / max(run["prefill_s"], 1e-9), "tok/s", f"{run['prefill_s']:.2f} s in prefill steps")
+    common.print_result("minisgl_decode_tok_s", (n_out - args.num_requests) / max(run["decode_s"], 1e-9), "tok/s", f"{run['decode_s']:.2f} s in decode steps")
+
+    rate = common.matmul_rate(shape, 512, args.dtype, args.device)
+    floor_wall = 2.0 * shape.matmul_params() * (n_in + n_out) / rate
+    common.print_result("matmul_rate_gflops", rate / 1e9, "GFLOP/s", "model's matmuls at 512 rows")
+    common.print_result("floor_output_tok_s", n_out / floor_wall, "tok/s", "2 x params x (input + output tokens) at that rate")
+    common.print_result("minisgl_vs_floor", tps / (n_out / floor_wall), "x", "target >= 0.5")
+    report_decode_floor(run, shape, args)
+
+    if args.compare == "hf":
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.dtype)).to(args.device).eval()
+        static_s = run_hf_static(model, input_ids, output_lens, args.hf_batch_size)
+        common.print_result("hf_static_output_tok_s", n_out / static_s, "tok/s", f"useful tokens, padded batches of {args.hf_batch_size}, wall {static_s:.2f} s")
+        cb_s = run_hf_continuous(model, input_ids, output_lens, args)
+        common.print_result("hf_cb_output_tok_s", n_out / cb_s, "tok/s", f"generate_batch manager, wall {cb_s:.2f} s")
+        best = n_out / min(static_s, cb_s)
+        common.print_result("minisgl_vs_best_hf", tps / best, "x", "target >= 4")
+
+
+if __name__ == "__main__":
+    main()
