@@ -1,0 +1,198 @@
+"""Sampler, SamplingBatchInfo and penalties on hand-made logits (sglang-facts.md §11)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import pytest
+import torch
+
+from minisgl.layers.sampler import Sampler, SampleOutput, gumbel_noise
+from minisgl.sampling.sampling_batch_info import SamplingBatchInfo
+from minisgl.sampling.sampling_params import SamplingParams
+
+V = 8
+EOS = 7
+
+
+@dataclass
+class FakeReq:
+    """The Req fields SamplingBatchInfo reads."""
+
+    sampling_params: SamplingParams
+    origin_input_ids: List[int] = field(default_factory=lambda: [1, 2, 3])
+    output_ids: List[int] = field(default_factory=list)
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+
+
+def req(output_ids: Optional[List[int]] = None, **params: Any) -> FakeReq:
+    sp = SamplingParams(**params)
+    sp.normalize()
+    sp.verify(V)
+    return FakeReq(sp, output_ids=list(output_ids or []))
+
+
+def sample(logits: torch.Tensor, reqs: List[FakeReq]) -> SampleOutput:
+    info = SamplingBatchInfo.from_reqs(reqs, V, "cpu", {EOS})
+    logits = logits.clone()
+    info.apply_logits_bias(logits)
+    return Sampler()(logits, info)
+
+
+def kept_tokens(logits: torch.Tensor, n: int = 400, **params: Any) -> set:
+    """Tokens a request can draw: sample many times (unseeded, global RNG) and collect them."""
+    out = sample(logits.expand(n, -1), [req(**params) for _ in range(n)])
+    return set(out.next_token_ids.tolist())
+
+
+PROBS = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.05, 0.03, 0.015, 0.005])
+LOGITS = PROBS.log()[None, :]  # [1, V], softmax(LOGITS) == PROBS
+
+
+def test_greedy_is_argmax_and_temperature_zero_is_greedy() -> None:
+    logits = torch.randn(5, V, generator=torch.Generator().manual_seed(0))
+    out = sample(logits, [req(temperature=0.0) for _ in range(5)])
+    assert out.next_token_ids.tolist() == logits.argmax(-1).tolist()
+    assert out.next_token_logprobs is None
+
+
+def test_top_k_1_equals_greedy_in_a_sampled_batch() -> None:
+    logits = torch.randn(6, V, generator=torch.Generator().manual_seed(1))
+    reqs = [req(top_k=1, temperature=1.5) if i % 2 == 0 else req(temperature=1.0) for i in range(6)]
+    for _ in range(20):
+        out = sample(logits, reqs)
+        assert out.next_token_ids[0::2].tolist() == logits[0::2].argmax(-1).tolist()
+
+
+def test_top_k_keeps_the_k_most_likely() -> None:
+    assert kept_tokens(LOGITS, top_k=3) == {0, 1, 2}
+
+
+def test_top_p_keeps_the_token_that_crosses_the_threshold() -> None:
+    # cumulative: 0.40, 0.65, 0.80, 0.90 -> with top_p 0.7, token 2 crosses 0.7 and stays
+    assert kept_tokens(LOGITS, top_p=0.7) == {0, 1, 2}
+    assert kept_tokens(LOGITS, top_p=0.35) == {0}  # the first token alone crosses 0.35
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_best() -> None:
+    # p_max 0.40 * 0.3 = 0.12: tokens with p >= 0.12 survive
+    assert kept_tokens(LOGITS, min_p=0.3) == {0, 1, 2}
+
+
+def test_filters_compose_in_sglang_order() -> None:
+    # top-k 4 then top-p 0.5: {0, 1}; min-p 0.7 (0.28) then leaves {0}
+    assert kept_tokens(LOGITS, top_k=4, top_p=0.5) == {0, 1}
+    assert kept_tokens(LOGITS, top_k=4, top_p=0.5, min_p=0.7) == {0}
+
+
+def test_unfiltered_sampling_follows_the_distribution() -> None:
+    torch.manual_seed(0)
+    n = 4000
+    out = sample(LOGITS.expand(n, -1), [req() for _ in range(n)])
+    freq = torch.bincount(out.next_token_ids, minlength=V).float() / n
+    assert torch.allclose(freq, PROBS, atol=0.03)
+
+
+def test_temperature_sharpens_and_flattens() -> None:
+    torch.manual_seed(0)
+    n = 3000
+    cold = sample(LOGITS.expand(n, -1), [req(temperature=0.25) for _ in range(n)]).next_token_ids
+    hot = sample(LOGITS.expand(n, -1), [req(temperature=4.0) for _ in range(n)]).next_token_ids
+    assert (cold == 0).float().mean() > 0.85
+    assert (hot == 0).float().mean() < 0.3
+
+
+def test_seeded_requests_are_reproducible_and_batch_independent() -> None:
+    logits = torch.randn(1, V, generator=torch.Generator().manual_seed(2)).expand(16, -1)
+    seeded = [req(seed=1234) for _ in range(16)]
+    for r, n_out in zip(seeded, range(16)):
+        r.output_ids = list(range(n_out))  # 16 different positions
+    first = sample(logits, seeded).next_token_ids
+    torch.manual_seed(99)  # the global RNG must not matter
+    again = sample(logits, seeded).next_token_ids
+    assert first.tolist() == again.tolist()
+    # the same request alone, or surrounded by unseeded requests, draws the same token
+    mixed = [req(), seeded[5], req(temperature=2.0)]
+    assert sample(logits[:3], mixed).next_token_ids[1] == first[5]
+    # a different seed gives a different sequence of draws
+    other = [req(seed=4321, output_ids=list(range(n))) for n in range(16)]
+    assert sample(logits, other).next_token_ids.tolist() != first.tolist()
+    assert len(set(first.tolist())) > 1  # positions change the noise too
+
+
+def test_seeded_sampling_follows_the_distribution() -> None:
+    n = 3000
+    reqs = [req(seed=s) for s in range(n)]
+    out = sample(LOGITS.expand(n, -1), reqs).next_token_ids
+    freq = torch.bincount(out, minlength=V).float() / n
+    assert torch.allclose(freq, PROBS, atol=0.03)
+    u = gumbel_noise(torch.tensor([7]), torch.tensor([3]), 100000)
+    assert abs(float(u.mean()) - 0.5772) < 0.02  # Gumbel(0, 1) mean: Euler's constant
+
+
+def test_frequency_and_presence_penalties_count_output_tokens_only() -> None:
+    logits = torch.zeros(1, V)
+    r = req(output_ids=[3, 3, 5], frequency_penalty=0.5, presence_penalty=0.25)
+    r.origin_input_ids = [1, 1, 1]  # the prompt is never penalised
+    info = SamplingBatchInfo.from_reqs([r], V, "cpu", {EOS})
+    info.apply_logits_bias(logits)
+    expected = torch.zeros(V)
+    expected[3] = -(0.5 * 2 + 0.25)
+    expected[5] = -(0.5 * 1 + 0.25)
+    assert torch.allclose(logits[0], expected)
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative() -> None:
+    logits = torch.tensor([[2.0, -2.0, 2.0, -2.0, 0, 0, 0, 0]])
+    info = SamplingBatchInfo.from_reqs([req(output_ids=[0, 1], repetition_penalty=2.0)], V, "cpu", {EOS})
+    info.apply_logits_bias(logits)
+    assert logits[0, :4].tolist() == [1.0, -4.0, 2.0, -2.0]
+
+
+def test_min_new_tokens_blocks_eos_and_stop_ids_until_reached() -> None:
+    logits = torch.zeros(2, V)
+    logits[:, EOS] = 10.0
+    logits[:, 4] = 9.0
+    reqs = [req(output_ids=[1], min_new_tokens=3, stop_token_ids=[4]), req(output_ids=[1, 2, 3], min_new_tokens=3)]
+    out = sample(logits, reqs).next_token_ids.tolist()
+    assert out[0] not in (EOS, 4)
+    assert out[1] == EOS  # min_new_tokens reached: EOS is allowed again
+    ignore = req(output_ids=[], min_new_tokens=3, ignore_eos=True)  # EOS does not stop it: nothing to block
+    assert sample(logits[:1], [ignore]).next_token_ids.tolist() == [EOS]
+
+
+def test_no_penalties_means_no_orchestrator() -> None:
+    info = SamplingBatchInfo.from_reqs([req(), req(temperature=0)], V, "cpu", {EOS})
+    assert info.penalizer_orchestrator is None
+
+
+def test_logprobs_of_sampled_token_and_top_logprobs() -> None:
+    r1 = req(temperature=0)
+    r1.return_logprob, r1.top_logprobs_num = True, 3
+    r2 = req(temperature=2.0, top_k=2)
+    r2.return_logprob, r2.top_logprobs_num = True, 1
+    logits = torch.cat([LOGITS, LOGITS])
+    out = sample(logits, [r1, r2])
+    assert out.next_token_logprobs is not None and out.top_logprobs_val is not None and out.top_logprobs_idx is not None
+    assert out.top_logprobs_idx[0] == [0, 1, 2] and len(out.top_logprobs_val[1]) == 1
+    assert math.isclose(out.top_logprobs_val[0][0], math.log(0.40), rel_tol=1e-5)
+    # logprobs come after temperature: row 2 is the distribution of logits / 2
+    tempered = torch.log_softmax(LOGITS[0] / 2.0, -1)
+    assert math.isclose(float(out.next_token_logprobs[1]), float(tempered[out.next_token_ids[1]]), rel_tol=1e-5)
+    assert math.isclose(float(out.next_token_logprobs[0]), math.log(0.40), rel_tol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": -0.1}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": 0}, {"top_k": -2}, {"min_p": 1.5},
+        {"frequency_penalty": 2.5}, {"presence_penalty": -3}, {"repetition_penalty": 0.0},
+        {"min_new_tokens": 5, "max_new_tokens": 2},
+    ],
+)  # fmt: skip
+def test_bad_values_are_rejected(params: Dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        SamplingParams(**params).verify(V)
