@@ -1,0 +1,88 @@
+"""Memory pressure: retraction, radix sharing and eviction, page sizes, integrity after every step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from minisgl import Engine
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def _run_all(engine, prompts, max_new, check_every_step=False):
+    rids = [engine.add_request(input_ids=p, sampling_params={**GREEDY, "max_new_tokens": m}) for p, m in zip(prompts, max_new)]
+    ratios, retracted = [], 0
+    while engine.has_unfinished_requests():
+        snap = engine.step()
+        ratios.append(snap["new_token_ratio"])
+        retracted += sum(e["type"] == "retract" for e in snap["events"])
+        if check_every_step:
+            engine.scheduler.check_integrity()
+    engine.step()  # idle leak check
+    return [engine.get_result(r)["output_ids"] for r in rids], ratios, retracted
+
+
+def test_retraction_completes_a_workload_ten_times_the_pool(tiny_model):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(10, 400) for _ in range(12)] for _ in range(64)]
+    # ~2000 tokens of demand for a 200-token pool; varied lengths so requests finish at
+    # different times and new ones are admitted while others still grow
+    max_new = [rng.randrange(4, 36) for _ in range(64)]
+    # a low schedule_conservativeness (initial new_token_ratio 0.07) makes admission
+    # overcommit on purpose, so running requests outgrow the pool and must be retracted
+    small = Engine(tiny_model, device="cpu", max_total_tokens=200, chunked_prefill_size=-1, schedule_conservativeness=0.1)
+    outs_small, ratios, retracted = _run_all(small, prompts, max_new)
+    big = Engine(tiny_model, device="cpu", max_total_tokens=4096, chunked_prefill_size=-1)
+    outs_big, _, big_retracted = _run_all(big, prompts, max_new)
+    assert retracted > 0 and big_retracted == 0
+    assert outs_small == outs_big
+    peak = max(range(len(ratios)), key=lambda i: ratios[i])
+    assert ratios[peak] > small.scheduler.init_new_token_ratio  # raised by retraction ...
+    assert min(ratios[peak:]) < ratios[peak]  # ... then decayed step by step
+    assert small.get_load().num_retracted_reqs_total == retracted
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_shared_prefix_hits_the_cache_and_matches_a_cache_disabled_run(tiny_model, page_size):
+    system = list(range(20, 84))  # 64 shared tokens
+    prompts = [system + [100 + i, 200 + i, 300 + i] for i in range(4)]
+    cached = Engine(tiny_model, device="cpu", max_total_tokens=2048, page_size=page_size)
+    first = cached.generate(input_ids=prompts[0], sampling_params={**GREEDY, "max_new_tokens": 5})
+    rest = cached.generate(input_ids=prompts[1:], sampling_params={**GREEDY, "max_new_tokens": 5})
+    assert first["meta_info"]["cached_tokens"] == 0
+    assert all(r["meta_info"]["cached_tokens"] == 64 for r in rest)
+    nocache = Engine(tiny_model, device="cpu", max_total_tokens=2048, page_size=page_size, disable_radix_cache=True)
+    expected = nocache.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 5})
+    assert [first["output_ids"]] + [r["output_ids"] for r in rest] == [e["output_ids"] for e in expected]
+    assert all(e["meta_info"]["cached_tokens"] == 0 for e in expected)
+
+
+def test_eviction_under_pressure_keeps_serving(tiny_model):
+    engine = Engine(tiny_model, device="cpu", max_total_tokens=256)
+    for i in range(8):  # 8 x ~100 tokens through a 256-token pool: old prefixes must be evicted
+        out = engine.generate(input_ids=[10 + i] * 90, sampling_params={**GREEDY, "max_new_tokens": 8})
+        assert out["meta_info"]["finish_reason"]["type"] == "length"
+    load = engine.get_load()
+    assert load.evictable_tokens <= 256 and load.available_tokens + load.evictable_tokens == 256
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_random_workload_integrity_after_every_step(tiny_model, page_size):
+    rng = random.Random(page_size)
+    shared = [rng.randrange(10, 400) for _ in range(40)]
+    prompts, max_new = [], []
+    for _ in range(12):
+        head = shared[: rng.choice([0, 16, 40])]
+        prompts.append(head + [rng.randrange(10, 400) for _ in range(rng.randrange(1, 50))])
+        max_new.append(rng.randrange(1, 24))
+    engine = Engine(
+        tiny_model, device="cpu", max_total_tokens=320, page_size=page_size, chunked_prefill_size=48,
+        schedule_policy="lpm", max_running_requests=6,
+    )  # fmt: skip
+    outs, _, _ = _run_all(engine, prompts, max_new, check_every_step=True)
+    assert [len(o) for o in outs] == max_new
+    reference = Engine(tiny_model, device="cpu", max_total_tokens=4096, page_size=page_size, disable_radix_cache=True)
+    ref_outs, _, _ = _run_all(reference, prompts, max_new)
+    assert outs == ref_outs
