@@ -1,0 +1,190 @@
+"""ModelRunner and loader: sizing, config parsing, checkpoint formats, errors, forward + sample."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any, Callable, Iterator
+
+import pytest
+import torch
+
+from forward_helpers import BatchDriver, make_runner, relative_error
+from minisgl.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from minisgl.model_executor.model_runner import CPU_MAX_RUNNING_REQUESTS, CPU_POOL_CONTEXTS, ModelRunner
+from minisgl.models.loader import resolve_model_path, safetensors_files
+from minisgl.models.model_config import ModelConfig, parse_rope
+from minisgl.sampling.sampling_params import SamplingParams
+from minisgl.server_args import ServerArgs, resolve_server_args
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models; see test_model_parity.py
+    yield
+    torch.set_num_threads(old)
+
+
+def _copy_with(src: str, dst: str, config_edits: Any = None, gen_edits: Any = None) -> str:
+    shutil.copytree(src, dst)
+    for name, edits in (("config.json", config_edits), ("generation_config.json", gen_edits)):
+        if edits:
+            path = os.path.join(dst, name)
+            with open(path) as f:
+                data = json.load(f)
+            edits(data)
+            with open(path, "w") as f:
+                json.dump(data, f)
+    return dst
+
+
+def test_kv_pool_and_request_slots_follow_the_args(tiny_model: str) -> None:
+    r = make_runner(tiny_model, page_size=16, max_total_tokens=1000, max_running_requests=8)
+    mc = r.model_config
+    assert r.max_total_num_tokens == 992  # floored to whole pages
+    assert r.token_to_kv_pool_allocator.available_size() == 992
+    assert r.token_to_kv_pool.k_buffer[0].shape == (992 + 16, mc.num_kv_heads, mc.head_dim)
+    assert len(r.token_to_kv_pool.k_buffer) == mc.num_layers
+    assert r.max_running_requests == 8 and r.req_to_token_pool.size == 8
+    assert r.req_to_token_pool.req_to_token.shape[1] == mc.context_len + 16
+    assert mc.context_len == 2048  # max_position_embeddings of the tiny config
+
+
+def test_cpu_pool_from_budget_and_cap(tiny_model: str) -> None:
+    cell = make_runner(tiny_model, max_total_tokens=64).cell_size
+    small = make_runner(tiny_model, max_total_tokens=None, cpu_kv_cache_gb=300 * cell / 2**30, page_size=4)
+    assert small.max_total_num_tokens == 300  # budget / cell size, a multiple of page_size
+    capped = make_runner(tiny_model, max_total_tokens=None, cpu_kv_cache_gb=1.0, context_length=256)
+    assert capped.model_config.context_len == 256
+    assert capped.max_total_num_tokens == CPU_POOL_CONTEXTS * 256
+    assert capped.max_running_requests == min(CPU_POOL_CONTEXTS * 256 // 2, CPU_MAX_RUNNING_REQUESTS)
+
+
+def test_unresolved_args_are_refused(tiny_model: str) -> None:
+    with pytest.raises(ValueError, match="resolve_server_args"):
+        ModelRunner(ServerArgs(model_path=tiny_model))
+
+
+def test_eos_ids_are_the_union_of_config_and_generation_config(tiny_model: str, tmp_path: Any) -> None:
+    def gen(d: dict) -> None:
+        d["eos_token_id"] = [2, 7]
+
+    def cfg(d: dict) -> None:
+        d["eos_token_id"] = 5
+
+    path = _copy_with(tiny_model, str(tmp_path / "m"), cfg, gen)
+    assert ModelConfig.from_pretrained(path).hf_eos_token_ids == {2, 5, 7}
+
+
+def test_legacy_and_transformers5_rope_spellings_agree() -> None:
+    legacy = {"rope_theta": 500000.0, "rope_scaling": {"type": "linear", "factor": 4.0}}
+    v5 = {"rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 500000.0}}
+    theta_legacy, scaling_legacy = parse_rope(legacy)
+    theta_v5, scaling_v5 = parse_rope(v5)
+    assert theta_legacy == theta_v5 == 500000.0
+    assert scaling_legacy is not None and scaling_v5 is not None
+    assert scaling_legacy["rope_type"] == scaling_v5["rope_type"] == "linear"
+    assert scaling_legacy["factor"] == scaling_v5["factor"] == 4.0
+    assert parse_rope({"rope_theta": 1e6}) == (1e6, None)
+    assert parse_rope({"rope_parameters": {"rope_type": "default", "rope_theta": 10.0}}) == (10.0, None)
+    with pytest.raises(ValueError, match="yarn"):
+        parse_rope({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1.0}})
+
+
+def test_unsupported_architecture_names_the_supported_ones(tiny_model: str, tmp_path: Any) -> None:
+    def cfg(d: dict) -> None:
+        d["architectures"] = ["GPT2LMHeadModel"]
+
+    path = _copy_with(tiny_model, str(tmp_path / "m"), cfg)
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM.*MistralForCausalLM.*Qwen2ForCausalLM.*Qwen3ForCausalLM"):
+        ModelConfig.from_pretrained(path)
+
+
+def test_missing_models_give_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        resolve_model_path("/no/such/model/dir")
+    # conftest sets HF_HUB_OFFLINE=1; either way this id is neither local nor cached
+    with pytest.raises(ValueError, match="huggingface-cli download minisgl-test/no-such-model"):
+        resolve_model_path("minisgl-test/no-such-model")
+
+
+def test_sharded_and_bf16_checkpoints_load(tiny_model_factory: Callable[..., str], tmp_path: Any) -> None:
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model_factory("llama")
+    sharded = str(tmp_path / "sharded")
+    AutoModelForCausalLM.from_pretrained(path).save_pretrained(sharded, max_shard_size="40KB")
+    shutil.copy(os.path.join(path, "tokenizer.json"), sharded)
+    assert os.path.exists(os.path.join(sharded, "model.safetensors.index.json"))
+    assert len(safetensors_files(sharded)) > 1
+
+    prompt = [[5, 9, 200, 31, 7, 77]]
+    logits = {}
+    for name, p, dtype in (("single", path, "float32"), ("sharded", sharded, "float32")):
+        d = BatchDriver(make_runner(p, dtype=dtype))
+        logits[name] = d.extend([d.new_req()], prompt).next_token_logits
+    assert torch.equal(logits["single"], logits["sharded"])
+
+    bf16 = tiny_model_factory("qwen3", dtype="bfloat16")  # stored bf16, like the built-in model
+    r = make_runner(bf16, dtype="float32")
+    w = r.model.model.embed_tokens.weight
+    assert w.dtype == torch.float32
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(bf16, "model.safetensors"), "pt") as f:
+        stored = f.get_tensor("model.embed_tokens.weight")
+    assert stored.dtype == torch.bfloat16 and torch.equal(w, stored.float())
+
+
+def test_forward_then_sample_end_to_end(tiny_model: str) -> None:
+    runner = make_runner(tiny_model)
+    driver = BatchDriver(runner)
+
+    class Req:
+        def __init__(self, ids: list, **params: Any) -> None:
+            self.origin_input_ids, self.output_ids = ids, []
+            self.sampling_params = SamplingParams(**params)
+            self.sampling_params.normalize()
+            self.return_logprob, self.top_logprobs_num = True, 2
+
+    reqs = [Req([4, 8, 15, 16, 23], temperature=0), Req([42, 7], temperature=0.7, seed=3)]
+    out = driver.extend([driver.new_req() for _ in reqs], [r.origin_input_ids for r in reqs])
+    info = runner.make_sampling_info(reqs)
+    sampled = runner.sample(out, info)
+    assert sampled.next_token_ids.shape == (2,) and sampled.next_token_ids.dtype == torch.int64
+    assert int(sampled.next_token_ids[0]) == int(out.next_token_logits[0].argmax())
+    assert sampled.top_logprobs_idx is not None and all(len(x) == 2 for x in sampled.top_logprobs_idx)
+    again = runner.sample(out, runner.make_sampling_info(reqs))
+    assert int(again.next_token_ids[1]) == int(sampled.next_token_ids[1])  # seeded
+
+
+def test_penalties_do_not_modify_the_model_logits(tiny_model: str) -> None:
+    runner = make_runner(tiny_model)
+    driver = BatchDriver(runner)
+    out = driver.extend([driver.new_req()], [[3, 4, 5]])
+    before = out.next_token_logits.clone()
+
+    class Req:
+        origin_input_ids, output_ids = [3, 4, 5], [int(before[0].argmax())]
+        sampling_params = SamplingParams(temperature=0, frequency_penalty=2.0, presence_penalty=2.0)
+        return_logprob, top_logprobs_num = False, 0
+
+    Req.sampling_params.normalize()
+    sampled = runner.sample(out, runner.make_sampling_info([Req()]))
+    assert torch.equal(out.next_token_logits, before)
+    assert int(sampled.next_token_ids[0]) != int(before[0].argmax())  # penalised by 4 (random logits spread ~1)
+
+
+def test_idle_forward_returns_no_logits(tiny_model: str) -> None:
+    r = make_runner(tiny_model)
+    empty = torch.empty(0, dtype=torch.int64)
+    fb = ForwardBatch(ForwardMode.IDLE, 0, empty, empty, empty, empty, empty, [], r.req_to_token_pool, r.token_to_kv_pool, r.attn_backend)
+    assert r.forward(fb).next_token_logits.shape == (0, r.model_config.vocab_size)
+
+
+def test_mistral_sliding_window_caps_the_context(tiny_model_factory: Callable[..., str]) -> None:
+    path = tiny_model_factory("mistral", sliding_window=128)
+    assert ModelConfig.from_pretrained(path).context_len == 128
+    assert ModelConfig.from_pretrained(tiny_model_factory("qwen3")).context_len == 2048  # use_sliding_window False
