@@ -1,0 +1,118 @@
+"""PrefillAdder: each budget exhausted on purpose, with the AddReqResult and recorded reason (§2)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from minisgl import Engine, SamplingParams
+from minisgl.managers.schedule_batch import Req, ScheduleBatch
+from minisgl.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
+from minisgl.mem_cache.allocator import make_allocator
+from minisgl.mem_cache.memory_pool import ReqToTokenPool
+from minisgl.mem_cache.radix_cache import RadixCache
+
+
+def _adder(pool_tokens: int, max_prefill: int = 16384, chunk: Optional[int] = None, page_size: int = 1,
+           prefill_max_requests: Optional[int] = None) -> PrefillAdder:  # fmt: skip
+    allocator = make_allocator(pool_tokens, page_size)
+    req_pool = ReqToTokenPool(8, 512)
+    tree = RadixCache(req_pool, allocator, page_size)
+    running = ScheduleBatch.init_new([], req_pool, allocator, tree)
+    return PrefillAdder(page_size, tree, allocator, running, 0.7, max_prefill, chunk, 0, prefill_max_requests)
+
+
+def _req(rid: str, input_len: int, max_new: int, adder: PrefillAdder) -> Req:
+    params = SamplingParams(max_new_tokens=max_new)
+    params.normalize()
+    req = Req(rid, None, list(range(1, input_len + 1)), params)
+    req.init_next_round_input(adder.tree_cache)
+    return req
+
+
+def test_kv_budget_no_token_even_for_the_first_request():
+    adder = _adder(pool_tokens=100)
+    assert adder.add_one_req(_req("a", 60, 50, adder), has_chunked_req=False) == AddReqResult.NO_TOKEN
+    assert adder.can_run_list == [] and adder.stop_reason == "NO_TOKEN"
+    assert "rem_total_tokens" in adder.stop_detail and adder.budgets_at_stop["rem_total_tokens"] == 100
+
+
+def test_input_budget_first_request_may_exceed_it_second_may_not():
+    adder = _adder(pool_tokens=1000, max_prefill=50)
+    first = _req("a", 80, 4, adder)
+    assert adder.add_one_req(first, has_chunked_req=False) == AddReqResult.OTHER  # admitted, then budget spent
+    assert adder.can_run_list == [first] and adder.rem_input_tokens == -30
+    assert "rem_input_tokens" in adder.stop_detail
+
+
+def test_input_budget_blocks_a_later_request():
+    adder = _adder(pool_tokens=1000, max_prefill=50)
+    assert adder.add_one_req(_req("a", 20, 4, adder), has_chunked_req=False) == AddReqResult.CONTINUE
+    assert adder.add_one_req(_req("b", 40, 4, adder), has_chunked_req=False) == AddReqResult.OTHER
+    assert [r.rid for r in adder.can_run_list] == ["a"]
+
+
+def test_chunk_budget_truncates_and_page_aligns():
+    adder = _adder(pool_tokens=1024, chunk=40, page_size=16)
+    req = _req("a", 100, 4, adder)
+    assert adder.add_one_req(req, has_chunked_req=False) == AddReqResult.CONTINUE
+    assert adder.new_chunked_req is req and req.extend_input_len == 32 and len(req.fill_ids) == 32
+    # 8 tokens of chunk budget left: less than a page, so the next request cannot start
+    assert adder.add_one_req(_req("b", 10, 4, adder), has_chunked_req=True) == AddReqResult.OTHER
+    assert "less than one page" in adder.stop_detail
+
+
+def test_chunk_budget_exhausted_exactly():
+    adder = _adder(pool_tokens=1024, chunk=64)
+    req = _req("a", 100, 4, adder)
+    assert adder.add_one_req(req, has_chunked_req=False) == AddReqResult.OTHER
+    assert req.extend_input_len == 64 and "rem_chunk_tokens" in adder.stop_detail
+
+
+def test_prefill_max_requests():
+    adder = _adder(pool_tokens=1024, prefill_max_requests=1)
+    assert adder.add_one_req(_req("a", 10, 4, adder), has_chunked_req=False) == AddReqResult.CONTINUE
+    assert adder.add_one_req(_req("b", 10, 4, adder), has_chunked_req=False) == AddReqResult.OTHER
+    assert "prefill_max_requests" in adder.stop_detail
+
+
+def test_running_requests_reserve_ratio_scaled_output():
+    adder = _adder(pool_tokens=1000)
+    running = _req("r", 10, 100, adder)
+    adder2 = PrefillAdder(1, adder.tree_cache, adder.token_to_kv_pool_allocator,
+                          ScheduleBatch.init_new([running], None, adder.token_to_kv_pool_allocator, adder.tree_cache),
+                          0.5, 16384, None)  # fmt: skip
+    assert adder2.rem_total_tokens == 1000 - 100 * 0.5
+
+
+def test_head_of_line_blocking_and_batch_full(tiny_model):
+    greedy = {"temperature": 0, "ignore_eos": True}
+    engine = Engine(tiny_model, device="cpu", max_total_tokens=200, chunked_prefill_size=-1)
+    engine.add_request(input_ids=list(range(10, 30)), sampling_params={**greedy, "max_new_tokens": 20}, rid="a")
+    engine.add_request(input_ids=list(range(10, 110)), sampling_params={**greedy, "max_new_tokens": 60}, rid="big")
+    engine.add_request(input_ids=list(range(10, 20)), sampling_params={**greedy, "max_new_tokens": 5}, rid="small")
+    snap = engine.step()
+    # "small" would fit, but admission stops at the first request that does not
+    assert snap["adder"]["admitted"] == ["a"] and snap["adder"]["stop_reason"] == "NO_TOKEN"
+    engine.run_until_idle()
+
+    engine = Engine(tiny_model, device="cpu", max_total_tokens=1024, max_running_requests=2)
+    for rid in "xyz":
+        engine.add_request(input_ids=[11, 12, 13], sampling_params={**greedy, "max_new_tokens": 3}, rid=rid)
+    snap = engine.step()
+    assert snap["adder"]["admitted"] == ["x", "y"] and snap["adder"]["stop_reason"] == "BATCH_FULL"
+    assert [r["rid"] for r in snap["waiting_queue"]] == ["z"]
+    engine.run_until_idle()
+
+
+def test_policies_order_the_queue():
+    adder = _adder(pool_tokens=1000)
+    reqs = [_req(str(i), 5 + i, m, adder) for i, m in enumerate([3, 9, 1])]
+    queue = list(reqs)
+    SchedulePolicy("lof", adder.tree_cache).calc_priority(queue)
+    assert [r.rid for r in queue] == ["1", "0", "2"]
+    queue = list(reqs)
+    SchedulePolicy("fcfs", adder.tree_cache).calc_priority(queue)
+    assert queue == reqs
+    # lpm with an empty tree and no shared prefixes keeps arrival order (stable sort)
+    SchedulePolicy("lpm", adder.tree_cache).calc_priority(queue)
+    assert queue == reqs
