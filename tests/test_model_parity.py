@@ -185,3 +185,20 @@ def test_bfloat16_stays_close_to_float32(tiny_model_factory: Callable[..., str])
     print(f"bfloat16 vs float32 relative logit error: {err:.4f}")
     assert results[1].dtype == torch.float32  # logits leave the LM head in float32 either way
     assert err < 0.05
+
+
+def test_triton_layer_hooks_match_the_torch_layers(tiny_model_factory: Callable[..., str]) -> None:
+    """use_triton routes RMSNorm and RoPE to minisgl.kernels; the model's logits must not change."""
+    pytest.importorskip("minisgl.kernels.fused_add_rmsnorm")
+    pytest.importorskip("minisgl.kernels.rotary_embedding")
+    from minisgl.models.loader import load_model
+
+    path = tiny_model_factory("llama", rope_scaling=LLAMA3_ROPE, rope_theta=500000.0)
+    prompts = _prompts(2, seed=7, lo=4, hi=12)
+    logits = []
+    for use_triton in (False, True):
+        runner = make_runner(path)
+        runner.model = load_model(runner.model_config, "cpu", torch.float32, use_triton=use_triton, show_progress=False)
+        driver = BatchDriver(runner)
+        logits.append(driver.extend([driver.new_req() for _ in prompts], prompts, return_all_logits=True).full_logits)
+    assert relative_error(logits[1], logits[0]) < 1e-5
