@@ -120,10 +120,16 @@ def render_adder(snap: Mapping[str, Any]) -> str:
         return _panel("adder", 'PrefillAdder <span class="reason" data-reason="">no prefill attempt</span>', "")
     rows = []
     for name, left, limit in _budget_rows(a, snap["memory"]):
-        unlimited = left is None or limit is None
-        text = ("unlimited" if left is None else f"{left} left") if unlimited else f"{left} / {limit}"
-        bar = "" if unlimited else _seg("left", max(left, 0), limit, f"{name} left")
-        rows.append(f'<div class="budget" data-budget="{name}" data-exhausted="{int(not unlimited and left <= 0)}">'
+        # a null limit is no limit; a null budget under a real limit means no PrefillAdder ran
+        unlimited = limit is None or limit <= 0
+        unknown = not unlimited and left is None
+        if unlimited:
+            text = "unlimited" if left is None else f"{left} left"
+        else:
+            text = "– (not computed)" if unknown else f"{left} / {limit}"
+        bar = "" if unlimited or unknown else _seg("left", max(left, 0), limit, f"{name} left")
+        exhausted = int(not unlimited and not unknown and left <= 0)
+        rows.append(f'<div class="budget" data-budget="{name}" data-exhausted="{exhausted}">'
                     f'<span class="name">{name}</span><div class="stackbar">{bar}</div><span class="label">{text}</span></div>')  # fmt: skip
     reason = a.get("stop_reason") or ""
     admitted = ", ".join(a.get("admitted") or [])

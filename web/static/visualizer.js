@@ -89,12 +89,14 @@ function renderAdder(snap) {
   $("stop-detail").textContent = a ? a.stop_detail || "" : "";
   $("admitted").textContent = a && a.admitted && a.admitted.length ? "admitted: " + a.admitted.join(", ") : "";
   $("budgets").innerHTML = !a ? "" : budgetRows(a, snap.memory).map(([name, left, limit]) => {
-    const unlimited = left == null || limit == null;
-    const text = unlimited ? (left == null ? "unlimited" : `${left} left`) : `${left} / ${limit}`;
-    const exhausted = !unlimited && left <= 0 ? 1 : 0;
+    // null limit = no such limit; null left under a real limit = no PrefillAdder ran this step
+    const unlimited = limit == null || limit <= 0;
+    const unknown = !unlimited && left == null;
+    const text = unlimited ? (left == null ? "unlimited" : `${left} left`) : unknown ? "– (not computed)" : `${left} / ${limit}`;
+    const exhausted = !unlimited && !unknown && left <= 0 ? 1 : 0;
     return `<div class="budget" data-budget="${name}" data-left="${left ?? ""}" data-exhausted="${exhausted}">
       <span class="name">${name}</span>
-      <div class="stackbar">${unlimited ? "" : seg("left", Math.max(left, 0), limit, `${name} left`)}</div>
+      <div class="stackbar">${unlimited || unknown ? "" : seg("left", Math.max(left, 0), limit, `${name} left`)}</div>
       <span class="label">${text}</span></div>`;
   }).join("");
 }
