@@ -20,7 +20,7 @@ Sizing (SGLang's formulas, sglang-facts.md §4.1; docs/model_execution.md):
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -146,7 +146,7 @@ class ModelRunner:
                 sampling_info.apply_logits_bias(logits)
             return self.sampler(logits, sampling_info)
 
-    def make_sampling_info(self, reqs: "list", device: Optional[str] = None) -> SamplingBatchInfo:
+    def make_sampling_info(self, reqs: Sequence[Any], device: Optional[str] = None) -> SamplingBatchInfo:
         """SamplingBatchInfo for `reqs` with this model's vocabulary and EOS ids."""
         mc = self.model_config
         return SamplingBatchInfo.from_reqs(reqs, mc.vocab_size, device or self.device, mc.hf_eos_token_ids)
