@@ -346,6 +346,17 @@ def test_flush_cache(server: Server) -> None:
     assert _load(server)["evictable_tokens"] == 0
 
 
+def test_sigterm_shuts_everything_down_cleanly(server: Server) -> None:
+    """Runs last among the `server` tests: it stops that server."""
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(timeout=15) == 0
+    for pid in server.pids.values():
+        deadline = time.monotonic() + 5
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not os.path.exists(f"/proc/{pid}"), f"child {pid} outlived the server"
+
+
 # --------------------------------------------------------------------------- dynamic batch tokenizer, api key, crash
 def test_dynamic_batch_tokenizer_concurrent_requests(server_dyn: Server, reference: Dict[str, Any]) -> None:
     assert httpx.get(server_dyn.url + "/v1/models").status_code == 401

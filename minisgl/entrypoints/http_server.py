@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import shutil
+import signal
 import socket
 import sys
 import time
@@ -313,17 +314,32 @@ async def _serve(server_args: ServerArgs, port_args: PortArgs, procs: List[mp.Pr
     return exit_code
 
 
+class _ShutdownRequested(Exception):
+    """SIGINT or SIGTERM: a clean, requested shutdown (exit code 0)."""
+
+
+def _raise_shutdown(signum: int, frame: Any) -> None:
+    raise _ShutdownRequested(signal.Signals(signum).name)
+
+
 def launch_server(server_args: ServerArgs) -> None:
     """Start the three processes and serve until stopped; exits non-zero if a process dies."""
     server_args = server_args if server_args.is_resolved else resolve_server_args(server_args)
     configure_logging(server_args.log_level, prefix="HTTP")
     port_args = PortArgs.init_new()
+    # SIGINT / SIGTERM unwind through the finally below (uvicorn captures them while it
+    # serves, shuts down gracefully, then re-raises them into these handlers).
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _raise_shutdown)
     procs, readers = _spawn_children(server_args, port_args)
     exit_code = 1
     try:
         tokenizer = get_tokenizer(server_args.tokenizer_path, server_args.trust_remote_code)
         sched_info, _ = _wait_ready(procs, readers)
         exit_code = asyncio.run(_serve(server_args, port_args, procs, sched_info, tokenizer))
+    except _ShutdownRequested:
+        logger.info("Shutdown requested; stopping the scheduler and the detokenizer")
+        exit_code = 0
     except (RuntimeError, ValueError, OSError) as e:
         logger.error("Server failed: %s", e)
         print(f"minisgl server failed: {e}", file=sys.stderr, flush=True)

@@ -317,8 +317,13 @@ class TokenizerManager:
             params.max_new_tokens = max(0, self.context_len - input_len)
 
     def _send_one_request(self, tokenized: TokenizedGenerateReqInput, state: ReqState) -> None:
-        self.send_to_scheduler.send(encode(tokenized))
+        self._send_to_scheduler(tokenized)
         state.sent = True
+
+    def _send_to_scheduler(self, msg: Any) -> None:
+        if self.send_to_scheduler.closed:
+            return  # shutting down (a late abort from a cancelled stream): nobody listens any more
+        self.send_to_scheduler.send(encode(msg))
 
     async def _wait_one_response(self, obj: GenerateReqInput, state: ReqState, request: Any) -> AsyncIterator[Dict[str, Any]]:
         while True:
@@ -426,7 +431,7 @@ class TokenizerManager:
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         if not abort_all and rid not in self.rid_to_state:
             return
-        self.send_to_scheduler.send(encode(AbortReq(rid=rid, abort_all=abort_all)))
+        self._send_to_scheduler(AbortReq(rid=rid, abort_all=abort_all))
         self.metrics.num_aborted_requests_total.labels(**self.metrics.labels).inc()
 
     async def flush_cache(self) -> FlushCacheReqOutput:
@@ -440,7 +445,7 @@ class TokenizerManager:
         async with lock:
             fut = asyncio.get_running_loop().create_future()
             self._control_futures[reply_type] = fut
-            self.send_to_scheduler.send(encode(msg))
+            self._send_to_scheduler(msg)
             try:
                 return await asyncio.wait_for(fut, timeout=timeout)
             finally:
