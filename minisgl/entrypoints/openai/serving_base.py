@@ -11,6 +11,7 @@ module owns the error mapping (never a 500 for bad input) and the shared helpers
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 import logging
 import time
 from http import HTTPStatus
@@ -86,7 +87,7 @@ class UsageCounter:
         )
 
 
-class OpenAIServingBase:
+class OpenAIServingBase(ABC):
     """handle_request: validate -> convert -> stream or not, with SGLang's error mapping."""
 
     def __init__(self, tokenizer_manager: TokenizerManager) -> None:
@@ -98,14 +99,17 @@ class OpenAIServingBase:
     def _validate_request(self, request: Any) -> Optional[str]:
         return None
 
+    @abstractmethod
     def _convert_to_internal_request(self, request: Any) -> GenerateReqInput:
-        raise NotImplementedError
+        """Protocol request -> GenerateReqInput (which no longer knows where it came from)."""
 
+    @abstractmethod
     async def _handle_non_streaming_request(self, adapted: GenerateReqInput, request: Any, raw_request: Request) -> Response:
-        raise NotImplementedError
+        """Collect the final outputs and render one JSON response."""
 
+    @abstractmethod
     def _stream_events(self, first: Dict[str, Any], rest: AsyncIterator[Dict[str, Any]], adapted: GenerateReqInput, request: Any) -> AsyncIterator[Dict[str, str]]:
-        raise NotImplementedError
+        """Render the output dicts (starting with `first`) as SSE events, ending with [DONE]."""
 
     # --- the shared path
     async def handle_request(self, request: Any, raw_request: Request) -> Response:
