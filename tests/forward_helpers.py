@@ -9,7 +9,7 @@ exactly as SGLang's write_cache_indices / alloc_for_decode do (sglang-facts.md Â
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 
 import torch
 

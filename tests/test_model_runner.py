@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterator
 import pytest
 import torch
 
-from forward_helpers import BatchDriver, make_runner, relative_error
+from forward_helpers import BatchDriver, make_runner
 from minisgl.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from minisgl.model_executor.model_runner import CPU_MAX_RUNNING_REQUESTS, CPU_POOL_CONTEXTS, ModelRunner
 from minisgl.models.loader import resolve_model_path, safetensors_files

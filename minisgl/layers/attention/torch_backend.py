@@ -89,7 +89,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         causal = key_pos[None, None, :] <= q_abs[:, :, None]  # [bs, max_q_len, max_seq_len]
         attn_mask = (causal & kv_valid[:, None, :])[:, None]  # [bs, 1, max_q_len, max_seq_len]
 
-        req_of_token = torch.repeat_interleave(torch.arange(bs, device=device), extend_lens)  # [N]
+        req_of_token = torch.repeat_interleave(
+            torch.arange(bs, device=device), extend_lens, output_size=forward_batch.num_tokens
+        )  # [N]; output_size given: no device sync on CUDA
         local = torch.arange(forward_batch.num_tokens, device=device) - starts[req_of_token]  # [N]
         token_index = req_of_token * max_q_len + local  # [N]
         return TorchAttnMetadata(kv_indices, attn_mask, q_index, token_index)
