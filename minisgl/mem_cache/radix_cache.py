@@ -427,14 +427,15 @@ class RadixCache:
 
     def summary(self, max_nodes: int = 64) -> Dict[str, Any]:
         """JSON-ready view for Scheduler.snapshot()["radix"] (docs/snapshot.md); the tree
-        is cut breadth-first after max_nodes nodes, children ordered by node id."""
+        is cut breadth-first after max_nodes nodes, children ordered by first token/page
+        (a stable layout: splitting a node does not reorder its siblings)."""
         num_nodes = len(self._all_nodes())
         root_dict = self._node_dict(self.root_node)
         queue = [(self.root_node, root_dict)]
         shown = 1
         while queue and shown < max_nodes:
             node, node_dict = queue.pop(0)
-            for child in sorted(node.children.values(), key=lambda c: c.id):
+            for child in self._sorted_children(node):
                 if shown >= max_nodes:
                     break
                 child_dict = self._node_dict(child)
@@ -448,6 +449,10 @@ class RadixCache:
             "protected": self.protected_size_,
             "tree": root_dict,
         }
+
+    @staticmethod
+    def _sorted_children(node: TreeNode) -> List[TreeNode]:
+        return [node.children[k] for k in sorted(node.children)]
 
     @staticmethod
     def _node_dict(node: TreeNode) -> Dict[str, Any]:
@@ -468,7 +473,7 @@ class RadixCache:
             f"RadixCache(page_size={self.page_size}, evictable={self.evictable_size_},"
             f" protected={self.protected_size_}{', disabled' if self.disable else ''})"
         ]
-        stack = [(child, 1) for child in sorted(self.root_node.children.values(), key=lambda c: -c.id)]
+        stack = [(child, 1) for child in reversed(self._sorted_children(self.root_node))]
         while stack:
             node, depth = stack.pop()
             preview = node.key[:8] + (["..."] if len(node.key) > 8 else [])
@@ -476,5 +481,5 @@ class RadixCache:
                 f"{'  ' * depth}[{node.id}] len={len(node.key)} lock_ref={node.lock_ref}"
                 f" tokens={preview} slots={node.value[:4].tolist()}{'...' if len(node.value) > 4 else ''}"
             )
-            stack.extend((c, depth + 1) for c in sorted(node.children.values(), key=lambda c: -c.id))
+            stack.extend((c, depth + 1) for c in reversed(self._sorted_children(node)))
         return "\n".join(lines)
