@@ -99,7 +99,7 @@ def bench_backends(name: str, fb: ForwardBatch, q, k, v, nbytes: int, cfg: Simpl
     """Time one layer's attention (store + attend) through both backends on the same batch."""
     runner = SimpleNamespace(device=cfg.device)
     ms = {}
-    for label, backend in (("triton", TritonAttnBackend(runner)), ("torch", TorchNativeAttnBackend(runner))):
+    for label, backend in (("triton", TritonAttnBackend(str(runner.device))), ("torch", TorchNativeAttnBackend())):
         fb.attn_backend = backend
         backend.init_forward_metadata(fb)
         ms[label] = bench(lambda: backend.forward(q, k, v, 0, cfg.d**-0.5, fb), cfg.device, cfg.iters)

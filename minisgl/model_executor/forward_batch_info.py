@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
 import torch
 
 if TYPE_CHECKING:
-    from minisgl.layers.attention.base import AttentionBackend
     from minisgl.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
 
@@ -55,7 +54,9 @@ class ForwardBatch:
     seq_lens_cpu: List[int]  # same, on the host (no device sync to read it)
     req_to_token_pool: "ReqToTokenPool"
     token_to_kv_pool: "MHATokenToKVPool"
-    attn_backend: "AttentionBackend"
+    # an AttentionBackend (layers/attention/base.py); typed Any so this module, which the
+    # backends import, does not import them back
+    attn_backend: Any
     # extend only ([bs] each; None for decode)
     extend_prefix_lens: Optional[torch.Tensor] = None
     extend_seq_lens: Optional[torch.Tensor] = None

@@ -120,11 +120,11 @@ class ModelRunner:
         if backend == "torch":
             from minisgl.layers.attention.torch_backend import TorchNativeAttnBackend
 
-            return TorchNativeAttnBackend(self)
+            return TorchNativeAttnBackend()
         if backend == "triton":
             from minisgl.layers.attention.triton_backend import TritonAttnBackend
 
-            return TritonAttnBackend(self)
+            return TritonAttnBackend(str(self.device))
         raise ValueError(f"Unknown attention backend {backend!r}; choose torch or triton")
 
     # ------------------------------------------------------------------ running

@@ -19,7 +19,7 @@ The gather indices and masks depend only on the batch, so they are built once pe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +27,6 @@ import torch.nn.functional as F
 from minisgl.layers.attention.base import AttentionBackend
 from minisgl.model_executor.forward_batch_info import ForwardBatch
 
-if TYPE_CHECKING:
-    from minisgl.model_executor.model_runner import ModelRunner
 
 # enable_gqa lets SDPA broadcast KV heads without materialising repeat_interleave (torch >= 2.5).
 _SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
@@ -43,7 +41,7 @@ class TorchAttnMetadata:
 
 
 class TorchNativeAttnBackend(AttentionBackend):
-    def __init__(self, model_runner: Optional["ModelRunner"] = None) -> None:
+    def __init__(self) -> None:
         self.metadata: Optional[TorchAttnMetadata] = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:

@@ -18,7 +18,7 @@ The grid of extend_attention needs the longest extend; it comes from the host-si
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
@@ -28,8 +28,6 @@ from minisgl.kernels.store_kv import store_kv
 from minisgl.layers.attention.base import AttentionBackend
 from minisgl.model_executor.forward_batch_info import ForwardBatch
 
-if TYPE_CHECKING:
-    from minisgl.model_executor.model_runner import ModelRunner
 
 # Splits of the KV length in decode. On a GPU, more splits fill the SMs when the batch
 # is small; under the CPU interpreter every program costs ~25 ms, so use one.
@@ -44,8 +42,8 @@ class TritonAttnMetadata:
 
 
 class TritonAttnBackend(AttentionBackend):
-    def __init__(self, model_runner: "ModelRunner") -> None:
-        on_gpu = str(model_runner.device).startswith("cuda")
+    def __init__(self, device: str) -> None:
+        on_gpu = str(device).startswith("cuda")
         self.num_kv_splits = GPU_NUM_KV_SPLITS if on_gpu else 1
         self.metadata: Optional[TritonAttnMetadata] = None
 
