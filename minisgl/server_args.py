@@ -185,7 +185,7 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
         mem_fraction_static=mem_fraction,
         model_path=model_path,
         tokenizer_path=args.tokenizer_path or model_path,
-        served_model_name=args.served_model_name or model_path,
+        served_model_name=args.served_model_name or ("minisgl-builtin" if args.model_path is None else model_path),
     )
 
 

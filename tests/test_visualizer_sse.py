@@ -251,7 +251,10 @@ def test_a_slow_sse_client_does_not_slow_the_publisher_or_the_hub(hub_pub: tuple
             assert time.monotonic() < deadline, "the hub fell behind the publisher"
             time.sleep(0.02)
         assert pub.num_dropped == 0, "the PUB side had to drop snapshots"
-        assert max(pub.send_times) < 0.05, f"one send took {max(pub.send_times) * 1e3:.1f} ms"
+        # A NOBLOCK send never waits for readers; the median (not the max, which the OS
+        # scheduler of a loaded 2-core machine can inflate) shows sends stayed cheap.
+        median_send = sorted(pub.send_times)[len(pub.send_times) // 2]
+        assert median_send < 0.005, f"the median send took {median_send * 1e3:.1f} ms"
         assert publish_s < 5.0
         # a fast client connecting now still gets the latest state at once
         fast = read_sse(app.url, until_step=1500, timeout=10)

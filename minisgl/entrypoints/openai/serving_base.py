@@ -114,7 +114,8 @@ class OpenAIServingBase(ABC):
     # --- the shared path
     async def handle_request(self, request: Any, raw_request: Request) -> Response:
         received_time = time.time()
-        if request.model != self.tokenizer_manager.model_name:
+        # "default" names whatever this server serves (handy for clients written for any model)
+        if request.model not in (self.tokenizer_manager.model_name, "default"):
             return create_error_response(
                 f"The model `{request.model}` does not exist. Served model: `{self.tokenizer_manager.model_name}`.",
                 status_code=404, err_type="NotFoundError", param="model",
