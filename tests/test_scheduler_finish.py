@@ -97,6 +97,20 @@ def test_abort_while_decoding(engine):
     _assert_no_leak(engine)
 
 
+def test_abort_touches_only_the_named_rid_and_its_samples(engine):
+    from minisgl.managers.io_struct import AbortReq
+
+    rids = ["req1", "req10", "req1-0", "req1-1", "other"]
+    for rid in rids:
+        engine.add_request("abort by name", GREEDY, rid=rid)
+    engine.scheduler.process_input_requests([AbortReq(rid="")])  # an empty rid aborts nothing
+    engine.abort("req1")  # req1 and its samples req1-<j>, not req10
+    engine.run_until_idle()
+    reasons = {rid: engine.get_result(rid)["meta_info"]["finish_reason"]["type"] for rid in rids}
+    assert reasons == {"req1": "abort", "req1-0": "abort", "req1-1": "abort", "req10": "length", "other": "length"}
+    _assert_no_leak(engine)
+
+
 def test_prompt_longer_than_context_is_rejected_and_others_run(engine):
     bad = engine.add_request(input_ids=list(range(10, 210)), sampling_params=GREEDY)
     good = engine.add_request("a normal prompt", GREEDY)

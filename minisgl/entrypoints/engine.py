@@ -114,8 +114,11 @@ class Engine:
             n = params.pop("n", 1)
             if n < 1:
                 raise ValueError(f"n must be >= 1, got {n}")
-            for _ in range(n):
-                rids.append(self.add_request(**{key: p}, sampling_params=params, stream=stream, **kwargs))
+            for j in range(n):
+                # as the server does: sample j of a seeded request uses seed + j, so the n
+                # samples differ yet are reproducible
+                sample_params = dict(params, seed=params["seed"] + j) if n > 1 and params.get("seed") is not None else params
+                rids.append(self.add_request(**{key: p}, sampling_params=sample_params, stream=stream, **kwargs))
         return rids, single and len(rids) == 1
 
     def generate(

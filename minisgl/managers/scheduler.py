@@ -204,10 +204,12 @@ class Scheduler:
         self.stream_output([req])
 
     def abort_request(self, recv_req: AbortReq) -> None:
-        """Abort by rid prefix (or all): waiting and mid-chunk requests at once, running ones next step."""
+        """Abort a rid and its n > 1 samples (`<rid>-<j>`), or all: waiting and mid-chunk
+        requests at once, running ones after their next step. An empty rid aborts nothing."""
+        rid = recv_req.rid
 
         def matches(req: Req) -> bool:
-            return recv_req.abort_all or req.rid.startswith(recv_req.rid)
+            return recv_req.abort_all or (rid != "" and (req.rid == rid or req.rid.startswith(rid + "-")))
 
         for req in [r for r in self.waiting_queue if matches(r)]:
             self.waiting_queue.remove(req)
