@@ -1,0 +1,209 @@
+"""Online serving: throughput and latency of an OpenAI-compatible server under load.
+
+The client (asyncio + httpx, streaming `/v1/completions`) sends N requests with random
+prompts, all at once or as Poisson arrivals at --request-rate, at most
+--max-concurrency in flight, and measures per request: TTFT (first streamed text), ITL
+(gaps between streamed chunks), TPOT ((e2e - TTFT) / (output tokens - 1)) and e2e.
+Every request generates exactly its output length (minisgl: `ignore_eos`; transformers:
+a `generation_config` with no EOS), so both servers do the same work.
+
+    --base-url URL            benchmark a server that is already running
+    --backend minisgl,hf      (default) start `minisgl serve`, then
+                              `transformers serve --continuous-batching`, on the same model
+                              and requests, one after the other; print both and the ratio
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+import common
+
+READY_TIMEOUT_S = 300.0
+
+
+def request_body(backend: str, model: str, prompt: str, max_tokens: int) -> Dict[str, Any]:
+    body: Dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+    if backend == "hf":
+        # transformers serve rejects unknown fields (422); its own escape hatch is a GenerationConfig
+        body["generation_config"] = json.dumps({"do_sample": False, "eos_token_id": -1, "max_new_tokens": max_tokens})
+    else:
+        body["ignore_eos"] = True
+    return body
+
+
+async def one_request(client: Any, url: str, body: Dict[str, Any]) -> Dict[str, Any]:
+    """Stream one completion; return its chunk arrival times relative to the send."""
+    t0 = time.perf_counter()
+    arrivals: List[float] = []
+    async with client.stream("POST", url, json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if any(c.get("text") for c in chunk.get("choices", [])):
+                arrivals.append(time.perf_counter() - t0)
+    return {"arrivals": arrivals, "e2e": time.perf_counter() - t0, "output_len": body["max_tokens"]}
+
+
+async def run_load(base_url: str, backend: str, model: str, prompts: List[str], output_lens: List[int],
+                   request_rate: float, max_concurrency: int, seed: int) -> Dict[str, Any]:  # fmt: skip
+    import httpx
+
+    url = base_url.rstrip("/") + "/v1/completions"
+    rng = random.Random(seed)
+    sem = asyncio.Semaphore(max_concurrency)
+    limits = httpx.Limits(max_connections=max_concurrency + 4, max_keepalive_connections=max_concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
+
+        async def limited(body: Dict[str, Any], delay: float) -> Dict[str, Any]:
+            await asyncio.sleep(delay)
+            async with sem:
+                return await one_request(client, url, body)
+
+        delays, t = [], 0.0
+        for _ in prompts:
+            delays.append(t)
+            if request_rate != float("inf"):
+                t += rng.expovariate(request_rate)  # Poisson arrivals
+        t0 = time.perf_counter()
+        bodies = [request_body(backend, model, p, o) for p, o in zip(prompts, output_lens)]
+        results = await asyncio.gather(*(limited(b, d) for b, d in zip(bodies, delays)))
+        wall = time.perf_counter() - t0
+    return {"results": results, "wall": wall}
+
+
+def report(name: str, run: Dict[str, Any]) -> Dict[str, float]:
+    results, wall = run["results"], run["wall"]
+    n_out = sum(r["output_len"] for r in results)
+    chunks = sum(len(r["arrivals"]) for r in results)
+    ttft = [r["arrivals"][0] for r in results if r["arrivals"]]
+    itl = [b - a for r in results for a, b in zip(r["arrivals"], r["arrivals"][1:])]
+    tpot = [(r["e2e"] - r["arrivals"][0]) / (r["output_len"] - 1) for r in results if r["arrivals"] and r["output_len"] > 1]
+    tps = n_out / wall
+    common.print_result(f"{name}_output_tok_s", tps, "tok/s", f"wall {wall:.2f} s, {chunks} text chunks for {n_out} tokens")
+    common.print_result(f"{name}_req_s", len(results) / wall, "req/s")
+    out = {"tok_s": tps}
+    for metric, xs in (("ttft", ttft), ("itl", itl), ("tpot", tpot), ("e2e", [r["e2e"] for r in results])):
+        lat = common.print_latency(f"{name}_{metric}", xs)
+        out.update({f"{metric}_{k}": v for k, v in lat.items()})
+    return out
+
+
+def start_server(backend: str, model_path: str, port: int, args: argparse.Namespace) -> subprocess.Popen:
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    if args.threads is not None:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    if backend == "minisgl":
+        cmd = [sys.executable, "-m", "minisgl", "serve", "--model", model_path, "--port", str(port),
+               "--device", args.device, "--dtype", args.dtype, "--log-level", "warning"]  # fmt: skip
+        env["PYTHONPATH"] = common.REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    else:
+        cmd = [os.path.join(os.path.dirname(sys.executable), "transformers"), "serve", model_path,
+               "--device", args.device, "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port),
+               "--continuous-batching"]  # fmt: skip
+    log = open(os.path.join(args.log_dir, f"{backend}-server.log"), "w")
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_ready(proc: subprocess.Popen, base_url: str) -> None:
+    import httpx
+
+    deadline = time.time() + READY_TIMEOUT_S
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode} before it was ready (see --log-dir)")
+        try:
+            if httpx.get(base_url + "/v1/models", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"server at {base_url} not ready after {READY_TIMEOUT_S:.0f} s")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)  # the server's own process group (its children too)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def bench_backend(backend: str, model_path: str, prompts: List[str], output_lens: List[int], args: argparse.Namespace,
+                  base_url: Optional[str] = None) -> Dict[str, float]:  # fmt: skip
+    proc = None
+    if base_url is None:
+        from minisgl.utils import free_port
+
+        port = free_port()
+        base_url = f"http://127.0.0.1:{port}"
+        proc = start_server(backend, model_path, port, args)
+    try:
+        wait_ready(proc, base_url) if proc is not None else None
+        # warm-up: one short request (HF builds its paged cache on the first one)
+        asyncio.run(run_load(base_url, backend, model_path, prompts[:1], [2], float("inf"), 1, args.seed))
+        run = asyncio.run(run_load(base_url, backend, model_path, prompts, output_lens, args.request_rate, args.max_concurrency, args.seed))
+        return report(backend, run)
+    finally:
+        if proc is not None:
+            stop_server(proc)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_model_args(p)
+    common.add_runtime_args(p)
+    p.add_argument("--base-url", default=None, help="Benchmark this running server (model id: --served-model).")
+    p.add_argument("--served-model", default=None, help="Model id to send with --base-url.")
+    p.add_argument("--backend", default="minisgl,hf", help="Comma list of servers to start: minisgl, hf.")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--input-len", type=int, nargs=2, default=(64, 256), metavar=("LO", "HI"))
+    p.add_argument("--output-len", type=int, nargs=2, default=(32, 128), metavar=("LO", "HI"))
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second (inf: all at once).")
+    p.add_argument("--max-concurrency", type=int, default=32, help="Clients in flight at once.")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-dir", default="/tmp", help="Where server logs go.")
+    args = p.parse_args()
+    model_path, shape = common.model_from_args(args)
+    from minisgl.utils import get_tokenizer
+
+    tok = get_tokenizer(model_path)
+    ids, output_lens = common.random_requests(args.num_requests, tuple(args.input_len), tuple(args.output_len), shape.vocab, args.seed)
+    prompts = [tok.decode(x) for x in ids]  # the same text goes to both servers
+    backends = ["url"] if args.base_url else [b.strip() for b in args.backend.split(",") if b.strip()]
+    common.print_header(
+        "online serving (OpenAI /v1/completions, streaming)",
+        {"num_requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
+         "output_tokens": sum(output_lens), "request_rate": args.request_rate, "max_concurrency": args.max_concurrency},
+        {"model": model_path, "params": shape.matmul_params(), "device": args.device, "dtype": args.dtype,
+         "backends": backends, "server_threads": args.threads},
+    )  # fmt: skip
+    stats: Dict[str, Dict[str, float]] = {}
+    for backend in backends:
+        if backend == "url":
+            stats[backend] = bench_backend("minisgl", args.served_model or model_path, prompts, output_lens, args, args.base_url)
+        else:
+            stats[backend] = bench_backend(backend, model_path, prompts, output_lens, args)
+    if "minisgl" in stats and "hf" in stats:
+        m, h = stats["minisgl"], stats["hf"]
+        common.print_result("minisgl_vs_hf_throughput", common.ratio(m["tok_s"], h["tok_s"]), "x", "target >= 5")
+        common.print_result("minisgl_vs_hf_ttft_p50", common.ratio(m["ttft_p50"], h["ttft_p50"]), "x", "target < 1")
+        common.print_result("minisgl_vs_hf_ttft_p99", common.ratio(m["ttft_p99"], h["ttft_p99"]), "x", "target < 1")
+
+
+if __name__ == "__main__":
+    main()
