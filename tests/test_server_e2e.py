@@ -75,7 +75,7 @@ def server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 @pytest.fixture(scope="module")
 def server_dyn(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log = str(tmp_path_factory.mktemp("srv") / "server_dyn.log")
-    s = Server(tiny_model, log, "--enable-dynamic-batch-tokenizer", "--api-key", "sekret")
+    s = Server(tiny_model, log, "--enable-dynamic-batch-tokenizer", "--api-key", "sekret", "--visualize")
     yield s
     s.stop()
 
@@ -162,6 +162,9 @@ def test_completions_stream_and_not_match_engine(server: Server, reference: Dict
     assert text == ref["text"]
     echo = client.completions.create(model=server.model, prompt=p, max_tokens=MAX_TOKENS, temperature=0, echo=True)
     assert echo.choices[0].text == p + ref["text"]
+    # "default" names whatever the server serves
+    r = client.completions.create(model="default", prompt=p, max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].text == ref["text"]
 
 
 def test_completions_batch_and_token_id_prompts(server: Server, reference: Dict[str, Any], engine: Any) -> None:
@@ -361,6 +364,12 @@ def test_sigterm_shuts_everything_down_cleanly(server: Server) -> None:
 def test_dynamic_batch_tokenizer_concurrent_requests(server_dyn: Server, reference: Dict[str, Any]) -> None:
     assert httpx.get(server_dyn.url + "/v1/models").status_code == 401
     assert httpx.get(server_dyn.url + "/health").status_code == 200
+    # the key as a query parameter opens the visualizer page (EventSource cannot send
+    # headers), and nothing else
+    assert httpx.get(server_dyn.url + "/v1/models", params={"api_key": "sekret"}).status_code == 401
+    assert httpx.get(server_dyn.url + "/visualizer").status_code == 401
+    assert httpx.get(server_dyn.url + "/visualizer", params={"api_key": "sekret"}).status_code == 200
+    assert httpx.get(server_dyn.url + "/visualizer", params={"api_key": "wrong"}).status_code == 401
 
     async def run() -> List[str]:
         client = _aclient(server_dyn, api_key="sekret")

@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import shutil
+import secrets
 import signal
 import socket
 import sys
@@ -103,9 +104,17 @@ def create_app(
     if server_args.api_key:
         expected = f"Bearer {server_args.api_key}"
 
+        def _authorized(request: Request) -> bool:
+            if secrets.compare_digest(request.headers.get("authorization", ""), expected):
+                return True
+            # A browser's EventSource cannot send headers: the visualizer page passes the
+            # key as ?api_key=KEY, accepted for the /visualizer routes only.
+            key = request.query_params.get("api_key", "")
+            return request.url.path.startswith("/visualizer") and secrets.compare_digest(key, server_args.api_key)
+
         @app.middleware("http")
         async def _check_api_key(request: Request, call_next: Any) -> Response:
-            if request.url.path != "/health" and request.headers.get("authorization") != expected:
+            if request.url.path != "/health" and not _authorized(request):
                 return create_error_response("Invalid or missing API key", 401, err_type="AuthenticationError")
             return await call_next(request)
 

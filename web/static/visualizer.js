@@ -194,8 +194,15 @@ function onUpdate(update) {
   render(update);
 }
 
+// With `minisgl serve --api-key KEY`, open the page as /visualizer?api_key=KEY: an
+// EventSource cannot send an Authorization header, so the key rides in the query string
+// for the /visualizer routes and in the header for the API calls of the demo button.
+const API_KEY = new URLSearchParams(window.location.search).get("api_key");
+const withKey = (url) => (API_KEY ? `${url}${url.includes("?") ? "&" : "?"}api_key=${encodeURIComponent(API_KEY)}` : url);
+const authHeaders = (extra = {}) => (API_KEY ? { ...extra, Authorization: `Bearer ${API_KEY}` } : extra);
+
 function connect() {
-  const es = new EventSource("/visualizer/events");
+  const es = new EventSource(withKey("/visualizer/events"));
   es.addEventListener("open", () => { $("conn-status").dataset.state = "open"; $("conn-status").textContent = "connected"; });
   es.addEventListener("error", () => { $("conn-status").dataset.state = "error"; $("conn-status").textContent = "reconnecting…"; });
   es.addEventListener("snapshot", (e) => onUpdate(JSON.parse(e.data)));
@@ -203,7 +210,7 @@ function connect() {
 
 async function loadHistory() {
   // Paused view: every single step still in the server's ring buffer, not the coalesced updates.
-  const res = await fetch("/visualizer/history");
+  const res = await fetch(withKey("/visualizer/history"));
   const body = await res.json();
   if (body.entries.length) {
     state.frames = body.entries.map((s) => ({ ...s, events: s.events.map((e) => ({ ...e, step: s.step })) }));
@@ -224,7 +231,7 @@ function resume() {
   $("btn-pause").textContent = "Pause";
   state.frames = state.frames.slice(-1);
   state.cursor = state.frames.length - 1;
-  fetch("/visualizer/snapshot").then((r) => r.json()).then((snap) => { if (snap && state.live) render(snap); });
+  fetch(withKey("/visualizer/snapshot")).then((r) => r.json()).then((snap) => { if (snap && state.live) render(snap); });
 }
 
 async function stepBy(delta) {
@@ -251,14 +258,14 @@ function tokens(n, seed) {
 }
 
 async function sendDemo() {
-  const models = await fetch("/v1/models").then((r) => r.json());
+  const models = await fetch("/v1/models", { headers: authHeaders() }).then((r) => r.json());
   const ctx = models.data[0].max_model_len || 2048;
   const chunk = CONFIG.chunked_prefill_size > 0 ? CONFIG.chunked_prefill_size : 256;
   const maxNew = 24;
   const cap = (n) => Math.max(4, Math.min(n, ctx - maxNew - 1));
   const shared = tokens(cap(Math.round(chunk * 0.8)), 1);
   const gen = (ids, rid, n = maxNew) => fetch("/generate", {
-    method: "POST", headers: { "Content-Type": "application/json" },
+    method: "POST", headers: authHeaders({ "Content-Type": "application/json" }),
     body: JSON.stringify({ input_ids: ids, rid, sampling_params: { max_new_tokens: n, temperature: 0, ignore_eos: true } }),
   }).then((r) => r.json());
   const tag = Date.now().toString(36).slice(-4);
