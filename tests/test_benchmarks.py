@@ -1,0 +1,80 @@
+"""The benchmark scripts keep working: each runs at a tiny size (seconds) and must print
+its header and the RESULT lines that docs/benchmarks.md quotes, with sane values."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from typing import Dict, List
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_MODEL = ["--hidden", "64", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--head-dim", "32",
+              "--inter", "128", "--vocab", "512", "--max-pos", "1024", "--threads", "1"]  # fmt: skip
+
+
+def run_script(name: str, args: List[str], cache: str, timeout: float = 240) -> Dict[str, float]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=REPO)
+    env.pop("TRITON_INTERPRET", None)  # the CPU path needs no kernels
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "benchmarks", name), *TINY_MODEL, "--model-cache", cache, *args],
+        capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "machine:" in proc.stdout and "workload:" in proc.stdout and "config:" in proc.stdout
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            _, key, value = line.split()[:3]
+            results[key] = float(value)
+    return results
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("bench-models"))
+
+
+def test_offline_reports_throughput_floor_and_hf_ratio(cache: str) -> None:
+    r = run_script("bench_offline.py", ["--num-requests", "4", "--input-len", "16", "32", "--output-len", "4", "8",
+                                        "--decode-batch", "4", "--compare", "hf"], cache)  # fmt: skip
+    for key in ("minisgl_output_tok_s", "minisgl_prefill_tok_s", "minisgl_decode_tok_s", "floor_output_tok_s",
+                "minisgl_vs_floor", "decode_step_ms", "decode_step_floor_ms", "hf_static_output_tok_s",
+                "hf_cb_output_tok_s", "minisgl_vs_best_hf"):  # fmt: skip
+        assert r[key] > 0 and math.isfinite(r[key]), key
+    assert r["decode_step_batch"] == 4
+
+
+def test_chunked_prefill_reports_itl_for_every_config(cache: str) -> None:
+    r = run_script("bench_chunked_prefill.py", ["--num-decode", "3", "--long-len", "200", "--chunk-sizes", "64", "128",
+                                                "--pre-steps", "2", "--post-steps", "2"], cache)  # fmt: skip
+    for name in ("off", "chunk64", "chunk128", "mixed64", "mixed128"):
+        assert r[f"{name}_itl_p50"] > 0 and r[f"{name}_itl_p99"] >= r[f"{name}_itl_p50"]
+    assert "mixed64_itl_p99_vs_off" in r
+
+
+def test_prefix_cache_hits_and_keeps_outputs(cache: str) -> None:
+    r = run_script("bench_prefix_cache.py", ["--num-requests", "3", "--prefix-len", "128", "--output-len", "4"], cache)
+    assert r["cache_off_hit_rate"] == 0
+    assert r["cache_on_hit_rate"] > 0.5  # 128 of ~170 prompt tokens are the shared prefix
+    assert r["same_outputs"] == 1  # the cache must not change greedy outputs
+    assert r["cache_on_vs_off_throughput"] > 0
+
+
+def test_scheduler_overhead_splits_the_step(cache: str) -> None:
+    r = run_script("bench_scheduler_overhead.py", ["--batch-sizes", "1", "4", "--target-batch", "4", "--steps", "3"], cache)
+    for tag in ("tiny_bs1", "tiny_bs4", "model_bs4"):
+        assert r[f"{tag}_model_ms"] > 0 and r[f"{tag}_scheduler_ms"] > 0
+        assert 0 < r[f"{tag}_overhead_share"] < 1
+
+
+def test_serving_against_minisgl_server(cache: str) -> None:
+    """Only minisgl here (transformers serve takes ~10 s to start); the HF path shares the client."""
+    r = run_script("bench_serving.py", ["--backend", "minisgl", "--num-requests", "4", "--input-len", "16", "32",
+                                        "--output-len", "4", "8", "--max-concurrency", "4", "--log-dir", cache],
+                   cache, timeout=300)  # fmt: skip
+    assert r["minisgl_output_tok_s"] > 0
+    assert 0 < r["minisgl_ttft_p50"] <= r["minisgl_e2e_p99"]
