@@ -775,15 +775,29 @@ class Scheduler:
 # --------------------------------------------------------------------------- the process shell
 def event_loop_normal(scheduler: Scheduler, recv_from_tokenizer: Any, send_to_detokenizer: Any,
                       send_to_tokenizer: Any, publish_snapshot: Any = None) -> None:  # fmt: skip
-    """recv everything pending -> process -> one step -> send; block on recv when idle."""
+    """recv everything pending -> process -> one step -> send; block on recv when idle.
+
+    The soft watchdog logs an iteration slower than --soft-watchdog-timeout (with the
+    rids being run); the hard one exits the process when one makes no progress for
+    --watchdog-timeout. Time spent waiting for requests counts for neither.
+    """
     import zmq
 
     from minisgl.managers.io_struct import SchedulerSnapshotOut, decode, encode
+    from minisgl.managers.watchdog import HardWatchdog, SoftWatchdog
 
+    def describe() -> str:
+        batch = scheduler.cur_batch
+        return f"current batch rids: {[r.rid for r in batch.reqs] if batch is not None else []}"
+
+    args = scheduler.server_args
+    soft_watchdog = SoftWatchdog("Scheduler", args.soft_watchdog_timeout, describe)
+    hard_watchdog = HardWatchdog("Scheduler", args.watchdog_timeout, describe)
     while True:
         recv_reqs = []
         if scheduler.is_idle():
-            recv_reqs.append(decode(recv_from_tokenizer.recv()))  # nothing to do: wait
+            with soft_watchdog.disable(), hard_watchdog.disable():
+                recv_reqs.append(decode(recv_from_tokenizer.recv()))  # nothing to do: wait
         while True:
             try:
                 recv_reqs.append(decode(recv_from_tokenizer.recv(zmq.NOBLOCK)))
@@ -802,6 +816,8 @@ def event_loop_normal(scheduler: Scheduler, recv_from_tokenizer: Any, send_to_de
                 publish_snapshot.send(encode(msg), zmq.NOBLOCK)  # never slows scheduling
             except zmq.ZMQError:
                 pass
+        soft_watchdog.feed()
+        hard_watchdog.feed()
 
 
 def run_scheduler_process(server_args: ServerArgs, port_args: Any, pipe_writer: Any) -> None:
@@ -826,7 +842,9 @@ def run_scheduler_process(server_args: ServerArgs, port_args: Any, pipe_writer: 
         publish = None
         if server_args.visualize:
             publish = get_zmq_socket(context, zmq.PUB, port_args.visualizer_ipc_name, bind=True)
-            publish.setsockopt(zmq.SNDHWM, 16)
+            # PUB never blocks: past the high-water mark it drops. Keep room for a burst of
+            # steps while the HTTP process is busy, so retract/finish events survive.
+            publish.setsockopt(zmq.SNDHWM, 1024)
         pipe_writer.send(
             {
                 "status": "ready",

@@ -9,14 +9,18 @@ seconds it logs "{name} watchdog timeout" once for that iteration, with the loop
 own description of what it is working on (e.g. the rids of the current batch) and
 the stack of the watched thread, so a stuck detokenizer is visible (seed 004).
 
-"Soft" means it only logs; it never kills anything (SGLang's soft watchdog; the hard
-one that exits lives with the scheduler's forward loop). With `timeout=None` the
-watchdog starts no thread and `feed` / `disable` cost next to nothing.
+"Soft" means it only logs; it never kills anything (SGLang's soft watchdog).
+`HardWatchdog` is the scheduler's `--watchdog-timeout`: a forward that makes no progress
+for that long is a hung process, so it logs the same line and exits with status 1; the
+HTTP process sees its child die and exits non-zero instead of hanging (DESIGN.md).
+With `timeout=None` the watchdog starts no thread and `feed` / `disable` cost next to
+nothing.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -109,3 +113,13 @@ class SoftWatchdog:
             f"{self.debug_name} watchdog timeout: one iteration has run {elapsed:.2f}s "
             f"(> soft_watchdog_timeout {self.timeout}s); {what}\nStack of the stuck loop:\n{stack}"
         )
+
+
+class HardWatchdog(SoftWatchdog):
+    """Like SoftWatchdog, but a stalled iteration ends the process (exit status 1)."""
+
+    def _report(self, elapsed: float) -> None:
+        super()._report(elapsed)
+        logger.error(f"{self.debug_name} watchdog: no progress for {elapsed:.2f}s, exiting")
+        logging.shutdown()
+        os._exit(1)
