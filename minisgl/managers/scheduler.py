@@ -831,6 +831,13 @@ def run_scheduler_process(server_args: ServerArgs, port_args: Any, pipe_writer: 
 
     kill_itself_when_parent_died()
     configure_logging(server_args.log_level, prefix="Scheduler")
+    # tqdm (the weight-loading bar) would otherwise create a multiprocessing lock, a
+    # semaphore the parent's resource tracker reports as leaked when this child is stopped.
+    import threading
+
+    import tqdm
+
+    tqdm.tqdm.set_lock(threading.RLock())
     try:
         model_runner = ModelRunner(server_args)
         tokenizer = get_tokenizer(server_args.tokenizer_path, server_args.trust_remote_code)
