@@ -22,11 +22,18 @@ from typing import Any, Dict, List
 import common
 
 
-def run_minisgl(model_path: str, input_ids: List[List[int]], output_lens: List[int], args: argparse.Namespace) -> Dict[str, Any]:
-    """All requests queued at once, then step() to idle; each step timed and classified."""
+def run_minisgl(
+    model_path: str, input_ids: List[List[int]], output_lens: List[int], args: argparse.Namespace, publish: bool = False
+) -> Dict[str, Any]:
+    """All requests queued at once, then step() to idle; each step timed and classified.
+
+    `publish=True` adds what `minisgl serve --visualize` adds to every scheduler step:
+    build the snapshot, JSON-encode it and send it NOBLOCK on a ZMQ PUB socket.
+    """
     from minisgl import Engine
 
     engine = Engine(model_path, **_engine_kwargs(args))
+    publisher = SnapshotPublisher() if publish else None
     # warm-up: one short request so allocator and kernels are warm
     engine.generate(input_ids=[input_ids[0][:32]], sampling_params={"max_new_tokens": 4, "ignore_eos": True})
     t_start = time.perf_counter()
@@ -36,7 +43,9 @@ def run_minisgl(model_path: str, input_ids: List[List[int]], output_lens: List[i
     decode_steps: Dict[int, List[float]] = {}  # batch size -> step seconds
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
-        engine.step()
+        engine.step(snapshot=False)
+        if publisher is not None:
+            publisher.publish(engine)
         dt = time.perf_counter() - t0
         batch = engine.scheduler.cur_batch
         if batch is None:
@@ -52,7 +61,42 @@ def run_minisgl(model_path: str, input_ids: List[List[int]], output_lens: List[i
     if got != sorted(output_lens):
         raise RuntimeError("minisgl produced different output lengths than requested (ignore_eos broken?)")
     engine.shutdown()
+    if publisher is not None:
+        publisher.close()
     return {"wall": wall, "prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": decode_steps}
+
+
+class SnapshotPublisher:
+    """The scheduler process's --visualize path (managers/scheduler.py event_loop_normal)."""
+
+    def __init__(self) -> None:
+        import tempfile
+
+        import zmq
+
+        self.dir = tempfile.mkdtemp(prefix="minisgl-bench-")
+        self.sock = zmq.Context.instance().socket(zmq.PUB)
+        self.sock.setsockopt(zmq.SNDHWM, 1024)
+        self.sock.bind(f"ipc://{self.dir}/visualizer")
+
+    def publish(self, engine: Any) -> None:
+        import json
+
+        import zmq
+
+        from minisgl.managers.io_struct import SchedulerSnapshotOut, encode
+
+        msg = SchedulerSnapshotOut(engine.scheduler.forward_ct, json.dumps(engine.snapshot()))
+        try:
+            self.sock.send(encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def close(self) -> None:
+        import shutil
+
+        self.sock.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _engine_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
@@ -151,6 +195,8 @@ def main() -> None:
     p.add_argument("--compare", choices=("none", "hf"), default="none")
     p.add_argument("--hf-batch-size", type=int, default=32, help="Static batch size of HF generate.")
     p.add_argument("--hf-max-batch-tokens", type=int, default=2048)
+    p.add_argument("--visualize-overhead", action="store_true",
+                   help="Run minisgl again publishing a snapshot every step, as --visualize does; report the cost.")
     args = p.parse_args()
     common.apply_runtime_args(args)
 
@@ -178,6 +224,11 @@ def main() -> None:
     common.print_result("floor_output_tok_s", n_out / floor_wall, "tok/s", "2 x params x (input + output tokens) at that rate")
     common.print_result("minisgl_vs_floor", tps / (n_out / floor_wall), "x", "target >= 0.5")
     report_decode_floor(run, shape, args)
+
+    if args.visualize_overhead:
+        vis = run_minisgl(model_path, input_ids, output_lens, args, publish=True)
+        common.print_result("minisgl_visualize_output_tok_s", n_out / vis["wall"], "tok/s", "snapshot + JSON + PUB every step")
+        common.print_result("visualize_overhead_pct", (vis["wall"] / run["wall"] - 1) * 100, "%", "target < 5")
 
     if args.compare == "hf":
         import torch

@@ -40,11 +40,12 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def test_offline_reports_throughput_floor_and_hf_ratio(cache: str) -> None:
     r = run_script("bench_offline.py", ["--num-requests", "4", "--input-len", "16", "32", "--output-len", "4", "8",
-                                        "--decode-batch", "4", "--compare", "hf"], cache)  # fmt: skip
+                                        "--decode-batch", "4", "--compare", "hf", "--visualize-overhead"], cache)  # fmt: skip
     for key in ("minisgl_output_tok_s", "minisgl_prefill_tok_s", "minisgl_decode_tok_s", "floor_output_tok_s",
                 "minisgl_vs_floor", "decode_step_ms", "decode_step_floor_ms", "hf_static_output_tok_s",
-                "hf_cb_output_tok_s", "minisgl_vs_best_hf"):  # fmt: skip
+                "hf_cb_output_tok_s", "minisgl_vs_best_hf", "minisgl_visualize_output_tok_s"):  # fmt: skip
         assert r[key] > 0 and math.isfinite(r[key]), key
+    assert math.isfinite(r["visualize_overhead_pct"])
     assert r["decode_step_batch"] == 4
 
 

@@ -137,7 +137,7 @@ class Engine:
         if stream:
             return self._stream(rids, single)
         while not all(self.rid_to_state[r].finished for r in rids):
-            self.step()
+            self.step(snapshot=False)
         results = [self._pop_result(r) for r in rids]
         return results[0] if single else results
 
@@ -151,16 +151,20 @@ class Engine:
                 state.pending.clear()
             if all(self.rid_to_state[r].finished for r in rids):
                 break
-            self.step()
+            self.step(snapshot=False)
         for rid in rids:
             self.rid_to_state.pop(rid)
 
     # ------------------------------------------------------------------ stepping
-    def step(self) -> Dict[str, Any]:
-        """One scheduler iteration; returns the snapshot of the scheduler after it."""
+    def step(self, snapshot: bool = True) -> Optional[Dict[str, Any]]:
+        """One scheduler iteration; returns the snapshot of the scheduler after it.
+
+        `snapshot=False` skips building the snapshot (generate() and run_until_idle() do,
+        so they pay nothing for the visualizer's data) and returns None.
+        """
         self.scheduler.run_step()
         self._drain_outputs()
-        return self.scheduler.snapshot()
+        return self.scheduler.snapshot() if snapshot else None
 
     def snapshot(self) -> Dict[str, Any]:
         return self.scheduler.snapshot()
@@ -174,7 +178,7 @@ class Engine:
         while self.has_unfinished_requests():
             if steps >= max_steps:
                 raise RuntimeError(f"requests still unfinished after {max_steps} steps")
-            self.step()
+            self.step(snapshot=False)
             steps += 1
         return steps
 
