@@ -25,7 +25,12 @@ def measure(model_path: str, chunk: int, mixed: bool, args: argparse.Namespace, 
     engine = Engine(model_path, device=args.device, dtype=args.dtype, chunked_prefill_size=chunk, enable_mixed_chunk=mixed)
     decode_ids, _ = common.random_requests(args.num_decode, (args.decode_input_len,) * 2, (1, 1), vocab, seed=1)
     (long_ids,), _ = common.random_requests(1, (args.long_len,) * 2, (1, 1), vocab, seed=2)
-    params = {"max_new_tokens": 1 << 20, "ignore_eos": True}  # decoders outlive the window
+    # Decoders must outlive the window (pre steps + one step per chunk, at worst one per
+    # token, + post steps), but not by much: admission reserves each request's
+    # max_new_tokens (SGLang's PrefillAdder), and a huge value would keep the running
+    # batch "full" so the long prompt could never be admitted.
+    window = args.pre_steps + args.post_steps + args.long_len // min(args.chunk_sizes) + 64
+    params = {"max_new_tokens": window, "ignore_eos": True}
     # stream=True: a streaming request reports every token as it is produced
     rids = [engine.add_request(input_ids=ids, sampling_params=params, stream=True) for ids in decode_ids]
     while any(len(engine.rid_to_state[r].output_ids) < 2 for r in rids):  # all prefilled and decoding

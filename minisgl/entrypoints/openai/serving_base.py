@@ -61,6 +61,19 @@ def abort_status(reason: Optional[Dict[str, Any]]) -> Optional[int]:
     return None
 
 
+def response_id(out: Dict[str, Any]) -> str:
+    """The response id: the request's rid (sub-requests of n > 1 are `<rid>-<j>`)."""
+    rid = out["meta_info"]["id"]
+    return rid.rsplit("-", 1)[0] if "index" in out and "-" in rid else rid
+
+
+async def prepend(first: Dict[str, Any], rest: AsyncIterator[Dict[str, Any]]) -> AsyncIterator[Dict[str, Any]]:
+    """`first` (already awaited, so errors surfaced before the headers) followed by the rest."""
+    yield first
+    async for out in rest:
+        yield out
+
+
 class UsageCounter:
     """Usage over the choices of one response: prompt counted once per prompt (idx % n == 0)."""
 

@@ -33,6 +33,8 @@ from minisgl.entrypoints.openai.serving_base import (
     abort_status,
     error_body,
     openai_finish_reason,
+    prepend,
+    response_id,
     sse_data,
 )
 from minisgl.managers.io_struct import GenerateReqInput
@@ -117,14 +119,14 @@ class OpenAIServingChat(OpenAIServingBase):
                     matched_stop=matched,
                 )
             )
-        response = ChatCompletionResponse(id=_base_rid(outs[0]), model=request.model, choices=choices, usage=usage.usage())
+        response = ChatCompletionResponse(id=response_id(outs[0]), model=request.model, choices=choices, usage=usage.usage())
         return JSONResponse(response.model_dump(exclude_none=False))
 
     # ------------------------------------------------------------------ streaming
     async def _stream_events(
         self, first: Dict[str, Any], rest: AsyncIterator[Dict[str, Any]], adapted: GenerateReqInput, request: ChatCompletionRequest
     ) -> AsyncIterator[Dict[str, str]]:
-        rid = _base_rid(first)
+        rid = response_id(first)
         usage = UsageCounter(request.n)
         role_sent: set = set()
 
@@ -133,12 +135,7 @@ class OpenAIServingChat(OpenAIServingBase):
             body = ChatCompletionStreamResponse(id=rid, model=request.model, choices=[choice])
             return sse_data(body.model_dump(exclude_none=True))
 
-        async def outputs() -> AsyncIterator[Dict[str, Any]]:
-            yield first
-            async for out in rest:
-                yield out
-
-        async for out in outputs():
+        async for out in prepend(first, rest):
             index = out.get("index", 0)
             meta = out["meta_info"]
             usage.update(index, meta)
@@ -161,9 +158,3 @@ class OpenAIServingChat(OpenAIServingBase):
             body = ChatCompletionStreamResponse(id=rid, model=request.model, choices=[], usage=usage.usage())
             yield sse_data(body.model_dump(exclude_none=True))
         yield sse_data("[DONE]")
-
-
-def _base_rid(out: Dict[str, Any]) -> str:
-    """The response id: the request's rid (sub-requests of n > 1 are `<rid>-<j>`)."""
-    rid = out["meta_info"]["id"]
-    return rid.rsplit("-", 1)[0] if "index" in out and "-" in rid else rid

@@ -25,6 +25,8 @@ from minisgl.entrypoints.openai.serving_base import (
     abort_status,
     error_body,
     openai_finish_reason,
+    prepend,
+    response_id,
     sse_data,
 )
 from minisgl.managers.io_struct import GenerateReqInput
@@ -98,26 +100,20 @@ class OpenAIServingCompletions(OpenAIServingBase):
                     matched_stop=matched,
                 )
             )
-        rid = outs[0]["meta_info"]["id"]
-        response = CompletionResponse(id=rid, model=request.model, choices=choices, usage=usage.usage())
+        response = CompletionResponse(id=response_id(outs[0]), model=request.model, choices=choices, usage=usage.usage())
         return JSONResponse(response.model_dump())
 
     async def _stream_events(
         self, first: Dict[str, Any], rest: AsyncIterator[Dict[str, Any]], adapted: GenerateReqInput, request: CompletionRequest
     ) -> AsyncIterator[Dict[str, str]]:
-        rid = first["meta_info"]["id"]
+        rid = response_id(first)
         usage = UsageCounter(request.n)
         text_offsets: Dict[int, int] = {}
 
         def chunk(choice: CompletionResponseChoice) -> Dict[str, str]:
             return sse_data(CompletionStreamResponse(id=rid, model=request.model, choices=[choice]).model_dump(exclude_none=True))
 
-        async def outputs() -> AsyncIterator[Dict[str, Any]]:
-            yield first
-            async for out in rest:
-                yield out
-
-        async for out in outputs():
+        async for out in prepend(first, rest):
             index = out.get("index", 0)
             meta = out["meta_info"]
             usage.update(index, meta)
