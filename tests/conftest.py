@@ -12,13 +12,10 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-try:
-    import torch
+import torch  # noqa: E402
 
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-except ImportError:  # pragma: no cover - torch is a hard dependency
-    pass
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from typing import Any, Callable, Dict, Tuple
 

@@ -7,20 +7,7 @@ import random
 
 from minisgl import Engine
 
-GREEDY = {"temperature": 0, "ignore_eos": True}
-
-
-def _run_all(engine, prompts, max_new, check_every_step=False):
-    rids = [engine.add_request(input_ids=p, sampling_params={**GREEDY, "max_new_tokens": m}) for p, m in zip(prompts, max_new)]
-    ratios, retracted = [], 0
-    while engine.has_unfinished_requests():
-        snap = engine.step()
-        ratios.append(snap["new_token_ratio"])
-        retracted += sum(e["type"] == "retract" for e in snap["events"])
-        if check_every_step:
-            engine.scheduler.check_integrity()
-    engine.step()  # idle leak check
-    return [engine.get_result(r)["output_ids"] for r in rids], ratios, retracted
+from engine_helpers import GREEDY, run_all as _run_all
 
 
 def test_retraction_completes_a_workload_ten_times_the_pool(tiny_model):

@@ -20,8 +20,6 @@ from typing import Any, Dict, List
 
 import pytest
 
-
-
 from minisgl import Engine  # noqa: E402
 
 PROMPTS = [

@@ -17,6 +17,8 @@ Owns: nothing global; a ScheduleBatch borrows the pools, the allocator and the t
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set
@@ -40,9 +42,10 @@ INIT_INCREMENTAL_DETOKENIZATION_OFFSET = 5
 
 
 # --------------------------------------------------------------------------- finish reasons
-class BaseFinishReason:
+class BaseFinishReason(ABC):
+    @abstractmethod
     def to_json(self) -> Dict[str, Any]:
-        raise NotImplementedError
+        """SGLang's JSON form, sent to the detokenizer and shown to clients."""
 
 
 @dataclass

@@ -79,6 +79,7 @@ class Scheduler:
         self.waiting_queue: List[Req] = []
         self.running_batch = self._empty_batch()
         self.cur_batch: Optional[ScheduleBatch] = None
+        self.num_dropped_snapshots = 0  # --visualize frames the PUB socket could not queue
         self.last_batch: Optional[ScheduleBatch] = None
         self.chunked_req: Optional[Req] = None
         self.forward_ct = 0
@@ -815,7 +816,7 @@ def event_loop_normal(scheduler: Scheduler, recv_from_tokenizer: Any, send_to_de
             try:
                 publish_snapshot.send(encode(msg), zmq.NOBLOCK)  # never slows scheduling
             except zmq.ZMQError:
-                pass
+                scheduler.num_dropped_snapshots += 1  # a stalled viewer loses frames, not steps
         soft_watchdog.feed()
         hard_watchdog.feed()
 
