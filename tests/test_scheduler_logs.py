@@ -1,0 +1,49 @@
+"""The scheduler's log lines, in SGLang's format (sglang-facts §1.9): one prefill line per
+extend, a decode line every --decode-log-interval decode steps, a warning on retraction."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+
+from minisgl import Engine
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+PREFILL = re.compile(
+    r"Prefill batch, #new-seq: (\d+), #new-token: (\d+), #cached-token: (\d+), token usage: \d+\.\d\d, "
+    r"#running-req: \d+, #queue-req: (\d+), input throughput \(token/s\): [\d.]+, cpu graph: False"
+)
+DECODE = re.compile(
+    r"Decode batch, #running-req: (\d+), #token: \d+, token usage: \d+\.\d\d, cpu graph: False, "
+    r"gen throughput \(token/s\): [\d.]+, #queue-req: \d+"
+)
+
+
+def _lines(caplog: pytest.LogCaptureFixture, pattern: re.Pattern) -> list:
+    return [m for r in caplog.records if (m := pattern.fullmatch(r.getMessage()))]
+
+
+def test_prefill_and_decode_lines(tiny_model: str, caplog: pytest.LogCaptureFixture) -> None:
+    engine = Engine(tiny_model, device="cpu", decode_log_interval=4)
+    shared = list(range(20, 60))
+    with caplog.at_level(logging.INFO, logger="minisgl"):
+        engine.generate(input_ids=[shared + [1], shared + [2]], sampling_params={**GREEDY, "max_new_tokens": 13})
+        engine.generate(input_ids=shared + [3], sampling_params={**GREEDY, "max_new_tokens": 2})
+    prefills = _lines(caplog, PREFILL)
+    assert [(int(m[1]), int(m[2]), int(m[3])) for m in prefills] == [(2, 82, 0), (1, 1, 40)]  # the 2nd hits the cache
+    decodes = _lines(caplog, DECODE)
+    # the pair decodes 12 steps (logged at 4, 8, 12); the third request's one decode step is the 13th
+    assert len(decodes) == 3 and all(int(m[1]) == 2 for m in decodes)
+
+
+def test_retraction_warning(tiny_model: str, caplog: pytest.LogCaptureFixture) -> None:
+    # as in test_scheduler_retract: a low initial new_token_ratio overcommits the pool
+    engine = Engine(tiny_model, device="cpu", max_total_tokens=120, chunked_prefill_size=-1, schedule_conservativeness=0.1)
+    prompts = [[10 + i, 20 + i, 30 + i] * 4 for i in range(16)]
+    with caplog.at_level(logging.WARNING, logger="minisgl"):
+        engine.generate(input_ids=prompts, sampling_params=[{**GREEDY, "max_new_tokens": 20 + i} for i in range(16)])
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(re.fullmatch(r"KV cache pool is full\. Retract requests\. #retracted_reqs: \d+, #new_tokens_gained: \d+, "
+                            r"#new_token_ratio: 0\.\d{4} -> \d\.\d{4}", w) for w in warnings), warnings  # fmt: skip
