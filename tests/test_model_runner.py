@@ -16,7 +16,7 @@ from minisgl.model_executor.model_runner import CPU_MAX_RUNNING_REQUESTS, CPU_PO
 from minisgl.models.loader import resolve_model_path, safetensors_files
 from minisgl.models.model_config import ModelConfig, parse_rope
 from minisgl.sampling.sampling_params import SamplingParams
-from minisgl.server_args import ServerArgs, resolve_server_args
+from minisgl.server_args import ServerArgs
 
 
 @pytest.fixture(scope="module", autouse=True)

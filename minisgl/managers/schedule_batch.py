@@ -20,7 +20,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set
 
 import torch

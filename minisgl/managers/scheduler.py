@@ -10,7 +10,9 @@ One iteration (`run_step`) is SGLang's event_loop_normal body without the I/O:
 
 The class does no socket I/O (STYLE.md habit 7): inputs arrive through
 `process_input_requests(msgs)`, outputs are collected and handed out by
-`pop_outputs()`. The Engine calls these directly; `event_loop_normal` at the bottom
+`pop_outputs()`. Result processing and streaming live in
+scheduler_output_processor_mixin.py, log lines and `snapshot()` in
+scheduler_metrics_mixin.py (SGLang's split). The Engine calls these directly; `event_loop_normal` at the bottom
 of this file is the thin ZMQ shell the server runs in its own process.
 """
 
@@ -21,8 +23,6 @@ import logging
 import time
 from typing import Any, Dict, List, Optional
 
-import torch
-
 from minisgl.managers.io_struct import (
     AbortReq,
     BatchTokenIDOutput,
@@ -32,15 +32,10 @@ from minisgl.managers.io_struct import (
     GetLoadReqOutput,
     TokenizedGenerateReqInput,
 )
-from minisgl.managers.schedule_batch import (
-    CLIP_MAX_NEW_TOKENS,
-    FINISH_ABORT,
-    Req,
-    ScheduleBatch,
-    release_kv_cache,
-)
+from minisgl.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
 from minisgl.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
-from minisgl.model_executor.forward_batch_info import ForwardMode
+from minisgl.managers.scheduler_metrics_mixin import SchedulerMetricsMixin
+from minisgl.managers.scheduler_output_processor_mixin import SchedulerOutputProcessorMixin
 from minisgl.server_args import ServerArgs, chunked_prefill_enabled
 
 logger = logging.getLogger("minisgl.scheduler")
@@ -49,11 +44,7 @@ logger = logging.getLogger("minisgl.scheduler")
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
-# a non-streaming request still emits every 50 tokens, keeping the detokenizer incremental
-DEFAULT_FORCE_STREAM_INTERVAL = 50
-
-
-class Scheduler:
+class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
     def __init__(self, server_args: ServerArgs, model_runner: Any, tokenizer: Any = None) -> None:
         from minisgl.mem_cache.radix_cache import RadixCache
 
@@ -501,277 +492,6 @@ class Scheduler:
         if self.chunked_req is not None and self.chunked_req.req_pool_idx is not None:
             reqs[id(self.chunked_req)] = self.chunked_req
         return list(reqs.values())
-
-    # ------------------------------------------------------------------ results
-    def process_batch_result(self, batch: ScheduleBatch, result: Any) -> None:
-        if batch.forward_mode.is_decode():
-            self.process_batch_result_decode(batch, result)
-        elif batch.forward_mode.is_extend():
-            self.process_batch_result_prefill(batch, result)
-
-    def process_batch_result_prefill(self, batch: ScheduleBatch, result: Any) -> None:
-        """Append the first token (unless mid-chunk), finish or cache the prompt, stream (§6.8)."""
-        next_token_ids = result.next_token_ids.tolist()
-        decoding = {id(r) for r in batch.decoding_reqs or []}
-        skip_stream_req: Optional[Req] = None
-        for i, (req, token) in enumerate(zip(batch.reqs, next_token_ids)):
-            if req.finished() or req.is_retracted:
-                continue
-            if req.is_chunked > 0:
-                # a non-final chunk: its sampled token is meaningless, nothing streams
-                req.is_chunked -= 1
-                skip_stream_req = req
-                continue
-            if not req.time_stats.prefill_finished_time:
-                req.time_stats.prefill_finished_time = time.perf_counter()
-                if id(req) not in decoding:
-                    self._event("prefill_done", req, f"cached_tokens={req.cached_tokens}")
-            req.output_ids.append(int(token))
-            self._append_logprobs(req, result, i)
-            req.check_finished()
-            if req.finished():
-                self._release_finished(req)
-            elif id(req) not in decoding:
-                # the prompt enters the tree now, locked while the request runs
-                self.tree_cache.cache_unfinished_req(req)
-        self.stream_output(batch.reqs, skip_stream_req)
-        self.log_prefill_stats(batch)
-
-    def process_batch_result_decode(self, batch: ScheduleBatch, result: Any) -> None:
-        next_token_ids = result.next_token_ids.tolist()
-        self.token_to_kv_pool_allocator.free_group_begin()
-        for i, (req, token) in enumerate(zip(batch.reqs, next_token_ids)):
-            if req.finished() or req.is_retracted:
-                continue
-            req.output_ids.append(int(token))
-            self._append_logprobs(req, result, i)
-            req.check_finished()
-            if req.finished():
-                self._release_finished(req)
-        self.stream_output(batch.reqs)
-        self.token_to_kv_pool_allocator.free_group_end()
-        self.forward_ct_decode += 1
-        self.num_generated_tokens += len(batch.reqs)
-        if self.forward_ct_decode % self.server_args.decode_log_interval == 0:
-            self.log_decode_stats(batch)
-
-    def _append_logprobs(self, req: Req, result: Any, i: int) -> None:
-        if not req.return_logprob or result.next_token_logprobs is None:
-            return
-        req.output_token_logprobs_val.append(float(result.next_token_logprobs[i]))
-        req.output_token_logprobs_idx.append(req.output_ids[-1])
-        if req.top_logprobs_num > 0 and result.top_logprobs_val is not None:
-            vals, idxs = result.top_logprobs_val[i], result.top_logprobs_idx[i]
-            req.output_top_logprobs_val.append([float(v) for v in (vals.tolist() if torch.is_tensor(vals) else vals)])
-            req.output_top_logprobs_idx.append([int(v) for v in (idxs.tolist() if torch.is_tensor(idxs) else idxs)])
-
-    def _release_finished(self, req: Req) -> None:
-        """Finished: KV of origin + output[:-1] goes into the tree, the row is freed."""
-        release_kv_cache(req, self.tree_cache, self.req_to_token_pool)
-        req.time_stats.completion_time = time.perf_counter()
-        finish = req.finished_reason.to_json()
-        self._event("abort" if finish["type"] == "abort" else "finish", req, json.dumps(finish))
-        self._record_finished(req)
-
-    def _record_finished(self, req: Req) -> None:
-        self.finished_records.append(
-            {
-                "rid": req.rid,
-                "finish_reason": req.finished_reason.to_json(),
-                "output_len": len(req.output_ids_through_stop),
-                **req.time_stats.to_ms_dict(),
-            }
-        )
-
-    # ------------------------------------------------------------------ streaming
-    def _should_stream(self, req: Req) -> bool:
-        if req.finished():
-            return not req.finished_output
-        n = len(req.output_ids)
-        if n == 0:
-            return False
-        if req.stream:
-            interval = req.sampling_params.stream_interval or self.server_args.stream_interval
-            due = n % interval == 1 if interval > 1 else n % interval == 0
-            # hold back while the tail could still become a stop string
-            return due and not req.check_match_stop_str_prefix()
-        return n % DEFAULT_FORCE_STREAM_INTERVAL == 0
-
-    def stream_output(self, reqs: List[Req], skip_req: Optional[Req] = None) -> None:
-        """Collect one BatchTokenIDOutput for every request that emits this step."""
-        emitting = [r for r in reqs if r is not skip_req and self._should_stream(r)]
-        if not emitting:
-            return
-        out = BatchTokenIDOutput(
-            rids=[], finished_reasons=[], decode_ids=[], read_offsets=[], output_ids=[], skip_special_tokens=[],
-            spaces_between_special_tokens=[], no_stop_trim=[], stop_strs=[], prompt_tokens=[],
-            completion_tokens=[], cached_tokens=[],
-        )  # fmt: skip
-        for req in emitting:
-            if req.finished():
-                req.finished_output = True
-            decode_ids, read_offset = req.init_incremental_detokenize()
-            through_stop = req.output_ids_through_stop
-            start, end = req.send_token_offset, len(through_stop)
-            params = req.sampling_params
-            out.rids.append(req.rid)
-            out.finished_reasons.append(req.finished_reason.to_json() if req.finished() else None)
-            out.decode_ids.append(list(decode_ids[req.send_decode_id_offset :]))
-            out.read_offsets.append(read_offset)
-            out.output_ids.append(list(through_stop[start:end]))
-            out.skip_special_tokens.append(params.skip_special_tokens)
-            out.spaces_between_special_tokens.append(params.spaces_between_special_tokens)
-            out.no_stop_trim.append(params.no_stop_trim)
-            out.stop_strs.append(list(params.stop_strs))
-            out.prompt_tokens.append(len(req.origin_input_ids))
-            out.completion_tokens.append(len(through_stop))
-            out.cached_tokens.append(req.cached_tokens)
-            out.output_token_logprobs_val.append(req.output_token_logprobs_val[start:end])
-            out.output_token_logprobs_idx.append(req.output_token_logprobs_idx[start:end])
-            out.output_top_logprobs_val.append(req.output_top_logprobs_val[start:end])
-            out.output_top_logprobs_idx.append(req.output_top_logprobs_idx[start:end])
-            out.time_stats.append(req.time_stats.to_ms_dict())
-            req.send_decode_id_offset = len(decode_ids)
-            req.send_token_offset = end
-        self._outputs.append(out)
-
-    # ------------------------------------------------------------------ logs
-    def _token_usage(self) -> tuple[int, float]:
-        """Locked (protected) tree nodes count as used, as in SGLang."""
-        num_used = self.max_total_num_tokens - (
-            self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size()
-        )
-        return num_used, num_used / self.max_total_num_tokens
-
-    def _graph_label(self) -> str:
-        return "cuda graph" if str(self.model_runner.device).startswith("cuda") else "cpu graph"
-
-    def log_prefill_stats(self, batch: ScheduleBatch) -> None:
-        stats = batch.prefill_stats
-        if stats is None:
-            return
-        now = time.perf_counter()
-        throughput = stats["log_input_tokens"] / max(now - self.last_prefill_log_time, 1e-9)
-        self.last_prefill_log_time = now
-        self.total_hit_tokens += stats["log_hit_tokens"]
-        self.total_input_tokens += stats["log_input_tokens"]
-        _, usage = self._token_usage()
-        self.log_line = (
-            f"Prefill batch, #new-seq: {stats['num_new_seqs']}, #new-token: {stats['log_input_tokens']}, "
-            f"#cached-token: {stats['log_hit_tokens']}, token usage: {usage:.2f}, "
-            f"#running-req: {stats['running_bs']}, #queue-req: {len(self.waiting_queue)}, "
-            f"input throughput (token/s): {throughput:.2f}, {self._graph_label()}: False"
-        )
-        logger.info(self.log_line)
-
-    def log_decode_stats(self, batch: ScheduleBatch) -> None:
-        now = time.perf_counter()
-        gen_throughput = self.num_generated_tokens / max(now - self.last_decode_log_time, 1e-9)
-        self.last_decode_log_time, self.num_generated_tokens = now, 0
-        num_used, usage = self._token_usage()
-        self.log_line = (
-            f"Decode batch, #running-req: {batch.batch_size()}, #token: {num_used}, token usage: {usage:.2f}, "
-            f"{self._graph_label()}: False, gen throughput (token/s): {gen_throughput:.2f}, "
-            f"#queue-req: {len(self.waiting_queue)}"
-        )
-        logger.info(self.log_line)
-
-    # ------------------------------------------------------------------ snapshot
-    def snapshot(self) -> Dict[str, Any]:
-        """The scheduler's state after the last step, JSON-ready (schema: docs/snapshot.md)."""
-        now = time.perf_counter()
-        batch = self.cur_batch
-        mode = batch.forward_mode.name if batch is not None else ForwardMode.IDLE.name
-        available = self.token_to_kv_pool_allocator.available_size()
-        evictable = self.tree_cache.evictable_size()
-        protected = self.tree_cache.protected_size()
-        summary = self.tree_cache.summary(max_nodes=64)
-        return {
-            "step": self.forward_ct,
-            "time": time.time(),
-            "forward_mode": mode,
-            "log_line": self.log_line,
-            "waiting_queue": [
-                {
-                    "rid": r.rid,
-                    "input_len": len(r.origin_input_ids),
-                    "prefix_len": len(r.prefix_indices),
-                    "output_len": len(r.output_ids),
-                    "waited_ms": (now - r.time_stats.wait_queue_entry_time) * 1e3,
-                    "retracted": r.is_retracted,
-                    "retraction_count": r.retraction_count,
-                }
-                for r in self.waiting_queue
-            ],
-            "chunked_req": self._chunked_req_snapshot(),
-            "batch": None if batch is None else {"forward_mode": mode, "reqs": self._batch_reqs_snapshot(batch)},
-            "running_batch": [
-                {"rid": r.rid, "input_len": len(r.origin_input_ids), "output_len": len(r.output_ids),
-                 "max_new_tokens": r.sampling_params.max_new_tokens}
-                for r in self._decoding_reqs()
-            ],  # fmt: skip
-            "adder": self.adder_record,
-            "memory": {
-                "total": self.max_total_num_tokens,
-                "available": available,
-                "evictable": evictable,
-                "protected": protected,
-                "used": self.max_total_num_tokens - available - evictable,
-                "page_size": self.page_size,
-                "req_slots_total": self.req_to_token_pool.size,
-                "req_slots_free": self.req_to_token_pool.available_size(),
-            },
-            "radix": summary,
-            "new_token_ratio": self.new_token_ratio,
-            "events": list(self.events),
-            "finished": list(self.finished_records),
-        }
-
-    def _num_chunks(self, req: Req) -> int:
-        """Chunks of the current prefill round: done so far + what the rest still needs."""
-        remaining = req.seqlen - len(req.fill_ids) if req is self.chunked_req else 0
-        size = self.chunked_prefill_size or max(remaining, 1)
-        return req.num_chunks_done + -(-remaining // size)
-
-    def _chunked_req_snapshot(self) -> Optional[Dict[str, Any]]:
-        req = self.chunked_req
-        if req is None:
-            return None
-        return {"rid": req.rid, "done_tokens": len(req.fill_ids), "total_tokens": req.seqlen,
-                "chunk_index": req.num_chunks_done, "num_chunks": self._num_chunks(req)}  # fmt: skip
-
-    def _batch_reqs_snapshot(self, batch: ScheduleBatch) -> List[Dict[str, Any]]:
-        decoding = {id(r) for r in batch.decoding_reqs or []}
-        out = []
-        for i, r in enumerate(batch.reqs):
-            is_decode = batch.forward_mode.is_decode() or id(r) in decoding
-            out.append(
-                {
-                    "rid": r.rid,
-                    "extend_len": batch.extend_lens[i] if i < len(batch.extend_lens) else 1,
-                    "prefix_len": batch.prefix_lens[i] if i < len(batch.prefix_lens) else 0,
-                    "is_chunked": r.is_chunked,
-                    "chunk_index": 0 if is_decode else r.num_chunks_done,
-                    "num_chunks": 0 if is_decode else self._num_chunks(r),
-                    "is_decode": is_decode,
-                    "output_len": len(r.output_ids),
-                    "max_new_tokens": r.sampling_params.max_new_tokens,
-                }
-            )
-        return out
-
-    def _decoding_reqs(self) -> List[Req]:
-        """Requests that will decode next: the running batch plus the just-prefilled ones."""
-        reqs = [r for r in self.running_batch.reqs if not r.finished()]
-        if self.last_batch is not None and self.last_batch.forward_mode.is_extend():
-            known = {id(r) for r in reqs}
-            reqs += [
-                r for r in self.last_batch.reqs
-                if not r.finished() and r is not self.chunked_req and id(r) not in known
-                and r.sampling_params.max_new_tokens > 0
-            ]  # fmt: skip
-        return reqs
-
 
 # --------------------------------------------------------------------------- the process shell
 def event_loop_normal(scheduler: Scheduler, recv_from_tokenizer: Any, send_to_detokenizer: Any,

@@ -1,0 +1,157 @@
+"""SchedulerMetricsMixin (stage 3, observability). In: the scheduler's state after a step.
+Out: SGLang-format log lines and the JSON snapshot (docs/snapshot.md).
+
+Mixed into `Scheduler` (as in SGLang's scheduler_metrics_mixin.py): read-only views of
+the scheduler's state. The visualizer, the ipywidgets twin and the notebooks use only
+`snapshot()`; the log lines are the ones an SGLang user already knows how to read.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Dict, List, Optional
+
+from minisgl.managers.schedule_batch import Req, ScheduleBatch
+from minisgl.model_executor.forward_batch_info import ForwardMode
+
+logger = logging.getLogger("minisgl.scheduler")
+
+
+class SchedulerMetricsMixin:
+    # ------------------------------------------------------------------ logs
+    def _token_usage(self) -> tuple[int, float]:
+        """Locked (protected) tree nodes count as used, as in SGLang."""
+        num_used = self.max_total_num_tokens - (
+            self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size()
+        )
+        return num_used, num_used / self.max_total_num_tokens
+
+    def _graph_label(self) -> str:
+        return "cuda graph" if str(self.model_runner.device).startswith("cuda") else "cpu graph"
+
+    def log_prefill_stats(self, batch: ScheduleBatch) -> None:
+        stats = batch.prefill_stats
+        if stats is None:
+            return
+        now = time.perf_counter()
+        throughput = stats["log_input_tokens"] / max(now - self.last_prefill_log_time, 1e-9)
+        self.last_prefill_log_time = now
+        self.total_hit_tokens += stats["log_hit_tokens"]
+        self.total_input_tokens += stats["log_input_tokens"]
+        _, usage = self._token_usage()
+        self.log_line = (
+            f"Prefill batch, #new-seq: {stats['num_new_seqs']}, #new-token: {stats['log_input_tokens']}, "
+            f"#cached-token: {stats['log_hit_tokens']}, token usage: {usage:.2f}, "
+            f"#running-req: {stats['running_bs']}, #queue-req: {len(self.waiting_queue)}, "
+            f"input throughput (token/s): {throughput:.2f}, {self._graph_label()}: False"
+        )
+        logger.info(self.log_line)
+
+    def log_decode_stats(self, batch: ScheduleBatch) -> None:
+        now = time.perf_counter()
+        gen_throughput = self.num_generated_tokens / max(now - self.last_decode_log_time, 1e-9)
+        self.last_decode_log_time, self.num_generated_tokens = now, 0
+        num_used, usage = self._token_usage()
+        self.log_line = (
+            f"Decode batch, #running-req: {batch.batch_size()}, #token: {num_used}, token usage: {usage:.2f}, "
+            f"{self._graph_label()}: False, gen throughput (token/s): {gen_throughput:.2f}, "
+            f"#queue-req: {len(self.waiting_queue)}"
+        )
+        logger.info(self.log_line)
+
+    # ------------------------------------------------------------------ snapshot
+    def snapshot(self) -> Dict[str, Any]:
+        """The scheduler's state after the last step, JSON-ready (schema: docs/snapshot.md)."""
+        now = time.perf_counter()
+        batch = self.cur_batch
+        mode = batch.forward_mode.name if batch is not None else ForwardMode.IDLE.name
+        available = self.token_to_kv_pool_allocator.available_size()
+        evictable = self.tree_cache.evictable_size()
+        protected = self.tree_cache.protected_size()
+        summary = self.tree_cache.summary(max_nodes=64)
+        return {
+            "step": self.forward_ct,
+            "time": time.time(),
+            "forward_mode": mode,
+            "log_line": self.log_line,
+            "waiting_queue": [
+                {
+                    "rid": r.rid,
+                    "input_len": len(r.origin_input_ids),
+                    "prefix_len": len(r.prefix_indices),
+                    "output_len": len(r.output_ids),
+                    "waited_ms": (now - r.time_stats.wait_queue_entry_time) * 1e3,
+                    "retracted": r.is_retracted,
+                    "retraction_count": r.retraction_count,
+                }
+                for r in self.waiting_queue
+            ],
+            "chunked_req": self._chunked_req_snapshot(),
+            "batch": None if batch is None else {"forward_mode": mode, "reqs": self._batch_reqs_snapshot(batch)},
+            "running_batch": [
+                {"rid": r.rid, "input_len": len(r.origin_input_ids), "output_len": len(r.output_ids),
+                 "max_new_tokens": r.sampling_params.max_new_tokens}
+                for r in self._decoding_reqs()
+            ],  # fmt: skip
+            "adder": self.adder_record,
+            "memory": {
+                "total": self.max_total_num_tokens,
+                "available": available,
+                "evictable": evictable,
+                "protected": protected,
+                "used": self.max_total_num_tokens - available - evictable,
+                "page_size": self.page_size,
+                "req_slots_total": self.req_to_token_pool.size,
+                "req_slots_free": self.req_to_token_pool.available_size(),
+            },
+            "radix": summary,
+            "new_token_ratio": self.new_token_ratio,
+            "events": list(self.events),
+            "finished": list(self.finished_records),
+        }
+
+    def _num_chunks(self, req: Req) -> int:
+        """Chunks of the current prefill round: done so far + what the rest still needs."""
+        remaining = req.seqlen - len(req.fill_ids) if req is self.chunked_req else 0
+        size = self.chunked_prefill_size or max(remaining, 1)
+        return req.num_chunks_done + -(-remaining // size)
+
+    def _chunked_req_snapshot(self) -> Optional[Dict[str, Any]]:
+        req = self.chunked_req
+        if req is None:
+            return None
+        return {"rid": req.rid, "done_tokens": len(req.fill_ids), "total_tokens": req.seqlen,
+                "chunk_index": req.num_chunks_done, "num_chunks": self._num_chunks(req)}  # fmt: skip
+
+    def _batch_reqs_snapshot(self, batch: ScheduleBatch) -> List[Dict[str, Any]]:
+        decoding = {id(r) for r in batch.decoding_reqs or []}
+        out = []
+        for i, r in enumerate(batch.reqs):
+            is_decode = batch.forward_mode.is_decode() or id(r) in decoding
+            out.append(
+                {
+                    "rid": r.rid,
+                    "extend_len": batch.extend_lens[i] if i < len(batch.extend_lens) else 1,
+                    "prefix_len": batch.prefix_lens[i] if i < len(batch.prefix_lens) else 0,
+                    "is_chunked": r.is_chunked,
+                    "chunk_index": 0 if is_decode else r.num_chunks_done,
+                    "num_chunks": 0 if is_decode else self._num_chunks(r),
+                    "is_decode": is_decode,
+                    "output_len": len(r.output_ids),
+                    "max_new_tokens": r.sampling_params.max_new_tokens,
+                }
+            )
+        return out
+
+    def _decoding_reqs(self) -> List[Req]:
+        """Requests that will decode next: the running batch plus the just-prefilled ones."""
+        reqs = [r for r in self.running_batch.reqs if not r.finished()]
+        if self.last_batch is not None and self.last_batch.forward_mode.is_extend():
+            known = {id(r) for r in reqs}
+            reqs += [
+                r for r in self.last_batch.reqs
+                if not r.finished() and r is not self.chunked_req and id(r) not in known
+                and r.sampling_params.max_new_tokens > 0
+            ]  # fmt: skip
+        return reqs

@@ -1,0 +1,159 @@
+"""SchedulerOutputProcessorMixin (stage 3, after the forward). In: a ScheduleBatch and the
+ModelRunner's SampleOutput. Out: BatchTokenIDOutput for the detokenizer.
+
+Mixed into `Scheduler` (as in SGLang's scheduler_output_processor_mixin.py): it reads and
+writes the scheduler's state (tree_cache, req_to_token_pool, chunked_req, _outputs, ...).
+For every request of the batch it appends the sampled token, checks whether the request
+finished, hands a finished request's KV to the radix cache and frees its row, caches a
+prefilled request that keeps running (`cache_unfinished_req`), and decides who emits
+output this step (`stream_output`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, List, Optional
+
+import torch
+
+from minisgl.managers.io_struct import BatchTokenIDOutput
+from minisgl.managers.schedule_batch import Req, ScheduleBatch, release_kv_cache
+
+# a non-streaming request still emits every 50 tokens, keeping the detokenizer incremental
+DEFAULT_FORCE_STREAM_INTERVAL = 50
+
+
+class SchedulerOutputProcessorMixin:
+    # ------------------------------------------------------------------ results
+    def process_batch_result(self, batch: ScheduleBatch, result: Any) -> None:
+        if batch.forward_mode.is_decode():
+            self.process_batch_result_decode(batch, result)
+        elif batch.forward_mode.is_extend():
+            self.process_batch_result_prefill(batch, result)
+
+    def process_batch_result_prefill(self, batch: ScheduleBatch, result: Any) -> None:
+        """Append the first token (unless mid-chunk), finish or cache the prompt, stream (§6.8)."""
+        next_token_ids = result.next_token_ids.tolist()
+        decoding = {id(r) for r in batch.decoding_reqs or []}
+        skip_stream_req: Optional[Req] = None
+        for i, (req, token) in enumerate(zip(batch.reqs, next_token_ids)):
+            if req.finished() or req.is_retracted:
+                continue
+            if req.is_chunked > 0:
+                # a non-final chunk: its sampled token is meaningless, nothing streams
+                req.is_chunked -= 1
+                skip_stream_req = req
+                continue
+            if not req.time_stats.prefill_finished_time:
+                req.time_stats.prefill_finished_time = time.perf_counter()
+                if id(req) not in decoding:
+                    self._event("prefill_done", req, f"cached_tokens={req.cached_tokens}")
+            req.output_ids.append(int(token))
+            self._append_logprobs(req, result, i)
+            req.check_finished()
+            if req.finished():
+                self._release_finished(req)
+            elif id(req) not in decoding:
+                # the prompt enters the tree now, locked while the request runs
+                self.tree_cache.cache_unfinished_req(req)
+        self.stream_output(batch.reqs, skip_stream_req)
+        self.log_prefill_stats(batch)
+
+    def process_batch_result_decode(self, batch: ScheduleBatch, result: Any) -> None:
+        next_token_ids = result.next_token_ids.tolist()
+        self.token_to_kv_pool_allocator.free_group_begin()
+        for i, (req, token) in enumerate(zip(batch.reqs, next_token_ids)):
+            if req.finished() or req.is_retracted:
+                continue
+            req.output_ids.append(int(token))
+            self._append_logprobs(req, result, i)
+            req.check_finished()
+            if req.finished():
+                self._release_finished(req)
+        self.stream_output(batch.reqs)
+        self.token_to_kv_pool_allocator.free_group_end()
+        self.forward_ct_decode += 1
+        self.num_generated_tokens += len(batch.reqs)
+        if self.forward_ct_decode % self.server_args.decode_log_interval == 0:
+            self.log_decode_stats(batch)
+
+    def _append_logprobs(self, req: Req, result: Any, i: int) -> None:
+        if not req.return_logprob or result.next_token_logprobs is None:
+            return
+        req.output_token_logprobs_val.append(float(result.next_token_logprobs[i]))
+        req.output_token_logprobs_idx.append(req.output_ids[-1])
+        if req.top_logprobs_num > 0 and result.top_logprobs_val is not None:
+            vals, idxs = result.top_logprobs_val[i], result.top_logprobs_idx[i]
+            req.output_top_logprobs_val.append([float(v) for v in (vals.tolist() if torch.is_tensor(vals) else vals)])
+            req.output_top_logprobs_idx.append([int(v) for v in (idxs.tolist() if torch.is_tensor(idxs) else idxs)])
+
+    def _release_finished(self, req: Req) -> None:
+        """Finished: KV of origin + output[:-1] goes into the tree, the row is freed."""
+        release_kv_cache(req, self.tree_cache, self.req_to_token_pool)
+        req.time_stats.completion_time = time.perf_counter()
+        finish = req.finished_reason.to_json()
+        self._event("abort" if finish["type"] == "abort" else "finish", req, json.dumps(finish))
+        self._record_finished(req)
+
+    def _record_finished(self, req: Req) -> None:
+        self.finished_records.append(
+            {
+                "rid": req.rid,
+                "finish_reason": req.finished_reason.to_json(),
+                "output_len": len(req.output_ids_through_stop),
+                **req.time_stats.to_ms_dict(),
+            }
+        )
+
+    # ------------------------------------------------------------------ streaming
+    def _should_stream(self, req: Req) -> bool:
+        if req.finished():
+            return not req.finished_output
+        n = len(req.output_ids)
+        if n == 0:
+            return False
+        if req.stream:
+            interval = req.sampling_params.stream_interval or self.server_args.stream_interval
+            due = n % interval == 1 if interval > 1 else n % interval == 0
+            # hold back while the tail could still become a stop string
+            return due and not req.check_match_stop_str_prefix()
+        return n % DEFAULT_FORCE_STREAM_INTERVAL == 0
+
+    def stream_output(self, reqs: List[Req], skip_req: Optional[Req] = None) -> None:
+        """Collect one BatchTokenIDOutput for every request that emits this step."""
+        emitting = [r for r in reqs if r is not skip_req and self._should_stream(r)]
+        if not emitting:
+            return
+        out = BatchTokenIDOutput(
+            rids=[], finished_reasons=[], decode_ids=[], read_offsets=[], output_ids=[], skip_special_tokens=[],
+            spaces_between_special_tokens=[], no_stop_trim=[], stop_strs=[], prompt_tokens=[],
+            completion_tokens=[], cached_tokens=[],
+        )  # fmt: skip
+        for req in emitting:
+            if req.finished():
+                req.finished_output = True
+            decode_ids, read_offset = req.init_incremental_detokenize()
+            through_stop = req.output_ids_through_stop
+            start, end = req.send_token_offset, len(through_stop)
+            params = req.sampling_params
+            out.rids.append(req.rid)
+            out.finished_reasons.append(req.finished_reason.to_json() if req.finished() else None)
+            out.decode_ids.append(list(decode_ids[req.send_decode_id_offset :]))
+            out.read_offsets.append(read_offset)
+            out.output_ids.append(list(through_stop[start:end]))
+            out.skip_special_tokens.append(params.skip_special_tokens)
+            out.spaces_between_special_tokens.append(params.spaces_between_special_tokens)
+            out.no_stop_trim.append(params.no_stop_trim)
+            out.stop_strs.append(list(params.stop_strs))
+            out.prompt_tokens.append(len(req.origin_input_ids))
+            out.completion_tokens.append(len(through_stop))
+            out.cached_tokens.append(req.cached_tokens)
+            out.output_token_logprobs_val.append(req.output_token_logprobs_val[start:end])
+            out.output_token_logprobs_idx.append(req.output_token_logprobs_idx[start:end])
+            out.output_top_logprobs_val.append(req.output_top_logprobs_val[start:end])
+            out.output_top_logprobs_idx.append(req.output_top_logprobs_idx[start:end])
+            out.time_stats.append(req.time_stats.to_ms_dict())
+            req.send_decode_id_offset = len(decode_ids)
+            req.send_token_offset = end
+        self._outputs.append(out)
