@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Optional, Sequence
+
+logger = logging.getLogger(__name__)
 
 # The built-in model ships inside the package (DESIGN.md, "The built-in model").
 BUILTIN_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "builtin-model")
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -50,7 +53,11 @@ class ServerArgs:
         default="auto", metadata=_opt("Model dtype. auto = float32 on CPU, bfloat16 on CUDA.", choices=DTYPES)
     )
     attention_backend: str = field(
-        default="auto", metadata=_opt("torch, triton, or auto (triton on CUDA, torch on CPU).", choices=ATTENTION_BACKENDS)
+        default="auto", metadata=_opt(
+            "cpu (C decode kernel), torch, triton, or auto (triton on CUDA; cpu on CPU in float32 when a C "
+            "compiler is found, else torch).",
+            choices=ATTENTION_BACKENDS,
+        )
     )
     tp_size: int = field(default=1, metadata=_opt("Tensor-parallel size (minisgl runs one rank).", "--tp"))
     random_seed: int = field(default=0, metadata=_opt("Seed of the global sampling RNG.", "--seed"))
@@ -152,6 +159,20 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def _auto_cpu_backend(dtype: str) -> str:
+    """The C decode kernel when it builds here (float32 only), else the plain torch backend."""
+    if dtype != "float32":
+        return "torch"
+    from minisgl.kernels.cpu_build import CpuKernelUnavailable, load_cpu_library
+
+    try:
+        load_cpu_library("decode_attention_cpu")  # compiled once per machine, then cached
+    except CpuKernelUnavailable as e:
+        logger.warning("attention backend: torch, because the CPU kernel is unavailable: %s", e)
+        return "torch"
+    return "cpu"
+
+
 def resolve_server_args(args: ServerArgs) -> ServerArgs:
     """Fill every "auto" once and return a new, fully resolved ServerArgs.
 
@@ -170,7 +191,12 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
         raise ValueError("float16 is not supported on CPU (matmuls are ~100x slower); use float32 or bfloat16")
     backend = args.attention_backend
     if backend == "auto":
-        backend = "triton" if device == "cuda" else "torch"
+        backend = "triton" if device == "cuda" else _auto_cpu_backend(dtype)
+    if backend == "cpu" and (device != "cpu" or dtype != "float32"):
+        raise ValueError(
+            f"--attention-backend cpu runs float32 on the CPU only (got --device {device} --dtype {dtype}); "
+            "use --attention-backend torch or triton"
+        )
     chunk = args.chunked_prefill_size
     if chunk is None:
         chunk = 8192 if device == "cuda" else 2048

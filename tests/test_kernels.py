@@ -16,20 +16,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import math
-from typing import List, Tuple
-
 import pytest
-
-
+from kernel_helpers import kv_buffers, paged_req_to_token  # noqa: E402
 
 from minisgl.kernels.decode_attention import decode_attention, decode_attention_ref  # noqa: E402
 from minisgl.kernels.extend_attention import extend_attention, extend_attention_ref  # noqa: E402
 from minisgl.kernels.fused_add_rmsnorm import fused_add_rmsnorm, fused_add_rmsnorm_ref  # noqa: E402
 from minisgl.kernels.rotary_embedding import rotary_embedding_inplace, rotary_embedding_ref  # noqa: E402
 from minisgl.kernels.store_kv import store_kv, store_kv_ref  # noqa: E402
-from minisgl.mem_cache.allocator import make_allocator  # noqa: E402
-from minisgl.mem_cache.memory_pool import ReqToTokenPool  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = [
@@ -39,41 +33,6 @@ DEVICES = [
     pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="no CUDA GPU")),
 ]
 LENS = [1, 7, 33, 129]  # irregular: one token, under a page, just over two pages, just over eight
-
-
-def paged_req_to_token(
-    lens: List[int], page_size: int, device: str
-) -> Tuple[torch.Tensor, torch.Tensor, int]:
-    """Slot table for requests of `lens` tokens, filled in interleaved chunks of 5 tokens.
-
-    Returns (req_to_token [R, L], req_pool_indices [B], pool size S). Requests use
-    rows in reverse order, so row != batch index; slot 0 is never handed out.
-    """
-    P = page_size
-    size = sum(math.ceil(n / P) + 1 for n in lens) * P + 4 * P
-    allocator = make_allocator(size, page_size, "cpu")
-    pool = ReqToTokenPool(len(lens) + 1, max(lens) + 8, "cpu")
-    rows = list(range(len(lens), 0, -1))
-    filled = [0] * len(lens)
-    while filled != lens:
-        for b, (row, n) in enumerate(zip(rows, lens)):
-            take = min(5, n - filled[b])
-            if take == 0:
-                continue
-            last = int(pool.req_to_token[row, filled[b] - 1]) if filled[b] else -1
-            loc = allocator.alloc_extend([filled[b]], [filled[b] + take], [last], take)
-            assert loc is not None
-            pool.write(row, filled[b], loc)
-            filled[b] += take
-    r2t = pool.req_to_token.to(device)
-    return r2t, torch.tensor(rows, dtype=torch.int64, device=device), size + P
-
-
-def kv_buffers(S: int, Hkv: int, D: int, dtype: torch.dtype, device: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    k = torch.randn(S, Hkv, D, generator=g).to(dtype).to(device)
-    v = torch.randn(S, Hkv, D, generator=g).to(dtype).to(device)
-    return k, v
 
 
 def tol(dtype: torch.dtype) -> dict:

@@ -1,0 +1,110 @@
+"""Build and load the C kernels in kernels/csrc/ for the CPU path (ctypes, no torch headers).
+
+Where it sits: under the CPU attention backend. `load_cpu_library("decode_attention_cpu")`
+compiles `csrc/decode_attention_cpu.c` once per machine with the system C compiler into
+`~/.cache/minisgl/kernels/` (or `$MINISGL_CACHE_DIR/kernels/`) and returns the loaded
+library; later calls, and later processes, reuse the cached file.
+
+Why plain C through ctypes instead of a torch C++ extension: the kernel only needs data
+pointers and sizes, and a C file builds in well under a second, where a torch extension
+compiles torch's headers for a minute. `-march=native` makes the build match this CPU's
+vector units (AVX-512 here), so the cache key includes the CPU model and the compiler.
+`-fopenmp` links libgomp by its soname, libgomp.so.1; torch's CPU wheel loads its own copy
+under that soname first, so the kernel shares torch's OpenMP thread pool instead of
+starting a second one that would fight it for the cores.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import importlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import List, Optional
+
+CSRC_DIR = Path(__file__).resolve().parent / "csrc"
+CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
+
+
+class CpuKernelUnavailable(RuntimeError):
+    """The C kernels cannot be built here (no compiler, or the build failed)."""
+
+
+def find_compiler() -> Optional[str]:
+    """$CC if set, else the first of cc, gcc, clang on PATH."""
+    if os.environ.get("CC"):
+        return shutil.which(os.environ["CC"])
+    for name in ("cc", "gcc", "clang"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("MINISGL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "minisgl")
+    return Path(root) / "kernels"
+
+
+def _cpu_model() -> str:
+    """The CPU's model name and feature flags: what -march=native compiled for."""
+    found = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key = line.split(":", 1)[0].strip()
+                if key in ("model name", "flags") and key not in found:
+                    found[key] = line
+                if len(found) == 2:
+                    break
+    except OSError:
+        pass
+    return "".join(found.values()) or platform.processor() or platform.machine()
+
+
+def _cache_key(source: bytes, compiler: str) -> str:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    h = hashlib.sha256()
+    for part in (source, " ".join(CFLAGS).encode(), version.encode(), _cpu_model().encode()):
+        h.update(part)
+    return h.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
+def load_cpu_library(name: str) -> ctypes.CDLL:
+    """Compile `csrc/<name>.c` if its cached build is missing, load it, and return it.
+
+    Raises CpuKernelUnavailable with the compiler's message if it cannot be built.
+    """
+    source_path = CSRC_DIR / f"{name}.c"
+    compiler = find_compiler()
+    if compiler is None:
+        raise CpuKernelUnavailable(
+            "no C compiler on PATH (looked for $CC, cc, gcc, clang): install one (apt-get install -y gcc) "
+            "or use --attention-backend torch"
+        )
+    source = source_path.read_bytes()
+    target = cache_dir() / f"{name}-{_cache_key(source, compiler)}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Build to a private name, then rename: concurrent processes never load a half-written file.
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        cmd: List[str] = [compiler, *CFLAGS, str(source_path), "-o", tmp]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            os.unlink(tmp)
+            raise CpuKernelUnavailable(
+                f"building {source_path.name} failed ({' '.join(cmd)}):\n{result.stderr.strip()}\n"
+                "use --attention-backend torch"
+            )
+        os.replace(tmp, target)
+    # torch first: its libgomp.so.1 is then the one the kernel binds to (one OpenMP runtime)
+    importlib.import_module("torch")
+    return ctypes.CDLL(str(target))

@@ -1,0 +1,132 @@
+"""The CPU decode kernel (kernels/decode_attention_cpu.py) against its torch reference, and the
+`cpu` attention backend against the torch backend through the whole engine.
+
+The kernel is C built with the system compiler (kernels/cpu_build.py); these tests build
+it once into a temporary cache directory, so they also check that a fresh machine can.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+import torch
+from kernel_helpers import kv_buffers, paged_req_to_token
+
+from minisgl import Engine
+from minisgl.kernels import cpu_build
+from minisgl.kernels.decode_attention import decode_attention_ref
+from minisgl.kernels.decode_attention_cpu import decode_attention_cpu
+from minisgl.server_args import ServerArgs, resolve_server_args
+
+if cpu_build.find_compiler() is None:
+    pytest.skip("no C compiler on PATH: the cpu backend is unavailable (auto picks torch)", allow_module_level=True)
+
+LENS = [1, 7, 33, 129]  # irregular: one token, under a page, just over two pages, just over eight
+
+
+@pytest.fixture(autouse=True, scope="module")
+def fresh_kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Build into an empty cache directory once for this module (a fresh machine's first run)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MINISGL_CACHE_DIR", str(tmp_path_factory.mktemp("minisgl-cache")))
+    cpu_build.load_cpu_library.cache_clear()
+    yield
+    mp.undo()
+    cpu_build.load_cpu_library.cache_clear()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("Hq,Hkv", [(4, 4), (4, 2), (8, 2)], ids=["mha", "gqa2", "gqa4"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_decode_kernel_matches_reference(page_size: int, Hq: int, Hkv: int, head_dim: int, num_threads: int) -> None:
+    r2t, rows, S = paged_req_to_token(LENS, page_size, "cpu")
+    k_buf, v_buf = kv_buffers(S, Hkv, head_dim, torch.float32, "cpu")
+    seq_lens = torch.tensor(LENS)
+    # q as a strided view (every other row of a wider tensor), as the qkv projection hands it over
+    q = torch.randn(2 * len(LENS), Hq, head_dim)[::2]
+    scaling = head_dim**-0.5
+    k_before, v_before = k_buf.clone(), v_buf.clone()
+    out = decode_attention_cpu(q, k_buf, v_buf, r2t, rows, seq_lens, scaling, num_threads=num_threads)
+    ref = decode_attention_ref(q, k_buf, v_buf, r2t, rows, seq_lens, scaling)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    assert torch.equal(k_buf, k_before) and torch.equal(v_buf, v_before)  # the pool (and slot 0) is only read
+
+
+@pytest.mark.parametrize("lens", [[3000], [1500, 1], [700, 900, 5]], ids=["one-long", "long-and-short", "three"])
+def test_decode_kernel_splits_long_requests(lens: List[int]) -> None:
+    """Few requests: each is cut into KV chunks merged by max/exp-sum; the result must not change."""
+    r2t, rows, S = paged_req_to_token(lens, 16, "cpu")
+    k_buf, v_buf = kv_buffers(S, 2, 64, torch.float32, "cpu")
+    q = torch.randn(len(lens), 8, 64) * 4  # peaky softmax: a wrong merge weight shows
+    seq_lens = torch.tensor(lens)
+    ref = decode_attention_ref(q, k_buf, v_buf, r2t, rows, seq_lens, 0.125)
+    for threads in (1, 2, 4):
+        out = decode_attention_cpu(q, k_buf, v_buf, r2t, rows, seq_lens, 0.125, num_threads=threads)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_decode_kernel_rejects_bad_arguments() -> None:
+    r2t, rows, S = paged_req_to_token([5, 9], 1, "cpu")
+    k_buf, v_buf = kv_buffers(S, 2, 64, torch.float32, "cpu")
+    q, seq = torch.randn(2, 4, 64), torch.tensor([5, 9])
+    with pytest.raises(ValueError, match="dtype"):
+        decode_attention_cpu(q.bfloat16(), k_buf, v_buf, r2t, rows, seq, 1.0)
+    with pytest.raises(ValueError, match="contiguous"):
+        decode_attention_cpu(q, k_buf.transpose(0, 1).contiguous().transpose(0, 1), v_buf, r2t, rows, seq, 1.0)
+    with pytest.raises(ValueError, match="multiple"):
+        decode_attention_cpu(torch.randn(2, 3, 64), k_buf, v_buf, r2t, rows, seq, 1.0)
+    with pytest.raises(ValueError, match="seq_lens"):
+        decode_attention_cpu(q, k_buf, v_buf, r2t, rows, torch.tensor([5, r2t.shape[1] + 1]), 1.0)
+    with pytest.raises(ValueError, match="req_pool_indices"):
+        decode_attention_cpu(q, k_buf, v_buf, r2t, torch.tensor([0, r2t.shape[0]]), seq, 1.0)
+    with pytest.raises(ValueError, match="int64"):
+        decode_attention_cpu(q, k_buf, v_buf, r2t.int(), rows, seq, 1.0)
+
+
+def test_build_is_cached_and_reports_a_missing_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    built = list(cpu_build.cache_dir().glob("decode_attention_cpu-*.so"))
+    assert len(built) == 1  # the fixture's build, reused by every test above
+    cpu_build.load_cpu_library.cache_clear()
+    cpu_build.load_cpu_library("decode_attention_cpu")
+    assert list(cpu_build.cache_dir().glob("decode_attention_cpu-*.so")) == built  # no rebuild
+
+    monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path))  # nothing cached here
+    monkeypatch.setenv("CC", "no-such-compiler")
+    cpu_build.load_cpu_library.cache_clear()
+    with pytest.raises(cpu_build.CpuKernelUnavailable, match="no C compiler"):
+        cpu_build.load_cpu_library("decode_attention_cpu")
+    cpu_build.load_cpu_library.cache_clear()
+    # auto falls back to the torch backend instead of failing to start
+    assert resolve_server_args(ServerArgs(device="cpu")).attention_backend == "torch"
+
+
+def test_auto_backend_on_cpu() -> None:
+    assert resolve_server_args(ServerArgs(device="cpu")).attention_backend == "cpu"
+    assert resolve_server_args(ServerArgs(device="cpu", dtype="bfloat16")).attention_backend == "torch"
+    with pytest.raises(ValueError, match="float32 on the CPU only"):
+        resolve_server_args(ServerArgs(device="cpu", dtype="bfloat16", attention_backend="cpu"))
+
+
+PROMPTS = [
+    "hello world, this is a test",
+    "a",
+    "The quick brown fox jumps over the lazy dog, again and again, until the dog wakes up.",
+]
+
+
+def _greedy(model_path: str, **server_args: Any) -> List[List[int]]:
+    params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    with Engine(model_path, max_total_tokens=2048, dtype="float32", **server_args) as engine:
+        outs: List[Dict[str, Any]] = engine.generate(PROMPTS, params) + engine.generate(PROMPTS, params)
+    return [o["output_ids"] for o in outs]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cpu_backend_matches_torch_backend_greedy(tiny_model: str, page_size: int) -> None:
+    """Same greedy tokens; the second round decodes on top of radix-cache hits."""
+    want = _greedy(tiny_model, attention_backend="torch", page_size=page_size)
+    got = _greedy(tiny_model, attention_backend="cpu", page_size=page_size)
+    assert got == want
