@@ -196,3 +196,18 @@ def test_logprobs_of_sampled_token_and_top_logprobs() -> None:
 def test_bad_values_are_rejected(params: Dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**params).verify(V)
+
+
+def test_inverse_cdf_draw_follows_the_distribution_and_skips_zeros() -> None:
+    """The global-RNG draw (one uniform + binary search per row) keeps multinomial's law."""
+    from minisgl.layers.sampler import multinomial_inverse_cdf
+
+    torch.manual_seed(0)
+    probs = torch.tensor([0.0, 0.2, 0.0, 0.5, 0.3, 0.0]) * 7  # unnormalised, zeros at both ends
+    ids = multinomial_inverse_cdf(probs.expand(20000, -1).contiguous())
+    freq = torch.bincount(ids, minlength=6).float() / 20000
+    assert freq[[0, 2, 5]].sum() == 0  # zero-probability tokens are never drawn
+    assert torch.allclose(freq, probs / probs.sum(), atol=0.015)
+    one_hot = torch.zeros(3, 5)
+    one_hot[:, 4] = 1.0  # all mass on the last token: u rounding up must not run past the end
+    assert multinomial_inverse_cdf(one_hot).tolist() == [4, 4, 4]
