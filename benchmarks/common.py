@@ -195,24 +195,31 @@ def matmul_rate(shape: ModelShape, num_tokens: int, dtype: str = "float32", devi
     """FLOP/s of the model's own matmuls at `num_tokens` rows (the best of `repeat` passes).
 
     This is the rate the FLOPs floor uses: the same shapes the forward multiplies, on the
-    same threads, measured in the same run as the engine.
+    same threads, measured in the same run as the engine. On the CPU in float32 it is the
+    faster of torch's F.linear and the oneDNN-packed weights minisgl multiplies by
+    (minisgl/layers/linear.py), so the floor is what this machine's best matmul allows.
     """
     import torch
+
+    from minisgl.layers.linear import linear, pack_weight_for_cpu
 
     dt = getattr(torch, dtype)
     gen = torch.Generator().manual_seed(0)
     x = {i: torch.randn(num_tokens, i, generator=gen).to(device=device, dtype=dt) for i, _ in set(shape.linear_shapes())}
     ws = {s: torch.randn(s[1], s[0], generator=gen).to(device=device, dtype=dt) * 0.02 for s in set(shape.linear_shapes())}
+    packs = {s: pack_weight_for_cpu(w) for s, w in ws.items()}
+    variants = [{s: None for s in ws}] + ([packs] if all(p is not None for p in packs.values()) else [])
     flops = 2.0 * num_tokens * shape.matmul_params()
     best = float("inf")
     with torch.inference_mode():
-        for _ in range(repeat + 1):  # the first pass warms up allocator and kernels
-            _sync(device)
-            t0 = time.perf_counter()
-            for i, o in shape.linear_shapes():
-                torch.nn.functional.linear(x[i], ws[(i, o)])  # [num_tokens, out]
-            _sync(device)
-            best = min(best, time.perf_counter() - t0)
+        for packed in variants:
+            for _ in range(repeat + 1):  # the first pass warms up allocator and kernels
+                _sync(device)
+                t0 = time.perf_counter()
+                for i, o in shape.linear_shapes():
+                    linear(x[i], ws[(i, o)], packed=packed[(i, o)])  # [num_tokens, out]
+                _sync(device)
+                best = min(best, time.perf_counter() - t0)
     return flops / best
 
 

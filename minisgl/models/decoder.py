@@ -24,7 +24,14 @@ from torch import nn
 
 from minisgl.layers.activation import SiluAndMul
 from minisgl.layers.layernorm import RMSNorm
-from minisgl.layers.linear import MergedColumnLinear, QKVLinear, ReplicatedLinear, VocabEmbedding, default_weight_loader
+from minisgl.layers.linear import (
+    MergedColumnLinear,
+    QKVLinear,
+    ReplicatedLinear,
+    VocabEmbedding,
+    default_weight_loader,
+    pack_weight_for_cpu,
+)
 from minisgl.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from minisgl.layers.radix_attention import RadixAttention
 from minisgl.layers.rotary_embedding import RotaryEmbedding
@@ -132,14 +139,28 @@ class DecoderForCausalLM(nn.Module):
         # Tied: the LM head reuses the embedding table (no lm_head.weight in the checkpoint).
         self.lm_head = None if config.tie_word_embeddings else ReplicatedLinear(config.hidden_size, config.vocab_size)
         self.logits_processor = LogitsProcessor(config.vocab_size)
+        # Tied and packed: the embedding lookup keeps the dense table; the head multiplies a packed copy.
+        self.tied_lm_head_packed: Optional[torch.Tensor] = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [V, hidden]
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.dense_weight()  # [V, hidden]
+
+    def pack_linear_weights_for_cpu(self) -> int:
+        """Pack every matmul weight for oneDNN (CPU float32, linear.py); returns how many were packed."""
+        packed = sum(m.pack_for_cpu() for m in self.modules() if isinstance(m, ReplicatedLinear))
+        if self.lm_head is None:
+            self.tied_lm_head_packed = pack_weight_for_cpu(self.model.embed_tokens.weight)
+            packed += self.tied_lm_head_packed is not None
+        return packed
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         hidden_states = self.model(input_ids, positions, forward_batch)  # [N, hidden]
-        return self.logits_processor(hidden_states, self.lm_head_weight, forward_batch)
+        if self.lm_head is None:
+            weight, packed = self.model.embed_tokens.weight, self.tied_lm_head_packed
+        else:
+            weight, packed = self.lm_head.weight, self.lm_head.packed_weight
+        return self.logits_processor(hidden_states, weight, forward_batch, packed)
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors into the parameters; every parameter must be filled exactly once."""
