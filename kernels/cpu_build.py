@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import List, Optional
 
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
+# Every C kernel the cpu attention backend uses (csrc/<name>.c), built together at startup.
+CPU_KERNELS = ("decode_attention_cpu", "fused_add_rmsnorm_cpu", "rotary_embedding_cpu")
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
 
 
@@ -108,3 +110,9 @@ def load_cpu_library(name: str) -> ctypes.CDLL:
     # torch first: its libgomp.so.1 is then the one the kernel binds to (one OpenMP runtime)
     importlib.import_module("torch")
     return ctypes.CDLL(str(target))
+
+
+def load_all_cpu_kernels() -> None:
+    """Build (or load) every kernel of CPU_KERNELS: a missing compiler fails here, at startup."""
+    for name in CPU_KERNELS:
+        load_cpu_library(name)

@@ -163,10 +163,10 @@ def _auto_cpu_backend(dtype: str) -> str:
     """The C decode kernel when it builds here (float32 only), else the plain torch backend."""
     if dtype != "float32":
         return "torch"
-    from minisgl.kernels.cpu_build import CpuKernelUnavailable, load_cpu_library
+    from minisgl.kernels.cpu_build import CpuKernelUnavailable, load_all_cpu_kernels
 
     try:
-        load_cpu_library("decode_attention_cpu")  # compiled once per machine, then cached
+        load_all_cpu_kernels()  # compiled once per machine, then cached
     except CpuKernelUnavailable as e:
         logger.warning("attention backend: torch, because the CPU kernel is unavailable: %s", e)
         return "torch"

@@ -188,7 +188,7 @@ def test_bfloat16_stays_close_to_float32(tiny_model_factory: Callable[..., str])
 
 
 def test_triton_layer_hooks_match_the_torch_layers(tiny_model_factory: Callable[..., str]) -> None:
-    """use_triton routes RMSNorm and RoPE to minisgl.kernels; the model's logits must not change."""
+    """kernels="triton" routes RMSNorm and RoPE to minisgl.kernels; the model's logits must not change."""
     pytest.importorskip("minisgl.kernels.fused_add_rmsnorm")
     pytest.importorskip("minisgl.kernels.rotary_embedding")
     from minisgl.models.loader import load_model
@@ -196,9 +196,9 @@ def test_triton_layer_hooks_match_the_torch_layers(tiny_model_factory: Callable[
     path = tiny_model_factory("llama", rope_scaling=LLAMA3_ROPE, rope_theta=500000.0)
     prompts = _prompts(2, seed=7, lo=4, hi=12)
     logits = []
-    for use_triton in (False, True):
+    for kernels in ("torch", "triton"):
         runner = make_runner(path)
-        runner.model = load_model(runner.model_config, "cpu", torch.float32, use_triton=use_triton, show_progress=False)
+        runner.model = load_model(runner.model_config, "cpu", torch.float32, kernels=kernels, show_progress=False)
         driver = BatchDriver(runner)
         logits.append(driver.extend([driver.new_req() for _ in prompts], prompts, return_all_logits=True).full_logits)
     assert relative_error(logits[1], logits[0]) < 1e-5

@@ -29,7 +29,9 @@
 #include <string.h>
 
 /* Rows fetched ahead of use: slots may be scattered, which the hardware prefetcher cannot follow. */
+#ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS 4
+#endif
 /* A chunk shorter than this costs more in merging than it gains in parallelism. */
 #define MIN_SPLIT_TOKENS 256
 /* Aim for this many work items per thread so dynamic scheduling can balance ragged lengths. */

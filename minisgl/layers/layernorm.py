@@ -31,18 +31,22 @@ def rmsnorm_reference(
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6, use_triton: bool = False) -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-6, kernels: str = "torch") -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size))
         self.eps = eps
-        self.use_triton = use_triton
+        self.kernels = kernels  # "torch" (the reference below), "triton" or "cpu" (minisgl.kernels)
 
     def forward(
         self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """x [N, H], residual [N, H] | None -> (out [N, H], residual_out [N, H])."""
-        if self.use_triton:
+        if self.kernels == "triton":
             from minisgl.kernels.fused_add_rmsnorm import fused_add_rmsnorm
 
             return fused_add_rmsnorm(x, residual, self.weight, self.eps)
+        if self.kernels == "cpu":
+            from minisgl.kernels.fused_add_rmsnorm_cpu import fused_add_rmsnorm_cpu
+
+            return fused_add_rmsnorm_cpu(x, residual, self.weight, self.eps)
         return rmsnorm_reference(x, residual, self.weight, self.eps)

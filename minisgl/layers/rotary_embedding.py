@@ -79,11 +79,11 @@ class RotaryEmbedding(nn.Module):
         max_position: int,
         base: float,
         rope_scaling: Optional[Dict[str, Any]] = None,
-        use_triton: bool = False,
+        kernels: str = "torch",
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
-        self.use_triton = use_triton
+        self.kernels = kernels  # "torch" (the reference above), "triton" or "cpu" (minisgl.kernels)
         inv_freq = compute_inv_freq(head_dim, base, rope_scaling)  # [D/2]
         t = torch.arange(max_position, dtype=torch.int64).float()  # [max_position]
         freqs = torch.outer(t, inv_freq)  # [max_position, D/2]
@@ -93,9 +93,14 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
         """positions [N] int64; q [N, Hq, D] and k [N, Hkv, D] contiguous, rotated in place."""
-        if self.use_triton:
+        if self.kernels == "triton":
             from minisgl.kernels.rotary_embedding import rotary_embedding_inplace
 
             rotary_embedding_inplace(q, k, positions, self.cos_sin_cache, is_neox=True)
+            return
+        if self.kernels == "cpu":
+            from minisgl.kernels.rotary_embedding_cpu import rotary_embedding_cpu
+
+            rotary_embedding_cpu(q, k, positions, self.cos_sin_cache)
             return
         rotary_embedding_reference(q, k, positions, self.cos_sin_cache)

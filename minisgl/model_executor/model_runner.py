@@ -57,8 +57,9 @@ class ModelRunner:
         assert server_args.model_path is not None
         model_dir = resolve_model_path(server_args.model_path)
         self.model_config = ModelConfig.from_pretrained(model_dir, server_args.context_length)
-        self.use_triton = server_args.attention_backend == "triton"
-        self.model = load_model(self.model_config, self.device, self.dtype, self.use_triton, show_progress)
+        # the triton and cpu backends also route RMSNorm and RoPE through their kernels
+        self.kernels = server_args.attention_backend if server_args.attention_backend in ("triton", "cpu") else "torch"
+        self.model = load_model(self.model_config, self.device, self.dtype, self.kernels, show_progress)
         if self.device == "cpu" and self.dtype == torch.float32:
             n = self.model.pack_linear_weights_for_cpu()  # oneDNN layout: ~2x matmul rate at decode sizes
             logger.info("packed %d linear weights for oneDNN", n)

@@ -40,19 +40,19 @@ from minisgl.models.model_config import ModelConfig
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, use_triton: bool) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, kernels: str) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, config.qkv_bias)
         self.o_proj = ReplicatedLinear(self.num_heads * self.head_dim, config.hidden_size, config.o_bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, use_triton) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, use_triton) if config.qk_norm else None
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if config.qk_norm else None
         self.rotary_emb = RotaryEmbedding(
             self.head_dim,
             max(config.max_position_embeddings, config.context_len),
             config.rope_theta,
             config.rope_scaling,
-            use_triton,
+            kernels,
         )
         self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id)
 
@@ -84,12 +84,12 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, use_triton: bool) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, kernels: str) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(config, layer_id, use_triton)
+        self.self_attn = DecoderAttention(config, layer_id, kernels)
         self.mlp = DecoderMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, use_triton)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, use_triton)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
     def forward(
         self,
@@ -105,11 +105,11 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, use_triton: bool) -> None:
+    def __init__(self, config: ModelConfig, kernels: str) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(config, i, use_triton) for i in range(config.num_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, use_triton)
+        self.layers = nn.ModuleList([DecoderLayer(config, i, kernels) for i in range(config.num_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)  # [N, hidden]
@@ -132,10 +132,10 @@ IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class DecoderForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, use_triton: bool = False) -> None:
+    def __init__(self, config: ModelConfig, kernels: str = "torch") -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, use_triton)
+        self.model = DecoderModel(config, kernels)
         # Tied: the LM head reuses the embedding table (no lm_head.weight in the checkpoint).
         self.lm_head = None if config.tie_word_embeddings else ReplicatedLinear(config.hidden_size, config.vocab_size)
         self.logits_processor = LogitsProcessor(config.vocab_size)

@@ -86,10 +86,10 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_model(
-    config: ModelConfig, device: str, dtype: torch.dtype, use_triton: bool = False, show_progress: bool = True
+    config: ModelConfig, device: str, dtype: torch.dtype, kernels: str = "torch", show_progress: bool = True
 ) -> DecoderForCausalLM:
     with _default_dtype(dtype), torch.device(device):
-        model = DecoderForCausalLM(config, use_triton=use_triton)
+        model = DecoderForCausalLM(config, kernels=kernels)
     with torch.no_grad():
         model.load_weights(iterate_weights(config.model_path, show_progress))
     return model.eval()

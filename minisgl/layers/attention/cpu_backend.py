@@ -9,6 +9,8 @@ present; `torch` otherwise). In: q [N, Hq, D], k/v [N, Hkv, D] of this pass; out
   pool, through req_to_token, once. No gather copy, no padding, no per-group metadata.
 - extend and MIXED: the torch backend's path (gather + SDPA per length group). A prefill
   step is dominated by its matmuls, and SDPA's flash kernel handles the causal block well.
+The same backend choice routes RMSNorm and RoPE through the C kernels fused_add_rmsnorm_cpu
+and rotary_embedding_cpu (ModelRunner passes kernels="cpu" to the model).
 
 Why a separate backend rather than a branch in the torch one: the torch backend stays the
 plain-torch reference that every kernel is checked against, and this one differs from it
@@ -20,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from minisgl.kernels.decode_attention_cpu import decode_attention_cpu
-from minisgl.kernels.cpu_build import load_cpu_library
+from minisgl.kernels.cpu_build import load_all_cpu_kernels
 from minisgl.layers.attention.torch_backend import TorchNativeAttnBackend
 from minisgl.model_executor.forward_batch_info import ForwardBatch
 
@@ -30,7 +32,7 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         super().__init__()
         # Build (or load the cached build of) the kernel now: a missing compiler fails at
         # startup with its message, not in the middle of the first decode step.
-        load_cpu_library("decode_attention_cpu")
+        load_all_cpu_kernels()
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         if forward_batch.forward_mode.is_decode():

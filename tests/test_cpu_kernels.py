@@ -1,8 +1,8 @@
-"""The CPU decode kernel (kernels/decode_attention_cpu.py) against its torch reference, and the
-`cpu` attention backend against the torch backend through the whole engine.
+"""The CPU kernels (kernels/*_cpu.py: decode attention, fused add + RMSNorm, RoPE) against their
+torch references, and the `cpu` attention backend against the torch backend through the engine.
 
-The kernel is C built with the system compiler (kernels/cpu_build.py); these tests build
-it once into a temporary cache directory, so they also check that a fresh machine can.
+The kernels are C built with the system compiler (kernels/cpu_build.py); these tests build
+them once into a temporary cache directory, so they also check that a fresh machine can.
 """
 
 from __future__ import annotations
@@ -18,6 +18,10 @@ from minisgl import Engine
 from minisgl.kernels import cpu_build
 from minisgl.kernels.decode_attention import decode_attention_ref
 from minisgl.kernels.decode_attention_cpu import decode_attention_cpu
+from minisgl.kernels.fused_add_rmsnorm import fused_add_rmsnorm_ref
+from minisgl.kernels.fused_add_rmsnorm_cpu import fused_add_rmsnorm_cpu
+from minisgl.kernels.rotary_embedding import rotary_embedding_ref
+from minisgl.kernels.rotary_embedding_cpu import rotary_embedding_cpu
 from minisgl.server_args import ServerArgs, resolve_server_args
 
 if cpu_build.find_compiler() is None:
@@ -84,6 +88,55 @@ def test_decode_kernel_rejects_bad_arguments() -> None:
         decode_attention_cpu(q, k_buf, v_buf, r2t, torch.tensor([0, r2t.shape[0]]), seq, 1.0)
     with pytest.raises(ValueError, match="int64"):
         decode_attention_cpu(q, k_buf, v_buf, r2t.int(), rows, seq, 1.0)
+
+
+@pytest.mark.parametrize("N", [1, 7, 33, 129, 3000])  # 3000 x 512 takes the multi-threaded path
+@pytest.mark.parametrize("H", [64, 512])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_fused_add_rmsnorm_matches_reference(N: int, H: int, with_residual: bool) -> None:
+    g = torch.Generator().manual_seed(N + H)
+    x = torch.randn(N, 2 * H, generator=g)[:, :H]  # strided rows, as a slice of a wider tensor
+    residual = torch.randn(N, H, generator=g) if with_residual else None
+    weight = torch.randn(H, generator=g)
+    out, res_out = fused_add_rmsnorm_cpu(x, residual, weight, 1e-6)
+    ref_out, ref_res = fused_add_rmsnorm_ref(x, residual, weight, 1e-6)
+    torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(res_out, ref_res, atol=0, rtol=0)
+    if residual is None:
+        assert res_out is x  # no add: the residual stream is x itself, as in the reference
+
+
+@pytest.mark.parametrize("N", [1, 7, 33, 129, 2000])
+@pytest.mark.parametrize("Hq,Hkv", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotary_embedding_matches_reference(N: int, Hq: int, Hkv: int, head_dim: int) -> None:
+    g = torch.Generator().manual_seed(N)
+    max_pos = 4096
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.outer(torch.arange(max_pos).float(), inv_freq)
+    cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # [max_pos, D]
+    qkv = torch.randn(N, (Hq + 2 * Hkv) * head_dim, generator=g)
+    q = qkv[:, : Hq * head_dim].view(N, Hq, head_dim)  # strided views into the qkv projection
+    k = qkv[:, Hq * head_dim : (Hq + Hkv) * head_dim].view(N, Hkv, head_dim)
+    v_before = qkv[:, (Hq + Hkv) * head_dim :].clone()
+    positions = torch.randint(0, max_pos, (N,), generator=g)
+    ref_q, ref_k = rotary_embedding_ref(q, k, positions, cache)
+    rotary_embedding_cpu(q, k, positions, cache)
+    torch.testing.assert_close(q, ref_q, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(k, ref_k, atol=2e-5, rtol=1e-4)
+    assert torch.equal(qkv[:, (Hq + Hkv) * head_dim :], v_before)  # v, next to k, untouched
+
+
+def test_norm_and_rope_reject_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="residual"):
+        fused_add_rmsnorm_cpu(torch.randn(4, 8), torch.randn(4, 9), torch.randn(8), 1e-6)
+    with pytest.raises(ValueError, match="dtype"):
+        fused_add_rmsnorm_cpu(torch.randn(4, 8).double(), None, torch.randn(8), 1e-6)
+    q, k, cache = torch.randn(3, 2, 8), torch.randn(3, 1, 8), torch.randn(16, 8)
+    with pytest.raises(ValueError, match="positions must lie"):
+        rotary_embedding_cpu(q, k, torch.tensor([0, 5, 16]), cache)
+    with pytest.raises(ValueError, match="full rotary"):
+        rotary_embedding_cpu(q, k, torch.tensor([0, 1, 2]), torch.randn(16, 4))
 
 
 def test_build_is_cached_and_reports_a_missing_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
