@@ -177,9 +177,15 @@ def _greedy(model_path: str, **server_args: Any) -> List[List[int]]:
     return [o["output_ids"] for o in outs]
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_cpu_backend_matches_torch_backend_greedy(tiny_model: str, page_size: int) -> None:
-    """Same greedy tokens; the second round decodes on top of radix-cache hits."""
-    want = _greedy(tiny_model, attention_backend="torch", page_size=page_size)
-    got = _greedy(tiny_model, attention_backend="cpu", page_size=page_size)
+@pytest.mark.parametrize(
+    "server_args",
+    [dict(page_size=1), dict(page_size=16), dict(page_size=16, chunked_prefill_size=16, enable_mixed_chunk=True)],
+    ids=["page1", "page16", "page16-chunked-mixed"],
+)
+def test_cpu_backend_matches_torch_backend_greedy(tiny_model: str, server_args: Dict[str, Any]) -> None:
+    """Same greedy tokens; the second round decodes on top of radix-cache hits. With mixed
+    chunks, decoding requests ride in extend batches as one-token rows (the decode kernel's
+    path inside an extend) next to chunks of a longer prompt (the SDPA path)."""
+    want = _greedy(tiny_model, attention_backend="torch", **server_args)
+    got = _greedy(tiny_model, attention_backend="cpu", **server_args)
     assert got == want

@@ -7,8 +7,11 @@ present; `torch` otherwise). In: q [N, Hq, D], k/v [N, Hkv, D] of this pass; out
 - decode: store the new K/V at `out_cache_loc`, then `decode_attention_cpu`
   (kernels/decode_attention_cpu.py) reads each request's K/V rows where they lie in the
   pool, through req_to_token, once. No gather copy, no padding, no per-group metadata.
-- extend and MIXED: the torch backend's path (gather + SDPA per length group). A prefill
-  step is dominated by its matmuls, and SDPA's flash kernel handles the causal block well.
+- extend and MIXED: requests with one new token (the decode rows riding in a MIXED batch,
+  or a 1-token prompt) are decode attention too -- one query over all of its keys -- and go
+  through the same kernel; the others take the torch backend's path (gather + SDPA per
+  length group). A prefill is dominated by its matmuls, and SDPA's CPU flash kernel
+  beat a matmul-based version by 30-40% on this machine.
 The same backend choice routes RMSNorm and RoPE through the C kernels fused_add_rmsnorm_cpu
 and rotary_embedding_cpu (ModelRunner passes kernels="cpu" to the model).
 
@@ -18,6 +21,8 @@ in exactly one method.
 """
 
 from __future__ import annotations
+
+from typing import Optional, Tuple
 
 import torch
 
@@ -30,15 +35,34 @@ from minisgl.model_executor.forward_batch_info import ForwardBatch
 class CpuAttnBackend(TorchNativeAttnBackend):
     def __init__(self) -> None:
         super().__init__()
-        # Build (or load the cached build of) the kernel now: a missing compiler fails at
+        # Build (or load the cached build of) the kernels now: a missing compiler fails at
         # startup with its message, not in the middle of the first decode step.
         load_all_cpu_kernels()
+        # extend batches: (q rows, req_pool_indices, seq_lens) of the one-token requests, or None
+        self.single_token: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        if forward_batch.forward_mode.is_decode():
+        fb = forward_batch
+        self.single_token = None
+        if fb.forward_mode.is_decode():
             self.groups = None  # the kernel reads req_to_token directly: nothing to precompute
             return
-        super().init_forward_metadata(forward_batch)
+        assert fb.extend_seq_lens_cpu is not None
+        q_lens = fb.extend_seq_lens_cpu
+        single = [i for i, n in enumerate(q_lens) if n == 1]
+        if not single:
+            super().init_forward_metadata(fb)
+            return
+        self.groups = self.make_groups(fb, [i for i, n in enumerate(q_lens) if n != 1])
+        q_starts = [0] * len(q_lens)
+        for i in range(1, len(q_lens)):
+            q_starts[i] = q_starts[i - 1] + q_lens[i - 1]
+        picked = torch.tensor(single, dtype=torch.int64)
+        self.single_token = (
+            torch.tensor([q_starts[i] for i in single], dtype=torch.int64),  # their rows in q
+            fb.req_pool_indices[picked],
+            fb.seq_lens[picked],
+        )
 
     def forward(
         self,
@@ -50,11 +74,15 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
         fb = forward_batch
-        if not fb.forward_mode.is_decode():
-            return super().forward(q, k, v, layer_id, scaling, fb)
         pool = fb.token_to_kv_pool
+        r2t = fb.req_to_token_pool.req_to_token
+        if not fb.forward_mode.is_decode():
+            out = super().forward(q, k, v, layer_id, scaling, fb)  # stores K/V, fills the grouped rows
+            if self.single_token is not None:
+                rows, req_pool_indices, seq_lens = self.single_token
+                k_buf, v_buf = pool.get_kv_buffer(layer_id)
+                out[rows] = decode_attention_cpu(q[rows], k_buf, v_buf, r2t, req_pool_indices, seq_lens, scaling)
+            return out
         pool.set_kv_buffer(layer_id, fb.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_kv_buffer(layer_id)  # [pool_size + page_size, Hkv, D] each
-        return decode_attention_cpu(
-            q, k_buf, v_buf, fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, scaling
-        )  # [B, Hq, D]
+        return decode_attention_cpu(q, k_buf, v_buf, r2t, fb.req_pool_indices, fb.seq_lens, scaling)  # [B, Hq, D]

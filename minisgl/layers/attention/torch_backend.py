@@ -98,6 +98,10 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     # ------------------------------------------------------------------ metadata (once per forward)
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        self.groups = self.make_groups(forward_batch)
+
+    def make_groups(self, forward_batch: ForwardBatch, requests: Optional[List[int]] = None) -> List[AttnGroup]:
+        """Length groups over `requests` (indices into the batch; default: all of them)."""
         fb = forward_batch
         seq_lens = fb.seq_lens_cpu
         if fb.forward_mode.is_decode():
@@ -108,8 +112,10 @@ class TorchNativeAttnBackend(AttentionBackend):
         q_starts = [0] * len(q_lens)  # first row of each request in q
         for i in range(1, len(q_lens)):
             q_starts[i] = q_starts[i - 1] + q_lens[i - 1]
-        self.groups = [
-            self._build_group(fb, members, q_lens, prefix_lens, q_starts) for members in group_by_length(seq_lens)
+        chosen = list(range(fb.batch_size)) if requests is None else requests
+        return [
+            self._build_group(fb, [chosen[j] for j in members], q_lens, prefix_lens, q_starts)
+            for members in group_by_length([seq_lens[i] for i in chosen])
         ]
 
     @staticmethod
