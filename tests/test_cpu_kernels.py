@@ -22,6 +22,10 @@ from minisgl.kernels.fused_add_rmsnorm import fused_add_rmsnorm_ref
 from minisgl.kernels.fused_add_rmsnorm_cpu import fused_add_rmsnorm_cpu
 from minisgl.kernels.rotary_embedding import rotary_embedding_ref
 from minisgl.kernels.rotary_embedding_cpu import rotary_embedding_cpu
+from minisgl.layers.attention.cpu_backend import FRESH_MIN_TOKENS, CpuAttnBackend
+from minisgl.layers.attention.torch_backend import TorchNativeAttnBackend
+from minisgl.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from minisgl.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from minisgl.server_args import ServerArgs, resolve_server_args
 
 if cpu_build.find_compiler() is None:
@@ -163,10 +167,53 @@ def test_auto_backend_on_cpu() -> None:
         resolve_server_args(ServerArgs(device="cpu", dtype="bfloat16", attention_backend="cpu"))
 
 
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.MIXED])
+def test_cpu_backend_extend_paths_equal_the_torch_backend(mode: ForwardMode) -> None:
+    """One extend batch holding every kind of row the cpu backend routes differently: a fresh
+    long prompt (causal SDPA on this pass's rows), a short fresh prompt and a chunk on a cached
+    prefix (gather + grouped SDPA), and one-token rows (the decode kernel)."""
+    torch.manual_seed(0)
+    # (cached prefix, new tokens) per request
+    shapes = [(0, FRESH_MIN_TOKENS + 70), (50, 20), (30, 1), (0, 5), (0, 1), (0, 2 * FRESH_MIN_TOKENS)]
+    hq, hkv, d, size = 8, 2, 64, 2048
+    seq_lens = [p + n for p, n in shapes]
+    slots = (torch.randperm(size - 1)[: sum(seq_lens)] + 1).tolist()  # scattered, never slot 0
+    q_rows = sum(n for _, n in shapes)
+    q, k, v = torch.randn(q_rows, hq, d), torch.randn(q_rows, hkv, d), torch.randn(q_rows, hkv, d)
+    outs = []
+    for backend in (TorchNativeAttnBackend(), CpuAttnBackend()):
+        torch.manual_seed(1)  # the same cached prefix K/V for both backends
+        pool = MHATokenToKVPool(size, 1, torch.float32, hkv, d, num_layers=1)
+        pool.k_buffer[0].normal_()
+        pool.v_buffer[0].normal_()
+        r2t = ReqToTokenPool(len(shapes), 512)
+        out_loc, offset = [], 0
+        for i, (prefix, n) in enumerate(shapes):
+            r2t.write(i, 0, torch.tensor(slots[offset : offset + prefix + n]))
+            out_loc += slots[offset + prefix : offset + prefix + n]
+            offset += prefix + n
+        positions = torch.cat([torch.arange(p, p + n) for p, n in shapes])
+        fb = ForwardBatch(
+            mode, len(shapes), torch.zeros(q_rows, dtype=torch.int64), positions, torch.tensor(out_loc),
+            torch.arange(len(shapes)), torch.tensor(seq_lens), seq_lens, r2t, pool, backend,
+            extend_prefix_lens=torch.tensor([p for p, _ in shapes]), extend_seq_lens=torch.tensor([n for _, n in shapes]),
+            extend_prefix_lens_cpu=[p for p, _ in shapes], extend_seq_lens_cpu=[n for _, n in shapes],
+        )  # fmt: skip
+        backend.init_forward_metadata(fb)
+        outs.append(backend.forward(q, k, v, 0, d**-0.5, fb))
+    cpu_backend = backend
+    assert len(cpu_backend.fresh) == 2 and cpu_backend.single_token is not None  # every path was taken
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=1e-4)
+
+
 PROMPTS = [
     "hello world, this is a test",
     "a",
     "The quick brown fox jumps over the lazy dog, again and again, until the dog wakes up.",
+    # long enough for the fresh-prompt path (>= FRESH_MIN_TOKENS tokens)
+    "Once upon a time, in a village between two rivers, there lived a clockmaker who repaired "
+    "every clock in the valley except his own, which had stopped at a quarter past nine on the "
+    "night his daughter left for the city, and which he wound every morning all the same.",
 ]
 
 
