@@ -37,12 +37,18 @@ LENS = [1, 7, 33, 129]  # irregular: one token, under a page, just over two page
 @pytest.fixture(autouse=True, scope="module")
 def fresh_kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """Build into an empty cache directory once for this module (a fresh machine's first run)."""
+    from minisgl.kernels import decode_attention_cpu as da, fused_add_rmsnorm_cpu as rn, rotary_embedding_cpu as rp
+
+    def forget_loaded() -> None:  # earlier tests may have loaded the kernels from the default cache
+        for cached in (cpu_build.load_cpu_library, da._kernel, rn._kernel, rp._kernel):
+            cached.cache_clear()
+
     mp = pytest.MonkeyPatch()
     mp.setenv("MINISGL_CACHE_DIR", str(tmp_path_factory.mktemp("minisgl-cache")))
-    cpu_build.load_cpu_library.cache_clear()
+    forget_loaded()
     yield
     mp.undo()
-    cpu_build.load_cpu_library.cache_clear()
+    forget_loaded()
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -144,11 +150,14 @@ def test_norm_and_rope_reject_bad_arguments() -> None:
 
 
 def test_build_is_cached_and_reports_a_missing_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    built = list(cpu_build.cache_dir().glob("decode_attention_cpu-*.so"))
-    assert len(built) == 1  # the fixture's build, reused by every test above
-    cpu_build.load_cpu_library.cache_clear()
     cpu_build.load_cpu_library("decode_attention_cpu")
-    assert list(cpu_build.cache_dir().glob("decode_attention_cpu-*.so")) == built  # no rebuild
+    built = list(cpu_build.cache_dir().glob("decode_attention_cpu-*.so"))
+    assert len(built) == 1  # built once into this module's cache, reused by every test above
+    stamp = built[0].stat().st_mtime_ns
+    cpu_build.load_cpu_library.cache_clear()  # a new process, as far as the cache knows
+    cpu_build.load_cpu_library("decode_attention_cpu")
+    assert list(cpu_build.cache_dir().glob("decode_attention_cpu-*.so")) == built
+    assert built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
 
     monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path))  # nothing cached here
     monkeypatch.setenv("CC", "no-such-compiler")
