@@ -22,6 +22,7 @@ from minisgl.kernels.fused_add_rmsnorm import fused_add_rmsnorm_ref
 from minisgl.kernels.fused_add_rmsnorm_cpu import fused_add_rmsnorm_cpu
 from minisgl.kernels.rotary_embedding import rotary_embedding_ref
 from minisgl.kernels.rotary_embedding_cpu import rotary_embedding_cpu
+from minisgl.kernels.silu_and_mul_cpu import silu_and_mul_cpu, silu_and_mul_ref
 from minisgl.layers.attention.cpu_backend import FRESH_MIN_TOKENS, CpuAttnBackend
 from minisgl.layers.attention.torch_backend import TorchNativeAttnBackend
 from minisgl.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -38,9 +39,10 @@ LENS = [1, 7, 33, 129]  # irregular: one token, under a page, just over two page
 def fresh_kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """Build into an empty cache directory once for this module (a fresh machine's first run)."""
     from minisgl.kernels import decode_attention_cpu as da, fused_add_rmsnorm_cpu as rn, rotary_embedding_cpu as rp
+    from minisgl.kernels import silu_and_mul_cpu as sm
 
     def forget_loaded() -> None:  # earlier tests may have loaded the kernels from the default cache
-        for cached in (cpu_build.load_cpu_library, da._kernel, rn._kernel, rp._kernel):
+        for cached in (cpu_build.load_cpu_library, da._kernel, rn._kernel, rp._kernel, sm._kernel):
             cached.cache_clear()
 
     mp = pytest.MonkeyPatch()
@@ -137,7 +139,15 @@ def test_rotary_embedding_matches_reference(N: int, Hq: int, Hkv: int, head_dim:
     assert torch.equal(qkv[:, (Hq + Hkv) * head_dim :], v_before)  # v, next to k, untouched
 
 
-def test_norm_and_rope_reject_bad_arguments() -> None:
+@pytest.mark.parametrize("N", [1, 7, 129, 300])  # 300 x 1024 takes the multi-threaded path
+def test_silu_and_mul_matches_reference(N: int) -> None:
+    g = torch.Generator().manual_seed(N)
+    x = torch.randn(N, 3 * 1024, generator=g)[:, : 2 * 1024] * 8  # strided rows; gates far into both tails
+    x[0, :4] = torch.tensor([-200.0, -88.0, 88.0, 0.0])  # exp under/overflow territory and zero
+    torch.testing.assert_close(silu_and_mul_cpu(x), silu_and_mul_ref(x), atol=1e-5, rtol=1e-5)
+
+
+def test_norm_rope_and_silu_reject_bad_arguments() -> None:
     with pytest.raises(ValueError, match="residual"):
         fused_add_rmsnorm_cpu(torch.randn(4, 8), torch.randn(4, 9), torch.randn(8), 1e-6)
     with pytest.raises(ValueError, match="dtype"):
@@ -147,6 +157,8 @@ def test_norm_and_rope_reject_bad_arguments() -> None:
         rotary_embedding_cpu(q, k, torch.tensor([0, 5, 16]), cache)
     with pytest.raises(ValueError, match="full rotary"):
         rotary_embedding_cpu(q, k, torch.tensor([0, 1, 2]), torch.randn(16, 4))
+    with pytest.raises(ValueError, match="even width"):
+        silu_and_mul_cpu(torch.randn(2, 7))
 
 
 def test_build_is_cached_and_reports_a_missing_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

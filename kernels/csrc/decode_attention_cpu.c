@@ -28,6 +28,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_math.h"
+
 /* Rows fetched ahead of use: slots may be scattered, which the hardware prefetcher cannot follow. */
 #ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS 4
@@ -36,25 +38,6 @@
 #define MIN_SPLIT_TOKENS 256
 /* Aim for this many work items per thread so dynamic scheduling can balance ragged lengths. */
 #define ITEMS_PER_THREAD 4
-
-/*
- * exp(x) for x <= 0 (a score minus its row's max), written so the compiler vectorizes it.
- * libm's expf is a scalar call (vectorized only under -ffast-math, whose finite-math rules
- * would break the -INFINITY bookkeeping here); per decode step it is called Hq times per
- * cached token, and as a scalar call it took ~30% of this kernel's time.
- * x = n ln2 + r with |r| <= ln2 / 2; exp(r) by its degree-6 Taylor polynomial (relative
- * error < 2e-7); 2^n is written straight into the float's exponent bits.
- */
-static inline float exp_nonpositive(float x) {
-    const float LOG2E = 1.44269504f, LN2_HI = 0.693145752f, LN2_LO = 1.42860677e-6f;
-    const float xc = x < -87.f ? -87.f : x; /* keeps 2^n a normal float; the result is 0 below */
-    const float n = floorf(xc * LOG2E + 0.5f);
-    const float r = (xc - n * LN2_HI) - n * LN2_LO;
-    const float p =
-        1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720))))));
-    union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};
-    return x < -87.f ? 0.f : p * scale.f;
-}
 
 static void prefetch_row(const float *row, int64_t row_floats) {
     const char *p = (const char *)row;

@@ -12,6 +12,14 @@ from torch import nn
 
 
 class SiluAndMul(nn.Module):
+    def __init__(self, kernels: str = "torch") -> None:
+        super().__init__()
+        self.kernels = kernels  # "cpu": the C kernel minisgl.kernels.silu_and_mul_cpu; otherwise torch
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels == "cpu":
+            from minisgl.kernels.silu_and_mul_cpu import silu_and_mul_cpu
+
+            return silu_and_mul_cpu(x)  # [N, I]
         gate, up = x.chunk(2, dim=-1)  # [N, I] each
         return F.silu(gate) * up  # [N, I]

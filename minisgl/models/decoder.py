@@ -73,11 +73,11 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, kernels: str = "torch") -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnLinear(config.hidden_size, config.intermediate_size, config.mlp_bias)
         self.down_proj = ReplicatedLinear(config.intermediate_size, config.hidden_size, config.mlp_bias)
-        self.act_fn = SiluAndMul()
+        self.act_fn = SiluAndMul(kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [N, hidden]
@@ -87,7 +87,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, kernels: str) -> None:
         super().__init__()
         self.self_attn = DecoderAttention(config, layer_id, kernels)
-        self.mlp = DecoderMLP(config)
+        self.mlp = DecoderMLP(config, kernels)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
