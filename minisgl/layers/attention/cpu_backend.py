@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from minisgl.kernels.decode_attention_cpu import decode_attention_cpu
 from minisgl.kernels.cpu_build import load_all_cpu_kernels
-from minisgl.layers.attention.torch_backend import _SDPA_HAS_GQA, TorchNativeAttnBackend
+from minisgl.layers.attention.torch_backend import _SDPA_HAS_GQA, TorchNativeAttnBackend, first_rows
 from minisgl.model_executor.forward_batch_info import ForwardBatch
 
 
@@ -62,9 +62,7 @@ class CpuAttnBackend(TorchNativeAttnBackend):
             return
         assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
         q_lens, prefix_lens = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
-        q_starts = [0] * len(q_lens)  # first row of each request in q
-        for i in range(1, len(q_lens)):
-            q_starts[i] = q_starts[i - 1] + q_lens[i - 1]
+        q_starts = first_rows(q_lens)
         single, fresh, grouped = [], [], []
         for i, (n, prefix) in enumerate(zip(q_lens, prefix_lens)):
             if n == 1:

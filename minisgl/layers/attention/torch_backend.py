@@ -58,6 +58,14 @@ class AttnGroup:
     out_rows: torch.Tensor  # [num_group_tokens] row of the layer output each real token fills
 
 
+def first_rows(q_lens: List[int]) -> List[int]:
+    """The first row of each request in the flattened q (an exclusive prefix sum of q_lens)."""
+    starts = [0] * len(q_lens)
+    for i in range(1, len(q_lens)):
+        starts[i] = starts[i - 1] + q_lens[i - 1]
+    return starts
+
+
 def group_by_length(seq_lens: List[int]) -> List[List[int]]:
     """Requests sorted by length, cut into groups whose padding stays near the real size.
 
@@ -109,9 +117,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         else:
             assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
             q_lens, prefix_lens = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
-        q_starts = [0] * len(q_lens)  # first row of each request in q
-        for i in range(1, len(q_lens)):
-            q_starts[i] = q_starts[i - 1] + q_lens[i - 1]
+        q_starts = first_rows(q_lens)
         chosen = list(range(fb.batch_size)) if requests is None else requests
         return [
             self._build_group(fb, [chosen[j] for j in members], q_lens, prefix_lens, q_starts)
