@@ -102,22 +102,36 @@ def load_cpu_library(name: str) -> ctypes.CDLL:
     source = source_path.read_bytes()
     target = cache_dir() / f"{name}-{_cache_key(source, compiler)}.so"
     if not target.exists():
+        _build(compiler, source_path, target)
+    # torch first: its libgomp.so.1 is then the one the kernel binds to (one OpenMP runtime)
+    importlib.import_module("torch")
+    try:
+        return ctypes.CDLL(str(target))
+    except OSError as e:  # e.g. a libgomp or libc the build linked against is missing here
+        raise CpuKernelUnavailable(f"loading {target} failed: {e}; use --attention-backend torch") from e
+
+
+def _build(compiler: str, source_path: Path, target: Path) -> None:
+    """Compile one kernel into `target`, atomically; CpuKernelUnavailable with the reason if it cannot."""
+    try:
         target.parent.mkdir(parents=True, exist_ok=True)
         # Build to a private name, then rename: concurrent processes never load a half-written file.
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
-        cmd: List[str] = [compiler, *CFLAGS, str(source_path), "-o", tmp]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode != 0:
-            os.unlink(tmp)
-            raise CpuKernelUnavailable(
-                f"building {source_path.name} failed ({' '.join(cmd)}):\n{result.stderr.strip()}\n"
-                "use --attention-backend torch"
-            )
-        os.replace(tmp, target)
-    # torch first: its libgomp.so.1 is then the one the kernel binds to (one OpenMP runtime)
-    importlib.import_module("torch")
-    return ctypes.CDLL(str(target))
+    except OSError as e:
+        raise CpuKernelUnavailable(
+            f"cannot write the kernel cache {target.parent} ({e}): set MINISGL_CACHE_DIR to a writable "
+            "directory or use --attention-backend torch"
+        ) from e
+    cmd: List[str] = [compiler, *CFLAGS, str(source_path), "-o", tmp]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        os.unlink(tmp)
+        raise CpuKernelUnavailable(
+            f"building {source_path.name} failed ({' '.join(cmd)}):\n{result.stderr.strip()}\n"
+            "use --attention-backend torch"
+        )
+    os.replace(tmp, target)
 
 
 def load_all_cpu_kernels() -> None:

@@ -171,6 +171,13 @@ def test_build_is_cached_and_reports_a_missing_compiler(monkeypatch: pytest.Monk
     assert list(cpu_build.cache_dir().glob("decode_attention_cpu-*.so")) == built
     assert built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
 
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    monkeypatch.setenv("MINISGL_CACHE_DIR", str(a_file / "cache"))  # cannot be created, even by root
+    cpu_build.load_cpu_library.cache_clear()
+    with pytest.raises(cpu_build.CpuKernelUnavailable, match="MINISGL_CACHE_DIR"):
+        cpu_build.load_cpu_library("decode_attention_cpu")
+
     monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path))  # nothing cached here
     monkeypatch.setenv("CC", "no-such-compiler")
     cpu_build.load_cpu_library.cache_clear()
