@@ -18,12 +18,13 @@ present; `torch` otherwise). In: q [N, Hq, D], k/v [N, Hkv, D] of this pass; out
     backend's path, gather + SDPA per length group.
   A prefill is dominated by its matmuls; SDPA's CPU flash kernel beat a matmul-based
   attention by 30-40% on this machine, so no C kernel for it.
-The same backend choice routes RMSNorm and RoPE through the C kernels fused_add_rmsnorm_cpu
-and rotary_embedding_cpu (ModelRunner passes kernels="cpu" to the model).
+The same backend choice routes RMSNorm, RoPE and SiLU through the C kernels
+fused_add_rmsnorm_cpu, rotary_embedding_cpu and silu_and_mul_cpu (ModelRunner passes
+kernels="cpu" to the model).
 
-Why a separate backend rather than a branch in the torch one: the torch backend stays the
-plain-torch reference that every kernel is checked against, and this one differs from it
-in exactly one method.
+Why a separate backend rather than branches in the torch one: the torch backend stays the
+plain-torch reference that every kernel is checked against; this one only changes which
+path each request's rows take, and falls back to the reference's for the rest.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from minisgl.kernels.decode_attention_cpu import decode_attention_cpu
 from minisgl.kernels.cpu_build import load_all_cpu_kernels
-from minisgl.layers.attention.torch_backend import _SDPA_HAS_GQA, TorchNativeAttnBackend, first_rows
+from minisgl.kernels.decode_attention_cpu import decode_attention_cpu
+from minisgl.layers.attention.torch_backend import SDPA_HAS_GQA, TorchNativeAttnBackend, first_rows
 from minisgl.model_executor.forward_batch_info import ForwardBatch
 
 
@@ -67,7 +68,7 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         for i, (n, prefix) in enumerate(zip(q_lens, prefix_lens)):
             if n == 1:
                 single.append(i)
-            elif prefix == 0 and n >= FRESH_MIN_TOKENS and _SDPA_HAS_GQA:  # (views need SDPA's own GQA)
+            elif prefix == 0 and n >= FRESH_MIN_TOKENS and SDPA_HAS_GQA:  # (views need SDPA's own GQA)
                 fresh.append(i)
             else:
                 grouped.append(i)

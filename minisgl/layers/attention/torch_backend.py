@@ -36,7 +36,7 @@ from minisgl.model_executor.forward_batch_info import ForwardBatch
 
 
 # enable_gqa lets SDPA broadcast KV heads without materialising repeat_interleave (torch >= 2.5).
-_SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
 
 # A group may pad its key rows up to this factor of the real ones (plus a little slack for
@@ -183,10 +183,10 @@ class TorchNativeAttnBackend(AttentionBackend):
             keys = k_work.view(g.num_reqs, g.max_seq_len, num_kv_heads, head_dim).transpose(1, 2)  # [n, Hkv, L, D]
             values = v_work.view(g.num_reqs, g.max_seq_len, num_kv_heads, head_dim).transpose(1, 2)
             queries = q[g.q_index].transpose(1, 2)  # [n, Hq, max_q_len, D]
-            if gqa and not _SDPA_HAS_GQA:
+            if gqa and not SDPA_HAS_GQA:
                 keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [n, Hq, L, D]
                 values = values.repeat_interleave(num_heads // num_kv_heads, dim=1)
-            extra = {"enable_gqa": True} if gqa and _SDPA_HAS_GQA else {}
+            extra = {"enable_gqa": True} if gqa and SDPA_HAS_GQA else {}
             o = F.scaled_dot_product_attention(
                 queries, keys, values, attn_mask=g.attn_mask, scale=scaling, **extra
             )  # [n, Hq, max_q_len, D]
