@@ -47,7 +47,9 @@ def rotary_embedding_cpu(
     check_tensor("positions", positions, 1, (torch.int64,), cpu, (N,))
     check_tensor("cos_sin_cache", cos_sin_cache, 2, (torch.float32,), cpu)
     if cos_sin_cache.shape[1] != D or not cos_sin_cache.is_contiguous():
-        raise ValueError(f"cos_sin_cache must be a contiguous [max_pos, {D}] tensor (full rotary), got {tuple(cos_sin_cache.shape)}")
+        raise ValueError(
+            f"cos_sin_cache must be a contiguous [max_pos, {D}] tensor (full rotary), got {tuple(cos_sin_cache.shape)}"
+        )
     if D % 2:
         raise ValueError(f"head_dim must be even, got {D}")
     if N == 0:

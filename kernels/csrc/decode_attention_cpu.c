@@ -56,7 +56,8 @@ static void attend_chunk(const float *q_b, int64_t q_stride_head, const float *k
     for (int64_t h = 0; h < Hq; h++) m[h] = -INFINITY;
     /* pass 1: scores[h, t] = scaling * q[h] . k_t[h / G], and each head's max */
     for (int64_t t = 0; t < n; t++) {
-        if (PREFETCH_ROWS > 0 && t + PREFETCH_ROWS < n) prefetch_row(k_buffer + slots[t0 + t + PREFETCH_ROWS] * kv_row, kv_row);
+        if (PREFETCH_ROWS > 0 && t + PREFETCH_ROWS < n)
+            prefetch_row(k_buffer + slots[t0 + t + PREFETCH_ROWS] * kv_row, kv_row);
         const float *k_t = k_buffer + slots[t0 + t] * kv_row;
         for (int64_t h = 0; h < Hq; h++) {
             const float *q_h = q_b + h * q_stride_head, *k_th = k_t + (h / G) * D;
@@ -83,7 +84,8 @@ static void attend_chunk(const float *q_b, int64_t q_stride_head, const float *k
     /* pass 2: acc[h] = sum_t p[h, t] v_t[h / G] */
     memset(acc, 0, sizeof(float) * Hq * D);
     for (int64_t t = 0; t < n; t++) {
-        if (PREFETCH_ROWS > 0 && t + PREFETCH_ROWS < n) prefetch_row(v_buffer + slots[t0 + t + PREFETCH_ROWS] * kv_row, kv_row);
+        if (PREFETCH_ROWS > 0 && t + PREFETCH_ROWS < n)
+            prefetch_row(v_buffer + slots[t0 + t + PREFETCH_ROWS] * kv_row, kv_row);
         const float *v_t = v_buffer + slots[t0 + t] * kv_row;
         for (int64_t h = 0; h < Hq; h++) {
             const float p = scores[h * n + t], *v_th = v_t + (h / G) * D;
@@ -119,7 +121,8 @@ int decode_attention_cpu_f32(const float *q,               /* [B, Hq, D] one que
     /* How many chunks each request is cut into: 1 when the batch alone gives every thread work. */
     int64_t target = (int64_t)num_threads * ITEMS_PER_THREAD;
     int64_t want = B >= target ? 1 : (target + B - 1) / B;
-    int64_t *first_item = (int64_t *)malloc(sizeof(int64_t) * (B + 1)); /* items of b: [first_item[b], first_item[b+1]) */
+    /* the work items of request b are [first_item[b], first_item[b + 1]) */
+    int64_t *first_item = (int64_t *)malloc(sizeof(int64_t) * (B + 1));
     if (!first_item) return 1;
     first_item[0] = 0;
     int64_t max_len = 1;
