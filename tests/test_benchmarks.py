@@ -3,6 +3,7 @@ its header and the RESULT lines that docs/benchmarks.md quotes, with sane values
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import subprocess
@@ -79,3 +80,50 @@ def test_serving_against_minisgl_server(cache: str) -> None:
                    cache, timeout=300)  # fmt: skip
     assert r["minisgl_output_tok_s"] > 0
     assert 0 < r["minisgl_ttft_p50"] <= r["minisgl_e2e_p99"]
+
+
+def _canned_http_server(response: bytes) -> "tuple[asyncio.AbstractServer, str]":
+    """An asyncio server on a free port that answers any request with `response` and closes."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+        await reader.readexactly(length)
+        for i in range(0, len(response), 7):  # dribble it out: chunk and line boundaries fall anywhere
+            writer.write(response[i:i + 7])
+            await writer.drain()
+        writer.close()
+
+    async def start() -> "tuple[asyncio.AbstractServer, str]":
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/completions"
+
+    return start()  # type: ignore[return-value]
+
+
+def test_serving_client_reads_chunked_sse_and_reports_http_errors() -> None:
+    """bench_serving's own HTTP client: de-chunks the body, splits lines, and raises on a non-200."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import bench_serving
+    finally:
+        sys.path.pop(0)
+    events = b'data: {"choices":[{"text":"a"}]}\n\ndata: {"choices":[{"text":"b"}]}\n\ndata: [DONE]\n\n'
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in (events[:10], events[10:45], events[45:])) + b"0\r\n\r\n"
+    ok = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked
+    error = b'{"error":"too long"}'
+    bad = b"HTTP/1.1 400 Bad Request\r\nContent-Length: %d\r\n\r\n%s" % (len(error), error)
+
+    async def run() -> None:
+        server, url = await _canned_http_server(ok)
+        async with server:
+            lines = [line async for line in bench_serving.post_stream_lines(url, {"x": 1})]
+            assert [line for line in lines if line] == events.split(b"\n\n")[:3] and lines[-1] == b""
+            out = await bench_serving.one_request(url, {"max_tokens": 2})
+            assert len(out["arrivals"]) == 2 and out["output_len"] == 2
+        server, url = await _canned_http_server(bad)
+        async with server:
+            with pytest.raises(bench_serving.HTTPStatusError, match="HTTP 400"):
+                [line async for line in bench_serving.post_stream_lines(url, {"x": 1})]
+
+    asyncio.run(run())

@@ -9,6 +9,7 @@ scheduler and expects the server to exit non-zero within seconds.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -165,6 +166,23 @@ def test_completions_stream_and_not_match_engine(server: Server, reference: Dict
     # "default" names whatever the server serves
     r = client.completions.create(model="default", prompt=p, max_tokens=MAX_TOKENS, temperature=0)
     assert r.choices[0].text == ref["text"]
+
+
+def test_stream_wire_format_is_sse(server: Server, reference: Dict[str, Any]) -> None:
+    """What any SSE client relies on: the media type, no caching, `data:` events split by blank lines, [DONE] last."""
+    p = PROMPTS[0]
+    body = {"model": server.model, "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["cache-control"] == "no-cache"
+        raw = r.read().decode()
+    assert raw.endswith("\n\n")
+    events = raw[:-2].split("\n\n")
+    assert all(e.startswith("data: ") and "\n" not in e for e in events)
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == reference[("raw", p)]["text"]
 
 
 def test_completions_batch_and_token_id_prompts(server: Server, reference: Dict[str, Any], engine: Any) -> None:

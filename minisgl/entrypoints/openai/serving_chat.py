@@ -125,15 +125,15 @@ class OpenAIServingChat(OpenAIServingBase):
     # ------------------------------------------------------------------ streaming
     async def _stream_events(
         self, first: Dict[str, Any], rest: AsyncIterator[Dict[str, Any]], adapted: GenerateReqInput, request: ChatCompletionRequest
-    ) -> AsyncIterator[Dict[str, str]]:
+    ) -> AsyncIterator[str]:
         rid = response_id(first)
         usage = UsageCounter(request.n)
         role_sent: set = set()
 
-        def chunk(index: int, delta: DeltaMessage, **kw: Any) -> Dict[str, str]:
+        def chunk(index: int, delta: DeltaMessage, **kw: Any) -> str:
             choice = ChatCompletionResponseStreamChoice(index=index, delta=delta, **kw)
             body = ChatCompletionStreamResponse(id=rid, model=request.model, choices=[choice])
-            return sse_data(body.model_dump(exclude_none=True))
+            return sse_data(body)
 
         async for out in prepend(first, rest):
             index = out.get("index", 0)
@@ -156,5 +156,5 @@ class OpenAIServingChat(OpenAIServingBase):
                 yield chunk(index, DeltaMessage(), finish_reason=finish_reason, matched_stop=matched)
         if request.stream_options is not None and request.stream_options.include_usage:
             body = ChatCompletionStreamResponse(id=rid, model=request.model, choices=[], usage=usage.usage())
-            yield sse_data(body.model_dump(exclude_none=True))
+            yield sse_data(body)
         yield sse_data("[DONE]")

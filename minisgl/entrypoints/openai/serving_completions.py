@@ -105,13 +105,13 @@ class OpenAIServingCompletions(OpenAIServingBase):
 
     async def _stream_events(
         self, first: Dict[str, Any], rest: AsyncIterator[Dict[str, Any]], adapted: GenerateReqInput, request: CompletionRequest
-    ) -> AsyncIterator[Dict[str, str]]:
+    ) -> AsyncIterator[str]:
         rid = response_id(first)
         usage = UsageCounter(request.n)
         text_offsets: Dict[int, int] = {}
 
-        def chunk(choice: CompletionResponseChoice) -> Dict[str, str]:
-            return sse_data(CompletionStreamResponse(id=rid, model=request.model, choices=[choice]).model_dump(exclude_none=True))
+        def chunk(choice: CompletionResponseChoice) -> str:
+            return sse_data(CompletionStreamResponse(id=rid, model=request.model, choices=[choice]))
 
         async for out in prepend(first, rest):
             index = out.get("index", 0)
@@ -134,5 +134,5 @@ class OpenAIServingCompletions(OpenAIServingBase):
                 yield chunk(CompletionResponseChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason, matched_stop=matched))
         if request.stream_options is not None and request.stream_options.include_usage:
             body = CompletionStreamResponse(id=rid, model=request.model, choices=[], usage=usage.usage())
-            yield sse_data(body.model_dump(exclude_none=True))
+            yield sse_data(body)
         yield sse_data("[DONE]")
