@@ -232,41 +232,44 @@ _MESSAGE_TYPES: Dict[str, type] = {
 }
 
 
-def _to_jsonable(obj: Any) -> Any:
+def _message_fields(obj: Any) -> Dict[str, Any]:
+    """json's hook for what it cannot encode itself: a registered message becomes a tagged dict.
+
+    json's C encoder walks the lists, dicts and numbers; only the message dataclasses (the
+    top one and any nested one) come through here, one level at a time.
+    """
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         name = type(obj).__name__
         if name not in _MESSAGE_TYPES:
             raise TypeError(f"{name} is not a registered io_struct message type")
-        return {"__type__": name, **{f.name: _to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}}
-    if isinstance(obj, (list, tuple)):
-        return [_to_jsonable(x) for x in obj]
-    if isinstance(obj, dict):
-        return {str(k): _to_jsonable(v) for k, v in obj.items()}
-    if obj is None or isinstance(obj, (str, int, float, bool)):
-        return obj
+        return {"__type__": name, **{f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}}
     raise TypeError(f"cannot send a {type(obj).__name__} across a process boundary")
 
 
-def _from_jsonable(obj: Any) -> Any:
-    if isinstance(obj, list):
-        return [_from_jsonable(x) for x in obj]
-    if isinstance(obj, dict):
-        if "__type__" in obj:
-            cls = _MESSAGE_TYPES.get(obj["__type__"])
-            if cls is None:
-                raise TypeError(f"{obj['__type__']!r} is not a registered io_struct message type")
-            return cls(**{k: _from_jsonable(v) for k, v in obj.items() if k != "__type__"})
-        return {k: _from_jsonable(v) for k, v in obj.items()}
-    return obj
+def _message_from_fields(obj: Dict[str, Any]) -> Any:
+    """json's hook for every decoded object: a tagged dict becomes its message dataclass."""
+    name = obj.get("__type__")
+    if name is None:
+        return obj
+    cls = _MESSAGE_TYPES.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise TypeError(f"{name!r} is not a registered io_struct message type")
+    return cls(**{k: v for k, v in obj.items() if k != "__type__"})
 
 
 def encode(msg: Any) -> bytes:
-    """Serialize a registered message (JSON; -inf logprobs survive as `-Infinity`)."""
-    return json.dumps(_to_jsonable(msg), separators=(",", ":")).encode()
+    """Serialize a registered message (JSON; -inf logprobs survive as `-Infinity`).
+
+    Every output token of every running request crosses two process boundaries, so this
+    runs in C (json's encoder) except for the per-message hook above.
+    """
+    if not (dataclasses.is_dataclass(msg) and not isinstance(msg, type)):
+        raise TypeError(f"cannot send a {type(msg).__name__} across a process boundary")
+    return json.dumps(msg, default=_message_fields, separators=(",", ":")).encode()
 
 
 def decode(data: bytes) -> Any:
-    obj = _from_jsonable(json.loads(data))
+    obj = json.loads(data, object_hook=_message_from_fields)
     if not dataclasses.is_dataclass(obj):
         raise TypeError("received a message that is not a registered io_struct type")
     return obj
