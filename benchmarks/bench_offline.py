@@ -174,6 +174,12 @@ def report_decode_floor(run: Dict[str, Any], shape: common.ModelShape, args: arg
     common.print_result("decode_step_ms", step_s * 1e3, "ms")
     common.print_result("decode_step_floor_ms", floor_s * 1e3, "ms", f"2*P*bs at {rate / 1e9:.0f} GFLOP/s (m={bs})")
     common.print_result("decode_step_vs_floor", step_s / floor_s, "x", "target <= 2")
+    # The same floor with every layer's own weights streamed from memory, as the model must (common.matmul_rate).
+    streamed = common.matmul_rate(shape, bs, args.dtype, args.device, every_layer=True)
+    streamed_s = 2.0 * shape.matmul_params() * bs / streamed
+    common.print_result("decode_step_floor_streamed_ms", streamed_s * 1e3, "ms",
+                        f"every layer's own weights: {streamed / 1e9:.0f} GFLOP/s (m={bs})")  # fmt: skip
+    common.print_result("decode_step_vs_floor_streamed", step_s / streamed_s, "x", "for reference; the target uses the line above")
     if args.device == "cuda":
         import torch
 
