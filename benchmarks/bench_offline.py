@@ -104,7 +104,7 @@ class SnapshotPublisher:
 
 def _engine_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
     kw: Dict[str, Any] = {"device": args.device, "dtype": args.dtype}
-    for name in ("max_running_requests", "chunked_prefill_size", "max_total_tokens"):
+    for name in ("max_running_requests", "chunked_prefill_size", "max_total_tokens", "kv_cache_dtype"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
     if args.enable_mixed_chunk:
@@ -200,6 +200,7 @@ def main() -> None:
     p.add_argument("--chunked-prefill-size", type=int, default=None)
     p.add_argument("--max-total-tokens", type=int, default=None)
     p.add_argument("--enable-mixed-chunk", action="store_true")
+    p.add_argument("--kv-cache-dtype", default=None, help="minisgl's KV pool dtype (auto or bfloat16; default auto).")
     p.add_argument("--decode-batch", type=int, default=64, help="Batch size at which the decode step is compared to its floor.")
     p.add_argument("--compare", choices=("none", "hf"), default="none")
     p.add_argument("--hf-batch-size", type=int, default=32, help="Static batch size of HF generate.")

@@ -15,7 +15,9 @@ lies (any page_size, scattered slots). On this project's 2-core CPU, 64 requests
 100-700 tokens: see docs/kernels.md for the measured times.
 
 Bound: memory. Bytes 2 * sum(seq_len) * Hkv * D * 4 (+ 8 per position for the slot id);
-FLOPs 4 * sum(seq_len) * Hq * D. float32 only (the CPU dtype; bf16 has no fast path here).
+FLOPs 4 * sum(seq_len) * Hq * D. q, out and all arithmetic are float32; the K/V pool may be
+float32 or bfloat16 (`--kv-cache-dtype bfloat16`: 2 bytes per element instead of 4, which is
+what bounds this kernel; each element is widened to float32 as it is read).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from .common import check_tensor
 from .cpu_build import load_cpu_library
 
 _LIB_NAME = "decode_attention_cpu"
+# The pool's dtypes the kernel reads: the model's float32, or bfloat16 (--kv-cache-dtype bfloat16).
+KV_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @functools.lru_cache(maxsize=None)
@@ -37,15 +41,15 @@ def _kernel() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
     """The C entry point with its argument types declared (built on first use)."""
     fn = load_cpu_library(_LIB_NAME).decode_attention_cpu_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+    fn.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn
 
 
 def decode_attention_cpu(
     q: torch.Tensor,  # [B, Hq, D] float32, rows may be strided (a view of the qkv projection)
-    k_buffer: torch.Tensor,  # [S, Hkv, D] float32, contiguous: this layer's keys by KV slot
-    v_buffer: torch.Tensor,  # [S, Hkv, D] float32, contiguous: this layer's values
+    k_buffer: torch.Tensor,  # [S, Hkv, D] float32 or bfloat16, contiguous: this layer's keys by KV slot
+    v_buffer: torch.Tensor,  # [S, Hkv, D] same dtype, contiguous: this layer's values
     req_to_token: torch.Tensor,  # [R, max_context_len] int64: KV slot of each position
     req_pool_indices: torch.Tensor,  # [B] int64: req_to_token row of each request
     seq_lens: torch.Tensor,  # [B] int64: positions each request attends to (this token included)
@@ -57,8 +61,8 @@ def decode_attention_cpu(
     cpu = torch.device("cpu")
     check_tensor("q", q, 3, (torch.float32,), cpu)
     B, Hq, D = q.shape
-    check_tensor("k_buffer", k_buffer, 3, (torch.float32,), cpu, (None, None, D))
-    check_tensor("v_buffer", v_buffer, 3, (torch.float32,), cpu, tuple(k_buffer.shape))
+    check_tensor("k_buffer", k_buffer, 3, KV_DTYPES, cpu, (None, None, D))
+    check_tensor("v_buffer", v_buffer, 3, (k_buffer.dtype,), cpu, tuple(k_buffer.shape))
     if not (k_buffer.is_contiguous() and v_buffer.is_contiguous()):
         raise ValueError("k_buffer and v_buffer must be contiguous [S, Hkv, D] tensors")
     Hkv = k_buffer.shape[1]
@@ -81,7 +85,7 @@ def decode_attention_cpu(
         raise ValueError(f"req_pool_indices must lie in [0, {req_to_token.shape[0]})")
     failed = _kernel()(
         q.data_ptr(), q.stride(0), q.stride(1),
-        k_buffer.data_ptr(), v_buffer.data_ptr(),
+        k_buffer.data_ptr(), v_buffer.data_ptr(), int(k_buffer.dtype == torch.bfloat16),
         req_to_token.data_ptr(), req_to_token.stride(0),
         req_pool_indices.data_ptr(), seq_lens.data_ptr(),
         out.data_ptr(), B, Hq, Hkv, D, scaling,

@@ -28,6 +28,7 @@ SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16")  # SGLang's names (its fp8 ones need a GPU kernel minisgl lacks)
 
 
 def _opt(help: str, *flags: str, **meta: Any) -> dict:
@@ -64,6 +65,13 @@ class ServerArgs:
 
     # --- memory ---
     page_size: int = field(default=1, metadata=_opt("Tokens per KV page."))
+    kv_cache_dtype: str = field(
+        default="auto", metadata=_opt(
+            "KV pool dtype: auto (the model's), or bfloat16 (bf16) under a float32 model: half the memory per "
+            "token and half the bytes each decode step reads, K/V rounded to bf16 (cpu and torch backends).",
+            choices=KV_CACHE_DTYPES,
+        )
+    )
     max_total_tokens: Optional[int] = field(default=None, metadata=_opt("KV pool size in tokens. Default: from memory."))
     mem_fraction_static: Optional[float] = field(
         default=None, metadata=_opt("CUDA: fraction of GPU memory for weights + KV pool. Default 0.85.")
@@ -107,12 +115,20 @@ class ServerArgs:
             raise ValueError(f"--max-total-tokens must hold at least two pages, got {self.max_total_tokens}")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES + DTYPES[1:]:  # (resolved: the concrete dtype)
+            raise ValueError(
+                f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r} "
+                "(fp8 KV caches need GPU kernels minisgl does not have)"
+            )
         if self.stream_interval < 1:
             raise ValueError(f"--stream-interval must be >= 1, got {self.stream_interval}")
 
     @property
     def is_resolved(self) -> bool:
-        return self.device != "auto" and self.dtype != "auto" and self.attention_backend != "auto" and self.model_path is not None
+        return (
+            self.device != "auto" and self.dtype != "auto" and self.attention_backend != "auto"
+            and self.kv_cache_dtype != "auto" and self.model_path is not None
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ argparse
     @staticmethod
@@ -173,6 +189,21 @@ def _auto_cpu_backend(dtype: str) -> str:
     return "cpu"
 
 
+def _resolve_kv_cache_dtype(kv_dtype: str, dtype: str, backend: str) -> str:
+    """auto -> the model's dtype; bf16 -> bfloat16; a pool narrower than the model only where it is read right."""
+    kv_dtype = {"auto": dtype, "bf16": "bfloat16"}.get(kv_dtype, kv_dtype)
+    if kv_dtype == dtype:
+        return kv_dtype
+    if (dtype, kv_dtype) != ("float32", "bfloat16"):
+        raise ValueError(f"--kv-cache-dtype {kv_dtype} under a {dtype} model is not supported; use auto")
+    if backend not in ("cpu", "torch"):
+        raise ValueError(
+            f"--kv-cache-dtype bfloat16 under a float32 model runs with --attention-backend cpu or torch, "
+            f"not {backend} (its kernels read the pool in the model's dtype); use --kv-cache-dtype auto"
+        )
+    return kv_dtype
+
+
 def resolve_server_args(args: ServerArgs) -> ServerArgs:
     """Fill every "auto" once and return a new, fully resolved ServerArgs.
 
@@ -197,6 +228,7 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
             f"--attention-backend cpu runs float32 on the CPU only (got --device {device} --dtype {dtype}); "
             "use --attention-backend torch or triton"
         )
+    kv_dtype = _resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, backend)
     chunk = args.chunked_prefill_size
     if chunk is None:
         chunk = 8192 if device == "cuda" else 2048
@@ -207,6 +239,7 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
         device=device,
         dtype=dtype,
         attention_backend=backend,
+        kv_cache_dtype=kv_dtype,
         chunked_prefill_size=chunk,
         mem_fraction_static=mem_fraction,
         model_path=model_path,

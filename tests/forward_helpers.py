@@ -19,9 +19,11 @@ from minisgl.model_executor.model_runner import ModelRunner
 from minisgl.server_args import ServerArgs, resolve_server_args
 
 
-def make_runner(model_path: str, page_size: int = 1, max_total_tokens: int = 4096, dtype: str = "float32", **kw) -> ModelRunner:
+def make_runner(
+    model_path: str, page_size: int = 1, max_total_tokens: int = 4096, dtype: str = "float32", attention_backend: str = "torch", **kw
+) -> ModelRunner:
     args = ServerArgs(
-        model_path=model_path, device="cpu", dtype=dtype, attention_backend="torch",
+        model_path=model_path, device="cpu", dtype=dtype, attention_backend=attention_backend,
         page_size=page_size, max_total_tokens=max_total_tokens, **kw,
     )  # fmt: skip
     return ModelRunner(resolve_server_args(args), show_progress=False)

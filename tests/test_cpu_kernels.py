@@ -71,6 +71,20 @@ def test_decode_kernel_matches_reference(page_size: int, Hq: int, Hkv: int, head
     assert torch.equal(k_buf, k_before) and torch.equal(v_buf, v_before)  # the pool (and slot 0) is only read
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("lens", [LENS, [1500, 1]], ids=["batch", "split"])
+def test_decode_kernel_reads_a_bfloat16_pool(page_size: int, head_dim: int, lens: List[int]) -> None:
+    """--kv-cache-dtype bfloat16: the kernel widens each K/V element and matches the reference on the widened pool."""
+    r2t, rows, S = paged_req_to_token(lens, page_size, "cpu")
+    k_buf, v_buf = (b.bfloat16() for b in kv_buffers(S, 2, head_dim, torch.float32, "cpu"))
+    q, seq_lens = torch.randn(len(lens), 8, head_dim), torch.tensor(lens)
+    out = decode_attention_cpu(q, k_buf, v_buf, r2t, rows, seq_lens, head_dim**-0.5)
+    ref = decode_attention_ref(q, k_buf.float(), v_buf.float(), r2t, rows, seq_lens, head_dim**-0.5)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    assert out.dtype == torch.float32
+
+
 @pytest.mark.parametrize("lens", [[3000], [1500, 1], [700, 900, 5]], ids=["one-long", "long-and-short", "three"])
 def test_decode_kernel_splits_long_requests(lens: List[int]) -> None:
     """Few requests: each is cut into KV chunks merged by max/exp-sum; the result must not change."""
@@ -100,6 +114,10 @@ def test_decode_kernel_rejects_bad_arguments() -> None:
         decode_attention_cpu(q, k_buf, v_buf, r2t, torch.tensor([0, r2t.shape[0]]), seq, 1.0)
     with pytest.raises(ValueError, match="int64"):
         decode_attention_cpu(q, k_buf, v_buf, r2t.int(), rows, seq, 1.0)
+    with pytest.raises(ValueError, match="v_buffer has dtype"):  # K and V must share the pool's dtype
+        decode_attention_cpu(q, k_buf.bfloat16(), v_buf, r2t, rows, seq, 1.0)
+    with pytest.raises(ValueError, match="k_buffer has dtype"):
+        decode_attention_cpu(q, k_buf.half(), v_buf.half(), r2t, rows, seq, 1.0)
 
 
 @pytest.mark.parametrize("N", [1, 7, 33, 129, 3000])  # 3000 x 512 takes the multi-threaded path
@@ -254,8 +272,10 @@ def _greedy(model_path: str, **server_args: Any) -> List[List[int]]:
 
 @pytest.mark.parametrize(
     "server_args",
-    [dict(page_size=1), dict(page_size=16), dict(page_size=16, chunked_prefill_size=16, enable_mixed_chunk=True)],
-    ids=["page1", "page16", "page16-chunked-mixed"],
+    [dict(page_size=1), dict(page_size=16), dict(page_size=16, chunked_prefill_size=16, enable_mixed_chunk=True),
+     dict(page_size=1, kv_cache_dtype="bfloat16"), dict(page_size=16, chunked_prefill_size=16, enable_mixed_chunk=True,
+                                                     kv_cache_dtype="bf16")],
+    ids=["page1", "page16", "page16-chunked-mixed", "page1-bf16-kv", "page16-chunked-mixed-bf16-kv"],
 )
 def test_cpu_backend_matches_torch_backend_greedy(tiny_model: str, server_args: Dict[str, Any]) -> None:
     """Same greedy tokens; the second round decodes on top of radix-cache hits. With mixed

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Dict, Iterator, Optional
 
 import pytest
 import torch
@@ -16,7 +16,7 @@ from minisgl.model_executor.model_runner import CPU_MAX_RUNNING_REQUESTS, CPU_PO
 from minisgl.models.loader import resolve_model_path, safetensors_files
 from minisgl.models.model_config import ModelConfig, parse_rope
 from minisgl.sampling.sampling_params import SamplingParams
-from minisgl.server_args import ServerArgs
+from minisgl.server_args import ServerArgs, resolve_server_args
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -60,6 +60,52 @@ def test_cpu_pool_from_budget_and_cap(tiny_model: str) -> None:
     assert capped.model_config.context_len == 256
     assert capped.max_total_num_tokens == CPU_POOL_CONTEXTS * 256
     assert capped.max_running_requests == min(CPU_POOL_CONTEXTS * 256 // 2, CPU_MAX_RUNNING_REQUESTS)
+
+
+def test_bfloat16_kv_pool_halves_the_cell_and_doubles_the_budgeted_tokens(tiny_model: str) -> None:
+    """--kv-cache-dtype bfloat16 under a float32 model: the pool (not the model) is bf16, at half the bytes per token."""
+    budget = 300 * make_runner(tiny_model, max_total_tokens=64).cell_size / 2**30  # 300 float32 tokens
+    full = make_runner(tiny_model, max_total_tokens=None, cpu_kv_cache_gb=budget)
+    half = make_runner(tiny_model, max_total_tokens=None, cpu_kv_cache_gb=budget, kv_cache_dtype="bf16")
+    assert half.server_args.kv_cache_dtype == "bfloat16" and full.server_args.kv_cache_dtype == "float32"
+    assert half.token_to_kv_pool.k_buffer[0].dtype == torch.bfloat16 and half.dtype == torch.float32
+    assert half.cell_size * 2 == full.cell_size
+    assert (full.max_total_num_tokens, half.max_total_num_tokens) == (300, 600)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_bfloat16_kv_pool_changes_decode_logits_only_by_rounding(tiny_model: str, backend: str) -> None:
+    """Decoding on top of a cached prompt reads the pool: bf16 K/V move the logits a little, never a lot."""
+    prompt, logits = [[(7 * i + 5) % 300 for i in range(40)]], {}  # >= FRESH_MIN_TOKENS: the cpu backend's SDPA path
+    for kv in ("auto", "bfloat16"):
+        d = BatchDriver(make_runner(tiny_model, attention_backend=backend, kv_cache_dtype=kv))
+        req = d.new_req()
+        first = d.extend([req], prompt).next_token_logits
+        logits[kv] = (first, d.decode([req], [int(first.argmax())]).next_token_logits)
+    if backend == "cpu":  # a fresh prompt attends to this pass's own float32 K/V, not to the pool
+        torch.testing.assert_close(logits["auto"][0], logits["bfloat16"][0], atol=1e-5, rtol=1e-5)
+    for full, rounded in zip(logits["auto"], logits["bfloat16"]):
+        diff = (full - rounded).abs().max().item()
+        assert diff < 0.05 * full.abs().max().item()  # only rounded
+    assert (logits["auto"][1] - logits["bfloat16"][1]).abs().max().item() > 0  # the decode step read the bf16 pool
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (dict(dtype="float32", attention_backend="triton", kv_cache_dtype="bfloat16"), "cpu or torch, not triton"),
+        (dict(dtype="bfloat16", attention_backend="torch", kv_cache_dtype="auto"), None),
+        (dict(dtype="bfloat16", attention_backend="torch", kv_cache_dtype="bf16"), None),  # the model's own dtype
+        (dict(kv_cache_dtype="fp8_e5m2"), "--kv-cache-dtype must be one of"),
+    ],
+)
+def test_kv_cache_dtype_is_resolved_or_refused(args: Dict[str, Any], message: Optional[str]) -> None:
+    if message is None:
+        resolved = resolve_server_args(ServerArgs(device="cpu", **args))
+        assert resolved.kv_cache_dtype == resolved.dtype and resolved.is_resolved
+        return
+    with pytest.raises(ValueError, match=message):
+        resolve_server_args(ServerArgs(device="cpu", **args))
 
 
 def test_unresolved_args_are_refused(tiny_model: str) -> None:

@@ -39,9 +39,22 @@
 /* Aim for this many work items per thread so dynamic scheduling can balance ragged lengths. */
 #define ITEMS_PER_THREAD 4
 
-static void prefetch_row(const float *row, int64_t row_floats) {
+static void prefetch_row(const void *row, int64_t row_bytes) {
     const char *p = (const char *)row;
-    for (int64_t off = 0; off < row_floats * (int64_t)sizeof(float); off += 64) __builtin_prefetch(p + off);
+    for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off);
+}
+
+/*
+ * K/V elements are float32, or bfloat16 when the pool is (--kv-cache-dtype bfloat16: half
+ * the bytes, which is what bounds this kernel). A bfloat16 is the top half of a float32,
+ * so widening it is a 16-bit shift, which vectorizes; all arithmetic stays float32.
+ */
+static inline float load_kv(const void *buffer, int64_t i, int bf16) {
+    if (bf16) {
+        union { uint32_t u; float f; } x = {.u = (uint32_t)((const uint16_t *)buffer)[i] << 16};
+        return x.f;
+    }
+    return ((const float *)buffer)[i];
 }
 
 /*
@@ -49,21 +62,23 @@ static void prefetch_row(const float *row, int64_t row_floats) {
  * Writes acc[Hq, D] = sum_t exp(s_t - m) v_t (unnormalised), m[Hq], l[Hq] = sum_t exp(s_t - m).
  * scores: scratch of at least Hq * (t1 - t0) floats.
  */
-static void attend_chunk(const float *q_b, int64_t q_stride_head, const float *k_buffer, const float *v_buffer,
-                         int64_t kv_row, const int64_t *slots, int64_t t0, int64_t t1, int64_t Hq, int64_t G,
-                         int64_t D, float scaling, float *scores, float *acc, float *m, float *l) {
-    const int64_t n = t1 - t0;
+static inline __attribute__((always_inline)) void attend_chunk(
+    const float *q_b, int64_t q_stride_head, const void *k_buffer, const void *v_buffer, int64_t kv_row,
+    const int64_t *slots, int64_t t0, int64_t t1, int64_t Hq, int64_t G, int64_t D, float scaling, float *scores,
+    float *acc, float *m, float *l, int bf16) {
+    const int64_t n = t1 - t0, row_bytes = kv_row * (bf16 ? 2 : 4);
     for (int64_t h = 0; h < Hq; h++) m[h] = -INFINITY;
     /* pass 1: scores[h, t] = scaling * q[h] . k_t[h / G], and each head's max */
     for (int64_t t = 0; t < n; t++) {
         if (PREFETCH_ROWS > 0 && t + PREFETCH_ROWS < n)
-            prefetch_row(k_buffer + slots[t0 + t + PREFETCH_ROWS] * kv_row, kv_row);
-        const float *k_t = k_buffer + slots[t0 + t] * kv_row;
+            prefetch_row((const char *)k_buffer + slots[t0 + t + PREFETCH_ROWS] * row_bytes, row_bytes);
+        const int64_t k_t = slots[t0 + t] * kv_row; /* element index of this position's row */
         for (int64_t h = 0; h < Hq; h++) {
-            const float *q_h = q_b + h * q_stride_head, *k_th = k_t + (h / G) * D;
+            const float *q_h = q_b + h * q_stride_head;
+            const int64_t k_th = k_t + (h / G) * D;
             float s = 0.f;
 #pragma omp simd reduction(+ : s)
-            for (int64_t d = 0; d < D; d++) s += q_h[d] * k_th[d];
+            for (int64_t d = 0; d < D; d++) s += q_h[d] * load_kv(k_buffer, k_th + d, bf16);
             s *= scaling;
             scores[h * n + t] = s;
             m[h] = s > m[h] ? s : m[h];
@@ -85,15 +100,29 @@ static void attend_chunk(const float *q_b, int64_t q_stride_head, const float *k
     memset(acc, 0, sizeof(float) * Hq * D);
     for (int64_t t = 0; t < n; t++) {
         if (PREFETCH_ROWS > 0 && t + PREFETCH_ROWS < n)
-            prefetch_row(v_buffer + slots[t0 + t + PREFETCH_ROWS] * kv_row, kv_row);
-        const float *v_t = v_buffer + slots[t0 + t] * kv_row;
+            prefetch_row((const char *)v_buffer + slots[t0 + t + PREFETCH_ROWS] * row_bytes, row_bytes);
+        const int64_t v_t = slots[t0 + t] * kv_row;
         for (int64_t h = 0; h < Hq; h++) {
-            const float p = scores[h * n + t], *v_th = v_t + (h / G) * D;
+            const float p = scores[h * n + t];
+            const int64_t v_th = v_t + (h / G) * D;
             float *acc_h = acc + h * D;
 #pragma omp simd
-            for (int64_t d = 0; d < D; d++) acc_h[d] += p * v_th[d];
+            for (int64_t d = 0; d < D; d++) acc_h[d] += p * load_kv(v_buffer, v_th + d, bf16);
         }
     }
+}
+
+/* The two element types, each compiled on its own (the flag is a constant inside each). */
+static void attend_chunk_f32(const float *q_b, int64_t q_stride_head, const void *k_buffer, const void *v_buffer,
+                             int64_t kv_row, const int64_t *slots, int64_t t0, int64_t t1, int64_t Hq, int64_t G,
+                             int64_t D, float scaling, float *scores, float *acc, float *m, float *l) {
+    attend_chunk(q_b, q_stride_head, k_buffer, v_buffer, kv_row, slots, t0, t1, Hq, G, D, scaling, scores, acc, m, l, 0);
+}
+
+static void attend_chunk_bf16(const float *q_b, int64_t q_stride_head, const void *k_buffer, const void *v_buffer,
+                              int64_t kv_row, const int64_t *slots, int64_t t0, int64_t t1, int64_t Hq, int64_t G,
+                              int64_t D, float scaling, float *scores, float *acc, float *m, float *l) {
+    attend_chunk(q_b, q_stride_head, k_buffer, v_buffer, kv_row, slots, t0, t1, Hq, G, D, scaling, scores, acc, m, l, 1);
 }
 
 /*
@@ -105,8 +134,9 @@ static void attend_chunk(const float *q_b, int64_t q_stride_head, const float *k
 int decode_attention_cpu_f32(const float *q,               /* [B, Hq, D] one query row per request */
                              int64_t q_stride_tok,         /* floats between two requests' q rows */
                              int64_t q_stride_head,        /* floats between two heads of one row */
-                             const float *k_buffer,        /* [S, Hkv, D] this layer's keys, by KV slot */
-                             const float *v_buffer,        /* [S, Hkv, D] this layer's values */
+                             const void *k_buffer,         /* [S, Hkv, D] this layer's keys, by KV slot */
+                             const void *v_buffer,         /* [S, Hkv, D] this layer's values */
+                             int kv_bf16,                  /* 1: K/V are bfloat16, 0: float32 */
                              const int64_t *req_to_token,  /* [R, r2t_stride] KV slot of each position */
                              int64_t r2t_stride,           /* positions per req_to_token row */
                              const int64_t *req_pool_indices, /* [B] req_to_token row of each request */
@@ -179,8 +209,8 @@ int decode_attention_cpu_f32(const float *q,               /* [B, Hq, D] one que
                 for (int64_t h = 0; h < Hq; h++) m[h] = -INFINITY, l[h] = 0.f;
                 memset(acc, 0, sizeof(float) * Hq * D);
             } else {
-                attend_chunk(q_b, q_stride_head, k_buffer, v_buffer, kv_row, slots, t0, t1, Hq, G, D, scaling,
-                             scores, acc, m, l);
+                (kv_bf16 ? attend_chunk_bf16 : attend_chunk_f32)(q_b, q_stride_head, k_buffer, v_buffer, kv_row,
+                                                                 slots, t0, t1, Hq, G, D, scaling, scores, acc, m, l);
             }
             if (!split) {
                 float *o_b = out + b * Hq * D;

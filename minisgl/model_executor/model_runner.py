@@ -49,6 +49,7 @@ class ModelRunner:
         self.server_args = server_args
         self.device: str = server_args.device
         self.dtype: torch.dtype = getattr(torch, server_args.dtype)
+        self.kv_cache_dtype: torch.dtype = getattr(torch, server_args.kv_cache_dtype)  # the model's, or bfloat16
         self.page_size = server_args.page_size
         set_random_seed(server_args.random_seed)  # the global RNG of unseeded sampling
         if self.device == "cpu" and not keep_freed_memory_in_heap():
@@ -73,21 +74,23 @@ class ModelRunner:
         self.token_to_kv_pool_allocator = make_allocator(self.max_total_num_tokens, self.page_size, self.device)
         mc = self.model_config
         self.token_to_kv_pool = MHATokenToKVPool(
-            self.max_total_num_tokens, self.page_size, self.dtype, mc.num_kv_heads, mc.head_dim, mc.num_layers, self.device
+            self.max_total_num_tokens, self.page_size, self.kv_cache_dtype, mc.num_kv_heads, mc.head_dim, mc.num_layers,
+            self.device,
         )
         self.attn_backend = self._make_attn_backend()
         logger.info(
             "Load model %s (%s) on %s in %s: context_len=%d, max_total_num_tokens=%d, max_running_requests=%d, "
-            "page_size=%d, attention_backend=%s",
+            "page_size=%d, attention_backend=%s, kv_cache_dtype=%s",
             model_dir, mc.architecture, self.device, server_args.dtype, mc.context_len,
             self.max_total_num_tokens, self.max_running_requests, self.page_size, server_args.attention_backend,
+            server_args.kv_cache_dtype,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ sizing
     @property
     def cell_size(self) -> int:
         mc = self.model_config
-        return MHATokenToKVPool.cell_size_bytes(mc.num_kv_heads, mc.head_dim, mc.num_layers, self.dtype)
+        return MHATokenToKVPool.cell_size_bytes(mc.num_kv_heads, mc.head_dim, mc.num_layers, self.kv_cache_dtype)
 
     def _profile_max_num_token(self) -> int:
         args = self.server_args

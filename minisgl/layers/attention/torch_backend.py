@@ -180,6 +180,8 @@ class TorchNativeAttnBackend(AttentionBackend):
             k_work, v_work = self._workspace(k_buf, g.kv_indices.numel())
             torch.index_select(k_buf, 0, g.kv_indices, out=k_work)  # [n * max_seq_len, Hkv, D]
             torch.index_select(v_buf, 0, g.kv_indices, out=v_work)
+            if k_work.dtype != q.dtype:  # a bfloat16 pool under a float32 model (--kv-cache-dtype)
+                k_work, v_work = k_work.to(q.dtype), v_work.to(q.dtype)
             keys = k_work.view(g.num_reqs, g.max_seq_len, num_kv_heads, head_dim).transpose(1, 2)  # [n, Hkv, L, D]
             values = v_work.view(g.num_reqs, g.max_seq_len, num_kv_heads, head_dim).transpose(1, 2)
             queries = q[g.q_index].transpose(1, 2)  # [n, Hq, max_q_len, D]
