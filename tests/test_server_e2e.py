@@ -263,6 +263,15 @@ def test_native_generate(server: Server, reference: Dict[str, Any]) -> None:
     body["text"] = PROMPTS[:2]
     outs = httpx.post(server.url + "/generate", json=body, timeout=60).json()
     assert [o["text"] for o in outs] == [reference[("raw", p)]["text"] for p in PROMPTS[:2]]
+    # streamed: SGLang's native stream carries the text so far in every event, then [DONE]
+    body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0}, "stream": True}
+    with httpx.stream("POST", server.url + "/generate", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) > 2
+    texts = [json.loads(e)["text"] for e in events[:-1]]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    assert texts[-1] == reference[("raw", PROMPTS[0])]["text"]
 
 
 # --------------------------------------------------------------------------- concurrency, disconnect
