@@ -179,7 +179,8 @@ def report_decode_floor(run: Dict[str, Any], shape: common.ModelShape, args: arg
     streamed_s = 2.0 * shape.matmul_params() * bs / streamed
     common.print_result("decode_step_floor_streamed_ms", streamed_s * 1e3, "ms",
                         f"every layer's own weights: {streamed / 1e9:.0f} GFLOP/s (m={bs})")  # fmt: skip
-    common.print_result("decode_step_vs_floor_streamed", step_s / streamed_s, "x", "for reference; the target uses the line above")
+    common.print_result("decode_step_vs_floor_streamed", step_s / streamed_s, "x",
+                        "for reference; the target uses the line above")  # fmt: skip
     if args.device == "cuda":
         import torch
 

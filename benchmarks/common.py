@@ -192,7 +192,12 @@ def ratio(a: float, b: float) -> float:
 
 # ---------------------------------------------------------------------- FLOPs floor
 def matmul_rate(
-    shape: ModelShape, num_tokens: int, dtype: str = "float32", device: str = "cpu", repeat: int = 3, every_layer: bool = False
+    shape: ModelShape,
+    num_tokens: int,
+    dtype: str = "float32",
+    device: str = "cpu",
+    repeat: int = 3,
+    every_layer: bool = False,
 ) -> float:
     """FLOP/s of the model's own matmuls at `num_tokens` rows (the best of `repeat` passes).
 

@@ -41,7 +41,12 @@ def _kernel() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
     """The C entry point with its argument types declared (built on first use)."""
     fn = load_cpu_library(_LIB_NAME).decode_attention_cpu_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+    fn.argtypes = [
+        ptr, i64, i64,  # q and its strides
+        ptr, ptr, ctypes.c_int,  # k_buffer, v_buffer, kv_bf16
+        ptr, i64, ptr, ptr,  # req_to_token, its stride, req_pool_indices, seq_lens
+        ptr, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int,  # out, B, Hq, Hkv, D, scaling, num_threads
+    ]  # fmt: skip
     fn.restype = ctypes.c_int
     return fn
 

@@ -9,7 +9,7 @@ exactly as SGLang's write_cache_indices / alloc_for_decode do (sglang-facts.md Â
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Sequence
+from typing import Any, List, Sequence
 
 import torch
 
@@ -20,7 +20,12 @@ from minisgl.server_args import ServerArgs, resolve_server_args
 
 
 def make_runner(
-    model_path: str, page_size: int = 1, max_total_tokens: int = 4096, dtype: str = "float32", attention_backend: str = "torch", **kw
+    model_path: str,
+    page_size: int = 1,
+    max_total_tokens: int = 4096,
+    dtype: str = "float32",
+    attention_backend: str = "torch",
+    **kw: Any,
 ) -> ModelRunner:
     args = ServerArgs(
         model_path=model_path, device="cpu", dtype=dtype, attention_backend=attention_backend,

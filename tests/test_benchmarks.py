@@ -87,7 +87,8 @@ def _canned_http_server(response: bytes) -> "tuple[asyncio.AbstractServer, str]"
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
-        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+        sizes = [line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")]
+        length = int(sizes[0])
         await reader.readexactly(length)
         for i in range(0, len(response), 7):  # dribble it out: chunk and line boundaries fall anywhere
             writer.write(response[i:i + 7])

@@ -63,7 +63,7 @@ def test_cpu_pool_from_budget_and_cap(tiny_model: str) -> None:
 
 
 def test_bfloat16_kv_pool_halves_the_cell_and_doubles_the_budgeted_tokens(tiny_model: str) -> None:
-    """--kv-cache-dtype bfloat16 under a float32 model: the pool (not the model) is bf16, at half the bytes per token."""
+    """--kv-cache-dtype bfloat16 under a float32 model: the pool, not the model, is bf16: half the bytes per token."""
     budget = 300 * make_runner(tiny_model, max_total_tokens=64).cell_size / 2**30  # 300 float32 tokens
     full = make_runner(tiny_model, max_total_tokens=None, cpu_kv_cache_gb=budget)
     half = make_runner(tiny_model, max_total_tokens=None, cpu_kv_cache_gb=budget, kv_cache_dtype="bf16")
