@@ -206,6 +206,59 @@ def stop_server(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+def process_tree_cpu_s(root_pid: int) -> Dict[int, float]:
+    """CPU seconds (user + system) of `root_pid` and of every process below it, from /proc ({} off Linux)."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    parent, cpu = {}, {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+        except OSError:  # gone meanwhile
+            continue
+        parent[int(entry)] = int(fields[1])
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    tree, frontier = set(), {root_pid}
+    while frontier:
+        tree |= frontier
+        frontier = {pid for pid, ppid in parent.items() if ppid in frontier and pid not in tree}
+    return {pid: cpu[pid] for pid in tree if pid in cpu}
+
+
+def report_cpu(name: str, before: Dict[int, float], after: Dict[int, float], roles: Dict[int, str],
+               client_s: float, wall: float) -> None:  # fmt: skip
+    """Where the machine's CPU went during the load: the server's processes and this client.
+
+    On a machine with few cores this is the cost that decides throughput: every second the
+    HTTP process, the detokenizer or the client runs is taken from the scheduler's threads.
+    """
+    used = {pid: after[pid] - before.get(pid, 0.0) for pid in after}
+    by_role: Dict[str, float] = {}
+    for pid, sec in used.items():
+        role = roles.get(pid, "other")
+        by_role[role] = by_role.get(role, 0.0) + sec
+    parts = ", ".join(f"{role} {sec:.2f}" for role, sec in sorted(by_role.items(), key=lambda kv: -kv[1]) if sec >= 0.01)
+    total = sum(used.values())
+    common.print_result(f"{name}_server_cpu_s", total, "s", f"{total / wall:.2f} cores over the run: {parts}")
+    common.print_result(f"{name}_client_cpu_s", client_s, "s", "this benchmark client")
+
+
+def server_roles(backend: str, args: argparse.Namespace, root_pid: int) -> Dict[int, str]:
+    """pid -> role: minisgl prints `minisgl <role> pid=N` for each child; the root serves HTTP."""
+    roles = {root_pid: "http" if backend == "minisgl" else "server"}
+    try:
+        with open(os.path.join(args.log_dir, f"{backend}-server.log")) as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) == 3 and parts[0] == "minisgl" and parts[2].startswith("pid="):
+                    roles[int(parts[2][4:])] = parts[1]
+    except (OSError, ValueError):
+        pass
+    return roles
+
+
 def bench_backend(backend: str, model_path: str, prompts: List[str], output_lens: List[int], args: argparse.Namespace,
                   base_url: Optional[str] = None) -> Dict[str, float]:  # fmt: skip
     proc = None
@@ -219,8 +272,15 @@ def bench_backend(backend: str, model_path: str, prompts: List[str], output_lens
         wait_ready(proc, base_url) if proc is not None else None
         # warm-up: one short request (HF builds its paged cache on the first one)
         asyncio.run(run_load(base_url, backend, model_path, prompts[:1], [2], float("inf"), 1, args.seed))
+        cpu_before = process_tree_cpu_s(proc.pid) if proc is not None else {}
+        client_before = time.process_time()
         run = asyncio.run(run_load(base_url, backend, model_path, prompts, output_lens, args.request_rate, args.max_concurrency, args.seed))
-        return report(backend, run)
+        client_s = time.process_time() - client_before
+        stats = report(backend, run)
+        if proc is not None:
+            after = process_tree_cpu_s(proc.pid)
+            report_cpu(backend, cpu_before, after, server_roles(backend, args, proc.pid), client_s, run["wall"])
+        return stats
     finally:
         if proc is not None:
             stop_server(proc)

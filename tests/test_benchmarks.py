@@ -80,6 +80,7 @@ def test_serving_against_minisgl_server(cache: str) -> None:
                    cache, timeout=300)  # fmt: skip
     assert r["minisgl_output_tok_s"] > 0
     assert 0 < r["minisgl_ttft_p50"] <= r["minisgl_e2e_p99"]
+    assert r["minisgl_server_cpu_s"] > 0 and r["minisgl_client_cpu_s"] > 0  # where the machine's CPU went
 
 
 def _canned_http_server(response: bytes) -> "tuple[asyncio.AbstractServer, str]":
