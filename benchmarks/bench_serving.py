@@ -87,8 +87,13 @@ async def _body_pieces(reader: asyncio.StreamReader, headers: Dict[str, str]) ->
 async def post_stream_lines(url: str, body: Dict[str, Any]) -> AsyncIterator[bytes]:
     """POST `body` as JSON to `url` and yield the response body's lines as they arrive."""
     u = urlsplit(url)
+    if u.scheme not in ("http", "https"):
+        raise ValueError(f"--base-url must be an http:// or https:// URL, got {url!r}")
     payload = json.dumps(body).encode()
-    reader, writer = await asyncio.open_connection(u.hostname, u.port or 80, limit=1 << 20)
+    tls = u.scheme == "https"
+    reader, writer = await asyncio.open_connection(
+        u.hostname, u.port or (443 if tls else 80), ssl=True if tls else None, limit=1 << 20
+    )
     try:
         writer.write(
             f"POST {u.path or '/'} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"

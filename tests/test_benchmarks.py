@@ -127,5 +127,7 @@ def test_serving_client_reads_chunked_sse_and_reports_http_errors() -> None:
         async with server:
             with pytest.raises(bench_serving.HTTPStatusError, match="HTTP 400"):
                 [line async for line in bench_serving.post_stream_lines(url, {"x": 1})]
+        with pytest.raises(ValueError, match="http:// or https://"):
+            [line async for line in bench_serving.post_stream_lines("ftp://127.0.0.1/v1/completions", {"x": 1})]
 
     asyncio.run(run())
