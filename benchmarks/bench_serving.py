@@ -16,8 +16,8 @@ Why a hand-written HTTP client: the client shares the machine with the server it
 Through httpx it spent ~160 us of CPU per streamed chunk (0.85 s of a 10 s run on 2 cores),
 time taken from the server's matmul threads; reading the chunked SSE stream straight off an
 asyncio socket costs a fraction of that (SGLang's bench_serving uses aiohttp for the same
-reason). It speaks just enough HTTP/1.1 for this: one POST per connection, a chunked or
-sized response body, `data:` lines.
+reason). It speaks just enough HTTP/1.1 for this: one POST per connection (TLS for
+https://), a chunked or sized response body, `data:` lines.
 """
 
 from __future__ import annotations
