@@ -379,13 +379,7 @@ class RadixWorkload(RuleBasedStateMachine):
             full_len = len(req.origin_input_ids) + len(req.output_ids)
             # only the last request of a batch may be chunked, as in the PrefillAdder
             end = min(full_len, len(req.prefix_indices) + self.chunk_size) if i == len(batch) - 1 else full_len
-            if not self._admit_chunk(req, end):
-                self._retract(req)
-            elif end < full_len:
-                self.cache.cache_unfinished_req(req, chunked=True)
-                self.chunked = req
-            else:
-                self._prefill_done(req, token)
+            self._advance(req, end, full_len, token)
 
     @precondition(lambda self: self.chunked is not None)
     @rule(token=st.integers(1, 3))
@@ -394,6 +388,10 @@ class RadixWorkload(RuleBasedStateMachine):
         full_len = len(req.origin_input_ids) + len(req.output_ids)
         end = min(full_len, len(req.prefix_indices) + self.chunk_size)
         self.chunked = None
+        self._advance(req, end, full_len, token)
+
+    def _advance(self, req: SimReq, end: int, full_len: int, token: int) -> None:
+        """Prefill `req` up to `end`: retracted if it does not fit, chunked if short of `full_len`, else done."""
         if not self._admit_chunk(req, end):
             self._retract(req)
         elif end < full_len:
