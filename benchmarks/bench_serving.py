@@ -311,12 +311,12 @@ def main() -> None:
 
     tok = get_tokenizer(model_path)
     ids, output_lens = common.random_requests(args.num_requests, tuple(args.input_len), tuple(args.output_len), shape.vocab, args.seed)
-    prompts = [tok.decode(x) for x in ids]  # the same text goes to both servers
+    prompts, prompt_tokens = common.text_prompts(tok, ids)  # the same text goes to both servers
     backends = ["url"] if args.base_url else [b.strip() for b in args.backend.split(",") if b.strip()]
     common.print_header(
         "online serving (OpenAI /v1/completions, streaming)",
         {"num_requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
-         "output_tokens": sum(output_lens), "request_rate": args.request_rate, "max_concurrency": args.max_concurrency},
+         "prompt_tokens": prompt_tokens, "output_tokens": sum(output_lens), "request_rate": args.request_rate, "max_concurrency": args.max_concurrency},
         {"model": model_path, "params": shape.matmul_params(), "device": args.device, "dtype": args.dtype,
          "backends": backends, "server_threads": args.threads},
     )  # fmt: skip

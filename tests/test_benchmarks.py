@@ -83,6 +83,25 @@ def test_serving_against_minisgl_server(cache: str) -> None:
     assert r["minisgl_server_cpu_s"] > 0 and r["minisgl_client_cpu_s"] > 0  # where the machine's CPU went
 
 
+def test_text_prompts_tokenize_back_to_the_workload_lengths() -> None:
+    """bench_serving sends text; the servers must prefill the prompt lengths the workload line states."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import common
+    finally:
+        sys.path.pop(0)
+    from minisgl.test_utils import train_tokenizer
+
+    tok = train_tokenizer(2048)
+    ids, _ = common.random_requests(16, (20, 60), (1, 1), 2048, seed=0)
+    naive = sum(len(tok.encode(tok.decode(x), add_special_tokens=False)) for x in ids)
+    texts, total = common.text_prompts(tok, ids)
+    lens = [len(tok.encode(t, add_special_tokens=False)) for t in texts]
+    assert total == sum(lens)
+    assert naive > 1.1 * sum(map(len, ids)) and total <= 1.01 * sum(map(len, ids))
+    assert sum(n == len(x) for n, x in zip(lens, ids)) >= 13 and max(abs(n - len(x)) for n, x in zip(lens, ids)) <= 2
+
+
 def _canned_http_server(response: bytes) -> "tuple[asyncio.AbstractServer, str]":
     """An asyncio server on a free port that answers any request with `response` and closes."""
 
