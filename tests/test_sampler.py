@@ -123,6 +123,15 @@ def test_seeded_requests_are_reproducible_and_batch_independent() -> None:
     assert len(set(first.tolist())) > 1  # positions change the noise too
 
 
+def test_seeds_of_any_size_sample_like_their_low_32_bits() -> None:
+    """OpenAI's seed has no range (and n > 1 adds j to it): a huge seed must not fail the batch."""
+    logits = torch.randn(1, V, generator=torch.Generator().manual_seed(3)).expand(16, -1)
+    small = sample(logits, [req(seed=5, output_ids=list(range(n))) for n in range(16)]).next_token_ids
+    for seed in (2**64 + 5, 2**63 + 2**32 * 7 + 5, -(2**70) + 5):
+        huge = [req(seed=seed, output_ids=list(range(n))) for n in range(16)]
+        assert sample(logits, huge).next_token_ids.tolist() == small.tolist()
+
+
 def test_seeded_sampling_follows_the_distribution() -> None:
     n = 3000
     reqs = [req(seed=s) for s in range(n)]
@@ -188,7 +197,7 @@ def test_logprobs_of_sampled_token_and_top_logprobs() -> None:
 @pytest.mark.parametrize(
     "params",
     [
-        {"temperature": -0.1}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": 0}, {"top_k": -2}, {"min_p": 1.5},
+        {"temperature": -0.1}, {"temperature": math.nan}, {"temperature": math.inf}, {"top_p": math.nan}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": 0}, {"top_k": -2}, {"min_p": 1.5},
         {"frequency_penalty": 2.5}, {"presence_penalty": -3}, {"repetition_penalty": 0.0},
         {"min_new_tokens": 5, "max_new_tokens": 2},
     ],

@@ -57,7 +57,11 @@ class SamplingBatchInfo:
             need_top_p_sampling=any(p.top_p < 1.0 for p in params),
             need_top_k_sampling=any(k < vocab_size for k in top_ks),
             need_min_p_sampling=any(p.min_p > 0 for p in params),
-            seeds=torch.tensor([s or 0 for s in seeds], dtype=torch.int64, device=device) if any_seed else None,
+            # The Gumbel hash reads a seed's low 32 bits; masking here also keeps any Python int
+            # (OpenAI's seed has no range, and n > 1 adds j to it) inside int64.
+            seeds=torch.tensor([(s or 0) & 0xFFFFFFFF for s in seeds], dtype=torch.int64, device=device)
+            if any_seed
+            else None,
             has_seed=torch.tensor([s is not None for s in seeds], device=device) if any_seed else None,
             positions=torch.tensor(
                 [len(r.origin_input_ids) + len(r.output_ids) for r in reqs], dtype=torch.int64, device=device

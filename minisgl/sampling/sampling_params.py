@@ -14,6 +14,7 @@ Greedy: a temperature below 1e-6 becomes temperature 1.0 with top_k 1, as in SGL
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Union
 
@@ -86,8 +87,8 @@ class SamplingParams:
 
     def verify(self, vocab_size: Optional[int] = None) -> None:
         """Raise ValueError naming the field and its valid range (sglang-facts.md §10.3)."""
-        if self.temperature is None or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature is None or not 0 <= self.temperature < math.inf:  # NaN and inf fail too
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
