@@ -139,6 +139,27 @@ def test_legacy_and_transformers5_rope_spellings_agree() -> None:
         parse_rope({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1.0}})
 
 
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        # a transformers-5 config with rope_scaling added by hand (how model cards extend context)
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+         "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_theta": 5e5,
+         "rope_scaling": {"type": "linear", "factor": 2.0}},
+        {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}, "rope_scaling": None},
+    ],
+)  # fmt: skip
+def test_rope_spelling_precedence_follows_transformers(cfg: dict) -> None:
+    """When both spellings are present, the numbers must be the ones transformers computes with."""
+    import transformers as tf
+
+    hf = tf.LlamaConfig.from_dict(dict(cfg)).rope_parameters
+    theta, scaling = parse_rope(cfg)
+    assert theta == hf["rope_theta"]
+    assert scaling is not None and scaling["rope_type"] == hf["rope_type"] and scaling["factor"] == hf["factor"]
+
+
 def test_unsupported_architecture_names_the_supported_ones(tiny_model: str, tmp_path: Any) -> None:
     def cfg(d: dict) -> None:
         d["architectures"] = ["GPT2LMHeadModel"]

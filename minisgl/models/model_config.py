@@ -100,16 +100,18 @@ def _as_id_set(value: Any) -> Set[int]:
 
 
 def parse_rope(cfg: Dict[str, Any]) -> Tuple[float, Optional[Dict[str, Any]]]:
-    """(rope_theta, rope_scaling or None) from either config spelling."""
-    params = cfg.get("rope_parameters")
+    """(rope_theta, rope_scaling or None) from either config spelling.
+
+    As in transformers 5, `rope_scaling` wins over `rope_parameters` when both are there
+    (a config saved by transformers 5 always has `rope_parameters`; users add
+    `rope_scaling` to extend the context), and rope_theta comes from that dict, else the
+    top level, else 10000.
+    """
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters")
     if params and "full_attention" in params and "rope_type" not in params:
         params = params["full_attention"]  # per-layer-type form; every supported model is full attention
-    if params:
-        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-        scaling: Optional[Dict[str, Any]] = {k: v for k, v in params.items() if k != "rope_theta"}
-    else:
-        theta = float(cfg.get("rope_theta", 10000.0))
-        scaling = dict(cfg["rope_scaling"]) if cfg.get("rope_scaling") else None
+    scaling: Optional[Dict[str, Any]] = dict(params) if params else None
+    theta = float((scaling or {}).pop("rope_theta", cfg.get("rope_theta", 10000.0)))
     partial = (scaling or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise ValueError(f"partial_rotary_factor={partial} is not supported (minisgl rotates the whole head)")
