@@ -62,6 +62,14 @@ def test_cpu_pool_from_budget_and_cap(tiny_model: str) -> None:
     assert capped.max_running_requests == min(CPU_POOL_CONTEXTS * 256 // 2, CPU_MAX_RUNNING_REQUESTS)
 
 
+def test_one_rope_table_for_the_model_sized_by_the_context(tiny_model: str) -> None:
+    """Every layer reads the same cos/sin table, [context_len, D]: memory a long-context model would lose to the KV pool."""
+    runner = make_runner(tiny_model, context_length=256)
+    tables = {m.self_attn.rotary_emb.cos_sin_cache.data_ptr() for m in runner.model.model.layers}
+    assert len(runner.model.model.layers) > 1 and len(tables) == 1
+    assert tuple(runner.model.model.rotary_emb.cos_sin_cache.shape) == (256, runner.model_config.head_dim)
+
+
 def test_bfloat16_kv_pool_halves_the_cell_and_doubles_the_budgeted_tokens(tiny_model: str) -> None:
     """--kv-cache-dtype bfloat16 under a float32 model: the pool, not the model, is bf16: half the bytes per token."""
     budget = 300 * make_runner(tiny_model, max_total_tokens=64).cell_size / 2**30  # 300 float32 tokens

@@ -40,20 +40,14 @@ from minisgl.models.model_config import ModelConfig
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, kernels: str) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, kernels: str, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, config.qkv_bias)
         self.o_proj = ReplicatedLinear(self.num_heads * self.head_dim, config.hidden_size, config.o_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if config.qk_norm else None
-        self.rotary_emb = RotaryEmbedding(
-            self.head_dim,
-            max(config.max_position_embeddings, config.context_len),
-            config.rope_theta,
-            config.rope_scaling,
-            kernels,
-        )
+        self.rotary_emb = rotary_emb  # one cos/sin table for the whole model (DecoderModel)
         self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
@@ -84,9 +78,9 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, kernels: str) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, kernels: str, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(config, layer_id, kernels)
+        self.self_attn = DecoderAttention(config, layer_id, kernels, rotary_emb)
         self.mlp = DecoderMLP(config, kernels)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
@@ -108,7 +102,13 @@ class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, kernels: str) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(config, i, kernels) for i in range(config.num_layers)])
+        # Shared by every layer (as transformers' model-level rotary_emb): one [context_len, D]
+        # table, not one per layer (32 x 128k positions of an 8B model would be 2 GiB).
+        # The scheduler keeps every position below context_len (init_req_max_new_tokens).
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.context_len, config.rope_theta, config.rope_scaling, kernels)
+        self.layers = nn.ModuleList(
+            [DecoderLayer(config, i, kernels, self.rotary_emb) for i in range(config.num_layers)]
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
