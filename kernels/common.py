@@ -54,3 +54,9 @@ def check_tensor(
                 raise ValueError(f"{name} has shape {tuple(t.shape)}: dim {i} must be {want}")
     if last_dim_contiguous and t.numel() > 0 and t.stride(-1) != 1:
         raise ValueError(f"{name} must have stride 1 on its last dim, got strides {t.stride()}")
+
+
+def check_head_dim(head_dim: int) -> None:
+    """The attention kernels tile one head in registers: D must be a power of two >= 16."""
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two >= 16 for the Triton attention kernels, got {head_dim}")

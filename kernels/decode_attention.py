@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, is_interpreter
+from .common import FLOAT_DTYPES, INDEX_DTYPES, check_head_dim, check_tensor, is_interpreter
 
 
 def decode_attention_ref(
@@ -170,8 +170,7 @@ def _check_paged_args(
     Hkv = k_buffer.shape[1]
     if Hq % Hkv != 0:
         raise ValueError(f"q has {Hq} heads, not a multiple of the {Hkv} KV heads")
-    if D < 16 or D & (D - 1):
-        raise ValueError(f"head_dim must be a power of two >= 16, got {D}")
+    check_head_dim(D)
     check_tensor("req_to_token", req_to_token, 2, INDEX_DTYPES, q.device)
     check_tensor("req_pool_indices", req_pool_indices, 1, INDEX_DTYPES, q.device, (B,))
 

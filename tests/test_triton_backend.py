@@ -61,3 +61,15 @@ def test_triton_backend_matches_torch_greedy(
     tokens = greedy_tokens(tiny_model, attention_backend="triton", device=device, **server_args)
     assert all(len(t) == SAMPLING["max_new_tokens"] for t in tokens)
     assert tokens == torch_tokens
+
+
+def test_triton_backend_refuses_a_head_dim_its_kernels_cannot_tile_at_start_up(tmp_path: Any) -> None:
+    """head_dim 24 (open_llama_3b has 100): a clear start-up error, not a dead scheduler at the first request."""
+    from forward_helpers import make_runner
+    from minisgl.test_utils import make_tiny_model
+
+    path = make_tiny_model(str(tmp_path / "hd24"), arch="llama", hidden_size=48, num_attention_heads=2,
+                           num_key_value_heads=1, head_dim=24)  # fmt: skip
+    with pytest.raises(ValueError, match="power of two >= 16.*got 24.*--attention-backend torch"):
+        make_runner(path, attention_backend="triton")
+    assert make_runner(path, attention_backend="torch").model_config.head_dim == 24

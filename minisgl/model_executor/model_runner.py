@@ -137,7 +137,7 @@ class ModelRunner:
         if backend == "triton":
             from minisgl.layers.attention.triton_backend import TritonAttnBackend
 
-            return TritonAttnBackend(str(self.device))
+            return TritonAttnBackend(str(self.device), self.model_config.head_dim)
         raise ValueError(f"Unknown attention backend {backend!r}; choose cpu, torch or triton")
 
     # ------------------------------------------------------------------ running

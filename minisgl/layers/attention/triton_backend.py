@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from minisgl.kernels.common import check_head_dim
 from minisgl.kernels.decode_attention import decode_attention
 from minisgl.kernels.extend_attention import extend_attention
 from minisgl.kernels.store_kv import store_kv
@@ -42,7 +43,11 @@ class TritonAttnMetadata:
 
 
 class TritonAttnBackend(AttentionBackend):
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, head_dim: int) -> None:
+        try:
+            check_head_dim(head_dim)  # at start-up, not at the first request
+        except ValueError as e:
+            raise ValueError(f"{e}; use --attention-backend torch for this model") from None
         on_gpu = str(device).startswith("cuda")
         self.num_kv_splits = GPU_NUM_KV_SPLITS if on_gpu else 1
         self.metadata: Optional[TritonAttnMetadata] = None
