@@ -104,6 +104,20 @@ def test_head_of_line_blocking_and_batch_full(tiny_model):
     engine.run_until_idle()
 
 
+def test_the_last_chunk_leaves_the_free_slot_to_the_queue(tiny_model):
+    """max_running_requests=2: while L finishes its chunked prefill, S takes the other slot;
+    it must not wait for L's whole decode (L's row was counted twice on its last chunk)."""
+    greedy = {"temperature": 0, "ignore_eos": True}
+    engine = Engine(tiny_model, device="cpu", max_total_tokens=1024, chunked_prefill_size=16, max_running_requests=2)
+    engine.add_request(input_ids=list(range(10, 40)), sampling_params={**greedy, "max_new_tokens": 20}, rid="L")
+    engine.add_request(input_ids=list(range(50, 60)), sampling_params={**greedy, "max_new_tokens": 2}, rid="S")
+    first, last_chunk = engine.step(), engine.step()
+    assert first["adder"]["admitted"] == ["L"]  # chunk 1 of 2 fills the chunk budget
+    assert "S" in last_chunk["adder"]["admitted"] and last_chunk["adder"]["stop_reason"] != "BATCH_FULL"
+    engine.run_until_idle()
+    assert len(engine.get_result("S")["output_ids"]) == 2 and len(engine.get_result("L")["output_ids"]) == 20
+
+
 def test_policies_order_the_queue():
     adder = _adder(pool_tokens=1000)
     reqs = [_req(str(i), 5 + i, m, adder) for i, m in enumerate([3, 9, 1])]

@@ -28,6 +28,9 @@ def test_retraction_completes_a_workload_ten_times_the_pool(tiny_model):
     assert ratios[peak] > small.scheduler.init_new_token_ratio  # raised by retraction ...
     assert min(ratios[peak:]) < ratios[peak]  # ... then decayed step by step
     assert small.get_load().num_retracted_reqs_total == retracted
+    # idle again after the last step: the ratio is back at its start (§1.8), so the next burst
+    # is admitted as boldly as the first, without any step taken while idle
+    assert small.scheduler.new_token_ratio == small.scheduler.init_new_token_ratio
 
 
 def test_a_request_bigger_than_the_pool_fails_clearly_and_others_run(tiny_model):
@@ -46,4 +49,4 @@ def test_a_request_bigger_than_the_pool_fails_clearly_and_others_run(tiny_model)
     assert out["meta_info"]["finish_reason"]["type"] == "length"
     assert 40 + len(out["output_ids"]) <= 64  # the whole request fits the pool
     assert len(engine.get_result(ok)["output_ids"]) == 4
-    engine.step()  # idle leak check
+    engine.scheduler.check_memory_when_idle()

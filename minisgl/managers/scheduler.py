@@ -274,9 +274,10 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         if batch is not None:
             result = self.run_batch(batch)
             self.process_batch_result(batch, result)
-        else:
-            self.self_check_during_idle()
         self.last_batch = batch
+        # Idle now (nothing came, or the last request just finished): reset the ratio and check
+        # for leaks here, since the process shell then blocks on recv and steps no more.
+        self.self_check_during_idle()
         return batch
 
     def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
@@ -307,10 +308,10 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             return None if self.running_batch.is_empty() else self.running_batch
         return None
 
-    def get_num_allocatable_reqs(self, running_bs: int) -> int:
-        """Request slots left: the running cap, and free req_to_token rows (+ the chunked one's)."""
-        held = 1 if self.chunked_req is not None else 0
-        return min(self.max_running_requests - running_bs, self.req_to_token_pool.available_size() + held)
+    def get_num_allocatable_reqs(self, running_bs: int, rows_held: int = 0) -> int:
+        """Request slots left: the running cap, and free req_to_token rows, plus `rows_held`:
+        admitted requests that already own a row (the chunked request)."""
+        return min(self.max_running_requests - running_bs, self.req_to_token_pool.available_size() + rows_held)
 
     def get_new_batch_prefill(self) -> Optional[ScheduleBatch]:
         """Admit the chunked request first, then the waiting queue in policy order (§1.4)."""
@@ -336,21 +337,25 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             running_bs if self.is_mixed_chunk else 0,
             self.server_args.prefill_max_requests,
         )
+        # Counted before add_chunked_req, which clears chunked_req on the last chunk while the
+        # request (and its row) stays in can_run_list.
+        rows_held = 1 if self.chunked_req is not None else 0
         if self.chunked_req is not None:
             self.chunked_req.init_next_round_input()
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
-        self._admit_waiting(adder, running_bs)
+        self._admit_waiting(adder, running_bs, rows_held)
         self.adder_record = adder.record()
-        self.adder_record["budgets"]["request_slots_left"] = self.get_num_allocatable_reqs(running_bs) - len(adder.can_run_list)
+        slots_left = self.get_num_allocatable_reqs(running_bs, rows_held) - len(adder.can_run_list)
+        self.adder_record["budgets"]["request_slots_left"] = slots_left
         self.adder_record["budgets"]["total_tokens"] = self.max_total_num_tokens
         if not adder.can_run_list:
             return None
         return self._build_prefill_batch(adder, running_bs)
 
-    def _admit_waiting(self, adder: PrefillAdder, running_bs: int) -> None:
+    def _admit_waiting(self, adder: PrefillAdder, running_bs: int, rows_held: int) -> None:
         """Offer queued requests until the first one that does not fit (head-of-line blocking)."""
         for req in self.waiting_queue:
-            if len(adder.can_run_list) >= self.get_num_allocatable_reqs(running_bs):
+            if len(adder.can_run_list) >= self.get_num_allocatable_reqs(running_bs, rows_held):
                 self.running_batch.batch_is_full = True
             if self.running_batch.batch_is_full:
                 adder.record_stop("BATCH_FULL", f"no request slot left (max_running_requests={self.max_running_requests})")
