@@ -122,6 +122,16 @@ class ServerArgs:
             )
         if self.stream_interval < 1:
             raise ValueError(f"--stream-interval must be >= 1, got {self.stream_interval}")
+        # Settings under which no request could ever be scheduled: refuse them, not hang.
+        if self.chunked_prefill_size is not None and 0 < self.chunked_prefill_size < self.page_size:
+            raise ValueError(
+                f"--chunked-prefill-size ({self.chunked_prefill_size}) must be at least --page-size ({self.page_size}): "
+                "a chunk holds whole pages (or -1 to disable chunking)"
+            )
+        for name in ("prefill_max_requests", "max_running_requests"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
     @property
     def is_resolved(self) -> bool:

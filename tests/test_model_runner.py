@@ -116,6 +116,21 @@ def test_kv_cache_dtype_is_resolved_or_refused(args: Dict[str, Any], message: Op
         resolve_server_args(ServerArgs(device="cpu", **args))
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (dict(page_size=16, chunked_prefill_size=8), "--chunked-prefill-size \\(8\\) must be at least --page-size \\(16\\)"),
+        (dict(prefill_max_requests=0), "--prefill-max-requests must be >= 1"),
+        (dict(max_running_requests=0), "--max-running-requests must be >= 1"),
+    ],
+)
+def test_settings_that_could_never_schedule_a_request_are_refused(args: Dict[str, Any], message: str) -> None:
+    """Each of these ran and never finished a request (a busy scheduler, no error)."""
+    with pytest.raises(ValueError, match=message):
+        ServerArgs(device="cpu", **args)
+    ServerArgs(device="cpu", page_size=16, chunked_prefill_size=-1)  # chunking off: any page size
+
+
 def test_unresolved_args_are_refused(tiny_model: str) -> None:
     with pytest.raises(ValueError, match="resolve_server_args"):
         ModelRunner(ServerArgs(model_path=tiny_model))
