@@ -31,7 +31,7 @@ def _req(rid: str, input_len: int, max_new: int, adder: PrefillAdder) -> Req:
 
 def test_kv_budget_no_token_even_for_the_first_request():
     adder = _adder(pool_tokens=100)
-    assert adder.add_one_req(_req("a", 60, 50, adder), has_chunked_req=False) == AddReqResult.NO_TOKEN
+    assert adder.add_one_req(_req("a", 60, 50, adder)) == AddReqResult.NO_TOKEN
     assert adder.can_run_list == [] and adder.stop_reason == "NO_TOKEN"
     assert "rem_total_tokens" in adder.stop_detail and adder.budgets_at_stop["rem_total_tokens"] == 100
 
@@ -39,39 +39,39 @@ def test_kv_budget_no_token_even_for_the_first_request():
 def test_input_budget_first_request_may_exceed_it_second_may_not():
     adder = _adder(pool_tokens=1000, max_prefill=50)
     first = _req("a", 80, 4, adder)
-    assert adder.add_one_req(first, has_chunked_req=False) == AddReqResult.OTHER  # admitted, then budget spent
+    assert adder.add_one_req(first) == AddReqResult.OTHER  # admitted, then budget spent
     assert adder.can_run_list == [first] and adder.rem_input_tokens == -30
     assert "rem_input_tokens" in adder.stop_detail
 
 
 def test_input_budget_blocks_a_later_request():
     adder = _adder(pool_tokens=1000, max_prefill=50)
-    assert adder.add_one_req(_req("a", 20, 4, adder), has_chunked_req=False) == AddReqResult.CONTINUE
-    assert adder.add_one_req(_req("b", 40, 4, adder), has_chunked_req=False) == AddReqResult.OTHER
+    assert adder.add_one_req(_req("a", 20, 4, adder)) == AddReqResult.CONTINUE
+    assert adder.add_one_req(_req("b", 40, 4, adder)) == AddReqResult.OTHER
     assert [r.rid for r in adder.can_run_list] == ["a"]
 
 
 def test_chunk_budget_truncates_and_page_aligns():
     adder = _adder(pool_tokens=1024, chunk=40, page_size=16)
     req = _req("a", 100, 4, adder)
-    assert adder.add_one_req(req, has_chunked_req=False) == AddReqResult.CONTINUE
+    assert adder.add_one_req(req) == AddReqResult.CONTINUE
     assert adder.new_chunked_req is req and req.extend_input_len == 32 and len(req.fill_ids) == 32
     # 8 tokens of chunk budget left: less than a page, so the next request cannot start
-    assert adder.add_one_req(_req("b", 10, 4, adder), has_chunked_req=True) == AddReqResult.OTHER
+    assert adder.add_one_req(_req("b", 10, 4, adder)) == AddReqResult.OTHER
     assert "less than one page" in adder.stop_detail
 
 
 def test_chunk_budget_exhausted_exactly():
     adder = _adder(pool_tokens=1024, chunk=64)
     req = _req("a", 100, 4, adder)
-    assert adder.add_one_req(req, has_chunked_req=False) == AddReqResult.OTHER
+    assert adder.add_one_req(req) == AddReqResult.OTHER
     assert req.extend_input_len == 64 and "rem_chunk_tokens" in adder.stop_detail
 
 
 def test_prefill_max_requests():
     adder = _adder(pool_tokens=1024, prefill_max_requests=1)
-    assert adder.add_one_req(_req("a", 10, 4, adder), has_chunked_req=False) == AddReqResult.CONTINUE
-    assert adder.add_one_req(_req("b", 10, 4, adder), has_chunked_req=False) == AddReqResult.OTHER
+    assert adder.add_one_req(_req("a", 10, 4, adder)) == AddReqResult.CONTINUE
+    assert adder.add_one_req(_req("b", 10, 4, adder)) == AddReqResult.OTHER
     assert "prefill_max_requests" in adder.stop_detail
 
 

@@ -53,3 +53,33 @@ def test_random_workload_integrity_after_every_step(tiny_model, page_size):
     reference = Engine(tiny_model, device="cpu", max_total_tokens=4096, page_size=page_size, disable_radix_cache=True)
     ref_outs, _, _ = _run_all(reference, prompts, max_new)
     assert outs == ref_outs
+
+
+# Each case killed the scheduler before ("KV cache out of memory", from the chunk's or the
+# decode rows' allocation). (4, 64): the decoders sit on a page boundary, and no pass has
+# room for their new pages, so they wait for the prefill.
+@pytest.mark.parametrize(
+    "page_size, chunk, decoders, warm_steps, long_len, rides_along",
+    [(1, 12, 3, 1, 44, True), (4, 64, 4, 5, 24, False), (4, 8, 4, 5, 24, True)],
+)
+def test_mixed_chunks_in_a_tight_pool_finish_every_request(tiny_model, page_size, chunk, decoders, warm_steps, long_len,
+                                                           rides_along):  # fmt: skip
+    """--enable-mixed-chunk with a pool the decode rows could eat: decoding requests ride
+    along only while the KV they take is not what the prefill still needs (page-aware)."""
+    engine = Engine(
+        tiny_model, device="cpu", max_total_tokens=64, page_size=page_size, chunked_prefill_size=chunk,
+        enable_mixed_chunk=True, schedule_conservativeness=0.01,  # admission overcommits on purpose
+    )  # fmt: skip
+    params = {**GREEDY, "max_new_tokens": 10}
+    short = [engine.add_request(input_ids=[10 + i, 20 + i, 30 + i, 40 + i], sampling_params=params) for i in range(decoders)]
+    for _ in range(warm_steps):  # they decode ...
+        engine.step()
+    long = engine.add_request(input_ids=list(range(100, 100 + long_len)), sampling_params={**GREEDY, "max_new_tokens": 1})
+    modes = set()
+    while engine.has_unfinished_requests():  # ... while a long prompt is prefilled
+        modes.add(engine.step()["forward_mode"])
+        engine.scheduler.check_integrity()
+    assert ("MIXED" in modes) == rides_along
+    assert [len(engine.get_result(r)["output_ids"]) for r in short] == [10] * decoders
+    assert len(engine.get_result(long)["output_ids"]) == 1
+    engine.scheduler.check_memory_when_idle()

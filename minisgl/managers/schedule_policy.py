@@ -167,7 +167,7 @@ class PrefillAdder:
         )
         return req if truncated else None
 
-    def add_one_req(self, req: Req, has_chunked_req: bool) -> AddReqResult:
+    def add_one_req(self, req: Req) -> AddReqResult:
         """Admit `req` whole, or truncated to a chunk, or say which budget stops it (§2.5)."""
         if self.prefill_max_requests is not None and len(self.can_run_list) >= self.prefill_max_requests:
             return self._stop(AddReqResult.OTHER, f"prefill_max_requests ({self.prefill_max_requests}) reached")

@@ -361,7 +361,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
                 adder.record_stop("BATCH_FULL", f"no request slot left (max_running_requests={self.max_running_requests})")
                 return
             req.init_next_round_input(self.tree_cache)
-            res = adder.add_one_req(req, has_chunked_req=self.chunked_req is not None)
+            res = adder.add_one_req(req)
             if res != AddReqResult.CONTINUE:
                 if res == AddReqResult.NO_TOKEN:
                     # only "full" if something holds memory that will come back (0.5.23)
@@ -416,13 +416,30 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         no_logprob = not (new_batch.return_logprob or self.running_batch.return_logprob)
         if self.is_mixed_chunk and not self.running_batch.is_empty() and no_logprob:
             self.running_batch.filter_batch()
-            if not self.running_batch.is_empty():
+            if not self.running_batch.is_empty() and self._room_to_mix():
                 self.running_batch.prepare_for_decode()
                 new_batch.mix_with_running(self.running_batch)
                 batch_is_full = self.running_batch.batch_is_full
                 self.running_batch = self._empty_batch()
                 self.running_batch.batch_is_full = batch_is_full
         return new_batch
+
+    def _room_to_mix(self) -> bool:
+        """Can the decode rows ride in this prefill pass without taking KV the prefill needs?
+
+        They get slots only from what is left after this pass and the chunked request's
+        remaining prompt: that prompt was budgeted whole at admission, while the decode rows
+        were reserved only as running_bs tokens scaled by new_token_ratio (no pages, and an
+        estimate). Without room they wait for the prefill, as without mixing, and the decode
+        step that follows retracts if it must.
+        """
+        P = self.page_size
+        need = self.running_batch.new_tokens_required_next_decode()
+        req = self.chunked_req
+        if req is not None:  # pages its remaining prompt will still take
+            need += (-(-req.seqlen // P) - (-(-req.kv_committed_len // P))) * P
+        free = self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size()
+        return free >= need
 
     def update_running_batch(self, batch: ScheduleBatch) -> ScheduleBatch:
         """Drop finished, make room for one token each (evict, then retract), decay the ratio (§1.6)."""
