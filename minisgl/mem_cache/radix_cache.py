@@ -62,7 +62,6 @@ class TreeNode:
         self.children: Dict[ChildKey, TreeNode] = {}
         self.lock_ref = 0  # running requests whose prefix passes through this node
         self.last_access_time = 0  # logical clock tick of the last match/insert through it
-        self.hit_count = 0  # how many matches passed through it
 
     def __lt__(self, other: "TreeNode") -> bool:
         # eviction heap order: least recently used first
@@ -169,7 +168,6 @@ class RadixCache:
         while key and self._child_key(key) in node.children:
             child = node.children[self._child_key(key)]
             child.last_access_time = now
-            child.hit_count += 1
             prefix_len = self._key_match(child.key, key)
             if prefix_len < len(child.key):
                 node = self._split_node(child, prefix_len)
@@ -189,7 +187,6 @@ class RadixCache:
         new_node = self._new_node(child.key[:split_len], child.value[:split_len], parent)
         new_node.lock_ref = child.lock_ref
         new_node.last_access_time = child.last_access_time
-        new_node.hit_count = child.hit_count
         child.key = child.key[split_len:]
         child.value = child.value[split_len:]
         child.parent = new_node
