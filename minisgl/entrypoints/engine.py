@@ -12,13 +12,17 @@ processes run, with direct calls in place of ZMQ:
 so a notebook can watch the scheduler decide, one batch at a time.
 Owns: the ModelRunner, the Scheduler, the DetokenizerManager, one tokenizer, and a
 `_ReqState` per request submitted and not yet collected.
+
+Results have the TokenizerManager's shape (docs/engine.md): `meta_info` always carries
+`output_token_logprobs` [(logprob, id)] and `output_top_logprobs` [[(logprob, id)] * k],
+empty unless asked for; a streamed chunk carries the deltas, a final result the whole lists.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Union
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 from minisgl.managers.io_struct import AbortReq, BatchStrOutput, GenerateReqInput, new_rid
 from minisgl.server_args import ServerArgs, resolve_server_args
@@ -36,8 +40,12 @@ class _ReqState:
     text: str = ""
     output_ids: List[int] = field(default_factory=list)
     finished: bool = False
-    meta_info: Dict[str, Any] = field(default_factory=dict)
+    meta_info: Dict[str, Any] = field(default_factory=dict)  # the latest message's, logprobs left out
     finished_time: float = 0.0
+    # accumulated over every message: the scheduler emits at least every 50 tokens even
+    # for a non-streaming request, so one message holds only part of the answer
+    output_token_logprobs: List[Tuple[float, int]] = field(default_factory=list)
+    output_top_logprobs: List[List[Tuple[float, int]]] = field(default_factory=list)
     # incremental chunks not yet handed to a streaming caller
     pending: List[Dict[str, Any]] = field(default_factory=list)
 
@@ -76,6 +84,8 @@ class Engine:
         params = dict(sampling_params or {})
         if params.get("n", 1) != 1:
             raise ValueError("add_request takes one request; use generate(..., sampling_params={'n': k}) for n > 1")
+        if top_logprobs_num and not return_logprob:
+            raise ValueError("top_logprobs_num needs return_logprob to be true")  # the server's check
         obj = GenerateReqInput(
             text=prompt, input_ids=input_ids, sampling_params=params, rid=rid or new_rid(),
             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,
@@ -142,18 +152,31 @@ class Engine:
         return results[0] if single else results
 
     def _stream(self, rids: List[str], single: bool) -> Iterator[Dict[str, Any]]:
-        """Incremental dicts (text and output_ids deltas) as the scheduler produces them."""
-        while True:
-            for index, rid in enumerate(rids):
-                state = self.rid_to_state[rid]
-                for chunk in state.pending:
-                    yield chunk if single else {**chunk, "index": index}
-                state.pending.clear()
-            if all(self.rid_to_state[r].finished for r in rids):
-                break
-            self.step(snapshot=False)
-        for rid in rids:
-            self.rid_to_state.pop(rid)
+        """Incremental dicts (text, output_ids and logprob deltas) as the scheduler produces them.
+
+        A caller that stops early (break, close(), dropping the iterator) aborts the requests still
+        running and steps until the scheduler has let them go, so their KV is freed and the
+        engine is idle again, as the server does when a client disconnects.
+        """
+        try:
+            while True:
+                for index, rid in enumerate(rids):
+                    state = self.rid_to_state[rid]
+                    for chunk in state.pending:
+                        yield chunk if single else {**chunk, "index": index}
+                    state.pending.clear()
+                if all(self.rid_to_state[r].finished for r in rids):
+                    break
+                self.step(snapshot=False)
+        finally:
+            unfinished = [r for r in rids if not self.rid_to_state[r].finished]
+            for rid in unfinished:
+                self.abort(rid)
+            # a running request is aborted at its next forward (SGLang's method 3)
+            while not all(self.rid_to_state[r].finished for r in unfinished):
+                self.step(snapshot=False)
+            for rid in rids:
+                self.rid_to_state.pop(rid)
 
     # ------------------------------------------------------------------ stepping
     def step(self, snapshot: bool = True) -> Optional[Dict[str, Any]]:
@@ -187,13 +210,19 @@ class Engine:
             self._handle_str_output(self.detokenizer.handle_batch_token_id_out(out))
 
     def _handle_str_output(self, out: BatchStrOutput) -> None:
+        """Fill each rid's state from one message, as TokenizerManager._handle_batch_output does."""
+        from minisgl.managers.tokenizer_manager import _logprobs_of  # one shape for both entry points
+
         now = time.perf_counter()
         for i, rid in enumerate(out.rids):
             state = self.rid_to_state.get(rid)
             if state is None:
                 continue  # collected already (e.g. aborted by the caller)
+            token_logprobs, top_logprobs = _logprobs_of(out, i)
             state.text += out.output_strs[i]
             state.output_ids.extend(out.output_ids[i])
+            state.output_token_logprobs.extend(token_logprobs)
+            state.output_top_logprobs.extend(top_logprobs)
             finish = out.finished_reasons[i]
             state.meta_info = {
                 "id": rid,
@@ -203,9 +232,6 @@ class Engine:
                 "finish_reason": finish,
                 **(out.time_stats[i] if i < len(out.time_stats) else {}),
             }
-            if out.output_token_logprobs_val and out.output_token_logprobs_val[i]:
-                logprobs = state.meta_info.setdefault("output_token_logprobs", [])
-                logprobs.extend(zip(out.output_token_logprobs_val[i], out.output_token_logprobs_idx[i]))
             if finish is not None:
                 state.finished = True
                 state.finished_time = now
@@ -214,13 +240,20 @@ class Engine:
             # queue + schedule + forward (prefill_finished - recv), as SGLang 0.5.23 reports
             ttft_ms = state.meta_info.get("ttft_ms")
             state.meta_info["ttft"] = ttft_ms / 1e3 if ttft_ms is not None else None
-            state.pending.append(
-                {"text": out.output_strs[i], "output_ids": list(out.output_ids[i]), "meta_info": dict(state.meta_info)}
-            )
+            # a streamed chunk carries this message's logprobs only (deltas, as the server's do)
+            delta_meta = dict(state.meta_info, output_token_logprobs=token_logprobs, output_top_logprobs=top_logprobs)
+            chunk = {"text": out.output_strs[i], "output_ids": list(out.output_ids[i]), "meta_info": delta_meta}
+            state.pending.append(chunk)
 
     def _pop_result(self, rid: str) -> Dict[str, Any]:
+        """The whole answer: all text, ids and logprobs of every message (TokenizerManager._full_output)."""
         state = self.rid_to_state.pop(rid)
-        return {"text": state.text, "output_ids": state.output_ids, "meta_info": state.meta_info}
+        meta = {
+            **state.meta_info,
+            "output_token_logprobs": list(state.output_token_logprobs),
+            "output_top_logprobs": list(state.output_top_logprobs),
+        }
+        return {"text": state.text, "output_ids": state.output_ids, "meta_info": meta}
 
     def get_result(self, rid: str) -> Dict[str, Any]:
         """The result of a finished request started with add_request (and forget it)."""

@@ -1,0 +1,146 @@
+"""Engine outputs: logprobs in the TokenizerManager's shape, and a stream the caller leaves early.
+
+The scheduler emits a non-streaming request every 50 tokens (DEFAULT_FORCE_STREAM_INTERVAL),
+so a 60-token answer reaches the Engine in two messages: the result must hold both.
+The server-path check replays the Engine's own detokenizer messages into a real
+TokenizerManager (no model processes), so both entry points see identical input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any, Dict, List
+
+import pytest
+
+from minisgl import Engine
+from minisgl.managers.io_struct import BatchStrOutput, GenerateReqInput
+from minisgl.managers.scheduler_output_processor_mixin import DEFAULT_FORCE_STREAM_INTERVAL
+from minisgl.managers.tokenizer_manager import TokenizerManager
+from minisgl.server_args import PortArgs
+
+PROMPT = [5, 6, 7, 8]
+LONG = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 60}
+TOP_K = 3
+LOGPROBS = {"return_logprob": True, "top_logprobs_num": TOP_K}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model: str) -> Engine:
+    with Engine(tiny_model, device="cpu", max_total_tokens=2048) as e:
+        yield e
+
+
+def _record_messages(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> List[BatchStrOutput]:
+    """Every BatchStrOutput the Engine's detokenizer hands to the Engine from now on."""
+    messages: List[BatchStrOutput] = []
+    handle = engine.detokenizer.handle_batch_token_id_out
+
+    def recording(out: Any) -> BatchStrOutput:
+        messages.append(handle(out))
+        return messages[-1]
+
+    monkeypatch.setattr(engine.detokenizer, "handle_batch_token_id_out", recording)
+    return messages
+
+
+def _server_result(engine: Engine, tmp_path: Any, messages: List[BatchStrOutput], stream: bool) -> List[Dict[str, Any]]:
+    """What the server's TokenizerManager returns for the same request fed the same messages."""
+
+    async def run() -> List[Dict[str, Any]]:
+        port_args = PortArgs.init_new(str(tmp_path))
+        tm = TokenizerManager(engine.server_args, port_args, engine.tokenizer, 4096, engine.vocab_size)
+        obj = GenerateReqInput(input_ids=PROMPT, sampling_params=LONG, stream=stream, **LOGPROBS)
+        outs: List[Dict[str, Any]] = []
+
+        async def consume() -> None:
+            async for out in tm.generate_request(obj):
+                outs.append(out)
+
+        task = asyncio.ensure_future(consume())
+        while not (obj.rid in tm.rid_to_state and tm.rid_to_state[obj.rid].sent):
+            assert not task.done(), task.result()  # the request failed before it was sent
+            await asyncio.sleep(0.01)
+        for msg in messages:  # as the detokenizer would send them
+            tm._handle_batch_output(dataclasses.replace(msg, rids=[obj.rid]))
+        await asyncio.wait_for(task, timeout=30)
+        tm.close()
+        return outs
+
+    return asyncio.run(run())
+
+
+def test_long_request_keeps_every_logprob_and_matches_the_server(engine, monkeypatch, tmp_path):
+    messages = _record_messages(engine, monkeypatch)
+    out = engine.generate(input_ids=PROMPT, sampling_params=LONG, **LOGPROBS)
+    assert len(messages) == 2 and LONG["max_new_tokens"] > DEFAULT_FORCE_STREAM_INTERVAL  # the premise
+
+    meta = out["meta_info"]
+    token_lps, top_lps = meta["output_token_logprobs"], meta["output_top_logprobs"]
+    assert len(out["output_ids"]) == len(token_lps) == len(top_lps) == 60
+    assert [tok for _, tok in token_lps] == out["output_ids"]
+    for (lp, tok), top in zip(token_lps, top_lps):
+        assert len(top) == TOP_K and lp <= 0
+        assert top[0][1] == tok and top[0][0] == pytest.approx(lp, abs=1e-5)  # greedy picks the top
+
+    (server,) = _server_result(engine, tmp_path, messages, stream=False)
+    assert server["output_ids"] == out["output_ids"] and server["text"] == out["text"]
+    for key in ("output_token_logprobs", "output_top_logprobs", "finish_reason", "completion_tokens"):
+        assert server["meta_info"][key] == meta[key], key
+
+
+def test_stream_chunks_carry_logprob_deltas_like_the_server(engine, monkeypatch, tmp_path):
+    full = engine.generate(input_ids=PROMPT, sampling_params=LONG, **LOGPROBS)
+    messages = _record_messages(engine, monkeypatch)
+    stream = engine.generate(input_ids=PROMPT, sampling_params=LONG, stream=True, **LOGPROBS)
+    chunks = list(stream)
+    assert len(chunks) == 60  # stream_interval 1
+    assert all(len(c["meta_info"]["output_token_logprobs"]) == len(c["output_ids"]) == 1 for c in chunks)
+    for key in ("output_token_logprobs", "output_top_logprobs"):
+        assert sum((c["meta_info"][key] for c in chunks), []) == full["meta_info"][key], key
+
+    server = _server_result(engine, tmp_path, messages, stream=True)  # it may coalesce chunks: compare concatenations
+    for key in ("output_token_logprobs", "output_top_logprobs"):
+        assert sum((c["meta_info"][key] for c in server), []) == sum((c["meta_info"][key] for c in chunks), []), key
+
+
+def test_logprob_lists_are_present_and_empty_when_not_asked_for(engine):
+    meta = engine.generate(input_ids=PROMPT, sampling_params={**LONG, "max_new_tokens": 3})["meta_info"]
+    assert meta["output_token_logprobs"] == [] and meta["output_top_logprobs"] == []  # the server's shape
+
+
+def test_top_logprobs_without_return_logprob_is_refused_as_by_the_server(engine):
+    with pytest.raises(ValueError, match="top_logprobs_num needs return_logprob"):
+        engine.generate(input_ids=[PROMPT, PROMPT], sampling_params=LONG, top_logprobs_num=TOP_K)
+    assert engine.rid_to_state == {} and engine.scheduler.is_idle()  # nothing was queued
+
+
+def _assert_idle_and_nothing_leaked(engine: Engine) -> None:
+    assert engine.rid_to_state == {}
+    assert engine.scheduler.is_idle()
+    engine.scheduler.check_integrity()
+    load = engine.get_load()
+    assert load.num_waiting_reqs == load.protected_tokens == load.num_used_tokens == 0
+    assert load.available_tokens + load.evictable_tokens == load.max_total_num_tokens
+    assert engine.step()["forward_mode"] == "IDLE"  # the idle step runs the scheduler's leak check
+    assert engine.get_load().num_running_reqs == 0  # finished reqs linger in running_batch until a step
+
+
+@pytest.mark.parametrize("prompts", [PROMPT, [PROMPT, [9, 10, 11]]], ids=["single", "batch"])
+def test_breaking_out_of_a_stream_aborts_and_frees_everything(engine, prompts):
+    for chunk in engine.generate(input_ids=prompts, sampling_params=LONG, stream=True):
+        if chunk["meta_info"]["completion_tokens"] >= 3:
+            break
+    _assert_idle_and_nothing_leaked(engine)
+    # the engine serves the next request as if nothing happened
+    again = engine.generate(input_ids=PROMPT, sampling_params={**LONG, "max_new_tokens": 5})
+    assert len(again["output_ids"]) == 5
+
+
+def test_closing_a_stream_mid_way_aborts_it(engine):
+    gen = engine.generate(input_ids=PROMPT, sampling_params=LONG, stream=True)
+    first = next(gen)
+    assert first["meta_info"]["finish_reason"] is None
+    gen.close()
+    _assert_idle_and_nothing_leaked(engine)
