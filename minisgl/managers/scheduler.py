@@ -237,7 +237,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         used = self.max_total_num_tokens - (available + evictable)
         total = self.total_hit_tokens + self.total_input_tokens
         return GetLoadReqOutput(
-            num_running_reqs=len(self.running_batch.reqs),
+            # finished requests linger in running_batch until the next filter_batch
+            num_running_reqs=sum(not r.finished() for r in self.running_batch.reqs),
             num_waiting_reqs=len(self.waiting_queue),
             num_used_tokens=used,
             available_tokens=available,
