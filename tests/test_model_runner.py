@@ -280,6 +280,21 @@ def test_mistral_sliding_window_caps_the_context(tiny_model_factory: Callable[..
     assert ModelConfig.from_pretrained(tiny_model_factory("qwen3")).context_len == 2048  # use_sliding_window False
 
 
+@pytest.mark.parametrize("use_sliding_window, context_len", [(None, 2048), (False, 2048), (True, 128)])
+def test_qwen2_window_counts_only_when_switched_on(tiny_model_factory: Callable[..., str], tmp_path: Any,
+                                                   use_sliding_window: Optional[bool], context_len: int) -> None:  # fmt: skip
+    """transformers' Qwen2 ignores sliding_window unless use_sliding_window (default off), even when the key is absent."""
+
+    def cfg(d: dict) -> None:
+        d["sliding_window"] = 128
+        d.pop("use_sliding_window", None)
+        if use_sliding_window is not None:
+            d["use_sliding_window"] = use_sliding_window
+
+    path = _copy_with(tiny_model_factory("qwen2"), str(tmp_path / "m"), cfg)
+    assert ModelConfig.from_pretrained(path).context_len == context_len
+
+
 def test_cpu_float32_weights_are_packed_once(tiny_model_factory: Callable[..., str]) -> None:
     """Every matmul weight goes to oneDNN's layout, the dense copy is released, logits unchanged."""
     from minisgl.layers.linear import ReplicatedLinear, pack_weight_for_cpu

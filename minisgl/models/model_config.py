@@ -70,7 +70,7 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_pos,
-            context_len=_context_len(cfg, max_pos, context_length),
+            context_len=_context_len(spec.sliding_window(cfg), max_pos, context_length),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=spec.qkv_bias(cfg),
             o_bias=spec.o_bias(cfg),
@@ -125,7 +125,7 @@ def parse_rope(cfg: Dict[str, Any]) -> Tuple[float, Optional[Dict[str, Any]]]:
     return theta, {**scaling, "rope_type": rope_type}
 
 
-def _context_len(cfg: Dict[str, Any], max_pos: int, requested: Optional[int]) -> int:
+def _context_len(window: Optional[int], max_pos: int, requested: Optional[int]) -> int:
     """--context-length, else max_position_embeddings; never past a sliding window.
 
     minisgl attends over the whole sequence. That equals sliding-window attention as long
@@ -134,9 +134,7 @@ def _context_len(cfg: Dict[str, Any], max_pos: int, requested: Optional[int]) ->
     context_len = requested or max_pos
     if requested and requested > max_pos:
         logger.warning("context_length %d exceeds max_position_embeddings %d of the model", requested, max_pos)
-    window = cfg.get("sliding_window")
-    uses_window = cfg.get("use_sliding_window", True)  # Qwen2/3 switch it off with this flag
-    if window and uses_window and window < context_len:
+    if window and window < context_len:
         logger.warning("capping context_len %d to the model's sliding_window %d", context_len, window)
         context_len = int(window)
     return int(context_len)

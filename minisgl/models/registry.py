@@ -10,12 +10,14 @@ few lines of data here, not a copied model file (STYLE.md habit 12):
 - Qwen2: q/k/v always carry a bias, o_proj never;
 - Qwen3: an RMSNorm per head on q and k before RoPE; biases when `attention_bias`;
 - Mistral: no biases; a sliding window (handled by capping the context, see model_config).
+Qwen2/3 configs carry a window too, used only with `use_sliding_window` (off by default
+in transformers); Llama has none.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Optional
 
 HFConfig = Dict[str, Any]
 
@@ -28,24 +30,44 @@ def _const(value: bool) -> Callable[[HFConfig], bool]:
     return lambda cfg: value
 
 
+def _window(cfg: HFConfig) -> Optional[int]:
+    return cfg.get("sliding_window") or None
+
+
+def _window_if_used(cfg: HFConfig) -> Optional[int]:
+    return _window(cfg) if cfg.get("use_sliding_window", False) else None  # transformers' default: off
+
+
+def _no_window(cfg: HFConfig) -> Optional[int]:
+    return None
+
+
 @dataclass(frozen=True)
 class ArchSpec:
     qkv_bias: Callable[[HFConfig], bool]
     o_bias: Callable[[HFConfig], bool]
     mlp_bias: Callable[[HFConfig], bool]
     qk_norm: bool
+    sliding_window: Callable[[HFConfig], Optional[int]]  # the window attention uses, or None
 
 
 ARCHITECTURES: Dict[str, ArchSpec] = {
     "LlamaForCausalLM": ArchSpec(
-        qkv_bias=_flag("attention_bias"), o_bias=_flag("attention_bias"), mlp_bias=_flag("mlp_bias"), qk_norm=False
+        qkv_bias=_flag("attention_bias"), o_bias=_flag("attention_bias"), mlp_bias=_flag("mlp_bias"), qk_norm=False,
+        sliding_window=_no_window,
     ),
-    "Qwen2ForCausalLM": ArchSpec(qkv_bias=_const(True), o_bias=_const(False), mlp_bias=_const(False), qk_norm=False),
+    "Qwen2ForCausalLM": ArchSpec(
+        qkv_bias=_const(True), o_bias=_const(False), mlp_bias=_const(False), qk_norm=False,
+        sliding_window=_window_if_used,
+    ),
     "Qwen3ForCausalLM": ArchSpec(
-        qkv_bias=_flag("attention_bias"), o_bias=_flag("attention_bias"), mlp_bias=_const(False), qk_norm=True
+        qkv_bias=_flag("attention_bias"), o_bias=_flag("attention_bias"), mlp_bias=_const(False), qk_norm=True,
+        sliding_window=_window_if_used,
     ),
-    "MistralForCausalLM": ArchSpec(qkv_bias=_const(False), o_bias=_const(False), mlp_bias=_const(False), qk_norm=False),
-}
+    "MistralForCausalLM": ArchSpec(
+        qkv_bias=_const(False), o_bias=_const(False), mlp_bias=_const(False), qk_norm=False, sliding_window=_window,
+    ),
+}  # fmt: skip
 
 
 def get_arch_spec(hf_config: HFConfig) -> tuple[str, ArchSpec]:
