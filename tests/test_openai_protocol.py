@@ -8,14 +8,15 @@ or is fed outputs directly through `_handle_batch_output` as the detokenizer wou
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Dict, List
+import json
+from typing import Any, Dict, List, Tuple
 
 import pytest
 from fastapi.testclient import TestClient
 
 from minisgl.entrypoints.http_server import create_app
 from minisgl.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from minisgl.managers.io_struct import BatchStrOutput, GenerateReqInput
+from minisgl.managers.io_struct import BatchStrOutput, GenerateReqInput, TokenizedGenerateReqInput
 from minisgl.managers.tokenizer_manager import AsyncDynamicBatchTokenizer, TokenizerManager, coalesce_streaming_chunks
 from minisgl.server_args import PortArgs, ServerArgs, resolve_server_args
 from minisgl.utils import get_tokenizer
@@ -235,3 +236,169 @@ def test_dynamic_batch_tokenizer_batches_concurrent_texts(tokenizer: Any) -> Non
 
     results = asyncio.run(run())
     assert results == [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+
+# --------------------------------------------------------------------------- /generate input checks
+def _recording_tm(tiny_model: str, tmp_path: Any, refuse_generate: bool = True) -> Tuple[TokenizerManager, List[Any]]:
+    """A TokenizerManager that records what it sends to the scheduler. With `refuse_generate`
+    a request that would reach the scheduler fails at once (a 500), instead of waiting
+    forever for a scheduler that does not exist: a check that comes too late fails fast."""
+    tm = _make_tm(tiny_model, tmp_path)
+    sent: List[Any] = []
+
+    def send(msg: Any) -> None:
+        if refuse_generate and isinstance(msg, TokenizedGenerateReqInput):
+            raise RuntimeError(f"rid={msg.rid} reached the scheduler")
+        sent.append(msg)
+
+    tm._send_to_scheduler = send  # type: ignore[method-assign]
+    return tm, sent
+
+
+@pytest.fixture()
+def guarded_client(tiny_model: str, tmp_path: Any) -> TestClient:
+    """`client`, but a request that reaches the scheduler is a 500 rather than a hang."""
+    tm, _ = _recording_tm(tiny_model, tmp_path)
+    with TestClient(create_app(tm.server_args, tm, is_healthy=lambda: True)) as c:
+        c.model = tm.model_name  # type: ignore[attr-defined]
+        yield c
+    tm.close()
+
+
+@pytest.mark.parametrize(
+    "sampling_params, needle",
+    [
+        ({"max_new_tokens": 2.5}, "max_new_tokens must be an integer"),  # used to kill the scheduler
+        ({"seed": "x"}, "seed must be an integer"),  # used to kill the scheduler
+        ({"max_new_tokens": "abc"}, "max_new_tokens must be an integer"),
+        ({"temperature": "0.5"}, "temperature must be a number"),
+        ({"stop": 5}, "stop must be a string or a list of strings"),
+        ({"stop": [""]}, "stop strings must not be empty"),
+        ({"stop_token_ids": [1.5]}, "stop_token_ids must be a list of integers"),
+        ({"ignore_eos": "no"}, "ignore_eos must be true or false"),
+        ({"top_k": 2.5}, "top_k must be an integer"),
+        ({"n": True}, "n must be an integer"),
+    ],
+)
+def test_native_generate_type_checks_sampling_params_before_the_scheduler(
+    tiny_model: str, tmp_path: Any, sampling_params: Dict[str, Any], needle: str
+) -> None:
+    tm, sent = _recording_tm(tiny_model, tmp_path)
+    with TestClient(create_app(tm.server_args, tm, is_healthy=lambda: True)) as c:
+        for stream in (False, True):
+            r = c.post("/generate", json={"text": "hi", "sampling_params": sampling_params, "stream": stream})
+            assert r.status_code == 400, r.text
+            assert needle in r.json()["error"]["message"]
+    assert sent == [] and tm.rid_to_state == {}  # nothing reached the scheduler, nothing left behind
+    tm.close()
+
+
+def test_one_bad_entry_fails_a_batch_before_any_prompt_is_sent(tiny_model: str, tmp_path: Any) -> None:
+    async def run() -> None:
+        tm, sent = _recording_tm(tiny_model, tmp_path)
+        try:
+            obj = GenerateReqInput(text=["a", "b"], sampling_params=[{"max_new_tokens": 2}, {"max_new_tokens": 2.5}])
+            with pytest.raises(ValueError, match="max_new_tokens must be an integer"):
+                await tm.generate_request(obj).__anext__()
+            assert sent == [] and tm.rid_to_state == {}
+        finally:
+            tm.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ({"text": "hi", "rid": ["a", "b"]}, "`rid` must be a string for a single prompt"),
+        ({"input_ids": [5, 6], "rid": ["a"]}, "`rid` must be a string for a single prompt"),
+        ({"text": ["hi", "yo"], "rid": ["a", "a"]}, "must not repeat"),
+        ({"text": "hi", "top_logprobs_num": 3}, "top_logprobs_num needs return_logprob"),
+    ],
+)
+def test_native_generate_shape_errors_are_400(guarded_client: TestClient, body: Dict[str, Any], needle: str) -> None:
+    r = guarded_client.post("/generate", json={**body, "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"]
+
+
+def test_native_generate_mid_stream_error_is_an_error_event_then_done(tiny_model: str, tmp_path: Any) -> None:
+    async def first_token_then_error(obj: Any, request: Any = None) -> Any:
+        yield {"text": "a", "output_ids": [5], "meta_info": {"id": "r", "finish_reason": None}}
+        raise ValueError("boom after the headers")
+
+    tm = _make_tm(tiny_model, tmp_path)
+    tm.generate_request = first_token_then_error  # type: ignore[method-assign]
+    with TestClient(create_app(tm.server_args, tm, is_healthy=lambda: True)) as c:
+        r = c.post("/generate", json={"text": "hi", "stream": True})
+    assert r.status_code == 200
+    events = [e[len("data: ") :] for e in r.text.strip().split("\n\n")]
+    assert len(events) == 3 and json.loads(events[0])["text"] == "a"
+    assert json.loads(events[1])["error"]["message"] == "boom after the headers"
+    assert events[2] == "[DONE]"  # as docs/server.md and SGLang: the error event, then [DONE]
+    tm.close()
+
+
+# --------------------------------------------------------------------------- abort of n > 1
+def test_abort_of_the_parent_rid_aborts_every_sample(tiny_model: str, tmp_path: Any) -> None:
+    from minisgl.managers.io_struct import AbortReq
+
+    async def run() -> None:
+        tm, sent = _recording_tm(tiny_model, tmp_path, refuse_generate=False)
+        try:
+            obj = GenerateReqInput(text="hello", rid="par", sampling_params={"max_new_tokens": 50, "n": 2})
+            gen = tm.generate_request(obj)
+            first = asyncio.ensure_future(gen.__anext__())
+            await asyncio.sleep(0.05)
+            assert sorted(tm.rid_to_state) == ["par-0", "par-1"]
+            tm.abort_request("par")
+            assert [m.rid for m in sent if isinstance(m, AbortReq)] == ["par"]  # the scheduler aborts <rid>-<j> too
+            tm.abort_request("pa")  # not a parent of anything in flight: nothing is sent
+            assert len([m for m in sent if isinstance(m, AbortReq)]) == 1
+            for j in range(2):  # the scheduler's answer: both samples end as aborted
+                tm._handle_batch_output(_str_out(f"par-{j}", "", [], 0, {"type": "abort", "message": "Abort"}))
+            outs = [await asyncio.wait_for(first, 5)] + [out async for out in gen]
+            assert sorted(o["index"] for o in outs) == [0, 1]
+            assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outs)
+        finally:
+            tm.close()  # linger 0: what was queued for the absent scheduler cannot block the exit
+
+    asyncio.run(run())
+
+
+# --------------------------------------------------------------------------- accepted but unsupported
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_stream_options_without_stream_is_400(guarded_client: TestClient, route: str) -> None:
+    body: Dict[str, Any] = {"model": guarded_client.model, "max_tokens": 2, "stream_options": {"include_usage": True}}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in route else {"prompt": "hi"})
+    r = guarded_client.post(route, json=body)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["message"] == "stream_options is only allowed when stream is true" and err["param"] == "stream_options"
+
+
+def test_empty_stop_string_is_400_on_the_openai_routes(guarded_client: TestClient) -> None:
+    for stop in ("", [""], ["x", ""]):
+        r = _chat(guarded_client, stop=stop)
+        assert r.status_code == 400 and "stop strings must not be empty" in r.json()["error"]["message"], r.text
+
+
+def test_message_name_reaches_the_template_or_is_refused(guarded_client: TestClient, tiny_model: str, tmp_path: Any) -> None:
+    # the tiny model's template never reads `name`: a 400, not a silently dropped field
+    r = _chat(guarded_client, messages=[{"role": "user", "content": "hi", "name": "alice"}])
+    assert r.status_code == 400 and "messages[].name" in r.json()["error"]["message"]
+    # a template that reads it gets the whole message, name included (as transformers/SGLang do)
+    from minisgl.entrypoints.openai.serving_chat import OpenAIServingChat
+
+    tm = _make_tm(tiny_model, tmp_path)
+    tm.tokenizer.chat_template = "{% for m in messages %}[{{ m.get('name', m['role']) }}] {{ m['content'] }}\n{% endfor %}"
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi", "name": "alice"}, {"role": "user", "content": "yo"}])
+    assert OpenAIServingChat(tm)._apply_chat_template(req) == "[alice] hi\n[user] yo\n"
+    tm.close()
+
+
+def test_too_large_max_tokens_names_the_field_sent(guarded_client: TestClient) -> None:
+    r = _chat(guarded_client, max_tokens=CONTEXT_LEN + 1)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("max_tokens is too large")
+    r = _chat(guarded_client, max_tokens=None, max_completion_tokens=CONTEXT_LEN + 1)
+    assert r.json()["error"]["message"].startswith("max_completion_tokens is too large")

@@ -220,3 +220,22 @@ def test_inverse_cdf_draw_follows_the_distribution_and_skips_zeros() -> None:
     one_hot = torch.zeros(3, 5)
     one_hot[:, 4] = 1.0  # all mass on the last token: u rounding up must not run past the end
     assert multinomial_inverse_cdf(one_hot).tolist() == [4, 4, 4]
+
+
+@pytest.mark.parametrize(
+    "params, needle",
+    [
+        ({"max_new_tokens": 2.5}, "max_new_tokens"), ({"max_new_tokens": True}, "max_new_tokens"),
+        ({"seed": "x"}, "seed"), ({"seed": 1.0}, "seed"), ({"temperature": "0.5"}, "temperature"),
+        ({"top_p": None}, "top_p"), ({"top_k": 2.5}, "top_k"), ({"n": "2"}, "n"),
+        ({"ignore_eos": "no"}, "ignore_eos"), ({"no_stop_trim": 1}, "no_stop_trim"),
+        ({"stop": 5}, "stop"), ({"stop": ["a", 5]}, "stop"), ({"stop": ""}, "stop"), ({"stop": [""]}, "stop"),
+        ({"stop_token_ids": [1.5]}, "stop_token_ids"), ({"stop_token_ids": 3}, "stop_token_ids"),
+        ({"stream_interval": 0.5}, "stream_interval"),
+    ],
+)  # fmt: skip
+def test_from_dict_refuses_wrong_types_naming_the_field(params: Dict[str, Any], needle: str) -> None:
+    """The user-input gate (the native /generate body, Engine.generate): a wrong type never reaches the scheduler."""
+    with pytest.raises(ValueError, match=needle):
+        SamplingParams.from_dict(params)
+

@@ -274,6 +274,38 @@ def test_native_generate(server: Server, reference: Dict[str, Any]) -> None:
     assert texts[-1] == reference[("raw", PROMPTS[0])]["text"]
 
 
+def test_native_generate_wrong_types_are_400_and_the_server_survives(server: Server, engine: Any) -> None:
+    """These bodies used to crash the scheduler (2.5, "x") or run with a silently coerced value."""
+    for params in ({"max_new_tokens": 2.5}, {"seed": "x"}, {"ignore_eos": "no"}, {"stop_token_ids": [1.5]}, {"stop": [""]}):
+        r = httpx.post(server.url + "/generate", json={"text": "hi", "sampling_params": params}, timeout=60)
+        assert r.status_code == 400 and next(iter(params)) in r.json()["error"]["message"], (params, r.text)
+    assert httpx.get(server.url + "/health").status_code == 200
+    ok = httpx.post(server.url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["meta_info"]["completion_tokens"] == 2
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer"):  # the in-process path too
+        engine.generate("hi", {"max_new_tokens": 2.5})
+
+
+def test_abort_request_of_the_parent_rid_aborts_every_sample(server: Server) -> None:
+    body = {"text": PROMPTS[0], "rid": "abort-n2", "stream": True,
+            "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True, "n": 2}}  # fmt: skip
+    finish: Dict[int, Any] = {}
+    with httpx.stream("POST", server.url + "/generate", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data: {"):
+                break  # generating: abort by the rid the client chose
+        assert httpx.post(server.url + "/abort_request", json={"rid": "abort-n2"}, timeout=10).status_code == 200
+        for line in lines:
+            if line.startswith("data: {"):
+                out = json.loads(line[len("data: "):])
+                if out["meta_info"]["finish_reason"] is not None:
+                    finish[out["index"]] = out["meta_info"]
+    assert sorted(finish) == [0, 1]
+    assert all(m["finish_reason"]["type"] == "abort" and m["completion_tokens"] < 1500 for m in finish.values())
+
+
 # --------------------------------------------------------------------------- concurrency, disconnect
 def test_64_concurrent_streaming_clients(server: Server, reference: Dict[str, Any]) -> None:
     async def one(client: openai.AsyncOpenAI, p: str) -> str:

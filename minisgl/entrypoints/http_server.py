@@ -210,11 +210,12 @@ async def _native_generate(tm: TokenizerManager, request: GenerateRequest, raw_r
                 yield sse_data({**out, "text": texts[index], "output_ids": ids[index]})
                 out = await gen.__anext__()
         except StopAsyncIteration:
-            yield sse_data("[DONE]")
-        except ValueError as e:
+            pass
+        except ValueError as e:  # after the headers: an error event, then [DONE] as usual (SGLang)
             yield sse_data(error_body(str(e)))
         finally:
             await gen.aclose()
+        yield sse_data("[DONE]")
 
     return sse_response(events())
 

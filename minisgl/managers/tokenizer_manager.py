@@ -44,6 +44,7 @@ from minisgl.managers.io_struct import (
     decode,
     encode,
 )
+from minisgl.sampling.sampling_params import SamplingParams
 from minisgl.server_args import PortArgs, ServerArgs
 from minisgl.utils import get_zmq_socket
 
@@ -238,15 +239,31 @@ class TokenizerManager:
     async def generate_request(self, obj: GenerateReqInput, request: Any = None) -> AsyncIterator[Dict[str, Any]]:
         """Seed 000's order: normalize, default priority, rid check, state, tokenize, send, wait."""
         obj.normalize_batch_and_arguments()
+        self._validate_request_shape(obj)
         if obj.priority is None:
             obj.priority = 0
-        n = int((obj.sampling_params or {}).get("n", 1)) if obj.is_single else 1
+        n = SamplingParams.from_dict(obj.sampling_params).n if obj.is_single else 1
         if obj.is_single and n == 1:
             async for out in self._generate_one(obj, request):
                 yield out
         else:
             async for out in self._handle_batch_request(obj, request):
                 yield out
+
+    @staticmethod
+    def _validate_request_shape(obj: GenerateReqInput) -> None:
+        """Whole-request checks, before any rid is registered or sent: a bad field fails the
+        request as a whole, so no sibling of a batch reaches the scheduler first."""
+        if obj.is_single and not isinstance(obj.rid, str):
+            raise ValueError(f"`rid` must be a string for a single prompt, got {type(obj.rid).__name__}")
+        if not obj.is_single and len(set(obj.rid)) != len(obj.rid):
+            raise ValueError("`rid` must not repeat an id within a batch")
+        param_dicts = [obj.sampling_params] if obj.is_single else obj.sampling_params
+        for params in param_dicts:
+            SamplingParams.from_dict(params)  # unknown keys and wrong types (ValueError names the field)
+        return_logprob = obj.return_logprob if isinstance(obj.return_logprob, list) else [obj.return_logprob]
+        if obj.top_logprobs_num and not all(return_logprob):
+            raise ValueError("top_logprobs_num needs return_logprob to be true")
 
     async def _generate_one(self, obj: GenerateReqInput, request: Any) -> AsyncIterator[Dict[str, Any]]:
         state = self._init_req_state(obj)
@@ -429,10 +446,16 @@ class TokenizerManager:
 
     # ------------------------------------------------------------------ abort and control
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
-        if not abort_all and rid not in self.rid_to_state:
+        """Abort `rid`, or the samples `<rid>-<j>` of an n > 1 request `rid`, or all."""
+        if not abort_all and rid not in self.rid_to_state and not (rid and self._sample_rids(rid)):
             return
         self._send_to_scheduler(AbortReq(rid=rid, abort_all=abort_all))
         self.metrics.num_aborted_requests_total.labels(**self.metrics.labels).inc()
+
+    def _sample_rids(self, rid: str) -> List[str]:
+        """The in-flight samples `<rid>-<j>` of an n > 1 request (see `_expand_batch`)."""
+        prefix = f"{rid}-"
+        return [r for r in self.rid_to_state if r.startswith(prefix) and r[len(prefix) :].isdigit()]
 
     async def flush_cache(self) -> FlushCacheReqOutput:
         return await self._control_request(FlushCacheReqInput(), FlushCacheReqOutput)

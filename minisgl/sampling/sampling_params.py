@@ -1,8 +1,9 @@
 """SamplingParams: how one request samples and when it stops.
 
 Where it sits: the OpenAI layer maps request fields onto these SGLang keys
-(`to_sampling_params`), the TokenizerManager builds a SamplingParams from the dict,
-calls `normalize(tokenizer)` and `verify(vocab_size)`, and sends it inside
+(`to_sampling_params`), the TokenizerManager builds a SamplingParams from the dict
+(`from_dict`: known keys, JSON types), calls `normalize(tokenizer)` and `verify(vocab_size)`
+(ranges), and sends it inside
 TokenizedGenerateReqInput to the Scheduler, where it lives on `Req.sampling_params`.
 The sampler reads the numeric knobs; `Req.check_finished` reads the stop conditions.
 
@@ -55,11 +56,20 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, d: Optional[Dict[str, Any]]) -> "SamplingParams":
-        """Build from SGLang's sampling_params dict; an unknown key is an error, never ignored."""
+        """Build from SGLang's sampling_params dict; an unknown key or a wrong type is an error.
+
+        This is where user input (the native /generate body, Engine.generate) becomes
+        SamplingParams, so the types are checked here, before anything reaches the
+        scheduler: a float max_new_tokens or a string seed would otherwise crash it.
+        """
+        if d is not None and not isinstance(d, dict):
+            raise ValueError(f"sampling_params must be an object (a dict), got {type(d).__name__}")
         d = dict(d or {})
         unknown = sorted(set(d) - set(cls.KEYS))
         if unknown:
             raise ValueError(f"Unknown sampling parameter(s) {unknown}; supported: {list(cls.KEYS)}")
+        for key, value in d.items():
+            check_type(key, value)
         return cls(**d)
 
     @property
@@ -121,6 +131,40 @@ class SamplingParams:
 
     def copy(self) -> "SamplingParams":
         return dataclasses.replace(self, stop_strs=list(self.stop_strs))
+
+
+# The JSON type of each key. JSON has one number type, so a float field takes an int;
+# bool is a subclass of int in Python, so it is refused wherever a number is expected.
+_INT_KEYS = frozenset({"min_new_tokens", "top_k", "n"})
+_OPTIONAL_INT_KEYS = frozenset({"max_new_tokens", "seed", "stream_interval"})
+_FLOAT_KEYS = frozenset({"temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"})
+_BOOL_KEYS = frozenset({"ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"})
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_type(key: str, value: Any) -> None:
+    """Raise ValueError naming `key` unless `value` has the JSON type SGLang's key takes."""
+    got = f"got {value!r} ({type(value).__name__})"
+    if key in _INT_KEYS and not _is_int(value):
+        raise ValueError(f"{key} must be an integer, {got}")
+    if key in _OPTIONAL_INT_KEYS and value is not None and not _is_int(value):
+        raise ValueError(f"{key} must be an integer or null, {got}")
+    if key in _FLOAT_KEYS and not (isinstance(value, (int, float)) and not isinstance(value, bool)):
+        raise ValueError(f"{key} must be a number, {got}")
+    if key in _BOOL_KEYS and not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false, {got}")
+    if key == "stop" and value is not None:
+        strs = [value] if isinstance(value, str) else value
+        if not isinstance(strs, list) or not all(isinstance(s, str) for s in strs):
+            raise ValueError(f"stop must be a string or a list of strings, {got}")
+        if any(s == "" for s in strs):
+            raise ValueError("stop strings must not be empty: an empty string would match before the first token")
+    if key == "stop_token_ids" and value is not None:
+        if not isinstance(value, list) or not all(_is_int(t) for t in value):
+            raise ValueError(f"stop_token_ids must be a list of integers, {got}")
 
 
 def stop_token_set(params: SamplingParams, eos_token_ids: Set[int]) -> Set[int]:

@@ -155,6 +155,9 @@ class OpenAIServingBase(ABC):
                 f"The model `{request.model}` does not exist. Served model: `{self.tokenizer_manager.model_name}`.",
                 status_code=404, err_type="NotFoundError", param="model",
             )  # fmt: skip
+        if request.stream_options is not None and not request.stream:
+            # OpenAI's rule: stream_options only shapes a stream, so without one it is an error, not ignored
+            return create_error_response("stream_options is only allowed when stream is true", param="stream_options")
         error = self._validate_request(request)
         if error is not None:
             return create_error_response(error)

@@ -48,16 +48,30 @@ class OpenAIServingChat(OpenAIServingBase):
             return "top_logprobs requires logprobs to be true."
         if request.continue_final_message and request.messages[-1].role != "assistant":
             return "continue_final_message requires the last message to be from the assistant."
-        max_new = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        # name the field the user sent (max_completion_tokens wins when both are given)
+        field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        max_new = getattr(request, field)
         context_len = self.tokenizer_manager.context_len
         if max_new is not None and max_new > context_len:
-            return f"max_completion_tokens is too large: {max_new}. This model supports at most {context_len} completion tokens."
+            return f"{field} is too large: {max_new}. This model supports at most {context_len} completion tokens."
         return None
 
     def _apply_chat_template(self, request: ChatCompletionRequest) -> str:
+        """Render the messages; each goes to the template whole (role, content and name, as in SGLang)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("This model's tokenizer has no chat template; use /v1/completions instead.")
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        for message, m in zip(messages, request.messages):
+            if m.name is not None:
+                message["name"] = m.name
+        prompt = self._render(messages, request)
+        if any(m.name is not None for m in request.messages):
+            # A template that never reads `name` would drop it without a word: refuse instead.
+            if self._render([{"role": m["role"], "content": m["content"]} for m in messages], request) == prompt:
+                raise ValueError("messages[].name is not used by this model's chat template; remove it or put it in the content.")
+        return prompt
+
+    def _render(self, messages: List[Dict[str, str]], request: ChatCompletionRequest) -> str:
         try:
             return self.tokenizer.apply_chat_template(
                 messages,
