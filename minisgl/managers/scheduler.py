@@ -201,7 +201,9 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         rid = recv_req.rid
 
         def matches(req: Req) -> bool:
-            return recv_req.abort_all or (rid != "" and (req.rid == rid or req.rid.startswith(rid + "-")))
+            # `<rid>-<j>`: the samples of an n > 1 request (TokenizerManager._expand_batch); not any `<rid>-x`
+            is_sample = req.rid.startswith(rid + "-") and req.rid[len(rid) + 1 :].isdigit()
+            return recv_req.abort_all or (rid != "" and (req.rid == rid or is_sample))
 
         for req in [r for r in self.waiting_queue if matches(r)]:
             self.waiting_queue.remove(req)
