@@ -85,3 +85,10 @@ def test_add_request_rejects_n_and_bad_params(engine):
         engine.add_request("x", {"n": 2})
     with pytest.raises(ValueError, match="top_p"):
         engine.add_request("x", {"top_p": 2.0})
+
+
+@pytest.mark.parametrize("n", ["2", True, 2.5])
+def test_generate_refuses_a_non_integer_n_before_queueing(engine, n):
+    with pytest.raises(ValueError, match="n must be an integer"):
+        engine.generate(["a", "b"], {**GREEDY, "n": n})
+    assert engine.rid_to_state == {} and engine.scheduler.is_idle()

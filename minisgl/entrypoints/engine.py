@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 from minisgl.managers.io_struct import AbortReq, BatchStrOutput, GenerateReqInput, new_rid
+from minisgl.sampling.sampling_params import SamplingParams
 from minisgl.server_args import ServerArgs, resolve_server_args
 
 Prompt = Union[str, List[str], None]
@@ -120,8 +121,8 @@ class Engine:
             raise ValueError(f"`sampling_params` must have {len(prompts)} entries for {len(prompts)} prompts")
         rids: List[str] = []
         for p, params in zip(prompts, params_list):
-            params = dict(params or {})
-            n = params.pop("n", 1)
+            n = SamplingParams.from_dict(params).n  # types (and unknown keys) checked before anything is queued
+            params = {k: v for k, v in (params or {}).items() if k != "n"}
             if n < 1:
                 raise ValueError(f"n must be >= 1, got {n}")
             for j in range(n):
@@ -211,14 +212,14 @@ class Engine:
 
     def _handle_str_output(self, out: BatchStrOutput) -> None:
         """Fill each rid's state from one message, as TokenizerManager._handle_batch_output does."""
-        from minisgl.managers.tokenizer_manager import _logprobs_of  # one shape for both entry points
+        from minisgl.managers.tokenizer_manager import logprobs_of  # one shape for both entry points
 
         now = time.perf_counter()
         for i, rid in enumerate(out.rids):
             state = self.rid_to_state.get(rid)
             if state is None:
                 continue  # collected already (e.g. aborted by the caller)
-            token_logprobs, top_logprobs = _logprobs_of(out, i)
+            token_logprobs, top_logprobs = logprobs_of(out, i)
             state.text += out.output_strs[i]
             state.output_ids.extend(out.output_ids[i])
             state.output_token_logprobs.extend(token_logprobs)

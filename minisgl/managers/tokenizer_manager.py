@@ -498,7 +498,7 @@ class TokenizerManager:
             if state is None:
                 logger.debug("Received output for rid=%s but the state was deleted", rid)
                 continue
-            token_logprobs, top_logprobs = _logprobs_of(recv, i)
+            token_logprobs, top_logprobs = logprobs_of(recv, i)
             state.text += recv.output_strs[i]
             state.output_ids.extend(recv.output_ids[i])
             state.output_token_logprobs.extend(token_logprobs)
@@ -554,7 +554,7 @@ class TokenizerManager:
         self.context.destroy(linger=0)
 
 
-def _logprobs_of(recv: BatchStrOutput, i: int) -> Tuple[List[Tuple[float, int]], List[List[Tuple[float, int]]]]:
+def logprobs_of(recv: BatchStrOutput, i: int) -> Tuple[List[Tuple[float, int]], List[List[Tuple[float, int]]]]:
     """Request i's new (logprob, token id) pairs and top-k lists; empty when not requested."""
     token: List[Tuple[float, int]] = []
     top: List[List[Tuple[float, int]]] = []
