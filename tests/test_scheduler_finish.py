@@ -1,7 +1,7 @@
 """When a request ends: stop strings, stop token ids, EOS, max_new_tokens, aborts, over-long prompts.
 
-Every abort path must leave no leaked KV slot or request row: `engine.step()` on an
-idle engine runs the scheduler's idle check (available + evictable + protected == total).
+Every abort path must leave no leaked KV slot or request row: the step that leaves the
+scheduler idle runs its idle check (available + evictable + protected == total).
 """
 
 from __future__ import annotations
@@ -137,3 +137,25 @@ def test_queue_full_is_a_503_abort(tiny_model):
                       "err_type": "ServiceUnavailableError"}  # fmt: skip
     engine.run_until_idle()
     assert engine.get_result(first)["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_min_new_tokens_holds_back_the_tokenizers_eos_too(tiny_model, tmp_path):
+    """The tokenizer's EOS ends a request even when config.json names another; min_new_tokens
+    must hold it back as well (the mask used to cover the config's ids only)."""
+    import json
+    import shutil
+
+    first = Engine(tiny_model, device="cpu").generate("Once upon a time", {**GREEDY, "max_new_tokens": 1})["output_ids"][0]
+    path = shutil.copytree(tiny_model, str(tmp_path / "m"))
+    with open(f"{path}/tokenizer_config.json") as f:
+        tok_cfg = json.load(f)
+    engine = Engine(path, device="cpu")
+    tok_cfg["eos_token"] = engine.tokenizer.convert_ids_to_tokens(first)  # greedy's first token is now the EOS
+    with open(f"{path}/tokenizer_config.json", "w") as f:
+        json.dump(tok_cfg, f)
+    engine = Engine(path, device="cpu")
+    assert engine.tokenizer.eos_token_id == first and first not in engine.scheduler.model_config.hf_eos_token_ids
+    params = {"temperature": 0, "max_new_tokens": 12}
+    assert engine.generate("Once upon a time", params)["output_ids"] == [first]  # it does stop the request
+    out = engine.generate("Once upon a time", {**params, "min_new_tokens": 3})["output_ids"]
+    assert len(out) >= 3 and first not in out[:3]

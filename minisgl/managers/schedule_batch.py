@@ -252,10 +252,7 @@ class Req:
                     return
 
     def _stop_token_ids(self) -> Set[int]:
-        ids = stop_token_set(self.sampling_params, self.eos_token_ids)
-        if not self.sampling_params.ignore_eos and getattr(self.tokenizer, "eos_token_id", None) is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return ids
+        return stop_token_set(self.sampling_params, self.eos_token_ids)  # eos_token_ids: the scheduler's, tokenizer's included
 
     def tail_str(self) -> str:
         """Decoded tail of the output tokens only: a stop string never matches the prompt."""

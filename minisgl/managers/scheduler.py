@@ -66,6 +66,11 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         self.max_req_input_len = self.max_req_len - 5
         self.chunked_prefill_size = server_args.chunked_prefill_size if chunked_prefill_enabled(server_args) else None
         self.is_mixed_chunk = self.chunked_prefill_size is not None and server_args.enable_mixed_chunk
+        # The EOS ids that end a request (unless ignore_eos): the model's (config.json +
+        # generation_config.json) and the tokenizer's. One set for Req.check_finished and for
+        # the min_new_tokens mask, so a token that would stop a request is also held back.
+        tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
+        self.eos_token_ids = set(self.model_config.hf_eos_token_ids) | ({tokenizer_eos} if tokenizer_eos is not None else set())
 
         self.waiting_queue: List[Req] = []
         self.running_batch = self._empty_batch()
@@ -131,7 +136,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             logprob_start_len=recv_req.logprob_start_len,
             top_logprobs_num=recv_req.top_logprobs_num,
             stream=recv_req.stream,
-            eos_token_ids=self.model_config.hf_eos_token_ids,
+            eos_token_ids=self.eos_token_ids,
             vocab_size=self.model_config.vocab_size,
             tokenizer=self.tokenizer,
         )
@@ -479,7 +484,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         forward_batch = batch.get_forward_batch(self.model_runner)
         logits_output = self.model_runner.forward(forward_batch)
         sampling_info = batch.get_sampling_info(
-            self.model_config.vocab_size, self.model_runner.device, self.model_config.hf_eos_token_ids
+            self.model_config.vocab_size, self.model_runner.device, self.eos_token_ids
         )
         return self.model_runner.sample(logits_output, sampling_info)
 
