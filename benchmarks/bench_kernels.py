@@ -31,6 +31,8 @@ _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path[:0] = [_ROOT, os.path.join(_ROOT, "tests")]  # the paged-batch builders live beside the kernel tests
 from test_kernels import cos_sin_cache, paged_req_to_token  # noqa: E402
 
+import common  # noqa: E402
+
 
 from minisgl.kernels.fused_add_rmsnorm import fused_add_rmsnorm, fused_add_rmsnorm_ref  # noqa: E402
 from minisgl.kernels.rotary_embedding import rotary_embedding_inplace, rotary_embedding_ref  # noqa: E402
@@ -58,13 +60,6 @@ def bench(fn: Callable[[], object], device: str, iters: int) -> float:
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return sorted(times)[len(times) // 2]
-
-
-def copy_bandwidth(device: str, nbytes: int, iters: int) -> float:
-    """GB/s of dst.copy_(src), counting bytes read and written: the ceiling for memory-bound kernels."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()
-    dst = torch.empty_like(src)
-    return 2 * nbytes / bench(lambda: dst.copy_(src), device, iters) / 1e6
 
 
 def attention_batch(lens: List[int], prefix: List[int], mode: ForwardMode, cfg: SimpleNamespace) -> tuple:
@@ -99,7 +94,7 @@ def bench_backends(name: str, fb: ForwardBatch, q, k, v, nbytes: int, cfg: Simpl
     """Time one layer's attention (store + attend) through both backends on the same batch."""
     runner = SimpleNamespace(device=cfg.device)
     ms = {}
-    for label, backend in (("triton", TritonAttnBackend(str(runner.device))), ("torch", TorchNativeAttnBackend())):
+    for label, backend in (("triton", TritonAttnBackend(str(runner.device), cfg.d)), ("torch", TorchNativeAttnBackend())):
         fb.attn_backend = backend
         backend.init_forward_metadata(fb)
         ms[label] = bench(lambda: backend.forward(q, k, v, 0, cfg.d**-0.5, fb), cfg.device, cfg.iters)
@@ -168,17 +163,24 @@ def main() -> None:
         cfg = SimpleNamespace(bs=64, ctx=2048, ext=512, tokens=8192, hidden=4096, hq=32, hkv=8, d=128,
                               dtype=torch.bfloat16, iters=20)  # fmt: skip
     cfg.device, cfg.page_size = device, args.page_size
-    copy_gbs = copy_bandwidth(device, (1 << 20) if args.smoke else (1 << 30), cfg.iters)
-    print(f"device={device} ({torch.cuda.get_device_name() if device == 'cuda' else 'interpreter'}) "
-          f"dtype={cfg.dtype} page_size={cfg.page_size} Hq={cfg.hq} Hkv={cfg.hkv} D={cfg.d}")  # fmt: skip
-    print(f"device copy bandwidth: {copy_gbs:.1f} GB/s (read + write)")
+    common.print_header(
+        "Triton kernels vs torch, and vs the device's copy bandwidth",
+        {"smoke": args.smoke, "bs": cfg.bs, "ctx": cfg.ctx, "extend": cfg.ext, "tokens": cfg.tokens},
+        {"device": f"{device} ({torch.cuda.get_device_name() if device == 'cuda' else 'interpreter'})",
+         "dtype": str(cfg.dtype), "page_size": cfg.page_size, "hq": cfg.hq, "hkv": cfg.hkv, "head_dim": cfg.d},
+    )  # fmt: skip
+    copy_gbs = common.copy_bandwidth(device, (1 << 20) if args.smoke else (1 << 30)) / 1e9
+    common.print_result("device_copy_gbs", copy_gbs, "GB/s", "read + write")
     rows = run_all(cfg)
     print(f"\n{'kernel':<40} {'triton ms':>10} {'torch ms':>10} {'speedup':>8} {'GB/s':>8} {'% copy':>7}")
     for r in rows:
         gbs = r["nbytes"] / r["triton_ms"] / 1e6
         print(f"{r['kernel']:<40} {r['triton_ms']:>10.3f} {r['torch_ms']:>10.3f} "
               f"{r['torch_ms'] / r['triton_ms']:>7.2f}x {gbs:>8.0f} {100 * gbs / copy_gbs:>6.0f}%")  # fmt: skip
-
+    for r in rows:
+        key = r["kernel"].split()[0]
+        common.print_result(f"{key}_gbs", r["nbytes"] / r["triton_ms"] / 1e6, "GB/s", r["kernel"])
+        common.print_result(f"{key}_vs_torch", r["torch_ms"] / r["triton_ms"], "x", "speed-up over the torch path")
 
 if __name__ == "__main__":
     main()

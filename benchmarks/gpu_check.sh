@@ -36,7 +36,7 @@ step triton_engine 80 "$PY" -m pytest -q -rs tests/test_triton_backend.py
 step parity 90 "$PY" -m pytest -q -rs tests/test_model_parity.py
 step bench_kernels 90 "$PY" benchmarks/bench_kernels.py
 if [ -f benchmarks/bench_offline.py ]; then
-    step bench_offline 60 "$PY" benchmarks/bench_offline.py
+    step bench_offline 60 "$PY" benchmarks/bench_offline.py --device cuda --dtype bfloat16
 else
     SUMMARY+=("$(printf '%-16s %-12s' bench_offline 'absent')")
 fi

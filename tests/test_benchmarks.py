@@ -83,6 +83,18 @@ def test_serving_against_minisgl_server(cache: str) -> None:
     assert r["minisgl_server_cpu_s"] > 0 and r["minisgl_client_cpu_s"] > 0  # where the machine's CPU went
 
 
+def test_kernel_bench_smoke_reports_every_kernel() -> None:
+    """bench_kernels.py is the GPU check's kernel table; --smoke runs it under the interpreter."""
+    env = dict(os.environ, PYTHONPATH=REPO)
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_kernels.py"), "--smoke"],
+                          capture_output=True, text=True, timeout=240, env=env, cwd=REPO)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "machine:" in proc.stdout and "workload:" in proc.stdout and "config:" in proc.stdout
+    keys = {line.split()[1] for line in proc.stdout.splitlines() if line.startswith("RESULT ")}
+    for kernel in ("decode", "extend", "store_kv", "fused_add_rmsnorm", "rotary"):
+        assert {f"{kernel}_gbs", f"{kernel}_vs_torch"} <= keys, kernel
+
+
 def test_text_prompts_tokenize_back_to_the_workload_lengths() -> None:
     """bench_serving sends text; the servers must prefill the prompt lengths the workload line states."""
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
