@@ -232,9 +232,9 @@ def main() -> None:
     common.print_result("minisgl_decode_tok_s", (n_out - args.num_requests) / max(run["decode_s"], 1e-9), "tok/s", f"{run['decode_s']:.2f} s in decode steps")
 
     rate = common.matmul_rate(shape, 512, args.dtype, args.device)
-    floor_wall = 2.0 * shape.matmul_params() * (n_in + n_out) / rate
+    floor_wall = shape.workload_flops(n_in, n_out, args.num_requests) / rate
     common.print_result("matmul_rate_gflops", rate / 1e9, "GFLOP/s", "model's matmuls at 512 rows")
-    common.print_result("floor_output_tok_s", n_out / floor_wall, "tok/s", "2 x params x (input + output tokens) at that rate")
+    common.print_result("floor_output_tok_s", n_out / floor_wall, "tok/s", "the workload's matmul FLOPs at that rate")
     common.print_result("minisgl_vs_floor", tps / (n_out / floor_wall), "x", "target >= 0.5")
     report_decode_floor(run, shape, args)
 

@@ -57,6 +57,14 @@ class ModelShape:
         """Weights a token multiplies by: all layer matmuls + lm_head (the embedding is a lookup)."""
         return sum(i * o for i, o in self.linear_shapes())
 
+    def workload_flops(self, input_tokens: int, output_tokens: int, num_requests: int) -> float:
+        """Matmul FLOPs a generation workload cannot avoid: every prompt token and every output
+        token but each request's last goes through the layers (the last is sampled, never fed),
+        and only the positions that are sampled go through lm_head (one per output token)."""
+        head = self.hidden * self.vocab
+        fed = input_tokens + output_tokens - num_requests
+        return 2.0 * ((self.matmul_params() - head) * fed + head * output_tokens)
+
 
 def add_model_args(parser: argparse.ArgumentParser, shape: ModelShape = ModelShape()) -> None:
     """Flags to scale the built model (issue 8: every script accepts flags to scale up)."""

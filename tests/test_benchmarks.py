@@ -95,6 +95,20 @@ def test_kernel_bench_smoke_reports_every_kernel() -> None:
         assert {f"{kernel}_gbs", f"{kernel}_vs_torch"} <= keys, kernel
 
 
+def test_flops_floor_counts_only_the_work_generation_does() -> None:
+    """A prompt of 10 tokens and 3 output tokens: 10 + 2 tokens go through the layers, 3 through lm_head."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import common
+    finally:
+        sys.path.pop(0)
+    shape = common.ModelShape(hidden=8, layers=1, heads=2, kv_heads=1, head_dim=4, inter=16, vocab=32)
+    head = 8 * 32
+    body = shape.matmul_params() - head
+    assert shape.workload_flops(10, 3, 1) == 2 * (body * 12 + head * 3)
+    assert shape.workload_flops(20, 6, 2) == 2 * shape.workload_flops(10, 3, 1)
+
+
 def test_text_prompts_tokenize_back_to_the_workload_lengths() -> None:
     """bench_serving sends text; the servers must prefill the prompt lengths the workload line states."""
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
