@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 from minisgl.server_args import ServerArgs
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(prog="minisgl", description="A compact, teachable LLM serving engine.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -30,13 +30,13 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=32, help="Tokens to generate (default 32).")
     gen.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature (default 0: greedy).")
     gen.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="cpu, cuda or auto.")
-    return parser
+    return parser, {"serve": serve, "generate": gen}
 
 
 def _generate(args: argparse.Namespace) -> int:
     from minisgl import Engine
 
-    engine = Engine(args.model_path, device=args.device)
+    engine = Engine(args.model_path, device=args.device)  # a bad setting raises ValueError here
     try:
         out = engine.generate(args.prompt, {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature})
     finally:
@@ -46,13 +46,22 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = _build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    parser, commands = _build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.command == "serve":
         from minisgl.entrypoints.http_server import launch_server
+        from minisgl.server_args import resolve_server_args
 
-        launch_server(ServerArgs.from_cli_args(args))  # exits with the server's status
+        try:  # settings that cannot work: argparse's one-line error (exit 2), not a traceback
+            server_args = resolve_server_args(ServerArgs.from_cli_args(args))
+        except ValueError as e:
+            commands["serve"].error(str(e))
+        launch_server(server_args)  # exits with the server's status
         return 0
-    return _generate(args)
+    try:
+        return _generate(args)
+    except ValueError as e:
+        commands["generate"].error(str(e))
 
 
 if __name__ == "__main__":

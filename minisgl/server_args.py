@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Optional, Sequence
@@ -28,6 +29,7 @@ SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16")  # SGLang's names (its fp8 ones need a GPU kernel minisgl lacks)
 
 
@@ -44,7 +46,9 @@ class ServerArgs:
         metadata=_opt("Model directory or Hugging Face hub id. Default: the built-in model.", "--model"),
     )
     tokenizer_path: Optional[str] = field(default=None, metadata=_opt("Tokenizer path. Default: the model path.", "--tokenizer"))
-    served_model_name: Optional[str] = field(default=None, metadata=_opt("Model name reported by /v1/models. Default: the model path."))
+    served_model_name: Optional[str] = field(
+        default=None, metadata=_opt("Model name reported by /v1/models. Default: the model path (minisgl-builtin for the built-in model).")
+    )
     context_length: Optional[int] = field(default=None, metadata=_opt("Maximum context length. Default: from the model config."))
     trust_remote_code: bool = field(default=False, metadata=_opt("Allow custom code in the tokenizer directory."))
 
@@ -76,8 +80,12 @@ class ServerArgs:
     mem_fraction_static: Optional[float] = field(
         default=None, metadata=_opt("CUDA: fraction of GPU memory for weights + KV pool. Default 0.85.")
     )
-    cpu_kv_cache_gb: float = field(default=1.0, metadata=_opt("CPU: KV pool budget in GiB when --max-total-tokens is unset."))
-    max_running_requests: Optional[int] = field(default=None, metadata=_opt("Request slots (rows of req_to_token)."))
+    cpu_kv_cache_gb: float = field(
+        default=1.0, metadata=_opt("CPU: KV pool budget in GiB when --max-total-tokens is unset (at most 8 full contexts are allocated).")
+    )
+    max_running_requests: Optional[int] = field(
+        default=None, metadata=_opt("Request slots (rows of req_to_token). Default: from the pool; capped at 2048-4096 by pool size.")
+    )
     disable_radix_cache: bool = field(default=False, metadata=_opt("Turn the prefix (radix) cache off."))
 
     # --- scheduling ---
@@ -102,7 +110,7 @@ class ServerArgs:
     enable_dynamic_batch_tokenizer: bool = field(default=False, metadata=_opt("Tokenize concurrent single texts in one batched call."))
     soft_watchdog_timeout: Optional[float] = field(default=None, metadata=_opt("Log when one loop iteration takes longer (seconds)."))
     watchdog_timeout: float = field(default=300.0, metadata=_opt("Exit when a forward makes no progress for this long (seconds)."))
-    log_level: str = field(default="info", metadata=_opt("Logging level."))
+    log_level: str = field(default="info", metadata=_opt("Logging level.", choices=LOG_LEVELS))
     log_requests: bool = field(default=False, metadata=_opt("Log every request's inputs and outputs."))
 
     def __post_init__(self) -> None:
@@ -128,10 +136,21 @@ class ServerArgs:
                 f"--chunked-prefill-size ({self.chunked_prefill_size}) must be at least --page-size ({self.page_size}): "
                 "a chunk holds whole pages (or -1 to disable chunking)"
             )
-        for name in ("prefill_max_requests", "max_running_requests"):
+        for name in ("prefill_max_requests", "max_running_requests", "context_length", "max_queued_requests"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+                raise ValueError(f"--{_flag(name)} must be >= 1, got {value}")
+        for name in ("max_prefill_tokens", "decode_log_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
+        for name in ("schedule_conservativeness", "cpu_kv_cache_gb", "watchdog_timeout", "soft_watchdog_timeout"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < math.inf:
+                raise ValueError(f"--{_flag(name)} must be a number > 0, got {value}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535] (0 picks a free one), got {self.port}")
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
 
     @property
     def is_resolved(self) -> bool:
@@ -165,6 +184,10 @@ class ServerArgs:
         parser = argparse.ArgumentParser()
         cls.add_cli_args(parser)
         return cls.from_cli_args(parser.parse_args(list(argv)))
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
 
 
 def _field_parser(type_name: Any):

@@ -28,3 +28,21 @@ def test_serve_help_lists_sglang_flags() -> None:
     assert proc.returncode == 0
     for flag in ("--model-path", "--page-size", "--chunked-prefill-size", "--enable-mixed-chunk", "--visualize", "--api-key"):
         assert flag in proc.stdout
+
+
+def test_settings_that_cannot_work_are_one_line_errors_not_tracebacks() -> None:
+    """Each of these used to start and then crash the scheduler (ZeroDivisionError, a watchdog
+    ValueError after the model loaded) or print a traceback."""
+    cases = [
+        (["serve", "--decode-log-interval", "0"], "--decode-log-interval must be >= 1"),
+        (["serve", "--watchdog-timeout", "0"], "--watchdog-timeout must be a number > 0"),
+        (["serve", "--soft-watchdog-timeout", "-1"], "--soft-watchdog-timeout must be a number > 0"),
+        (["serve", "--context-length", "-4"], "--context-length must be >= 1"),
+        (["serve", "--page-size", "0"], "--page-size must be >= 1"),
+        (["serve", "--port", "70000"], "--port must be in [0, 65535]"),
+        (["serve", "--log-level", "verbose"], "invalid choice: 'verbose'"),
+    ]
+    for argv, message in cases:
+        proc = subprocess.run([sys.executable, "-m", "minisgl", *argv], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2, (argv, proc.stderr[-2000:])
+        assert message in proc.stderr and "Traceback" not in proc.stderr, (argv, proc.stderr[-2000:])
