@@ -40,7 +40,8 @@ READY_TIMEOUT_S = 300.0
 
 
 def request_body(backend: str, model: str, prompt: str, max_tokens: int) -> Dict[str, Any]:
-    body: Dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+    body: Dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+                            "stream_options": {"include_usage": True}}  # the token count each server says it generated
     if backend == "hf":
         # transformers serve rejects unknown fields (422); its own escape hatch is a GenerationConfig
         body["generation_config"] = json.dumps({"do_sample": False, "eos_token_id": -1, "max_new_tokens": max_tokens})
@@ -120,13 +121,17 @@ async def one_request(url: str, body: Dict[str, Any]) -> Dict[str, Any]:
     """Stream one completion; return its chunk arrival times relative to the send."""
     t0 = time.perf_counter()
     arrivals: List[float] = []
+    usage: Optional[Dict[str, Any]] = None
     async for line in post_stream_lines(url, body):
         if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
             continue
         chunk = json.loads(line[5:])
         if any(c.get("text") for c in chunk.get("choices", [])):
             arrivals.append(time.perf_counter() - t0)
-    return {"arrivals": arrivals, "e2e": time.perf_counter() - t0, "output_len": body["max_tokens"]}
+        usage = chunk.get("usage") or usage
+    completion_tokens = usage.get("completion_tokens") if usage else None
+    return {"arrivals": arrivals, "e2e": time.perf_counter() - t0, "output_len": body["max_tokens"],
+            "completion_tokens": completion_tokens}  # fmt: skip
 
 
 async def run_load(base_url: str, backend: str, model: str, prompts: List[str], output_lens: List[int],
@@ -155,6 +160,15 @@ async def run_load(base_url: str, backend: str, model: str, prompts: List[str], 
 def report(name: str, run: Dict[str, Any]) -> Dict[str, float]:
     results, wall = run["results"], run["wall"]
     n_out = sum(r["output_len"] for r in results)
+    # Both servers must do the same work: check each request's count against its server's usage.
+    reported = [r["completion_tokens"] for r in results]
+    if None in reported or sum(reported) != n_out:
+        print(f"WARNING {name}: the server reported {reported.count(None)} requests without usage and "
+              f"{sum(x or 0 for x in reported)} completion tokens for {n_out} requested", flush=True)
+    common.print_result(f"{name}_completion_tokens", sum(x or 0 for x in reported), "tokens", f"server-reported; {n_out} requested")
+    no_text = sum(not r["arrivals"] for r in results)
+    if no_text:  # e.g. a server that never flushes text held back for an incomplete character
+        common.print_result(f"{name}_requests_without_text", no_text, "requests", "left out of TTFT, ITL and TPOT")
     chunks = sum(len(r["arrivals"]) for r in results)
     ttft = [r["arrivals"][0] for r in results if r["arrivals"]]
     itl = [b - a for r in results for a, b in zip(r["arrivals"], r["arrivals"][1:])]

@@ -79,6 +79,8 @@ def test_serving_against_minisgl_server(cache: str) -> None:
                                         "--output-len", "4", "8", "--max-concurrency", "4", "--log-dir", cache],
                    cache, timeout=300)  # fmt: skip
     assert r["minisgl_output_tok_s"] > 0
+    assert 4 * 4 <= r["minisgl_completion_tokens"] <= 4 * 8  # the server's usage: every request ran to its length
+    assert "minisgl_requests_without_text" not in r
     assert 0 < r["minisgl_ttft_p50"] <= r["minisgl_e2e_p99"]
     assert r["minisgl_server_cpu_s"] > 0 and r["minisgl_client_cpu_s"] > 0  # where the machine's CPU went
 
