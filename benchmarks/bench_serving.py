@@ -331,6 +331,9 @@ def main() -> None:
         "online serving (OpenAI /v1/completions, streaming)",
         {"num_requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
          "prompt_tokens": prompt_tokens, "output_tokens": sum(output_lens), "request_rate": args.request_rate, "max_concurrency": args.max_concurrency},
+        # --base-url: the server's own settings apply; only the prompts come from this script's model
+        {"base_url": args.base_url, "served_model": args.served_model or model_path, "prompts_tokenized_by": model_path}
+        if args.base_url else
         {"model": model_path, "params": shape.matmul_params(), "device": args.device, "dtype": args.dtype,
          "backends": backends, "server_threads": args.threads},
     )  # fmt: skip
