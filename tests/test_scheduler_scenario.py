@@ -68,7 +68,7 @@ def test_chunk_snapshot_reports_progress(tiny_model):
     # is_chunked counts chunks in flight: back to 0 once this chunk's result is processed
     assert snap["batch"]["reqs"][0]["is_chunked"] == 0
     assert (snap["batch"]["reqs"][0]["chunk_index"], snap["batch"]["reqs"][0]["num_chunks"]) == (1, 3)
-    assert [e["type"] for e in snap["events"]] == ["chunk"]
+    assert [e["type"] for e in snap["events"]] == ["arrive", "chunk"]  # B arrived between steps: shown in the next one
     assert snap["adder"]["stop_reason"] == "OTHER" and "rem_chunk_tokens" in snap["adder"]["stop_detail"]
     engine.run_until_idle()
     assert engine.get_result("B")["meta_info"]["completion_tokens"] == 6

@@ -451,3 +451,76 @@ def test_killing_the_scheduler_exits_the_server_nonzero(server_dyn: Server) -> N
     code = server_dyn.proc.wait(timeout=15)
     assert code != 0
     assert time.monotonic() - start < 10
+
+
+# --------------------------------------------------------------------------- the visualizer, live
+@pytest.fixture(scope="module")
+def server_viz(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = str(tmp_path_factory.mktemp("srv") / "server_viz.log")
+    s = Server(tiny_model, log, "--visualize", "--api-key", "vk", "--max-running-requests", "1")
+    yield s
+    s.stop()
+
+
+VIZ_AUTH = {"Authorization": "Bearer vk"}
+
+
+def _viz_history(s: Server) -> Dict[str, Any]:
+    return httpx.get(s.url + "/visualizer/history", params={"api_key": "vk"}, timeout=10).json()
+
+
+def test_visualizer_with_api_key_loads_its_assets_and_streams(server_viz: Server) -> None:
+    page = httpx.get(server_viz.url + "/visualizer", params={"api_key": "vk"}, timeout=10)
+    assert page.status_code == 200
+    assets = re.findall(r'(?:src|href)="(/visualizer/static/[^"]+)"', page.text)
+    assert sorted(assets) == ["/visualizer/static/visualizer.css", "/visualizer/static/visualizer.js"]
+    for url in assets:  # as a <script src> / <link href> asks: no header, no ?api_key
+        assert httpx.get(server_viz.url + url, timeout=10).status_code == 200, url
+    for route in ("/visualizer/events", "/visualizer/snapshot", "/visualizer/history"):
+        assert httpx.get(server_viz.url + route, timeout=10).status_code == 401, route  # the data stays protected
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    assert httpx.post(server_viz.url + "/generate", json=body, headers=VIZ_AUTH, timeout=60).status_code == 200
+    with httpx.stream("GET", server_viz.url + "/visualizer/events", params={"api_key": "vk"}, timeout=10) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        data = next(line for line in r.iter_lines() if line.startswith("data:"))
+    assert json.loads(data[5:])["step"] >= 1
+
+
+def test_visualizer_shows_arrivals_and_an_abort_while_waiting(server_viz: Server) -> None:
+    import threading
+
+    def generate(rid: str, n: int) -> None:
+        body = {"text": "hi", "rid": rid, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+        httpx.post(server_viz.url + "/generate", json=body, headers=VIZ_AUTH, timeout=120)
+
+    threads = [threading.Thread(target=generate, args=("viz-A", 1500)), threading.Thread(target=generate, args=("viz-B", 4))]
+    threads[0].start()
+    time.sleep(0.3)
+    threads[1].start()
+    deadline = time.monotonic() + 30
+    while not any(w["rid"] == "viz-B" for w in httpx.get(server_viz.url + "/visualizer/snapshot", params={"api_key": "vk"}).json()["waiting_queue"]):
+        assert time.monotonic() < deadline, "viz-B never waited (max_running_requests=1)"
+        time.sleep(0.05)
+    for rid in ("viz-B", "viz-A"):  # B while it waits, then A to end the test quickly
+        assert httpx.post(server_viz.url + "/abort_request", json={"rid": rid}, headers=VIZ_AUTH).status_code == 200
+    for t in threads:
+        t.join(timeout=60)
+    entries = _viz_history(server_viz)["entries"]
+    events = {(ev["type"], ev["rid"]) for e in entries for ev in e["events"]}
+    assert {("arrive", "viz-A"), ("arrive", "viz-B"), ("abort", "viz-B")} <= events
+    [fin] = [f for e in entries for f in e["finished"] if f["rid"] == "viz-B"]
+    assert fin["finish_reason"]["type"] == "abort" and fin["ttft_ms"] is None and fin["queue_ms"] is not None
+
+
+def test_visualizer_idle_control_requests_publish_nothing(server_viz: Server) -> None:
+    deadline = time.monotonic() + 30
+    while httpx.get(server_viz.url + "/get_load", headers=VIZ_AUTH).json()["num_running_reqs"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    time.sleep(0.3)
+    last_seq = _viz_history(server_viz)["last_seq"]
+    for _ in range(5):  # a dashboard polling an idle server
+        assert httpx.get(server_viz.url + "/get_load", headers=VIZ_AUTH).status_code == 200
+        assert httpx.get(server_viz.url + "/metrics", headers=VIZ_AUTH).status_code == 200
+    time.sleep(0.5)
+    assert _viz_history(server_viz)["last_seq"] == last_seq  # no republished step, so no duplicate bars

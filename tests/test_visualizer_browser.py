@@ -115,3 +115,92 @@ def test_live_page_shows_waiting_chunked_extend_decode_batch_and_ttft(live_serve
         page.keyboard.press("ArrowRight")
         assert page.inner_text("#view-status").startswith("PAUSED")
         browser.close()
+
+
+# --------------------------------------------------------------------------- the page against a synthetic hub
+# No model here: a SnapshotHub fed by hand (test_visualizer_sse.make_snapshot) behind the
+# real routes, so each test sets up exactly the stream a user would hit.
+@pytest.fixture()
+def browser_page() -> Iterator[Any]:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"])
+        page = browser.new_page()
+        page.errors = []  # type: ignore[attr-defined]
+        page.on("pageerror", lambda e: page.errors.append(str(e)))  # type: ignore[attr-defined]
+        yield page
+        browser.close()
+
+
+def _bars(page: Any) -> list:
+    return page.eval_on_selector_all("#timeline .tl-step", "els => els.map(e => Number(e.dataset.step))")
+
+
+def _wait_step(page: Any, step: int) -> None:
+    page.wait_for_function(f"document.getElementById('step-num').textContent === '{step}'", timeout=15000)
+
+
+def test_page_starts_over_when_the_server_restarts(browser_page: Any) -> None:
+    from test_visualizer_sse import LiveApp, make_snapshot
+
+    from minisgl.visualizer.sse import SnapshotHub
+
+    old_hub = SnapshotHub()
+    app = LiveApp(old_hub)
+    port = app.port
+    try:
+        browser_page.goto(app.url + "/visualizer")
+        browser_page.wait_for_selector('#conn-status[data-state="open"]', timeout=15000)
+        for step in range(1, 31):
+            old_hub.add(make_snapshot(step))
+        _wait_step(browser_page, 30)
+    finally:
+        app.stop()
+    new_hub = SnapshotHub()  # the restarted server: seq and step count from 1 again
+    for step in range(1, 4):
+        new_hub.add(make_snapshot(step))
+    app = LiveApp(new_hub, port=port)
+    try:
+        _wait_step(browser_page, 3)  # EventSource reconnected with Last-Event-ID 30
+        new_hub.add(make_snapshot(4))
+        _wait_step(browser_page, 4)
+        browser_page.wait_for_function("document.querySelectorAll('#timeline .tl-step').length === 2", timeout=5000)
+        assert _bars(browser_page) == [3, 4]  # the old server's 30 steps are gone, the new ones shown
+        assert browser_page.errors == []
+    finally:
+        app.stop()
+
+
+def test_timeline_has_one_bar_per_step_and_aborts_without_ttft_render(browser_page: Any) -> None:
+    from test_visualizer_sse import LiveApp, _finished, make_snapshot
+
+    from minisgl.visualizer.snapshot import merge_snapshots, step_summary
+    from minisgl.visualizer.sse import SnapshotHub
+
+    hub = SnapshotHub()
+    app = LiveApp(hub)
+    try:
+        browser_page.goto(app.url + "/visualizer")
+        browser_page.wait_for_selector('#conn-status[data-state="open"]', timeout=15000)
+        aborted = {**_finished("w"), "finish_reason": {"type": "abort"}, "schedule_ms": None, "forward_ms": None,
+                   "ttft_ms": None, "output_len": 0}  # fmt: skip
+        for step in range(1, 4):
+            hub.add(make_snapshot(step, finished=[aborted] if step == 3 else []))
+        _wait_step(browser_page, 3)
+        row = browser_page.locator('#finished .finished-req[data-rid="w"]')
+        assert row.get_attribute("data-ttft") == "" and "TTFT –" in row.inner_text()
+        # one update standing for step 4 run, then republished twice (an arrival, an abort)
+        ran, idle = make_snapshot(4), {**make_snapshot(4, mode="IDLE"), "batch": None}
+        update = {**merge_snapshots([ran, idle, idle]), "seq": 100, "missed_steps": 0}
+        update["steps"] = [step_summary(s) for s in (ran, idle, idle)]  # as an older hub merged them
+        browser_page.evaluate("u => onUpdate(u)", update)
+        assert _bars(browser_page) == [1, 2, 3, 4]
+        assert browser_page.locator('#timeline .tl-step[data-step="4"]').get_attribute("data-mode") == "DECODE"
+        # clicking a bar while live pauses on that step
+        browser_page.click('#timeline .tl-step[data-step="2"]')
+        browser_page.wait_for_selector('#view-status[data-live="0"]', timeout=5000)
+        _wait_step(browser_page, 2)
+        assert browser_page.errors == []
+    finally:
+        app.stop()

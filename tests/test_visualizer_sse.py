@@ -101,14 +101,15 @@ class Publisher:
 class LiveApp:
     """A uvicorn server in a thread serving only the visualizer routes."""
 
-    def __init__(self, hub: SnapshotHub) -> None:
+    def __init__(self, hub: SnapshotHub, port: int = 0) -> None:
         import uvicorn
 
         app = FastAPI()
         args = ServerArgs(visualize=True, chunked_prefill_size=64, model_path="tiny")
         register_visualizer_routes(app, args, port_args=None, hub=hub)
         sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # `port`: a restart on the same port
+        sock.bind(("127.0.0.1", port))
         self.port = sock.getsockname()[1]
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -261,4 +262,19 @@ def test_a_slow_sse_client_does_not_slow_the_publisher_or_the_hub(hub_pub: tuple
         assert fast[0]["step"] == 1500
     finally:
         slow.close()
+        app.stop()
+
+
+def test_a_browser_reconnecting_after_a_server_restart_gets_the_new_stream() -> None:
+    # The browser's Last-Event-ID (1000) comes from the old server; this hub counts from 1.
+    hub = SnapshotHub()
+    for step in range(1, 5):
+        hub.add(make_snapshot(step))
+    app = LiveApp(hub)
+    try:
+        with httpx.stream("GET", app.url + "/visualizer/events", headers={"Last-Event-ID": "1000"}, timeout=5) as resp:
+            data = next(line for line in resp.iter_lines() if line.startswith("data:"))
+        update = json.loads(data[5:])
+        assert (update["seq"], update["step"], update["missed_steps"]) == (4, 4, 0)  # a fresh page: the latest
+    finally:
         app.stop()

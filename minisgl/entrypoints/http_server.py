@@ -111,9 +111,14 @@ def create_app(
             key = request.query_params.get("api_key", "")
             return request.url.path.startswith("/visualizer") and secrets.compare_digest(key, server_args.api_key)
 
+        def _public(path: str) -> bool:
+            # The page's JS and CSS are the same for everyone (nothing secret in them), and a
+            # <script src> / <link href> cannot carry the key: without this the page is dead.
+            return path == "/health" or path.startswith("/visualizer/static/")
+
         @app.middleware("http")
         async def _check_api_key(request: Request, call_next: Any) -> Response:
-            if request.url.path != "/health" and not _authorized(request):
+            if not _public(request.url.path) and not _authorized(request):
                 return create_error_response("Invalid or missing API key", 401, err_type="AuthenticationError")
             return await call_next(request)
 

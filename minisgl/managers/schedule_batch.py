@@ -93,19 +93,20 @@ class ReqTimeStats:
     prefill_finished_time: float = 0.0
     completion_time: float = 0.0
 
-    def to_ms_dict(self) -> Dict[str, float]:
-        """The TTFT split of seed 002 (docs/snapshot.md): only the parts already known."""
-        out: Dict[str, float] = {}
-        if self.wait_queue_entry_time:
-            out["queue_ms"] = (self.wait_queue_entry_time - self.scheduler_recv_time) * 1e3
-        if self.forward_entry_time:
-            out["schedule_ms"] = (self.forward_entry_time - self.wait_queue_entry_time) * 1e3
-        if self.prefill_finished_time:
-            out["forward_ms"] = (self.prefill_finished_time - self.forward_entry_time) * 1e3
-            out["ttft_ms"] = (self.prefill_finished_time - self.scheduler_recv_time) * 1e3
-        if self.completion_time:
-            out["e2e_ms"] = (self.completion_time - self.scheduler_recv_time) * 1e3
-        return out
+    def to_ms_dict(self) -> Dict[str, Optional[float]]:
+        """The TTFT split of seed 002 (docs/snapshot.md). Every key is always present; a part
+        not reached is None (a request aborted while waiting has queue_ms and e2e_ms only)."""
+
+        def ms(later: float, earlier: float) -> Optional[float]:
+            return (later - earlier) * 1e3 if later and earlier else None
+
+        return {
+            "queue_ms": ms(self.wait_queue_entry_time, self.scheduler_recv_time),
+            "schedule_ms": ms(self.forward_entry_time, self.wait_queue_entry_time),
+            "forward_ms": ms(self.prefill_finished_time, self.forward_entry_time),
+            "ttft_ms": ms(self.prefill_finished_time, self.scheduler_recv_time),
+            "e2e_ms": ms(self.completion_time, self.scheduler_recv_time),
+        }
 
 
 def _empty_indices() -> torch.Tensor:

@@ -93,15 +93,25 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         self.last_decode_log_time = time.perf_counter()
         self.num_generated_tokens = 0
         self._outputs: List[BatchTokenIDOutput] = []
+        self.events: List[Dict[str, Any]] = []
+        self.finished_records: List[Dict[str, Any]] = []
+        self._step_record_end = (0, 0)  # len(events), len(finished_records) when the last step ended
         self._reset_step_record()
 
     def _empty_batch(self) -> ScheduleBatch:
         return ScheduleBatch.init_new([], self.req_to_token_pool, self.token_to_kv_pool_allocator, self.tree_cache)
 
     def _reset_step_record(self) -> None:
-        """What this step did, for snapshot(): events, finished requests, adder record, log line."""
-        self.events: List[Dict[str, Any]] = []
-        self.finished_records: List[Dict[str, Any]] = []
+        """Start the record of what this step did, for snapshot(): events, finished requests,
+        adder record, log line.
+
+        What was recorded after the last step ended is kept: arrivals and aborts of waiting or
+        mid-chunk requests happen between steps (process_input_requests), and the snapshot
+        after this step is the first one anybody sees (Engine.step, the server's publish).
+        """
+        num_events, num_finished = self._step_record_end
+        self.events = self.events[num_events:]
+        self.finished_records = self.finished_records[num_finished:]
         self.adder_record: Optional[Dict[str, Any]] = None
         self.log_line = ""
 
@@ -283,6 +293,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             result = self.run_batch(batch)
             self.process_batch_result(batch, result)
         self.last_batch = batch
+        self._step_record_end = (len(self.events), len(self.finished_records))
         # Idle now (nothing came, or the last request just finished): reset the ratio and check
         # for leaks here, since the process shell then blocks on recv and steps no more.
         self.self_check_during_idle()
@@ -561,7 +572,12 @@ def event_loop_normal(scheduler: Scheduler, recv_from_tokenizer: Any, send_to_de
         batch = scheduler.run_step()
         for out in scheduler.pop_outputs():
             send_to_detokenizer.send(encode(out))
-        if publish_snapshot is not None and (batch is not None or recv_reqs):
+        # Publish when something changed: a batch ran, requests arrived or were aborted
+        # (their events), or the cache was flushed. A control request alone (/get_load and
+        # /metrics polling while idle) changes nothing: it would republish the same step.
+        flushed = any(isinstance(m, FlushCacheReqInput) for m in recv_reqs)
+        changed = batch is not None or bool(scheduler.events) or flushed
+        if publish_snapshot is not None and changed:
             msg = SchedulerSnapshotOut(scheduler.forward_ct, json.dumps(scheduler.snapshot()))
             try:
                 publish_snapshot.send(encode(msg), zmq.NOBLOCK)  # never slows scheduling

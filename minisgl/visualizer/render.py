@@ -191,14 +191,19 @@ def render_timeline(snap: Mapping[str, Any], timeline: Sequence[Mapping[str, Any
 def render_finished(finished: Sequence[Mapping[str, Any]]) -> str:
     rows = []
     for f in finished:
-        total = f["queue_ms"] + f["schedule_ms"] + f["forward_ms"]
-        bar = (_seg("queue", f["queue_ms"], total, "queue") + _seg("schedule", f["schedule_ms"], total, "schedule")
-               + _seg("forward", f["forward_ms"], total, "forward"))  # fmt: skip
+        # None = that part never happened: a request aborted while waiting has no forward, no TTFT
+        parts = [(name, f.get(f"{name}_ms")) for name in ("queue", "schedule", "forward")]
+        total = sum(ms or 0.0 for _, ms in parts)
+        bar = "".join(_seg(name, ms or 0.0, total, name) for name, ms in parts)
+        ttft = f.get("ttft_ms")
+        finish = (f.get("finish_reason") or {}).get("type", "?")
         rows.append(
-            f'<div class="row finished-req" data-rid="{escape(f["rid"])}" data-ttft="{f["ttft_ms"]:.3f}">'
+            f'<div class="row finished-req" data-rid="{escape(f["rid"])}" '
+            f'data-ttft="{"" if ttft is None else f"{ttft:.3f}"}" data-finish="{escape(finish)}">'
             f'<span class="rid">{escape(f["rid"])}</span><div class="stackbar">{bar}</div>'
-            f'<span class="label">TTFT {_ms(f["ttft_ms"])} = queue {_ms(f["queue_ms"])} + schedule '
-            f'{_ms(f["schedule_ms"])} + forward {_ms(f["forward_ms"])}</span></div>'
+            f'<span class="label">TTFT {_ms(ttft)} = '
+            + " + ".join(f"{name} {_ms(ms)}" for name, ms in parts)
+            + f' <span class="finish-type">{escape(finish)}</span></span></div>'
         )
     return _panel("finished", "finished requests (TTFT split)", "".join(rows) or '<p class="empty">none yet</p>')
 

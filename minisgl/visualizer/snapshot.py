@@ -46,6 +46,8 @@ _MEMORY_KEYS = ("total", "available", "evictable", "protected", "used")
 _WAITING_KEYS = ("rid", "input_len", "prefix_len", "waited_ms", "retracted")
 _BATCH_REQ_KEYS = ("rid", "extend_len", "prefix_len", "chunk_index", "num_chunks", "is_decode")
 _FINISHED_KEYS = ("rid", "finish_reason", "queue_ms", "schedule_ms", "forward_ms", "ttft_ms")
+# None = that part never happened (an abort while waiting has no forward, so no TTFT)
+_FINISHED_MS_KEYS = ("queue_ms", "schedule_ms", "forward_ms", "ttft_ms", "e2e_ms")
 
 
 def _missing(record: Mapping[str, Any], keys: Sequence[str], where: str) -> List[str]:
@@ -79,6 +81,10 @@ def validate_snapshot(snap: Any) -> List[str]:
             problems.append(f"events[{i}].type {ev.get('type')!r} is not one of {EVENT_TYPES}")
     for i, fin in enumerate(snap["finished"]):
         problems += _missing(fin, _FINISHED_KEYS, f"finished[{i}]")
+        for k in _FINISHED_MS_KEYS:
+            v = fin.get(k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, _NUMBER)):
+                problems.append(f"finished[{i}].{k} must be a number or null, got {type(v).__name__}")
     return problems
 
 
@@ -137,6 +143,26 @@ def merge_snapshots(snaps: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
     merged = dict(snaps[-1])
     merged["events"] = [{**ev, "step": s["step"]} for s in snaps for ev in s.get("events", [])]
     merged["finished"] = [{**fin, "step": s["step"]} for s in snaps for fin in s.get("finished", [])]
-    merged["steps"] = [step_summary(s) for s in snaps]
+    merged["steps"] = merge_step_summaries([], [step_summary(s) for s in snaps])
     merged["coalesced_steps"] = len(snaps)
     return merged
+
+
+def merge_step_summaries(timeline: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]]) -> List[Dict[str, Any]]:
+    """Append step summaries to a timeline (both oldest first), one entry per step.
+
+    The scheduler may publish a step twice: after it ran, and again (no batch, so IDLE)
+    when a request arrives or is aborted before the next one. The second is the same step
+    on the timeline, not a new bar: it keeps the batch of the step that ran, takes the
+    newer queue length and adds its event types. visualizer.js `addStep` does the same.
+    """
+    out = [dict(s) for s in timeline]
+    for s in new:
+        if out and s["step"] == out[-1]["step"]:
+            prev = out[-1]
+            base = s if prev["forward_mode"] == "IDLE" else prev
+            events = sorted(set(prev["event_types"]) | set(s["event_types"]))
+            out[-1] = {**base, "num_waiting": s["num_waiting"], "event_types": events}
+        elif not out or s["step"] > out[-1]["step"]:
+            out.append(dict(s))
+    return out

@@ -137,9 +137,13 @@ class SnapshotHub:
 
         `after_seq=None` (a fresh page) starts from the latest snapshot; a reconnecting
         browser passes its Last-Event-ID and gets everything it missed that is still in
-        the ring buffer (`missed_steps` counts what fell out of it).
+        the ring buffer (`missed_steps` counts what fell out of it). An id past this hub's
+        last seq comes from a hub that no longer exists (the server restarted, and seq
+        counts from 1 again): that browser is a fresh page, or it would wait forever.
         """
-        last = self._seq - 1 if after_seq is None else after_seq
+        if after_seq is not None and after_seq > self._seq:
+            after_seq = None
+        last = max(self._seq - 1, 0) if after_seq is None else after_seq
         while not self._closed.is_set():
             pending = self.entries_after(last)
             if not pending:

@@ -13,8 +13,9 @@ const state = {
   live: true,
   frames: [],      // snapshots, oldest first (live: SSE updates; paused: the server's ring buffer)
   cursor: -1,      // index in frames of the snapshot on screen
-  timeline: [],    // step summaries, oldest first
+  timeline: [],    // step summaries, oldest first, one per step
   finished: [],    // finished records, newest first
+  lastSeq: null,   // hub sequence number of the last update (the SSE id)
 };
 
 const $ = (id) => document.getElementById(id);
@@ -146,12 +147,14 @@ function renderTimeline(snap) {
 }
 
 function finishedRow(f) {
-  const total = f.queue_ms + f.schedule_ms + f.forward_ms;
+  // null = that part never happened: a request aborted while waiting has no forward, no TTFT
+  const total = (f.queue_ms ?? 0) + (f.schedule_ms ?? 0) + (f.forward_ms ?? 0);
   const type = f.finish_reason ? f.finish_reason.type : "?";
-  return `<div class="row finished-req" data-rid="${esc(f.rid)}" data-ttft="${f.ttft_ms.toFixed(3)}" data-finish="${esc(type)}">
+  const ttft = f.ttft_ms == null ? "" : f.ttft_ms.toFixed(3);
+  return `<div class="row finished-req" data-rid="${esc(f.rid)}" data-ttft="${ttft}" data-finish="${esc(type)}">
     <span class="rid">${esc(f.rid)}</span>
-    <div class="stackbar">${seg("queue", f.queue_ms, total, `queue ${fmtMs(f.queue_ms)}`)}${seg("schedule", f.schedule_ms, total,
-      `schedule ${fmtMs(f.schedule_ms)}`)}${seg("forward", f.forward_ms, total, `forward ${fmtMs(f.forward_ms)}`)}</div>
+    <div class="stackbar">${seg("queue", f.queue_ms ?? 0, total, `queue ${fmtMs(f.queue_ms)}`)}${seg("schedule", f.schedule_ms ?? 0,
+      total, `schedule ${fmtMs(f.schedule_ms)}`)}${seg("forward", f.forward_ms ?? 0, total, `forward ${fmtMs(f.forward_ms)}`)}</div>
     <span class="label">TTFT ${fmtMs(f.ttft_ms)} <span class="finish-type">${esc(type)}</span></span>
     <span></span><span class="label" style="grid-column: 2 / 4">queue ${fmtMs(f.queue_ms)} + schedule ${fmtMs(f.schedule_ms)}
       + forward ${fmtMs(f.forward_ms)} · ${f.output_len} tok · e2e ${fmtMs(f.e2e_ms)}</span></div>`;
@@ -172,14 +175,38 @@ function render(snap) {
 }
 
 // ------------------------------------------------------------------ data
+// One bar per step. The scheduler may publish a step twice: after it ran, and again (no
+// batch, IDLE) when a request arrives or is aborted before the next step. That is the same
+// bar: keep the batch of the step that ran, take the newer queue length, add the event types.
+// Mirrors minisgl.visualizer.snapshot.merge_step_summaries.
+function addStep(s) {
+  const tl = state.timeline, prev = tl[tl.length - 1];
+  if (prev && s.step === prev.step) {
+    const base = prev.forward_mode === "IDLE" ? s : prev;
+    const events = [...new Set(prev.event_types.concat(s.event_types))].sort();
+    tl[tl.length - 1] = { ...base, num_waiting: s.num_waiting, event_types: events };
+  } else if (!prev || s.step > prev.step) {
+    tl.push(s);
+  }
+}
+
+// A restarted server counts seq (and step) from 1 again: the page starts over, or every
+// new step would look older than what it has and the view would freeze.
+function isFromNewServer(update) {
+  const prev = state.timeline[state.timeline.length - 1];
+  const first = update.steps && update.steps.length ? update.steps[0].step : update.step;
+  return (state.lastSeq != null && update.seq <= state.lastSeq) || (prev != null && first < prev.step);
+}
+
 function absorb(update) {
   // Timeline and finished list accumulate across updates, whatever is on screen.
-  const steps = update.steps || [];
-  const lastStep = state.timeline.length ? state.timeline[state.timeline.length - 1].step : -1;
-  for (const s of steps) {
-    if (s.step > lastStep) state.timeline.push(s);
-    else if (s.step === lastStep) state.timeline[state.timeline.length - 1] = s;  // republished step
+  if (isFromNewServer(update)) {
+    state.timeline = [];
+    state.finished = [];
+    if (state.live) { state.frames = []; state.cursor = -1; }
   }
+  state.lastSeq = update.seq;
+  for (const s of update.steps || []) addStep(s);
   state.timeline.splice(0, Math.max(0, state.timeline.length - MAX_TIMELINE));
   for (const f of update.finished || []) state.finished.unshift(f);
   state.finished.length = Math.min(state.finished.length, MAX_FINISHED);
@@ -241,9 +268,10 @@ async function stepBy(delta) {
   render(state.frames[state.cursor]);
 }
 
-function jumpToStep(step) {
-  const i = state.frames.findIndex((f) => f.step === step);
-  if (!state.live && i >= 0) { state.cursor = i; render(state.frames[i]); }
+async function jumpToStep(step) {
+  if (state.live) await pause();  // clicking a bar while live pauses on that step
+  const i = state.frames.findIndex((f) => f.step === step);  // the first: the step that ran
+  if (i >= 0) { state.cursor = i; render(state.frames[i]); }
 }
 
 // A mixed workload that shows chunking, prefix hits and decode batching at once.
