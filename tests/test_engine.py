@@ -92,3 +92,17 @@ def test_generate_refuses_a_non_integer_n_before_queueing(engine, n):
     with pytest.raises(ValueError, match="n must be an integer"):
         engine.generate(["a", "b"], {**GREEDY, "n": n})
     assert engine.rid_to_state == {} and engine.scheduler.is_idle()
+
+
+def test_idle_check_runs_once_per_idle_period_after_the_outputs(tiny_model):
+    """The leak check walks the whole tree: it must run after the last token is delivered
+    (not hold it back), and once per idle period (not on every step of an idle engine)."""
+    engine = Engine(tiny_model, device="cpu")
+    delivered_before_check = []
+    engine.scheduler.check_memory_when_idle = lambda: delivered_before_check.append(not engine.has_unfinished_requests())
+    engine.generate("one", {**GREEDY, "max_new_tokens": 3})
+    engine.step()
+    engine.step()
+    assert delivered_before_check == [True]
+    engine.generate("two", {**GREEDY, "max_new_tokens": 3})
+    assert delivered_before_check == [True, True]

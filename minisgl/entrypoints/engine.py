@@ -188,6 +188,7 @@ class Engine:
         """
         self.scheduler.run_step()
         self._drain_outputs()
+        self.scheduler.self_check_during_idle()  # as the server's loop does before it blocks
         return self.scheduler.snapshot() if snapshot else None
 
     def snapshot(self) -> Dict[str, Any]:

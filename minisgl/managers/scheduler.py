@@ -96,6 +96,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         self.events: List[Dict[str, Any]] = []
         self.finished_records: List[Dict[str, Any]] = []
         self._step_record_end = (0, 0)  # len(events), len(finished_records) when the last step ended
+        self._idle_checked = True  # self_check_during_idle ran since the last batch
         self._reset_step_record()
 
     def _empty_batch(self) -> ScheduleBatch:
@@ -294,9 +295,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             self.process_batch_result(batch, result)
         self.last_batch = batch
         self._step_record_end = (len(self.events), len(self.finished_records))
-        # Idle now (nothing came, or the last request just finished): reset the ratio and check
-        # for leaks here, since the process shell then blocks on recv and steps no more.
-        self.self_check_during_idle()
+        if batch is not None:
+            self._idle_checked = False  # busy again: check once more when it next goes idle
         return batch
 
     def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
@@ -500,9 +500,16 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         return self.model_runner.sample(logits_output, sampling_info)
 
     def self_check_during_idle(self) -> None:
-        """Idle: reset the ratio and check that no KV slot leaked (§12.1)."""
-        if not self.is_idle():
+        """Idle: reset the ratio and check that no KV slot leaked (§12.1), once per idle period.
+
+        The process shells call it after a step's outputs are sent (event_loop_normal, just
+        before it blocks on recv; Engine.step): SGLang's loop polls and runs it on an empty
+        iteration, which a blocking loop never takes. After the outputs, because the check
+        walks the whole tree: the last token of a burst must not wait for it.
+        """
+        if not self.is_idle() or self._idle_checked:
             return
+        self._idle_checked = True
         self.new_token_ratio = self.init_new_token_ratio
         self.check_memory_when_idle()
 
@@ -583,6 +590,7 @@ def event_loop_normal(scheduler: Scheduler, recv_from_tokenizer: Any, send_to_de
                 publish_snapshot.send(encode(msg), zmq.NOBLOCK)  # never slows scheduling
             except zmq.ZMQError:
                 scheduler.num_dropped_snapshots += 1  # a stalled viewer loses frames, not steps
+        scheduler.self_check_during_idle()  # outputs are out; the loop is about to block on recv
         soft_watchdog.feed()
         hard_watchdog.feed()
 
