@@ -40,9 +40,16 @@ def test_settings_that_cannot_work_are_one_line_errors_not_tracebacks() -> None:
         (["serve", "--context-length", "-4"], "--context-length must be >= 1"),
         (["serve", "--page-size", "0"], "--page-size must be >= 1"),
         (["serve", "--port", "70000"], "--port must be in [0, 65535]"),
-        (["serve", "--log-level", "verbose"], "invalid choice: 'verbose'"),
+        (["serve", "--log-level", "verbose"], "--log-level must be one of debug, info"),
     ]
     for argv, message in cases:
         proc = subprocess.run([sys.executable, "-m", "minisgl", *argv], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2, (argv, proc.stderr[-2000:])
         assert message in proc.stderr and "Traceback" not in proc.stderr, (argv, proc.stderr[-2000:])
+
+
+def test_log_level_takes_any_case_and_logging_aliases() -> None:
+    from minisgl.server_args import ServerArgs
+
+    for level in ("INFO", "warning", "warn", "Debug"):
+        assert ServerArgs.from_argv(["--log-level", level]).log_level == level
