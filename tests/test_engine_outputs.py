@@ -143,3 +143,21 @@ def test_closing_a_stream_mid_way_aborts_it(engine):
     assert first["meta_info"]["finish_reason"] is None
     gen.close()
     _assert_idle_and_nothing_leaked(engine)
+
+
+def test_a_stream_outliving_its_engine_closes_quietly(tiny_model):
+    """shutdown() aborts and forgets everything; a stream dropped afterwards must not raise."""
+    import gc
+    import sys
+
+    with Engine(tiny_model, device="cpu") as engine:
+        stream = engine.generate(input_ids=PROMPT, sampling_params=LONG, stream=True)
+        next(stream)
+    unraisable = []
+    old_hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
+    try:
+        del stream
+        gc.collect()
+    finally:
+        sys.unraisablehook = old_hook
+    assert unraisable == []

@@ -278,6 +278,8 @@ def guarded_client(tiny_model: str, tmp_path: Any) -> TestClient:
         ({"ignore_eos": "no"}, "ignore_eos must be true or false"),
         ({"top_k": 2.5}, "top_k must be an integer"),
         ({"n": True}, "n must be an integer"),
+        ({"n": 0}, "n must be >= 1"),  # answered 200 with [] (no sub-request) while the Engine refused it
+        ({"temperature": -1}, "temperature must be a finite number >= 0"),
     ],
 )
 def test_native_generate_type_checks_sampling_params_before_the_scheduler(

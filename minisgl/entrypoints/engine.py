@@ -170,14 +170,20 @@ class Engine:
                     break
                 self.step(snapshot=False)
         finally:
-            unfinished = [r for r in rids if not self.rid_to_state[r].finished]
-            for rid in unfinished:
-                self.abort(rid)
-            # a running request is aborted at its next forward (SGLang's method 3)
-            while not all(self.rid_to_state[r].finished for r in unfinished):
-                self.step(snapshot=False)
-            for rid in rids:
-                self.rid_to_state.pop(rid)
+            # (after shutdown() there is nothing left: it aborted and forgot every request)
+            if self.model_runner is not None:
+                self._release_stream(rids)
+
+    def _release_stream(self, rids: List[str]) -> None:
+        """Abort what a stream left unfinished, step until the scheduler let it go, forget it all."""
+        unfinished = [r for r in rids if not self.rid_to_state[r].finished]
+        for rid in unfinished:
+            self.abort(rid)
+        # a running request is aborted at its next forward (SGLang's method 3)
+        while not all(self.rid_to_state[r].finished for r in unfinished):
+            self.step(snapshot=False)
+        for rid in rids:
+            self.rid_to_state.pop(rid)
 
     # ------------------------------------------------------------------ stepping
     def step(self, snapshot: bool = True) -> Optional[Dict[str, Any]]:

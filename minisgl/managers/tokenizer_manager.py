@@ -260,7 +260,7 @@ class TokenizerManager:
             raise ValueError("`rid` must not repeat an id within a batch")
         param_dicts = [obj.sampling_params] if obj.is_single else obj.sampling_params
         for params in param_dicts:
-            SamplingParams.from_dict(params)  # unknown keys and wrong types (ValueError names the field)
+            SamplingParams.from_dict(params).verify()  # unknown keys, wrong types, ranges (n >= 1 among them)
         return_logprob = obj.return_logprob if isinstance(obj.return_logprob, list) else [obj.return_logprob]
         if obj.top_logprobs_num and not all(return_logprob):
             raise ValueError("top_logprobs_num needs return_logprob to be true")
