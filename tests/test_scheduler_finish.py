@@ -96,17 +96,17 @@ def test_abort_while_decoding(engine):
     _assert_no_leak(engine)
 
 
-def test_abort_touches_only_the_named_rid_and_its_samples(engine):
+def test_abort_touches_only_the_named_rid(engine):
     from minisgl.managers.io_struct import AbortReq
 
     rids = ["req1", "req10", "req1-0", "req1-1", "req1-x", "other"]
     for rid in rids:
         engine.add_request("abort by name", GREEDY, rid=rid)
     engine.scheduler.process_input_requests([AbortReq(rid="")])  # an empty rid aborts nothing
-    engine.abort("req1")  # req1 and its samples req1-<j>, not req10 nor another client's req1-x
+    engine.abort("req1")  # exactly req1: not req10, nor other clients' req1-0 / req1-x
     engine.run_until_idle()
     reasons = {rid: engine.get_result(rid)["meta_info"]["finish_reason"]["type"] for rid in rids}
-    assert reasons == {"req1": "abort", "req1-0": "abort", "req1-1": "abort", "req10": "length", "req1-x": "length",
+    assert reasons == {"req1": "abort", "req1-0": "length", "req1-1": "length", "req10": "length", "req1-x": "length",
                        "other": "length"}  # fmt: skip
     _assert_no_leak(engine)
 

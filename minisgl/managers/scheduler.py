@@ -212,14 +212,14 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         self.stream_output([req])
 
     def abort_request(self, recv_req: AbortReq) -> None:
-        """Abort a rid and its n > 1 samples (`<rid>-<j>`), or all: waiting and mid-chunk
-        requests at once, running ones after their next step. An empty rid aborts nothing."""
+        """Abort one rid, or all: waiting and mid-chunk requests at once, running ones after
+        their next step. An empty rid aborts nothing. Exact rids only (SGLang matches by
+        prefix, so aborting `a` also hit another client's `a-b`): the TokenizerManager
+        sends the samples `<rid>-<j>` of an n > 1 request one by one."""
         rid = recv_req.rid
 
         def matches(req: Req) -> bool:
-            # `<rid>-<j>`: the samples of an n > 1 request (TokenizerManager._expand_batch); not any `<rid>-x`
-            is_sample = req.rid.startswith(rid + "-") and req.rid[len(rid) + 1 :].isdigit()
-            return recv_req.abort_all or (rid != "" and (req.rid == rid or is_sample))
+            return recv_req.abort_all or (rid != "" and req.rid == rid)
 
         for req in [r for r in self.waiting_queue if matches(r)]:
             self.waiting_queue.remove(req)

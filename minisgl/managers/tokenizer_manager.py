@@ -394,8 +394,8 @@ class TokenizerManager:
     def _expand_batch(self, obj: GenerateReqInput) -> List[GenerateReqInput]:
         """One single request per (prompt i, sample j), at index i * n + j.
 
-        Samples of one prompt get rids `<rid>-<j>` (the scheduler's abort matches by
-        prefix, so aborting `<rid>` aborts all), n = 1, and seed + j so that a seeded
+        Samples of one prompt get rids `<rid>-<j>` (`abort_request(<rid>)` aborts them
+        all), n = 1, and seed + j so that a seeded
         n > 1 request returns n different yet reproducible samples.
         """
         singles = [obj] if obj.is_single else [obj[i] for i in range(obj.batch_size)]
@@ -446,10 +446,17 @@ class TokenizerManager:
 
     # ------------------------------------------------------------------ abort and control
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
-        """Abort `rid`, or the samples `<rid>-<j>` of an n > 1 request `rid`, or all."""
-        if not abort_all and rid not in self.rid_to_state and not (rid and self._sample_rids(rid)):
+        """Abort `rid`, or the samples `<rid>-<j>` of an n > 1 request `rid`, or all.
+
+        The scheduler matches exact rids, so the samples go one message each."""
+        if abort_all:
+            targets = [""]
+        else:
+            targets = ([rid] if rid in self.rid_to_state else []) + (self._sample_rids(rid) if rid else [])
+        if not targets:
             return
-        self._send_to_scheduler(AbortReq(rid=rid, abort_all=abort_all))
+        for target in targets:
+            self._send_to_scheduler(AbortReq(rid=target, abort_all=abort_all))
         self.metrics.num_aborted_requests_total.labels(**self.metrics.labels).inc()
 
     def _sample_rids(self, rid: str) -> List[str]:
