@@ -192,7 +192,7 @@ class BatchTokenIDOutput:
     output_top_logprobs_val: List[List[List[float]]] = field(default_factory=list)
     output_top_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
     # per-request timing, seconds: queue / schedule / forward / ttft / e2e (set when known)
-    time_stats: List[Dict[str, float]] = field(default_factory=list)
+    time_stats: List[Dict[str, Optional[float]]] = field(default_factory=list)  # to_ms_dict: None = not reached
 
 
 @dataclass
@@ -210,7 +210,7 @@ class BatchStrOutput:
     output_token_logprobs_idx: List[List[int]] = field(default_factory=list)
     output_top_logprobs_val: List[List[List[float]]] = field(default_factory=list)
     output_top_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
-    time_stats: List[Dict[str, float]] = field(default_factory=list)
+    time_stats: List[Dict[str, Optional[float]]] = field(default_factory=list)  # to_ms_dict: None = not reached
 
 
 # --------------------------------------------------------------------------- codec

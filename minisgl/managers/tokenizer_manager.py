@@ -239,10 +239,10 @@ class TokenizerManager:
     async def generate_request(self, obj: GenerateReqInput, request: Any = None) -> AsyncIterator[Dict[str, Any]]:
         """Seed 000's order: normalize, default priority, rid check, state, tokenize, send, wait."""
         obj.normalize_batch_and_arguments()
-        self._validate_request_shape(obj)
+        params = self._validate_request_shape(obj)
         if obj.priority is None:
             obj.priority = 0
-        n = SamplingParams.from_dict(obj.sampling_params).n if obj.is_single else 1
+        n = params[0].n if obj.is_single else 1
         if obj.is_single and n == 1:
             async for out in self._generate_one(obj, request):
                 yield out
@@ -251,19 +251,22 @@ class TokenizerManager:
                 yield out
 
     @staticmethod
-    def _validate_request_shape(obj: GenerateReqInput) -> None:
+    def _validate_request_shape(obj: GenerateReqInput) -> List[SamplingParams]:
         """Whole-request checks, before any rid is registered or sent: a bad field fails the
-        request as a whole, so no sibling of a batch reaches the scheduler first."""
+        request as a whole, so no sibling of a batch reaches the scheduler first. Returns the
+        checked SamplingParams, one per prompt."""
         if obj.is_single and not isinstance(obj.rid, str):
             raise ValueError(f"`rid` must be a string for a single prompt, got {type(obj.rid).__name__}")
         if not obj.is_single and len(set(obj.rid)) != len(obj.rid):
             raise ValueError("`rid` must not repeat an id within a batch")
         param_dicts = [obj.sampling_params] if obj.is_single else obj.sampling_params
-        for params in param_dicts:
-            SamplingParams.from_dict(params).verify()  # unknown keys, wrong types, ranges (n >= 1 among them)
+        params = [SamplingParams.from_dict(d) for d in param_dicts]  # unknown keys and wrong types
+        for p in params:
+            p.verify()  # ranges, n >= 1 among them
         return_logprob = obj.return_logprob if isinstance(obj.return_logprob, list) else [obj.return_logprob]
         if obj.top_logprobs_num and not all(return_logprob):
             raise ValueError("top_logprobs_num needs return_logprob to be true")
+        return params
 
     async def _generate_one(self, obj: GenerateReqInput, request: Any) -> AsyncIterator[Dict[str, Any]]:
         state = self._init_req_state(obj)
