@@ -161,3 +161,10 @@ def test_a_stream_outliving_its_engine_closes_quietly(tiny_model):
     finally:
         sys.unraisablehook = old_hook
     assert unraisable == []
+
+
+def test_a_stream_dropped_before_its_first_chunk_releases_its_requests(engine):
+    stream = engine.generate(input_ids=[PROMPT, [9, 10, 11]], sampling_params=LONG, stream=True)
+    assert len(engine.rid_to_state) == 2  # submitted at the call: bad input would have raised there
+    del stream
+    _assert_idle_and_nothing_leaked(engine)

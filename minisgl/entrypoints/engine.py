@@ -146,7 +146,9 @@ class Engine:
             prompt, sampling_params, input_ids, stream, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num
         )
         if stream:
-            return self._stream(rids, single)
+            stream = self._stream(rids, single)
+            next(stream)  # enter its try: from here, even an iterator dropped unread releases its requests
+            return stream
         while not all(self.rid_to_state[r].finished for r in rids):
             self.step(snapshot=False)
         results = [self._pop_result(r) for r in rids]
@@ -155,11 +157,14 @@ class Engine:
     def _stream(self, rids: List[str], single: bool) -> Iterator[Dict[str, Any]]:
         """Incremental dicts (text, output_ids and logprob deltas) as the scheduler produces them.
 
-        A caller that stops early (break, close(), dropping the iterator) aborts the requests still
-        running and steps until the scheduler has let them go, so their KV is freed and the
-        engine is idle again, as the server does when a client disconnects.
+        A caller that stops early (break, close(), dropping the iterator, even before its first
+        chunk) aborts the requests still running and steps until the scheduler has let them go,
+        so their KV is freed and the engine is idle again, as the server does when a client
+        disconnects. generate() consumes the first, empty yield, so that a generator that was
+        never read already sits inside the try and runs its finally when it is dropped.
         """
         try:
+            yield {}  # consumed by generate()
             while True:
                 for index, rid in enumerate(rids):
                     state = self.rid_to_state[rid]
