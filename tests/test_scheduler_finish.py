@@ -79,6 +79,8 @@ def test_abort_mid_chunk(engine):
     assert snap["chunked_req"]["rid"] == rid
     engine.abort(rid)
     assert engine.scheduler.chunked_req is None
+    aborts = [e["detail"] for e in engine.snapshot()["events"] if e["type"] == "abort" and e["rid"] == rid]
+    assert aborts == ["aborted mid-chunk"]  # one event, not two
     out = engine.get_result(rid)
     assert out["meta_info"]["finish_reason"]["type"] == "abort" and out["output_ids"] == []
     _assert_no_leak(engine)

@@ -229,8 +229,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             req, self.chunked_req = self.chunked_req, None
             # Its computed chunks are committed KV: they go into the tree like a finish.
             req.finished_reason = FINISH_ABORT()
-            self._release_finished(req)
-            self._event("abort", req, "aborted mid-chunk")
+            self._release_finished(req, "aborted mid-chunk")
             self.stream_output([req])
         running = list(self.running_batch.reqs)
         if self.last_batch is not None and self.last_batch.forward_mode.is_extend():

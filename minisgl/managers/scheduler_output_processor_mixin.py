@@ -88,12 +88,13 @@ class SchedulerOutputProcessorMixin:
             req.output_top_logprobs_val.append([float(v) for v in (vals.tolist() if torch.is_tensor(vals) else vals)])
             req.output_top_logprobs_idx.append([int(v) for v in (idxs.tolist() if torch.is_tensor(idxs) else idxs)])
 
-    def _release_finished(self, req: Req) -> None:
-        """Finished: KV of origin + output[:-1] goes into the tree, the row is freed."""
+    def _release_finished(self, req: Req, detail: Optional[str] = None) -> None:
+        """Finished: KV of origin + output[:-1] goes into the tree, the row is freed; one
+        finish or abort event (detail: the finish reason, unless the caller says more)."""
         release_kv_cache(req, self.tree_cache, self.req_to_token_pool)
         req.time_stats.completion_time = time.perf_counter()
         finish = req.finished_reason.to_json()
-        self._event("abort" if finish["type"] == "abort" else "finish", req, json.dumps(finish))
+        self._event("abort" if finish["type"] == "abort" else "finish", req, detail or json.dumps(finish))
         self._record_finished(req)
 
     def _record_finished(self, req: Req) -> None:
