@@ -294,7 +294,7 @@ class PortArgs:
       scheduler_input_ipc_name  Scheduler PULL binds; TokenizerManager PUSH connects.
       detokenizer_ipc_name      Detokenizer PULL binds; Scheduler PUSH connects.
       tokenizer_ipc_name        TokenizerManager PULL binds; Detokenizer PUSH and the
-                                Scheduler's control PUSH (abort/flush/load replies) connect.
+                                Scheduler's control PUSH (flush/load replies) connect.
       visualizer_ipc_name       Scheduler PUB binds (with --visualize); HTTP SUB connects.
     All live in one private temp dir, so nothing but HTTP listens on TCP.
     """

@@ -49,10 +49,7 @@ SAMPLES: Dict[str, Any] = {
         return_logprob=True, logprob_start_len=0, top_logprobs_num=2, stream=True, priority=-1, created_time=1.5,
     ),  # fmt: skip
     "SamplingParams": _sampling_params(),
-    "AbortReq": AbortReq(
-        rid="r1", abort_all=False,
-        finished_reason={"type": "abort", "message": "Aborted", "status_code": None, "err_type": None},
-    ),  # fmt: skip
+    "AbortReq": AbortReq(rid="r1", abort_all=False),
     "FlushCacheReqInput": FlushCacheReqInput(),
     "FlushCacheReqOutput": FlushCacheReqOutput(success=False, message="requests are running"),
     "GetLoadReqInput": GetLoadReqInput(),

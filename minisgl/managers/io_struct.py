@@ -108,11 +108,11 @@ class TokenizedGenerateReqInput:
 
 @dataclass
 class AbortReq:
-    """Abort one rid (or all). From the TokenizerManager to the Scheduler, and back as a reply."""
+    """Abort one rid (or all), TokenizerManager -> Scheduler. The scheduler answers through
+    the normal output path: the request finishes with finish_reason {"type": "abort", ...}."""
 
     rid: str = ""
     abort_all: bool = False
-    finished_reason: Optional[Dict[str, Any]] = None
 
 
 @dataclass

@@ -541,9 +541,26 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         return list(reqs.values())
 
 # --------------------------------------------------------------------------- the process shell
+def recv_requests(recv_from_tokenizer: Any, block: bool) -> List[Any]:
+    """Every message the TokenizerManager has queued (seed 002's first call of the loop).
+
+    `block`: the scheduler is idle, so wait for the first one instead of spinning.
+    """
+    import zmq
+
+    from minisgl.managers.io_struct import decode
+
+    recv_reqs = [decode(recv_from_tokenizer.recv())] if block else []
+    while True:
+        try:
+            recv_reqs.append(decode(recv_from_tokenizer.recv(zmq.NOBLOCK)))
+        except zmq.ZMQError:
+            return recv_reqs
+
+
 def event_loop_normal(scheduler: Scheduler, recv_from_tokenizer: Any, send_to_detokenizer: Any,
                       send_to_tokenizer: Any, publish_snapshot: Any = None) -> None:  # fmt: skip
-    """recv everything pending -> process -> one step -> send; block on recv when idle.
+    """recv_requests -> process -> one step (run_step: get_next_batch_to_run, run_batch) -> send; block on recv when idle.
 
     The soft watchdog logs an iteration slower than --soft-watchdog-timeout (with the
     rids being run); the hard one exits the process when one makes no progress for
@@ -551,7 +568,7 @@ def event_loop_normal(scheduler: Scheduler, recv_from_tokenizer: Any, send_to_de
     """
     import zmq
 
-    from minisgl.managers.io_struct import SchedulerSnapshotOut, decode, encode
+    from minisgl.managers.io_struct import SchedulerSnapshotOut, encode
     from minisgl.managers.watchdog import HardWatchdog, SoftWatchdog
 
     def describe() -> str:
@@ -562,15 +579,11 @@ def event_loop_normal(scheduler: Scheduler, recv_from_tokenizer: Any, send_to_de
     soft_watchdog = SoftWatchdog("Scheduler", args.soft_watchdog_timeout, describe)
     hard_watchdog = HardWatchdog("Scheduler", args.watchdog_timeout, describe)
     while True:
-        recv_reqs = []
         if scheduler.is_idle():
-            with soft_watchdog.disable(), hard_watchdog.disable():
-                recv_reqs.append(decode(recv_from_tokenizer.recv()))  # nothing to do: wait
-        while True:
-            try:
-                recv_reqs.append(decode(recv_from_tokenizer.recv(zmq.NOBLOCK)))
-            except zmq.ZMQError:
-                break
+            with soft_watchdog.disable(), hard_watchdog.disable():  # waiting is not being stuck
+                recv_reqs = recv_requests(recv_from_tokenizer, block=True)
+        else:
+            recv_reqs = recv_requests(recv_from_tokenizer, block=False)
         for reply in scheduler.process_input_requests(recv_reqs):
             send_to_tokenizer.send(encode(reply))
         for out in scheduler.pop_outputs():  # e.g. aborts of waiting requests

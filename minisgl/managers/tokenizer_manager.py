@@ -492,8 +492,6 @@ class TokenizerManager:
             self.last_receive_tstamp = time.time()
             if isinstance(recv, BatchStrOutput):
                 self._handle_batch_output(recv)
-            elif isinstance(recv, AbortReq):
-                self._handle_abort_req(recv)
             elif type(recv) in self._control_futures:
                 fut = self._control_futures[type(recv)]
                 if not fut.done():
@@ -536,27 +534,6 @@ class TokenizerManager:
                     self.metrics.observe_finished(state, recv.prompt_tokens[i], recv.completion_tokens[i], recv.cached_tokens[i])
             state.out_list.append(out)
             state.event.set()
-
-    def _handle_abort_req(self, recv: AbortReq) -> None:
-        """The scheduler aborted a request before it ran (e.g. from the waiting queue)."""
-        state = self.rid_to_state.pop(recv.rid, None)
-        if state is None:
-            return
-        state.finished = True
-        state.finished_time = time.perf_counter()
-        reason = recv.finished_reason or {"type": "abort", "message": "Abort in waiting queue", "status_code": None}
-        meta_info = {
-            "id": recv.rid,
-            "finish_reason": reason,
-            "prompt_tokens": state.prompt_tokens,
-            "completion_tokens": len(state.output_ids),
-            "cached_tokens": 0,
-            "output_token_logprobs": [],
-            "output_top_logprobs": [],
-            "e2e_latency": state.finished_time - state.created_time,
-        }
-        state.out_list.append({"text": "", "output_ids": [], "meta_info": meta_info})
-        state.event.set()
 
     def close(self) -> None:
         if self.dynamic_batch_tokenizer is not None:

@@ -1,7 +1,7 @@
 """Soft watchdog: notice a loop iteration that takes too long, and say so in the log.
 
-Where it sits: any long-running loop shell (DetokenizerManager.event_loop today; the
-scheduler and TokenizerManager loops can reuse it) owns one `SoftWatchdog`. The loop
+Where it sits: a long-running loop shell (DetokenizerManager.event_loop, and the
+scheduler's event_loop_normal, which also has a HardWatchdog) owns one `SoftWatchdog`. The loop
 waits for input inside `with watchdog.disable():` (an idle process is not a stuck
 one), does its work, then calls `watchdog.feed()`. A daemon thread checks every
 `timeout / 2` seconds; when one iteration has been running for more than `timeout`
