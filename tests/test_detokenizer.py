@@ -333,3 +333,16 @@ def test_soft_watchdog_off_without_timeout() -> None:
     with wd.disable():
         wd.feed()
     assert wd.num_timeouts == 0
+
+
+def test_freeze_gc_freezes_and_answers_nothing(mgr: DetokenizerManager) -> None:
+    import gc
+
+    from minisgl.managers.io_struct import FreezeGCReq
+
+    gc.unfreeze()
+    try:
+        assert mgr.dispatch(FreezeGCReq()) is None  # nothing goes back to the tokenizer
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()

@@ -106,3 +106,23 @@ def test_idle_check_runs_once_per_idle_period_after_the_outputs(tiny_model):
     assert delivered_before_check == [True]
     engine.generate("two", {**GREEDY, "max_new_tokens": 3})
     assert delivered_before_check == [True, True]
+
+
+def test_freeze_gc_passes_through_scheduler_and_detokenizer(tiny_model):
+    """The scheduler freezes its GC and queues the message for the detokenizer, which
+    freezes too (one process here, so the same gc; the server test covers the processes)."""
+    import gc
+
+    from minisgl.managers.io_struct import FreezeGCReq
+
+    engine = Engine(tiny_model, device="cpu")
+    calls = []
+    engine.detokenizer.handle_freeze_gc = lambda msg: calls.append(msg)
+    engine.detokenizer._request_dispatcher[FreezeGCReq] = engine.detokenizer.handle_freeze_gc
+    try:
+        assert engine.scheduler.process_input_requests([FreezeGCReq()]) == []  # no reply to the tokenizer
+        assert gc.get_freeze_count() > 0
+        out = engine.generate("still serving", {**GREEDY, "max_new_tokens": 2})
+        assert len(calls) == 1 and len(out["output_ids"]) == 2
+    finally:
+        gc.unfreeze()

@@ -21,6 +21,7 @@ from minisgl.managers.io_struct import (
     BatchTokenIDOutput,
     ClearDecodeStatusReq,
     FlushCacheReqInput,
+    FreezeGCReq,
     FlushCacheReqOutput,
     GenerateReqInput,
     GetLoadReqInput,
@@ -51,6 +52,7 @@ SAMPLES: Dict[str, Any] = {
     "SamplingParams": _sampling_params(),
     "AbortReq": AbortReq(rid="r1", abort_all=False),
     "FlushCacheReqInput": FlushCacheReqInput(),
+    "FreezeGCReq": FreezeGCReq(),
     "FlushCacheReqOutput": FlushCacheReqOutput(success=False, message="requests are running"),
     "GetLoadReqInput": GetLoadReqInput(),
     "GetLoadReqOutput": GetLoadReqOutput(

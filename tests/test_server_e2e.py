@@ -408,6 +408,17 @@ def test_flush_cache(server: Server) -> None:
     assert _load(server)["evictable_tokens"] == 0
 
 
+def test_freeze_gc_reaches_every_process_and_serving_goes_on(server: Server) -> None:
+    """SGLang's /freeze_gc: HTTP, scheduler and detokenizer freeze their GC; an unknown message
+    would have killed the detokenizer, so a request served afterwards proves it got there."""
+    r = httpx.post(server.url + "/freeze_gc", timeout=10)
+    assert r.status_code == 200 and "frozen" in r.json()["message"]
+    out = httpx.post(server.url + "/v1/completions", json={"model": server.model, "prompt": "after the freeze",
+                                                           "max_tokens": 3}, timeout=30)  # fmt: skip
+    assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] >= 1
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
 def test_sigterm_shuts_everything_down_cleanly(server: Server) -> None:
     """Runs last among the `server` tests: it stops that server."""
     server.proc.send_signal(signal.SIGTERM)

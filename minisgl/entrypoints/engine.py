@@ -220,7 +220,9 @@ class Engine:
 
     def _drain_outputs(self) -> None:
         for out in self.scheduler.pop_outputs():
-            self._handle_str_output(self.detokenizer.handle_batch_token_id_out(out))
+            text_out = self.detokenizer.dispatch(out)
+            if text_out is not None:
+                self._handle_str_output(text_out)
 
     def _handle_str_output(self, out: BatchStrOutput) -> None:
         """Fill each rid's state from one message, as TokenizerManager._handle_batch_output does."""

@@ -163,6 +163,11 @@ def create_app(
         status = 200 if out.success else 400
         return Response(out.message or ("Cache flushed." if out.success else "Cache not flushed."), status_code=status)
 
+    @app.post("/freeze_gc")
+    async def freeze_gc() -> Response:
+        tm.freeze_gc()  # the scheduler and the detokenizer follow through their sockets
+        return JSONResponse({"message": "Garbage collection frozen in the HTTP process; the scheduler and detokenizer follow."})
+
     @app.post("/abort_request")
     async def abort_request(raw_request: Request) -> Response:
         try:

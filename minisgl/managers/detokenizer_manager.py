@@ -40,12 +40,13 @@ from minisgl.managers.io_struct import (
     BatchStrOutput,
     BatchTokenIDOutput,
     ClearDecodeStatusReq,
+    FreezeGCReq,
     decode,
     encode,
 )
 from minisgl.managers.watchdog import SoftWatchdog
 from minisgl.server_args import PortArgs, ServerArgs
-from minisgl.utils import configure_logging, get_tokenizer, get_zmq_socket, kill_itself_when_parent_died
+from minisgl.utils import configure_logging, freeze_gc, get_tokenizer, get_zmq_socket, kill_itself_when_parent_died
 
 logger = logging.getLogger("minisgl")
 
@@ -154,6 +155,7 @@ class DetokenizerManager:
         self._request_dispatcher: Dict[type, Callable[[Any], Optional[BatchStrOutput]]] = {
             BatchTokenIDOutput: self.handle_batch_token_id_out,
             ClearDecodeStatusReq: self.handle_clear_decode_status,
+            FreezeGCReq: self.handle_freeze_gc,
         }
         self.soft_watchdog: Optional[SoftWatchdog] = None
         self.recv_from_scheduler: Any = None
@@ -193,6 +195,9 @@ class DetokenizerManager:
         out = handler(recv)
         logger.debug(f"Detokenizer: handled {type(recv).__name__}, #decode-status: {len(self.decode_status)}")
         return out
+
+    def handle_freeze_gc(self, recv: FreezeGCReq) -> None:
+        freeze_gc("Detokenizer")
 
     def handle_clear_decode_status(self, recv: ClearDecodeStatusReq) -> None:
         """Drop the state of rids that will never finish here (aborted upstream)."""

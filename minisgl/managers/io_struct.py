@@ -4,7 +4,7 @@
     TokenizedGenerateReqInput   TokenizerManager -> Scheduler         (ZMQ)
     BatchTokenIDOutput          Scheduler -> DetokenizerManager       (ZMQ)
     BatchStrOutput              DetokenizerManager -> TokenizerManager (ZMQ)
-    AbortReq, FlushCache*, GetLoad*, ClearDecodeStatusReq, SchedulerSnapshotOut: control
+    AbortReq, FlushCache*, GetLoad*, ClearDecodeStatusReq, FreezeGCReq, SchedulerSnapshotOut: control
 
 Everything that crosses a process boundary is one of the dataclasses registered in
 `_MESSAGE_TYPES` and travels as JSON through `encode` / `decode`: no pickling of
@@ -149,6 +149,14 @@ class GetLoadReqOutput:
 
 
 @dataclass
+class FreezeGCReq:
+    """Freeze the garbage collector (SGLang's /freeze_gc): TokenizerManager -> Scheduler ->
+    Detokenizer, each process calling `utils.freeze_gc`. After start-up almost every object
+    (the model, the tokenizer, the pools) lives forever; frozen, the GC stops scanning them,
+    so its pauses no longer grow with them."""
+
+
+@dataclass
 class ClearDecodeStatusReq:
     """Tell the detokenizer to drop the decode state of these rids (aborted before finishing)."""
 
@@ -225,6 +233,7 @@ _MESSAGE_TYPES: Dict[str, type] = {
         GetLoadReqInput,
         GetLoadReqOutput,
         ClearDecodeStatusReq,
+        FreezeGCReq,
         SchedulerSnapshotOut,
         BatchTokenIDOutput,
         BatchStrOutput,

@@ -21,13 +21,14 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 from minisgl.managers.io_struct import (
     AbortReq,
     BatchTokenIDOutput,
     FlushCacheReqInput,
     FlushCacheReqOutput,
+    FreezeGCReq,
     GetLoadReqInput,
     GetLoadReqOutput,
     TokenizedGenerateReqInput,
@@ -37,6 +38,7 @@ from minisgl.managers.schedule_policy import AddReqResult, PrefillAdder, Schedul
 from minisgl.managers.scheduler_metrics_mixin import SchedulerMetricsMixin
 from minisgl.managers.scheduler_output_processor_mixin import SchedulerOutputProcessorMixin
 from minisgl.server_args import ServerArgs, chunked_prefill_enabled
+from minisgl.utils import freeze_gc
 
 logger = logging.getLogger("minisgl.scheduler")
 
@@ -92,7 +94,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         self.last_prefill_log_time = time.perf_counter()
         self.last_decode_log_time = time.perf_counter()
         self.num_generated_tokens = 0
-        self._outputs: List[BatchTokenIDOutput] = []
+        self._outputs: List[Union[BatchTokenIDOutput, FreezeGCReq]] = []  # for the detokenizer
         self.events: List[Dict[str, Any]] = []
         self.finished_records: List[Dict[str, Any]] = []
         self._step_record_end = (0, 0)  # len(events), len(finished_records) when the last step ended
@@ -132,6 +134,9 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
                 replies.append(self.flush_cache())
             elif isinstance(msg, GetLoadReqInput):
                 replies.append(self.get_load())
+            elif isinstance(msg, FreezeGCReq):
+                freeze_gc("Scheduler")
+                self._outputs.append(msg)  # on to the detokenizer, behind this step's outputs
             else:
                 raise TypeError(f"the scheduler does not handle {type(msg).__name__}")
         return replies
@@ -268,7 +273,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             num_retracted_reqs_total=self.num_retracted_reqs_total,
         )
 
-    def pop_outputs(self) -> List[BatchTokenIDOutput]:
+    def pop_outputs(self) -> List[Union[BatchTokenIDOutput, FreezeGCReq]]:
         out, self._outputs = self._outputs, []
         return out
 

@@ -36,6 +36,7 @@ from minisgl.managers.io_struct import (
     AbortReq,
     BatchStrOutput,
     FlushCacheReqInput,
+    FreezeGCReq,
     FlushCacheReqOutput,
     GenerateReqInput,
     GetLoadReqInput,
@@ -46,7 +47,7 @@ from minisgl.managers.io_struct import (
 )
 from minisgl.sampling.sampling_params import SamplingParams
 from minisgl.server_args import PortArgs, ServerArgs
-from minisgl.utils import get_zmq_socket
+from minisgl.utils import freeze_gc, get_zmq_socket
 
 logger = logging.getLogger("minisgl.tokenizer_manager")
 
@@ -466,6 +467,11 @@ class TokenizerManager:
         """The in-flight samples `<rid>-<j>` of an n > 1 request (see `_expand_batch`)."""
         prefix = f"{rid}-"
         return [r for r in self.rid_to_state if r.startswith(prefix) and r[len(prefix) :].isdigit()]
+
+    def freeze_gc(self) -> None:
+        """Freeze the GC here, then in the scheduler, which passes it on to the detokenizer."""
+        freeze_gc("HTTP")
+        self._send_to_scheduler(FreezeGCReq())
 
     async def flush_cache(self) -> FlushCacheReqOutput:
         return await self._control_request(FlushCacheReqInput(), FlushCacheReqOutput)
