@@ -59,13 +59,17 @@ def _server_result(engine: Engine, tmp_path: Any, messages: List[BatchStrOutput]
                 outs.append(out)
 
         task = asyncio.ensure_future(consume())
-        while not (obj.rid in tm.rid_to_state and tm.rid_to_state[obj.rid].sent):
-            assert not task.done(), task.result()  # the request failed before it was sent
-            await asyncio.sleep(0.01)
-        for msg in messages:  # as the detokenizer would send them
-            tm._handle_batch_output(dataclasses.replace(msg, rids=[obj.rid]))
-        await asyncio.wait_for(task, timeout=30)
-        tm.close()
+        try:
+            while not (obj.rid in tm.rid_to_state and tm.rid_to_state[obj.rid].sent):
+                assert not task.done(), task.result()  # the request failed before it was sent
+                await asyncio.sleep(0.01)
+            for msg in messages:  # as the detokenizer would send them
+                tm._handle_batch_output(dataclasses.replace(msg, rids=[obj.rid]))
+            await asyncio.wait_for(task, timeout=30)
+        finally:
+            # linger 0: what was queued for the absent scheduler must not block the exit
+            # (on a failure, zmq's Context.__del__ would otherwise wait for it forever)
+            tm.close()
         return outs
 
     return asyncio.run(run())
