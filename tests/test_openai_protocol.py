@@ -24,10 +24,24 @@ from minisgl.utils import get_tokenizer
 CONTEXT_LEN = 64
 
 
+_OPEN_MANAGERS: List[TokenizerManager] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_tokenizer_managers() -> Any:
+    """Close every TokenizerManager a test made, failed or not: a PUSH socket with messages
+    queued for the absent scheduler would otherwise block zmq's Context.__del__ forever."""
+    yield
+    while _OPEN_MANAGERS:
+        _OPEN_MANAGERS.pop().close()
+
+
 def _make_tm(model: str, tmp_path: Any, **overrides: Any) -> TokenizerManager:
     args = resolve_server_args(ServerArgs(model_path=model, device="cpu", **overrides))
     tokenizer = get_tokenizer(model)
-    return TokenizerManager(args, PortArgs.init_new(str(tmp_path)), tokenizer, CONTEXT_LEN, len(tokenizer))
+    tm = TokenizerManager(args, PortArgs.init_new(str(tmp_path)), tokenizer, CONTEXT_LEN, len(tokenizer))
+    _OPEN_MANAGERS.append(tm)
+    return tm
 
 
 @pytest.fixture(scope="module")
