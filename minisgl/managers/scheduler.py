@@ -596,6 +596,9 @@ def event_loop_normal(scheduler: Scheduler, recv_from_tokenizer: Any, send_to_de
         batch = scheduler.run_step()
         for out in scheduler.pop_outputs():
             send_to_detokenizer.send(encode(out))
+        # Outputs are out; if that was the last work, the idle check (ratio reset, leak check)
+        # runs now, before the snapshot, so the page shows what Engine.step() shows.
+        scheduler.self_check_during_idle()
         # Publish when something changed: a batch ran, requests arrived or were aborted
         # (their events), or the cache was flushed. A control request alone (/get_load and
         # /metrics polling while idle) changes nothing: it would republish the same step.
@@ -607,7 +610,6 @@ def event_loop_normal(scheduler: Scheduler, recv_from_tokenizer: Any, send_to_de
                 publish_snapshot.send(encode(msg), zmq.NOBLOCK)  # never slows scheduling
             except zmq.ZMQError:
                 scheduler.num_dropped_snapshots += 1  # a stalled viewer loses frames, not steps
-        scheduler.self_check_during_idle()  # outputs are out; the loop is about to block on recv
         soft_watchdog.feed()
         hard_watchdog.feed()
 
