@@ -48,6 +48,11 @@ def test_offline_reports_throughput_floor_and_hf_ratio(cache: str) -> None:
         assert r[key] > 0 and math.isfinite(r[key]), key
     assert math.isfinite(r["visualize_overhead_pct"])
     assert r["decode_step_batch"] == 4
+    # each ratio is the quotient of the numbers printed beside it (RESULT lines keep 4 digits)
+    approx = lambda x: pytest.approx(x, rel=2e-3)  # noqa: E731
+    assert r["minisgl_vs_floor"] == approx(r["minisgl_output_tok_s"] / r["floor_output_tok_s"])
+    assert r["minisgl_vs_best_hf"] == approx(r["minisgl_output_tok_s"] / max(r["hf_static_output_tok_s"], r["hf_cb_output_tok_s"]))
+    assert r["decode_step_vs_floor"] == approx(r["decode_step_ms"] / r["decode_step_floor_ms"])
 
 
 def test_chunked_prefill_reports_itl_for_every_config(cache: str) -> None:
@@ -55,7 +60,7 @@ def test_chunked_prefill_reports_itl_for_every_config(cache: str) -> None:
                                                 "--pre-steps", "2", "--post-steps", "2"], cache)  # fmt: skip
     for name in ("off", "chunk64", "chunk128", "mixed64", "mixed128"):
         assert r[f"{name}_itl_p50"] > 0 and r[f"{name}_itl_p99"] >= r[f"{name}_itl_p50"]
-    assert "mixed64_itl_p99_vs_off" in r
+    assert r["mixed64_itl_p99_vs_off"] == pytest.approx(r["mixed64_itl_p99"] / r["off_itl_p99"], rel=2e-3)
 
 
 def test_prefix_cache_hits_and_keeps_outputs(cache: str) -> None:

@@ -33,8 +33,10 @@ def test_generate_single_returns_sglang_dict(engine):
 def test_generate_list_and_input_ids(engine):
     outs = engine.generate(["one", "two three"], GREEDY)
     assert isinstance(outs, list) and len(outs) == 2
-    ids = engine.tokenizer.encode("one", add_special_tokens=False)
-    assert engine.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"] == outs[0]["output_ids"]
+    for text, out in zip(["one", "two three"], outs):  # each entry is its own prompt's answer
+        ids = engine.tokenizer.encode(text, add_special_tokens=False)
+        assert out["meta_info"]["prompt_tokens"] == len(ids)
+        assert engine.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"] == out["output_ids"]
 
 
 def test_stream_deltas_concatenate_to_the_full_answer(engine):
@@ -68,6 +70,12 @@ def test_step_and_snapshot_follow_the_documented_schema(engine):
     engine.run_until_idle()
     assert engine.snapshot()["finished"][0]["rid"] == rid
     assert set(engine.snapshot()["finished"][0]) >= {"finish_reason", "queue_ms", "schedule_ms", "forward_ms", "ttft_ms"}
+    # the memory panel's numbers are the pool's: used = total - available - evictable
+    load, mem, radix = engine.get_load(), engine.snapshot()["memory"], engine.snapshot()["radix"]
+    assert (mem["total"], mem["available"], mem["evictable"], mem["protected"]) == (
+        2048, load.available_tokens, load.evictable_tokens, load.protected_tokens)
+    assert mem["used"] == 2048 - load.available_tokens - load.evictable_tokens == load.num_used_tokens
+    assert radix["total_tokens"] == load.evictable_tokens + load.protected_tokens > 0
     engine.get_result(rid)
     assert engine.step()["forward_mode"] == "IDLE"  # idle step also runs the leak check
 

@@ -45,5 +45,10 @@ def test_retraction_warning(tiny_model: str, caplog: pytest.LogCaptureFixture) -
     with caplog.at_level(logging.WARNING, logger="minisgl"):
         engine.generate(input_ids=prompts, sampling_params=[{**GREEDY, "max_new_tokens": 20 + i} for i in range(16)])
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert any(re.fullmatch(r"KV cache pool is full\. Retract requests\. #retracted_reqs: \d+, #new_tokens_gained: \d+, "
-                            r"#new_token_ratio: 0\.\d{4} -> \d\.\d{4}", w) for w in warnings), warnings  # fmt: skip
+    pattern = (r"KV cache pool is full\. Retract requests\. #retracted_reqs: (\d+), #new_tokens_gained: (\d+), "
+               r"#new_token_ratio: (0\.\d{4}) -> (\d\.\d{4})")
+    lines = [m for m in (re.fullmatch(pattern, w) for w in warnings) if m]
+    assert lines, warnings
+    for m in lines:  # each line: at least one request retracted, tokens freed, the ratio raised
+        assert int(m[1]) >= 1 and int(m[2]) > 0 and float(m[4]) > float(m[3]), m[0]
+    assert sum(int(m[1]) for m in lines) == engine.get_load().num_retracted_reqs_total

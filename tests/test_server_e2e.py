@@ -232,7 +232,8 @@ def test_seed_reproducibility(server: Server) -> None:
 
     first = sample(1234)
     assert sample(1234) == first
-    assert len(first) == 2
+    assert len(first) == 2 and first[0] != first[1]  # sample j uses seed + j: the n choices differ
+    assert sample(4321) != first
 
 
 def test_logprobs_shape(server: Server) -> None:
@@ -399,13 +400,25 @@ def test_metrics_parse_and_counters_move(server: Server) -> None:
     assert after["sglang:generation_tokens_total"] == before["sglang:generation_tokens_total"] + r.usage.completion_tokens
     assert after["sglang:e2e_request_latency_seconds_count"] == before["sglang:e2e_request_latency_seconds_count"] + 1
     assert after["sglang:time_to_first_token_seconds_count"] == before["sglang:time_to_first_token_seconds_count"] + 1
-    for gauge in ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage", "sglang:cache_hit_rate"):
-        assert _metric(server, gauge) >= 0.0
+    # the gauges are refreshed from the scheduler's load at each scrape (_metric reads 0 for a
+    # missing name, so check they are there and carry the load's values)
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    names = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+    gauges = ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage", "sglang:cache_hit_rate")
+    assert set(gauges) | {"sglang:max_total_num_tokens"} <= names
+    assert _metric(server, "sglang:max_total_num_tokens") == 8192  # --max-total-tokens of this server
+    assert _metric(server, "sglang:num_running_reqs") == _metric(server, "sglang:num_queue_reqs") == 0  # idle
+    assert _metric(server, "sglang:token_usage") == _load(server)["token_usage"]
 
 
 def test_flush_cache(server: Server) -> None:
+    _client(server).completions.create(model=server.model, prompt=PROMPTS[0], max_tokens=2, temperature=0)
+    assert _load(server)["evictable_tokens"] > 0  # something cached to flush
     assert httpx.post(server.url + "/flush_cache", timeout=10).status_code == 200
-    assert _load(server)["evictable_tokens"] == 0
+    load = _load(server)
+    assert load["evictable_tokens"] == 0 and load["available_tokens"] == load["max_total_num_tokens"] == 8192
 
 
 def test_freeze_gc_reaches_every_process_and_serving_goes_on(server: Server) -> None:
