@@ -135,15 +135,18 @@ def test_bad_json_is_400_not_422(client: TestClient) -> None:
     assert r.status_code == 400
     assert "JSON" in r.json()["error"]["message"]
     r = client.post("/v1/completions", json=["a", "list"])
-    assert r.status_code == 400
+    assert r.status_code == 400 and "valid dictionary" in r.json()["error"]["message"]
 
 
-def test_bad_completion_prompts(client: TestClient) -> None:
-    for prompt in ("", [], [[]], [1, "a"]):
-        r = client.post("/v1/completions", json={"model": client.model, "prompt": prompt})
-        assert r.status_code == 400, (prompt, r.text)
-    r = client.post("/v1/completions", json={"model": client.model, "prompt": [10**9]})
-    assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+@pytest.mark.parametrize(
+    "prompt, needle",
+    [("", "The prompt cannot be empty."), ([], "The prompt cannot be an empty list."),
+     ([[]], "A token-id prompt cannot be empty."), ([1, "a"], "Invalid parameter 'prompt"), ([10**9], "vocabulary")],
+)  # fmt: skip
+def test_bad_completion_prompts(guarded_client: TestClient, prompt: Any, needle: str) -> None:
+    """Each a 400 saying what is wrong with the prompt, before anything reaches the scheduler."""
+    r = guarded_client.post("/v1/completions", json={"model": guarded_client.model, "prompt": prompt})
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], (prompt, r.text)
 
 
 def test_unknown_model_is_404(client: TestClient) -> None:
