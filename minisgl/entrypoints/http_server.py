@@ -40,7 +40,7 @@ from minisgl.entrypoints.openai.protocol import (
     ModelCard,
     ModelList,
 )
-from minisgl.entrypoints.openai.serving_base import create_error_response, error_body, sse_data, sse_response
+from minisgl.entrypoints.openai.serving_base import create_error_response, error_body, prepend, sse_data, sse_response
 from minisgl.entrypoints.openai.serving_chat import OpenAIServingChat
 from minisgl.entrypoints.openai.serving_completions import OpenAIServingCompletions
 from minisgl.managers.io_struct import GenerateReqInput
@@ -212,15 +212,11 @@ async def _native_generate(tm: TokenizerManager, request: GenerateRequest, raw_r
         texts: Dict[int, str] = {}
         ids: Dict[int, List[int]] = {}
         try:
-            out: Optional[Dict[str, Any]] = first
-            while out is not None:
+            async for out in prepend(first, gen):
                 index = out.get("index", 0)
                 texts[index] = texts.get(index, "") + out["text"]
                 ids.setdefault(index, []).extend(out["output_ids"])
                 yield sse_data({**out, "text": texts[index], "output_ids": ids[index]})
-                out = await gen.__anext__()
-        except StopAsyncIteration:
-            pass
         except ValueError as e:  # after the headers: an error event, then [DONE] as usual (SGLang)
             yield sse_data(error_body(str(e)))
         finally:
