@@ -172,3 +172,89 @@ def test_a_stream_dropped_before_its_first_chunk_releases_its_requests(engine):
     assert len(engine.rid_to_state) == 2  # submitted at the call: bad input would have raised there
     del stream
     _assert_idle_and_nothing_leaked(engine)
+
+
+# --------------------------------------------------------------------------- bad calls leave nothing behind
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"input_ids": [PROMPT, [10**9]]},  # the second prompt is outside the vocabulary
+        {"input_ids": [PROMPT, PROMPT], "sampling_params": [LONG, {"max_new_tokens": 2.5}]},
+        {"prompt": ["fine", 5]},
+    ],
+    ids=["bad-ids", "bad-params", "bad-type"],
+)
+def test_a_bad_entry_in_a_batch_queues_none_of_it(engine, kwargs):
+    """As the server's _validate_request_shape: every entry is checked before any is queued."""
+    with pytest.raises(ValueError):
+        engine.generate(**{"sampling_params": LONG, **kwargs})
+    _assert_idle_and_nothing_leaked(engine)
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"prompt": 5}, "`prompt` must be a string or a non-empty list of strings, got int"),
+        ({"prompt": b"hi"}, "got bytes"),
+        ({"prompt": []}, "got an empty list"),
+        ({"input_ids": 5}, "`input_ids` must be a list of ints or a list of such lists, got int"),
+        ({"input_ids": [[5, 6], 7]}, "mixes lists and ints"),
+    ],
+)
+def test_wrong_prompt_types_say_what_to_pass(engine, kwargs, needle):
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
+        engine.generate(**kwargs)
+
+
+def test_an_interrupted_generate_aborts_its_requests(engine, monkeypatch):
+    """Ctrl-C in a notebook raises KeyboardInterrupt inside step(): nothing may keep decoding unseen."""
+    run_step, calls = engine.scheduler.run_step, []
+
+    def interrupted_once() -> None:
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        run_step()
+
+    monkeypatch.setattr(engine.scheduler, "run_step", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(input_ids=[PROMPT, [9, 10]], sampling_params={**LONG, "max_new_tokens": 500})
+    _assert_idle_and_nothing_leaked(engine)
+
+
+def test_context_length_is_checked_as_by_the_server(engine):
+    context_len = engine.context_len  # the tiny model's 2048
+    with pytest.raises(ValueError, match=rf"The input \({context_len} tokens\) is longer than the model's context length"):
+        engine.generate(input_ids=[5] * context_len, sampling_params={"max_new_tokens": 1})
+    with pytest.raises(ValueError, match="Requested token count exceeds the model's maximum context length"):
+        engine.generate(input_ids=[5] * (context_len - 10), sampling_params={"max_new_tokens": 100})
+    _assert_idle_and_nothing_leaked(engine)
+
+
+def test_auto_truncate_cuts_the_prompt_and_clamps_the_output(tiny_model):
+    with Engine(tiny_model, device="cpu", allow_auto_truncate=True) as eng:
+        context_len = eng.context_len
+        # (the scheduler's own gate then keeps a few more positions free, as SGLang's max_req_input_len)
+        out = eng.generate(input_ids=[5] * (context_len + 50), sampling_params={"max_new_tokens": 4, "ignore_eos": True})
+        meta = out["meta_info"]
+        assert meta["prompt_tokens"] < context_len and meta["prompt_tokens"] + meta["completion_tokens"] <= context_len
+        out = eng.generate(input_ids=[5] * (context_len - 10), sampling_params={"max_new_tokens": 100, "ignore_eos": True})
+        meta = out["meta_info"]
+        assert meta["prompt_tokens"] == context_len - 10 and 0 < meta["completion_tokens"] <= 10
+        assert meta["finish_reason"]["type"] == "length"
+
+
+def test_shutdown_is_final(tiny_model):
+    eng = Engine(tiny_model, device="cpu")
+    stream = eng.generate(input_ids=[PROMPT, PROMPT], sampling_params=LONG, stream=True)
+    next(stream)
+    eng.shutdown()
+    assert eng.scheduler is None and eng.model_runner is None  # model and KV pool can be freed
+    with pytest.raises(RuntimeError, match="shut down while this stream was open"):
+        next(stream)
+    for call in (lambda: eng.generate("hi"), lambda: eng.add_request("hi"), eng.step, eng.get_load):
+        with pytest.raises(RuntimeError, match=r"shut down; create a new Engine"):
+            call()
+    eng.shutdown()  # a second shutdown is harmless

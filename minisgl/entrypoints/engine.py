@@ -24,7 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
-from minisgl.managers.io_struct import AbortReq, BatchStrOutput, GenerateReqInput, new_rid
+from minisgl.managers.io_struct import AbortReq, BatchStrOutput, GenerateReqInput, TokenizedGenerateReqInput, new_rid
+from minisgl.managers.tokenization import tokenize_one_request, validate_context_length
 from minisgl.sampling.sampling_params import SamplingParams
 from minisgl.server_args import ServerArgs, resolve_server_args
 
@@ -66,7 +67,9 @@ class Engine:
         self.scheduler = Scheduler(self.server_args, self.model_runner, self.tokenizer)
         self.detokenizer = DetokenizerManager(self.server_args)
         self.vocab_size: int = self.model_runner.model_config.vocab_size
+        self.context_len: int = self.model_runner.model_config.context_len
         self.rid_to_state: Dict[str, _ReqState] = {}
+        self._closed = False
 
     # ------------------------------------------------------------------ submission
     def add_request(
@@ -80,15 +83,28 @@ class Engine:
         top_logprobs_num: int = 0,
     ) -> str:
         """Tokenize one request and queue it in the scheduler; returns its rid."""
-        from minisgl.managers.tokenization import tokenize_one_request
-
-        params = dict(sampling_params or {})
-        if params.get("n", 1) != 1:
+        self._check_open()
+        if SamplingParams.from_dict(sampling_params).n != 1:  # (types checked here first)
             raise ValueError("add_request takes one request; use generate(..., sampling_params={'n': k}) for n > 1")
+        tokenized = self._tokenize(prompt, input_ids, sampling_params, stream, rid, return_logprob, top_logprobs_num)
+        self._enqueue([tokenized])
+        return tokenized.rid
+
+    def _tokenize(
+        self,
+        prompt: Optional[str] = None,
+        input_ids: Optional[List[int]] = None,
+        sampling_params: Optional[Dict[str, Any]] = None,
+        stream: bool = False,
+        rid: Optional[str] = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+    ) -> TokenizedGenerateReqInput:
+        """Every check the server makes on one request, nothing registered yet (ValueError on bad input)."""
         if top_logprobs_num and not return_logprob:
             raise ValueError("top_logprobs_num needs return_logprob to be true")  # the server's check
         obj = GenerateReqInput(
-            text=prompt, input_ids=input_ids, sampling_params=params, rid=rid or new_rid(),
+            text=prompt, input_ids=input_ids, sampling_params=dict(sampling_params or {}), rid=rid or new_rid(),
             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,
         )  # fmt: skip
         obj.normalize_batch_and_arguments()
@@ -97,29 +113,46 @@ class Engine:
         if obj.rid in self.rid_to_state:
             raise ValueError(f"rid {obj.rid!r} is already in flight")
         tokenized = tokenize_one_request(self.tokenizer, obj, self.vocab_size)
-        self.rid_to_state[obj.rid] = _ReqState(rid=obj.rid, created_time=time.perf_counter())
-        self.scheduler.process_input_requests([tokenized])
+        validate_context_length(tokenized, self.context_len, self.server_args.allow_auto_truncate)
+        return tokenized
+
+    def _enqueue(self, requests: List[TokenizedGenerateReqInput]) -> None:
+        """Register and queue checked requests (all of one call at once: none is queued if any is bad)."""
+        now = time.perf_counter()
+        for tokenized in requests:
+            self.rid_to_state[tokenized.rid] = _ReqState(rid=tokenized.rid, created_time=now)
+        self.scheduler.process_input_requests(requests)
         self._drain_outputs()  # a request rejected at the gate (queue full) finishes here
-        return obj.rid
 
     def _submit(
         self, prompt: Prompt, sampling_params: Any, input_ids: InputIds, stream: bool, **kwargs: Any
     ) -> tuple[List[str], bool]:
-        """Fan a generate() call out into single requests (n copies each). Returns (rids, single)."""
+        """Fan a generate() call out into single requests (n copies each). Returns (rids, single).
+
+        Every request is checked before any is queued, as the server's _validate_request_shape
+        does: a bad entry in a batch raises and leaves nothing behind.
+        """
+        self._check_open()
         if (prompt is None) == (input_ids is None):
             raise ValueError("Exactly one of `prompt` and `input_ids` must be given")
         if prompt is not None:
             single = isinstance(prompt, str)
+            if not single and not (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
+                raise ValueError(f"`prompt` must be a string or a non-empty list of strings, got {_describe(prompt)}")
             prompts: List[Any] = [prompt] if single else list(prompt)
             key = "prompt"
         else:
+            if not isinstance(input_ids, list):
+                raise ValueError(f"`input_ids` must be a list of ints or a list of such lists, got {_describe(input_ids)}")
             single = len(input_ids) == 0 or not isinstance(input_ids[0], list)
+            if not single and not all(isinstance(ids, list) for ids in input_ids):
+                raise ValueError("`input_ids` mixes lists and ints: pass one list of ints, or a list of such lists")
             prompts = [input_ids] if single else list(input_ids)
             key = "input_ids"
         params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"`sampling_params` must have {len(prompts)} entries for {len(prompts)} prompts")
-        rids: List[str] = []
+        requests: List[TokenizedGenerateReqInput] = []
         for p, params in zip(prompts, params_list):
             n = SamplingParams.from_dict(params).n  # types (and unknown keys) checked before anything is queued
             params = {k: v for k, v in (params or {}).items() if k != "n"}
@@ -129,8 +162,9 @@ class Engine:
                 # as the server does: sample j of a seeded request uses seed + j, so the n
                 # samples differ yet are reproducible
                 sample_params = dict(params, seed=params["seed"] + j) if n > 1 and params.get("seed") is not None else params
-                rids.append(self.add_request(**{key: p}, sampling_params=sample_params, stream=stream, **kwargs))
-        return rids, single and len(rids) == 1
+                requests.append(self._tokenize(**{key: p}, sampling_params=sample_params, stream=stream, rid=None, **kwargs))
+        self._enqueue(requests)
+        return [r.rid for r in requests], single and len(requests) == 1
 
     def generate(
         self,
@@ -149,8 +183,15 @@ class Engine:
             stream = self._stream(rids, single)
             next(stream)  # enter its try: from here, even an iterator dropped unread releases its requests
             return stream
-        while not all(self.rid_to_state[r].finished for r in rids):
-            self.step(snapshot=False)
+        try:
+            while not all(self.rid_to_state[r].finished for r in rids):
+                self.step(snapshot=False)
+        except BaseException:
+            # Ctrl-C in a notebook (or an error): abort what is left, so nothing keeps decoding
+            # unseen in later calls
+            if not self._closed:
+                self._release(rids)
+            raise
         results = [self._pop_result(r) for r in rids]
         return results[0] if single else results
 
@@ -166,21 +207,26 @@ class Engine:
         try:
             yield {}  # consumed by generate()
             while True:
+                ready: List[Dict[str, Any]] = []
                 for index, rid in enumerate(rids):
                     state = self.rid_to_state[rid]
-                    for chunk in state.pending:
-                        yield chunk if single else {**chunk, "index": index}
+                    ready += [chunk if single else {**chunk, "index": index} for chunk in state.pending]
                     state.pending.clear()
-                if all(self.rid_to_state[r].finished for r in rids):
+                finished = all(self.rid_to_state[r].finished for r in rids)
+                for chunk in ready:
+                    yield chunk
+                    if self._closed:  # shutdown() ran while the caller held this chunk
+                        raise RuntimeError("the Engine was shut down while this stream was open; its requests were aborted")
+                if finished:
                     break
                 self.step(snapshot=False)
         finally:
             # (after shutdown() there is nothing left: it aborted and forgot every request)
-            if self.model_runner is not None:
-                self._release_stream(rids)
+            if not self._closed:
+                self._release(rids)
 
-    def _release_stream(self, rids: List[str]) -> None:
-        """Abort what a stream left unfinished, step until the scheduler let it go, forget it all."""
+    def _release(self, rids: List[str]) -> None:
+        """Abort what a caller left unfinished, step until the scheduler let it go, forget it all."""
         unfinished = [r for r in rids if not self.rid_to_state[r].finished]
         for rid in unfinished:
             self.abort(rid)
@@ -197,12 +243,14 @@ class Engine:
         `snapshot=False` skips building the snapshot (generate() and run_until_idle() do,
         so they pay nothing for the visualizer's data) and returns None.
         """
+        self._check_open()
         self.scheduler.run_step()
         self._drain_outputs()
         self.scheduler.self_check_during_idle()  # as the server's loop does before it blocks
         return self.scheduler.snapshot() if snapshot else None
 
     def snapshot(self) -> Dict[str, Any]:
+        self._check_open()
         return self.scheduler.snapshot()
 
     def has_unfinished_requests(self) -> bool:
@@ -272,6 +320,9 @@ class Engine:
 
     def get_result(self, rid: str) -> Dict[str, Any]:
         """The result of a finished request started with add_request (and forget it)."""
+        self._check_open()
+        if rid not in self.rid_to_state:
+            raise ValueError(f"no request {rid!r}: it was never added, or its result was collected already")
         if not self.rid_to_state[rid].finished:
             raise ValueError(f"request {rid!r} has not finished; call step() until it does")
         return self._pop_result(rid)
@@ -279,25 +330,47 @@ class Engine:
     # ------------------------------------------------------------------ control
     def abort(self, rid: str) -> None:
         """Abort a request (waiting, mid-chunk or running); its result carries finish type abort."""
+        self._check_open()
         self.scheduler.abort_request(AbortReq(rid=rid))
         self._drain_outputs()
 
     def flush_cache(self) -> bool:
+        self._check_open()
         return self.scheduler.flush_cache().success
 
     def get_load(self) -> Any:
+        self._check_open()
         return self.scheduler.get_load()
 
     def shutdown(self) -> None:
-        """Abort everything in flight and drop the model (an Engine is single-use after this)."""
+        """Abort everything in flight and drop the model, its KV pool and the scheduler holding them.
+
+        An Engine is single-use after this: every other call raises RuntimeError.
+        """
+        if self._closed:
+            return
         if self.has_unfinished_requests():
             self.scheduler.abort_request(AbortReq(abort_all=True))
             self.run_until_idle()
         self.rid_to_state.clear()
-        self.model_runner = None  # type: ignore[assignment]
+        self._closed = True
+        # the scheduler references the ModelRunner too: both go, so the memory is freed
+        self.scheduler = self.model_runner = self.detokenizer = None  # type: ignore[assignment]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Engine was shut down; create a new Engine(...)")
 
     def __enter__(self) -> "Engine":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+
+def _describe(value: Any) -> str:
+    """A short description of a wrong argument for an error message."""
+    if isinstance(value, list):
+        kinds = sorted({type(v).__name__ for v in value})
+        return f"a list of {'/'.join(kinds)}" if value else "an empty list"
+    return type(value).__name__

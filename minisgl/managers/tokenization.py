@@ -8,6 +8,9 @@ either path.
 - `tokenize_one_request` normalises the input form (text or input_ids) into ids.
 - `create_tokenized_object` builds the scheduler's input: SamplingParams from SGLang's
   dict, `normalize(tokenizer)` (greedy mapping, stop strings) and `verify(vocab_size)`.
+- `validate_context_length` is SGLang's context-length gate (`_validate_one_request`):
+  a 400-style ValueError, or with `--allow-auto-truncate` a truncated prompt and a
+  clamped max_new_tokens.
 Bad input raises ValueError with a message that says what to change (HTTP 400 upstream).
 """
 
@@ -79,3 +82,24 @@ def tokenize_one_request(tokenizer: Any, obj: GenerateReqInput, vocab_size: int)
         input_text = obj.text
         input_ids = encode_text(tokenizer, input_text)
     return create_tokenized_object(obj, input_text, input_ids, tokenizer, vocab_size)
+
+
+def validate_context_length(tokenized: TokenizedGenerateReqInput, context_len: int, allow_auto_truncate: bool) -> None:
+    """Context-length gates with SGLang's messages; `allow_auto_truncate` truncates/clamps instead."""
+    input_len = len(tokenized.input_ids)
+    params = tokenized.sampling_params
+    if input_len >= context_len:
+        if not allow_auto_truncate:
+            raise ValueError(f"The input ({input_len} tokens) is longer than the model's context length ({context_len} tokens).")
+        tokenized.input_ids = tokenized.input_ids[: context_len - 1]
+        input_len = len(tokenized.input_ids)
+    max_new = params.max_new_tokens
+    if max_new is not None and input_len + max_new > context_len:
+        if not allow_auto_truncate:
+            raise ValueError(
+                f"Requested token count exceeds the model's maximum context length of {context_len} tokens. "
+                f"You requested a total of {input_len + max_new} tokens: {input_len} tokens from the input "
+                f"messages and {max_new} tokens for the completion. Please reduce the number of tokens in the "
+                "input messages or the completion to fit within the limit."
+            )
+        params.max_new_tokens = max(0, context_len - input_len)

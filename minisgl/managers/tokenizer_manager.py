@@ -316,26 +316,8 @@ class TokenizerManager:
         return tokenization.create_tokenized_object(obj, text, ids, self.tokenizer, self.vocab_size)
 
     def _validate_one_request(self, tokenized: TokenizedGenerateReqInput) -> None:
-        """Context-length gates with SGLang's messages; --allow-auto-truncate truncates/clamps instead."""
-        input_len = len(tokenized.input_ids)
-        params = tokenized.sampling_params
-        if input_len >= self.context_len:
-            if not self.server_args.allow_auto_truncate:
-                raise ValueError(
-                    f"The input ({input_len} tokens) is longer than the model's context length ({self.context_len} tokens)."
-                )
-            tokenized.input_ids = tokenized.input_ids[: self.context_len - 1]
-            input_len = len(tokenized.input_ids)
-        max_new = params.max_new_tokens
-        if max_new is not None and input_len + max_new > self.context_len:
-            if not self.server_args.allow_auto_truncate:
-                raise ValueError(
-                    f"Requested token count exceeds the model's maximum context length of {self.context_len} tokens. "
-                    f"You requested a total of {input_len + max_new} tokens: {input_len} tokens from the input "
-                    f"messages and {max_new} tokens for the completion. Please reduce the number of tokens in the "
-                    "input messages or the completion to fit within the limit."
-                )
-            params.max_new_tokens = max(0, self.context_len - input_len)
+        """SGLang's context-length gate (shared with the Engine: tokenization.validate_context_length)."""
+        tokenization.validate_context_length(tokenized, self.context_len, self.server_args.allow_auto_truncate)
 
     def _send_one_request(self, tokenized: TokenizedGenerateReqInput, state: ReqState) -> None:
         self._send_to_scheduler(tokenized)
