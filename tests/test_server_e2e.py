@@ -280,6 +280,21 @@ def test_native_generate(server: Server, reference: Dict[str, Any]) -> None:
     assert texts[-1] == reference[("raw", PROMPTS[0])]["text"]
 
 
+def test_native_generate_stream_is_cumulative_in_every_field(server: Server) -> None:
+    """Each event holds everything so far (SGLang's shape): ids and logprobs grow together."""
+    body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+            "return_logprob": True, "top_logprobs_num": 2}  # fmt: skip
+    whole = httpx.post(server.url + "/generate", json=body, timeout=60).json()
+    with httpx.stream("POST", server.url + "/generate", json={**body, "stream": True}, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert len(events) > 1
+    for e in events:
+        n = len(e["output_ids"])
+        assert len(e["meta_info"]["output_token_logprobs"]) == len(e["meta_info"]["output_top_logprobs"]) == n
+    for key in ("output_token_logprobs", "output_top_logprobs"):
+        assert events[-1]["meta_info"][key] == whole["meta_info"][key], key
+
+
 def test_native_generate_wrong_types_are_400_and_the_server_survives(server: Server, engine: Any) -> None:
     """These bodies used to crash the scheduler (2.5, "x") or run with a silently coerced value."""
     for params in ({"max_new_tokens": 2.5}, {"seed": "x"}, {"ignore_eos": "no"}, {"stop_token_ids": [1.5]}, {"stop": [""]}):
@@ -290,6 +305,18 @@ def test_native_generate_wrong_types_are_400_and_the_server_survives(server: Ser
     assert ok.status_code == 200 and ok.json()["meta_info"]["completion_tokens"] == 2
     with pytest.raises(ValueError, match="max_new_tokens must be an integer"):  # the in-process path too
         engine.generate("hi", {"max_new_tokens": 2.5})
+
+
+def test_abort_request_refuses_a_non_boolean_abort_all(server: Server) -> None:
+    """{"abort_all": "false"} is truthy: it must be a 400, not an abort of every client's request."""
+    body = {"text": PROMPTS[0], "stream": True, "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}}
+    with httpx.stream("POST", server.url + "/generate", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))  # generating
+        bad = httpx.post(server.url + "/abort_request", json={"abort_all": "false"}, timeout=10)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "abort_all"
+        last = [json.loads(line[6:]) for line in lines if line.startswith("data: {")][-1]
+    assert last["meta_info"]["finish_reason"]["type"] == "length" and last["meta_info"]["completion_tokens"] == 40
 
 
 def test_abort_request_of_the_parent_rid_aborts_every_sample(server: Server) -> None:
@@ -386,8 +413,11 @@ def test_bad_inputs_are_4xx_and_server_keeps_serving(server: Server, kwargs: Dic
 
 
 def test_bad_json_unknown_model_and_wrong_types(server: Server) -> None:
-    r = httpx.post(server.url + "/v1/chat/completions", content=b"{oops", headers={"content-type": "application/json"})
-    assert r.status_code == 400 and "error" in r.json()
+    for route in ("/v1/chat/completions", "/v1/completions", "/generate"):
+        r = httpx.post(server.url + route, content=b"{oops", headers={"content-type": "application/json"})
+        error = r.json()["error"]
+        assert r.status_code == 400 and "not valid JSON" in error["message"]
+        assert error["param"] is None  # (pydantic's location of a syntax error is a character offset)
     r = httpx.post(server.url + "/v1/completions", json={"model": server.model, "prompt": "x", "max_tokens": "many"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     with pytest.raises(openai.NotFoundError):

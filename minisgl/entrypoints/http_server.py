@@ -69,7 +69,7 @@ def _validation_message(exc: RequestValidationError) -> Tuple[str, Optional[str]
             parts.append(f"Unsupported parameter '{field}': it {why}")
         else:
             parts.append(f"Invalid parameter '{field}': {err.get('msg')}" if field else str(err.get("msg")))
-        if field:
+        if field and err.get("type") != "json_invalid":  # (its loc is a character offset, not a field)
             params.append(field)
     return "; ".join(parts) or "Invalid request", (params[0] if params else None)
 
@@ -176,7 +176,9 @@ def create_app(
             return create_error_response("The request body is not valid JSON")
         if not isinstance(body, dict) or not isinstance(body.get("rid", ""), str):
             return create_error_response("Expected {\"rid\": str, \"abort_all\": bool}", param="rid")
-        tm.abort_request(rid=body.get("rid", ""), abort_all=bool(body.get("abort_all", False)))
+        if not isinstance(body.get("abort_all", False), bool):  # "false" must not abort everyone
+            return create_error_response("`abort_all` must be true or false", param="abort_all")
+        tm.abort_request(rid=body.get("rid", ""), abort_all=body.get("abort_all", False))
         return Response(status_code=200)
 
     if server_args.visualize:
@@ -187,7 +189,11 @@ def create_app(
 
 
 async def _native_generate(tm: TokenizerManager, request: GenerateRequest, raw_request: Request) -> Response:
-    """SGLang's /generate: {"text", "output_ids", "meta_info"} (a list for batches); stream = cumulative text."""
+    """SGLang's /generate: {"text", "output_ids", "meta_info"} (a list for batches).
+
+    A stream's chunks are cumulative, as SGLang's (without --incremental-streaming-output):
+    each carries all text, ids and logprobs so far, and the last equals the non-stream answer.
+    """
     obj = GenerateReqInput(
         text=request.text,
         input_ids=request.input_ids,
@@ -211,12 +217,18 @@ async def _native_generate(tm: TokenizerManager, request: GenerateRequest, raw_r
     async def events() -> Any:
         texts: Dict[int, str] = {}
         ids: Dict[int, List[int]] = {}
+        logprobs: Dict[int, Tuple[List[Any], List[Any]]] = {}
         try:
             async for out in prepend(first, gen):
                 index = out.get("index", 0)
                 texts[index] = texts.get(index, "") + out["text"]
                 ids.setdefault(index, []).extend(out["output_ids"])
-                yield sse_data({**out, "text": texts[index], "output_ids": ids[index]})
+                token_lps, top_lps = logprobs.setdefault(index, ([], []))
+                meta = out["meta_info"]
+                token_lps.extend(meta["output_token_logprobs"])
+                top_lps.extend(meta["output_top_logprobs"])
+                meta = {**meta, "output_token_logprobs": list(token_lps), "output_top_logprobs": list(top_lps)}
+                yield sse_data({**out, "text": texts[index], "output_ids": ids[index], "meta_info": meta})
         except ValueError as e:  # after the headers: an error event, then [DONE] as usual (SGLang)
             yield sse_data(error_body(str(e)))
         finally:
