@@ -236,10 +236,10 @@ def test_context_length_is_checked_as_by_the_server(engine):
 def test_auto_truncate_cuts_the_prompt_and_clamps_the_output(tiny_model):
     with Engine(tiny_model, device="cpu", allow_auto_truncate=True) as eng:
         context_len = eng.context_len
-        # (the scheduler's own gate then keeps a few more positions free, as SGLang's max_req_input_len)
+        # cut to the scheduler's own limit (max_req_input_len, as SGLang's), with room left to generate
+        limit = eng.scheduler.max_req_input_len - 1
         out = eng.generate(input_ids=[5] * (context_len + 50), sampling_params={"max_new_tokens": 4, "ignore_eos": True})
-        meta = out["meta_info"]
-        assert meta["prompt_tokens"] < context_len and meta["prompt_tokens"] + meta["completion_tokens"] <= context_len
+        assert (out["meta_info"]["prompt_tokens"], out["meta_info"]["completion_tokens"]) == (limit, 4)
         out = eng.generate(input_ids=[5] * (context_len - 10), sampling_params={"max_new_tokens": 100, "ignore_eos": True})
         meta = out["meta_info"]
         assert meta["prompt_tokens"] == context_len - 10 and 0 < meta["completion_tokens"] <= 10

@@ -8,6 +8,7 @@ or is fed outputs directly through `_handle_batch_output` as the detokenizer wou
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from typing import Any, Dict, List, Tuple
 
@@ -422,3 +423,98 @@ def test_too_large_max_tokens_names_the_field_sent(guarded_client: TestClient) -
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("max_tokens is too large")
     r = _chat(guarded_client, max_tokens=None, max_completion_tokens=CONTEXT_LEN + 1)
     assert r.json()["error"]["message"].startswith("max_completion_tokens is too large")
+
+
+def test_echo_with_logprobs_is_refused_for_every_prompt_form(guarded_client: TestClient) -> None:
+    """A string prompt got 200 with completion-only logprobs (OpenAI returns the prompt's too)."""
+    for prompt in ("hello", ["hello"], [5, 6]):
+        r = guarded_client.post("/v1/completions", json={"model": guarded_client.model, "prompt": prompt, "echo": True, "logprobs": 1})
+        assert r.status_code == 400 and "echo together with logprobs" in r.json()["error"]["message"], (prompt, r.text)
+
+
+@pytest.mark.parametrize(
+    "route, body",
+    [
+        ("/v1/completions", {"prompt": "hi \ud800 there"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \udfff"}]}),
+        ("/v1/completions", {"prompt": "hi", "stop": "\ud800"}),
+        ("/generate", {"text": "\ud800", "sampling_params": {"max_new_tokens": 2}}),
+    ],
+    ids=["prompt", "chat-content", "stop", "native"],
+)
+def test_lone_surrogates_are_400_not_500(guarded_client: TestClient, route: str, body: Dict[str, Any]) -> None:
+    """JSON's "\\ud800" is valid JSON but not Unicode: the tokenizer raised a TypeError (a 500)."""
+    common = {} if route == "/generate" else {"model": guarded_client.model, "max_tokens": 2}
+    payload = json.dumps({**common, **body})  # ensure_ascii keeps the escape
+    r = guarded_client.post(route, content=payload.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], r.text
+
+
+def test_chat_max_tokens_beyond_the_context_is_clamped_under_auto_truncate(tiny_model: str, tmp_path: Any) -> None:
+    """sglang-facts 10.1: the chat route's "too large" check holds only without auto-truncate."""
+    tm, sent = _recording_tm(tiny_model, tmp_path, refuse_generate=False)
+    tm.server_args = dataclasses.replace(tm.server_args, allow_auto_truncate=True)
+
+    async def run() -> None:
+        from minisgl.entrypoints.openai.serving_chat import OpenAIServingChat
+
+        req = ChatCompletionRequest(model=tm.model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=5000)
+        task = asyncio.ensure_future(OpenAIServingChat(tm).handle_request(req, None))
+        while not sent and not task.done():
+            await asyncio.sleep(0.01)
+        task.cancel()
+        assert sent, task.result()  # (a refusal would have finished the task with a 400)
+
+    asyncio.run(run())
+    (msg,) = [m for m in sent if isinstance(m, TokenizedGenerateReqInput)]
+    assert len(msg.input_ids) + msg.sampling_params.max_new_tokens == CONTEXT_LEN
+
+
+def test_a_prompt_the_scheduler_would_refuse_is_a_400_before_any_stream(tiny_model: str, tmp_path: Any) -> None:
+    """Prompts between the scheduler's max_req_input_len and the context used to stream 200 + an error event."""
+    tm, _ = _recording_tm(tiny_model, tmp_path)
+    tm.max_req_input_len = CONTEXT_LEN - 6
+    ids = list(range(10, 10 + CONTEXT_LEN - 3))
+    with TestClient(create_app(tm.server_args, tm, is_healthy=lambda: True)) as c:
+        for stream in (False, True):
+            r = c.post("/v1/completions", json={"model": tm.model_name, "prompt": ids, "max_tokens": 1, "stream": stream})
+            assert r.status_code == 400, r.text
+            assert f"longer than this server accepts ({CONTEXT_LEN - 7} tokens" in r.json()["error"]["message"]
+
+
+def test_auto_truncate_keeps_room_to_generate(tiny_model: str, tmp_path: Any) -> None:
+    from minisgl.managers.tokenization import validate_context_length
+    from minisgl.sampling.sampling_params import SamplingParams
+
+    req = TokenizedGenerateReqInput(rid="r", input_text=None, input_ids=list(range(100)), sampling_params=SamplingParams(max_new_tokens=5))
+    validate_context_length(req, CONTEXT_LEN, allow_auto_truncate=True, max_req_input_len=CONTEXT_LEN - 6)
+    assert len(req.input_ids) == CONTEXT_LEN - 7 and req.sampling_params.max_new_tokens == 5
+
+
+def test_dynamic_batch_tokenizer_fails_only_the_text_at_fault(tokenizer: Any) -> None:
+    """A batched call that raises is retried text by text: the others in its batch go on."""
+
+    class Picky:
+        def __call__(self, texts: List[str], **kw: Any) -> Any:
+            if any("poison" in t for t in texts):
+                raise TypeError("cannot tokenize poison")
+            return tokenizer(texts, **kw)
+
+        def encode(self, text: str, **kw: Any) -> List[int]:
+            if "poison" in text:
+                raise TypeError("cannot tokenize poison")
+            return tokenizer.encode(text, **kw)
+
+    texts = ["alpha beta", "poison", "gamma delta"]
+
+    async def run() -> List[Any]:
+        batcher = AsyncDynamicBatchTokenizer(Picky())
+        try:
+            return await asyncio.gather(*(batcher.encode(t) for t in texts), return_exceptions=True)
+        finally:
+            batcher.close()
+
+    good0, bad, good2 = asyncio.run(run())
+    assert isinstance(bad, TypeError)
+    assert good0 == tokenizer.encode("alpha beta", add_special_tokens=False)
+    assert good2 == tokenizer.encode("gamma delta", add_special_tokens=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from minisgl import Engine, SamplingParams
+from minisgl.managers.io_struct import TokenizedGenerateReqInput
 from minisgl.managers.schedule_batch import FINISH_MATCHED_TOKEN, Req
 
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
@@ -114,10 +115,17 @@ def test_abort_touches_only_the_named_rid(engine):
 
 
 def test_prompt_longer_than_context_is_rejected_and_others_run(engine):
-    bad = engine.add_request(input_ids=list(range(10, 210)), sampling_params=GREEDY)
+    # the front gate (the Engine's and the TokenizerManager's) refuses it with a ValueError (a 400)
+    with pytest.raises(ValueError, match=r"The input \(200 tokens\) is longer than the model's context length"):
+        engine.add_request(input_ids=list(range(10, 210)), sampling_params=GREEDY)
+    # the scheduler's own gate, for what reaches it anyway: an abort with status 400, others unharmed
+    bad = TokenizedGenerateReqInput(rid="too-long", input_text=None, input_ids=list(range(10, 210)),
+                                    sampling_params=SamplingParams(**GREEDY))  # fmt: skip
+    bad.sampling_params.normalize(engine.tokenizer)
+    engine._enqueue([bad])
     good = engine.add_request("a normal prompt", GREEDY)
     engine.run_until_idle()
-    finish = engine.get_result(bad)["meta_info"]["finish_reason"]
+    finish = engine.get_result("too-long")["meta_info"]["finish_reason"]
     assert finish["type"] == "abort" and finish["status_code"] == 400 and finish["err_type"] == "BadRequestError"
     assert finish["message"].startswith("Input length (200 tokens) exceeds the maximum allowed length (122 tokens).")
     assert engine.get_result(good)["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
@@ -125,9 +133,12 @@ def test_prompt_longer_than_context_is_rejected_and_others_run(engine):
 
 
 def test_max_new_tokens_is_clamped_to_the_context(engine):
-    out = engine.generate(input_ids=list(range(10, 110)), sampling_params={**GREEDY, "max_new_tokens": 1000})
+    no_limit = {**GREEDY, "max_new_tokens": None}  # "as long as the context allows"
+    out = engine.generate(input_ids=list(range(10, 110)), sampling_params=no_limit)
     # max_req_len = context 128 - 1 = 127; 127 - 100 prompt - 1 = 26
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 26}
+    with pytest.raises(ValueError, match="Requested token count exceeds the model's maximum context length of 128"):
+        engine.generate(input_ids=list(range(10, 110)), sampling_params={**GREEDY, "max_new_tokens": 1000})
 
 
 def test_queue_full_is_a_503_abort(tiny_model):

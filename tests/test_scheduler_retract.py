@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from minisgl import Engine
 
 from engine_helpers import GREEDY, run_all as _run_all
@@ -35,16 +37,15 @@ def test_retraction_completes_a_workload_ten_times_the_pool(tiny_model):
 
 def test_a_request_bigger_than_the_pool_fails_clearly_and_others_run(tiny_model):
     # The pool, not the context, is the limit here: SGLang's max_req_len = min(context - 1,
-    # pool - 1) turns an impossible request into a clear 400 abort (prompt) or a clamped
-    # max_new_tokens (output), never a scheduler crash or a hang.
+    # pool - 1) turns an impossible request into a clear 400 (prompt: the front gate checks the
+    # scheduler's max_req_input_len) or a clamped max_new_tokens (output), never a scheduler
+    # crash or a hang.
     engine = Engine(tiny_model, device="cpu", max_total_tokens=64, chunked_prefill_size=-1)
-    too_long = engine.add_request(input_ids=list(range(10, 110)), sampling_params={**GREEDY, "max_new_tokens": 4})
+    with pytest.raises(ValueError, match=r"The input \(100 tokens\) is longer than this server accepts \(57 tokens"):
+        engine.add_request(input_ids=list(range(10, 110)), sampling_params={**GREEDY, "max_new_tokens": 4})
     clamped = engine.add_request(input_ids=list(range(10, 50)), sampling_params={**GREEDY, "max_new_tokens": 500})
     ok = engine.add_request(input_ids=list(range(10, 20)), sampling_params={**GREEDY, "max_new_tokens": 4})
     engine.run_until_idle()
-    reason = engine.get_result(too_long)["meta_info"]["finish_reason"]
-    assert reason["type"] == "abort" and reason["status_code"] == 400
-    assert "Input length (100 tokens) exceeds the maximum allowed length" in reason["message"]
     out = engine.get_result(clamped)
     assert out["meta_info"]["finish_reason"]["type"] == "length"
     assert 40 + len(out["output_ids"]) <= 64  # the whole request fits the pool

@@ -113,7 +113,9 @@ class Engine:
         if obj.rid in self.rid_to_state:
             raise ValueError(f"rid {obj.rid!r} is already in flight")
         tokenized = tokenize_one_request(self.tokenizer, obj, self.vocab_size)
-        validate_context_length(tokenized, self.context_len, self.server_args.allow_auto_truncate)
+        validate_context_length(
+            tokenized, self.context_len, self.server_args.allow_auto_truncate, self.scheduler.max_req_input_len
+        )
         return tokenized
 
     def _enqueue(self, requests: List[TokenizedGenerateReqInput]) -> None:

@@ -225,8 +225,8 @@ async def _native_generate(tm: TokenizerManager, request: GenerateRequest, raw_r
                 ids.setdefault(index, []).extend(out["output_ids"])
                 token_lps, top_lps = logprobs.setdefault(index, ([], []))
                 meta = out["meta_info"]
-                token_lps.extend(meta["output_token_logprobs"])
-                top_lps.extend(meta["output_top_logprobs"])
+                token_lps.extend(meta.get("output_token_logprobs", ()))
+                top_lps.extend(meta.get("output_top_logprobs", ()))
                 meta = {**meta, "output_token_logprobs": list(token_lps), "output_top_logprobs": list(top_lps)}
                 yield sse_data({**out, "text": texts[index], "output_ids": ids[index], "meta_info": meta})
         except ValueError as e:  # after the headers: an error event, then [DONE] as usual (SGLang)
@@ -301,7 +301,10 @@ async def _serve(server_args: ServerArgs, port_args: PortArgs, procs: List[mp.Pr
     """Run uvicorn + the TokenizerManager until a signal (exit 0) or a dead child (exit 1)."""
     import uvicorn
 
-    tm = TokenizerManager(server_args, port_args, tokenizer, int(sched_info["context_len"]), int(sched_info["vocab_size"]))
+    tm = TokenizerManager(
+        server_args, port_args, tokenizer, int(sched_info["context_len"]), int(sched_info["vocab_size"]),
+        max_req_input_len=int(sched_info["max_req_input_len"]),
+    )  # fmt: skip
     handle_loop = asyncio.get_running_loop().create_task(tm.handle_loop())
 
     def is_healthy() -> bool:

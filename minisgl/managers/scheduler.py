@@ -157,8 +157,11 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             tokenizer=self.tokenizer,
         )
         self._event("arrive", req, f"input_len={len(req.origin_input_ids)}")
-        self.init_req_max_new_tokens(req)
+        # SGLang clamps max_new_tokens first, on the prompt as it came; a prompt that
+        # --allow-auto-truncate then cuts would keep that clamp and have no room to generate.
+        # Truncate first, then clamp on the prompt that will run.
         error_msg = self.validate_input_length(req)
+        self.init_req_max_new_tokens(req)
         if error_msg is not None:
             req.set_finish_with_abort(error_msg)
             self._add_request_to_queue(req)

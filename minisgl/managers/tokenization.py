@@ -8,9 +8,9 @@ either path.
 - `tokenize_one_request` normalises the input form (text or input_ids) into ids.
 - `create_tokenized_object` builds the scheduler's input: SamplingParams from SGLang's
   dict, `normalize(tokenizer)` (greedy mapping, stop strings) and `verify(vocab_size)`.
-- `validate_context_length` is SGLang's context-length gate (`_validate_one_request`):
-  a 400-style ValueError, or with `--allow-auto-truncate` a truncated prompt and a
-  clamped max_new_tokens.
+- `validate_context_length` is SGLang's context-length gate (`_validate_one_request`),
+  with the scheduler's prompt limit too: a 400-style ValueError, or with
+  `--allow-auto-truncate` a truncated prompt and a clamped max_new_tokens.
 Bad input raises ValueError with a message that says what to change (HTTP 400 upstream).
 """
 
@@ -23,8 +23,20 @@ from minisgl.managers.io_struct import GenerateReqInput, TokenizedGenerateReqInp
 from minisgl.sampling.sampling_params import SamplingParams
 
 
+def check_text(text: str) -> None:
+    """A ValueError (a 400) for text no tokenizer can encode: JSON's \\ud800 escapes decode to
+    lone surrogates, which are not Unicode scalar values (the tokenizer would raise a TypeError)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"The prompt is not valid Unicode: character {e.start} is a lone surrogate ({text[e.start]!r}); send UTF-8 text"
+        ) from None
+
+
 def encode_text(tokenizer: Any, text: str) -> List[int]:
     """Prompt text -> ids. Special tokens in the text (e.g. a rendered chat template) stay special."""
+    check_text(text)
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -84,14 +96,32 @@ def tokenize_one_request(tokenizer: Any, obj: GenerateReqInput, vocab_size: int)
     return create_tokenized_object(obj, input_text, input_ids, tokenizer, vocab_size)
 
 
-def validate_context_length(tokenized: TokenizedGenerateReqInput, context_len: int, allow_auto_truncate: bool) -> None:
-    """Context-length gates with SGLang's messages; `allow_auto_truncate` truncates/clamps instead."""
+def validate_context_length(
+    tokenized: TokenizedGenerateReqInput,
+    context_len: int,
+    allow_auto_truncate: bool,
+    max_req_input_len: Optional[int] = None,
+) -> None:
+    """Context-length gates with SGLang's messages; `allow_auto_truncate` truncates/clamps instead.
+
+    `max_req_input_len` is the scheduler's own limit (prompts must stay below it: the
+    context, or the KV pool, less 6 tokens; Scheduler.validate_input_length). Checking it
+    here too makes a prompt between the two limits a 400 before any stream starts, and
+    lets a truncated prompt keep room to generate.
+    """
+    limit = min(context_len, max_req_input_len or context_len)  # the longest prompt accepted is limit - 1
     input_len = len(tokenized.input_ids)
     params = tokenized.sampling_params
-    if input_len >= context_len:
+    if input_len >= limit:
         if not allow_auto_truncate:
-            raise ValueError(f"The input ({input_len} tokens) is longer than the model's context length ({context_len} tokens).")
-        tokenized.input_ids = tokenized.input_ids[: context_len - 1]
+            if input_len >= context_len:
+                raise ValueError(f"The input ({input_len} tokens) is longer than the model's context length ({context_len} tokens).")
+            raise ValueError(
+                f"The input ({input_len} tokens) is longer than this server accepts ({limit - 1} tokens: the "
+                f"context length of {context_len} tokens or the KV pool, less room to generate). Use a shorter input "
+                "or enable --allow-auto-truncate."
+            )
+        tokenized.input_ids = tokenized.input_ids[: limit - 1]
         input_len = len(tokenized.input_ids)
     max_new = params.max_new_tokens
     if max_new is not None and input_len + max_new > context_len:

@@ -178,6 +178,7 @@ class AsyncDynamicBatchTokenizer:
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dyn-tokenizer")
 
     async def encode(self, text: str) -> List[int]:
+        tokenization.check_text(text)  # bad text fails here, alone, before it joins anyone's batch
         fut = asyncio.get_running_loop().create_future()
         self.pending.append((text, fut))
         if self._worker is None or self._worker.done():
@@ -193,10 +194,18 @@ class AsyncDynamicBatchTokenizer:
             self.batch_sizes.append(len(texts))
             try:
                 ids = await loop.run_in_executor(self._executor, tokenization.encode_texts, self.tokenizer, texts)
-            except Exception as e:  # the tokenizer failed: every waiter gets the error
-                for _, fut in batch:
-                    if not fut.done():
-                        fut.set_exception(e)
+            except Exception:
+                # the batched call failed: tokenize one by one, so that only the text at
+                # fault fails and the requests that shared its batch go on
+                for text, fut in batch:
+                    try:
+                        row = await loop.run_in_executor(self._executor, tokenization.encode_text, self.tokenizer, text)
+                    except Exception as e:
+                        if not fut.done():
+                            fut.set_exception(e)
+                    else:
+                        if not fut.done():
+                            fut.set_result(list(row))
                 continue
             for (_, fut), row in zip(batch, ids):
                 if not fut.done():
@@ -216,10 +225,12 @@ class TokenizerManager:
         tokenizer: Any,
         context_len: int,
         vocab_size: int,
+        max_req_input_len: Optional[int] = None,
     ) -> None:
         self.server_args = server_args
         self.tokenizer = tokenizer
         self.context_len = context_len
+        self.max_req_input_len = max_req_input_len  # the scheduler's prompt limit (None: the context)
         self.vocab_size = vocab_size
         self.model_name = server_args.served_model_name or server_args.model_path or "minisgl"
         self.rid_to_state: Dict[str, ReqState] = {}
@@ -317,7 +328,9 @@ class TokenizerManager:
 
     def _validate_one_request(self, tokenized: TokenizedGenerateReqInput) -> None:
         """SGLang's context-length gate (shared with the Engine: tokenization.validate_context_length)."""
-        tokenization.validate_context_length(tokenized, self.context_len, self.server_args.allow_auto_truncate)
+        tokenization.validate_context_length(
+            tokenized, self.context_len, self.server_args.allow_auto_truncate, self.max_req_input_len
+        )
 
     def _send_one_request(self, tokenized: TokenizedGenerateReqInput, state: ReqState) -> None:
         self._send_to_scheduler(tokenized)

@@ -162,6 +162,11 @@ def check_type(key: str, value: Any) -> None:
             raise ValueError(f"stop must be a string or a list of strings, {got}")
         if any(s == "" for s in strs):
             raise ValueError("stop strings must not be empty: an empty string would match before the first token")
+        for s in strs:
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError:  # a lone surrogate (JSON "\\ud800"): no tokenizer can encode it
+                raise ValueError(f"stop strings must be valid Unicode, got {s!r} (a lone surrogate)") from None
     if key == "stop_token_ids" and value is not None:
         if not isinstance(value, list) or not all(_is_int(t) for t in value):
             raise ValueError(f"stop_token_ids must be a list of integers, {got}")

@@ -52,7 +52,8 @@ class OpenAIServingChat(OpenAIServingBase):
         field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         max_new = getattr(request, field)
         context_len = self.tokenizer_manager.context_len
-        if max_new is not None and max_new > context_len:
+        # SGLang's chat check, which holds only without auto-truncate (the gate then clamps it)
+        if max_new is not None and max_new > context_len and not self.tokenizer_manager.server_args.allow_auto_truncate:
             return f"{field} is too large: {max_new}. This model supports at most {context_len} completion tokens."
         return None
 

@@ -35,14 +35,14 @@ from minisgl.managers.io_struct import GenerateReqInput
 class OpenAIServingCompletions(OpenAIServingBase):
     def _validate_request(self, request: CompletionRequest) -> Optional[str]:
         prompt = request.prompt
+        if request.echo and request.logprobs is not None:  # (checked first: it holds for every prompt form)
+            return "echo together with logprobs needs prompt logprobs, which minisgl does not compute."
         if isinstance(prompt, str):
             return None if prompt else "The prompt cannot be empty."
         if len(prompt) == 0:
             return "The prompt cannot be an empty list."
         if isinstance(prompt[0], list) and any(len(p) == 0 for p in prompt):
             return "A token-id prompt cannot be empty."
-        if request.echo and request.logprobs is not None:
-            return "echo together with logprobs needs prompt logprobs, which minisgl does not compute."
         return None
 
     def _convert_to_internal_request(self, request: CompletionRequest) -> GenerateReqInput:
