@@ -88,6 +88,20 @@ def test_flush_cache_and_load(engine):
     assert load.evictable_tokens == 0 and load.available_tokens == load.max_total_num_tokens
 
 
+def test_requests_after_a_flush_are_served(tiny_model):
+    """A last admission that ran out of budget (page 4: pages + max_new over-reserve) marks the
+    batch full; the request then finishes in a decode step. A flush at that moment left the flag
+    set on an empty batch, and every later request waited forever."""
+    eng = Engine(tiny_model, device="cpu", page_size=4, max_total_tokens=64, chunked_prefill_size=-1)
+    eng.generate(input_ids=list(range(20, 29)), sampling_params={**GREEDY, "max_new_tokens": 53})
+    assert eng.scheduler.running_batch.batch_is_full  # the premise: a full flag set at admission
+    assert eng.flush_cache()
+    rid = eng.add_request(input_ids=[30, 31, 32, 33], sampling_params={**GREEDY, "max_new_tokens": 4})
+    eng.run_until_idle(max_steps=50)  # (generate() would spin forever on the bug)
+    assert len(eng.get_result(rid)["output_ids"]) == 4
+    eng.shutdown()
+
+
 def test_add_request_rejects_n_and_bad_params(engine):
     with pytest.raises(ValueError, match="n > 1"):
         engine.add_request("x", {"n": 2})

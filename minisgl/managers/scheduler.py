@@ -250,7 +250,11 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
     def flush_cache(self) -> FlushCacheReqOutput:
         if not self.is_idle():
             return FlushCacheReqOutput(False, "Cache not flushed because there are pending requests.")
-        self.running_batch.filter_batch()
+        # A fresh running batch, as SGLang's flush: filtering the old one would keep its
+        # batch_is_full, which only a shrinking decode batch resets; with nothing left to
+        # decode, every later request would wait forever.
+        self.running_batch = self._empty_batch()
+        self.last_batch = None
         self.tree_cache.reset()
         self.token_to_kv_pool_allocator.clear()
         self.req_to_token_pool.clear()
