@@ -84,7 +84,7 @@ class ServerArgs:
         default=1.0, metadata=_opt("CPU: KV pool budget in GiB when --max-total-tokens is unset (at most 8 full contexts are allocated).")
     )
     max_running_requests: Optional[int] = field(
-        default=None, metadata=_opt("Request slots (rows of req_to_token). Default: from the pool; capped at 2048-4096 by pool size.")
+        default=None, metadata=_opt("Request slots (rows of req_to_token). Default: from the pool, at most 256 on CPU (2048-4096 on CUDA).")
     )
     disable_radix_cache: bool = field(default=False, metadata=_opt("Turn the prefix (radix) cache off."))
 
@@ -105,7 +105,7 @@ class ServerArgs:
     # --- server ---
     host: str = field(default="127.0.0.1", metadata=_opt("HTTP host."))
     port: int = field(default=30000, metadata=_opt("HTTP port (0 picks a free one)."))
-    api_key: Optional[str] = field(default=None, metadata=_opt("Require `Authorization: Bearer KEY` on every route but /health."))
+    api_key: Optional[str] = field(default=None, metadata=_opt("Require `Authorization: Bearer KEY` on every route but /health and the visualizer's static files."))
     visualize: bool = field(default=False, metadata=_opt("Serve the live scheduler visualizer at /visualizer."))
     enable_dynamic_batch_tokenizer: bool = field(default=False, metadata=_opt("Tokenize concurrent single texts in one batched call."))
     soft_watchdog_timeout: Optional[float] = field(default=None, metadata=_opt("Log when one loop iteration takes longer (seconds)."))
@@ -147,6 +147,8 @@ class ServerArgs:
             value = getattr(self, name)
             if value is not None and not 0 < value < math.inf:
                 raise ValueError(f"--{_flag(name)} must be a number > 0, got {value}")
+        if not -(2**63) <= self.random_seed < 2**64:  # what torch.manual_seed takes
+            raise ValueError(f"--random-seed must be in [-2**63, 2**64), got {self.random_seed}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535] (0 picks a free one), got {self.port}")
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):  # what configure_logging reads
@@ -259,7 +261,13 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
     if backend == "cpu" and (device != "cpu" or dtype != "float32"):
         raise ValueError(
             f"--attention-backend cpu runs float32 on the CPU only (got --device {device} --dtype {dtype}); "
-            "use --attention-backend torch or triton"
+            f"use --attention-backend {'torch' if device == 'cpu' else 'torch or triton'}"
+        )
+    if backend == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        # Triton compiles for GPUs; on a CPU only its interpreter runs (slowly: tests, teaching)
+        raise ValueError(
+            "--attention-backend triton needs a GPU (or TRITON_INTERPRET=1 set before start, to run the "
+            "kernels in Triton's slow interpreter); on the CPU use --attention-backend cpu or torch"
         )
     kv_dtype = _resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, backend)
     chunk = args.chunked_prefill_size
@@ -267,6 +275,8 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
         chunk = 8192 if device == "cuda" else 2048
     mem_fraction = args.mem_fraction_static if args.mem_fraction_static is not None else 0.85
     model_path = args.model_path or BUILTIN_MODEL_DIR
+    if is_missing_local_dir(model_path):  # refused here, before any process starts
+        raise ValueError(f"Model directory {model_path!r} does not exist")
     return dataclasses.replace(
         args,
         device=device,
@@ -279,6 +289,15 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
         tokenizer_path=args.tokenizer_path or model_path,
         served_model_name=args.served_model_name or ("minisgl-builtin" if args.model_path is None else model_path),
     )
+
+
+def is_missing_local_dir(model_path: str) -> bool:
+    """A path that can only mean a local directory (absolute, ./, ../, or a/b/c) and is not one.
+
+    Anything else that is not a directory (`org/name`) is a Hugging Face hub id (loader.py).
+    """
+    looks_local = os.path.isabs(model_path) or model_path.startswith(".") or model_path.count("/") > 1
+    return looks_local and not os.path.isdir(model_path)
 
 
 def chunked_prefill_enabled(args: ServerArgs) -> bool:

@@ -41,9 +41,13 @@ def test_settings_that_cannot_work_are_one_line_errors_not_tracebacks() -> None:
         (["serve", "--page-size", "0"], "--page-size must be >= 1"),
         (["serve", "--port", "70000"], "--port must be in [0, 65535]"),
         (["serve", "--log-level", "verbose"], "--log-level must be one of debug, info"),
+        (["serve", "--random-seed", str(2**64)], "--random-seed must be in [-2**63, 2**64)"),  # (the scheduler died)
+        (["serve", "--model-path", "/no/such/dir"], "Model directory '/no/such/dir' does not exist"),  # (before any child)
+        (["serve", "--device", "cpu", "--attention-backend", "triton"], "--attention-backend triton needs a GPU"),
     ]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # (conftest sets it for the kernel tests)
     for argv, message in cases:
-        proc = subprocess.run([sys.executable, "-m", "minisgl", *argv], capture_output=True, text=True, timeout=60)
+        proc = subprocess.run([sys.executable, "-m", "minisgl", *argv], capture_output=True, text=True, timeout=60, env=env)
         assert proc.returncode == 2, (argv, proc.stderr[-2000:])
         assert message in proc.stderr and "Traceback" not in proc.stderr, (argv, proc.stderr[-2000:])
 

@@ -177,9 +177,29 @@ def test_api_key_guards_every_route_but_health(tiny_model: str, tmp_path: Any) -
         assert c.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert c.post("/v1/completions", json={}).status_code == 401
         assert c.get("/v1/models", headers={"Authorization": "Bearer sekret"}).status_code == 200
+        # non-ASCII keys are a 401 like any wrong key (compare_digest refuses non-ASCII str: a 500)
+        assert c.get("/v1/models", headers={"Authorization": "Bearer s\u00e9kret".encode()}).status_code == 401
+        assert c.get("/visualizer/history", params={"api_key": "s\u00e9kret"}).status_code in (401, 404)
         healthy["ok"] = False
         assert c.get("/health").status_code == 503
     tm.close()
+
+
+def test_a_non_ascii_api_key_works(tiny_model: str, tmp_path: Any) -> None:
+    tm = _make_tm(tiny_model, tmp_path, api_key="cl\u00e9")
+    with TestClient(create_app(tm.server_args, tm, is_healthy=lambda: True)) as c:
+        assert c.get("/v1/models", headers={"Authorization": "Bearer cl\u00e9".encode()}).status_code == 200
+        assert c.get("/v1/models", headers={"Authorization": "Bearer cle"}).status_code == 401
+    tm.close()
+
+
+def test_server_url_brackets_an_ipv6_host() -> None:
+    from urllib.parse import urlsplit
+
+    from minisgl.entrypoints.http_server import server_url
+
+    assert server_url("127.0.0.1", 30000) == "http://127.0.0.1:30000"
+    assert server_url("::1", 30000) == "http://[::1]:30000" and urlsplit(server_url("::1", 30000)).port == 30000
 
 
 def test_visualizer_routes_absent_without_flag(client: TestClient) -> None:

@@ -10,6 +10,7 @@ Screenshots land in tests/artifacts/ (gitignored).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -31,13 +32,13 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def live_server(tiny_model: str) -> Iterator[str]:
+@contextlib.contextmanager
+def _serve(tiny_model: str, *flags: str) -> Iterator[str]:
+    """`minisgl serve --visualize` on the tiny model, as a subprocess; yields its URL."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "minisgl", "serve", "--model", tiny_model, "--port", str(port), "--visualize",
-           "--device", "cpu", "--chunked-prefill-size", "32", "--max-total-tokens", "4096",
-           "--max-running-requests", "8", "--log-level", "warning"]  # fmt: skip
+           "--device", "cpu", "--log-level", "warning", *flags]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 240
@@ -54,6 +55,20 @@ def live_server(tiny_model: str) -> Iterator[str]:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture(scope="module")
+def live_server(tiny_model: str) -> Iterator[str]:
+    with _serve(tiny_model, "--chunked-prefill-size", "32", "--max-total-tokens", "4096", "--max-running-requests", "8") as url:
+        yield url
+
+
+def _console_errors(page: Any) -> list:
+    """Console errors and uncaught exceptions, collected from now on (a 404 asset shows here too)."""
+    errors: list = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    return errors
 
 
 def _frame_facts(page: Any) -> Dict[str, Any]:
@@ -78,6 +93,7 @@ def test_live_page_shows_waiting_chunked_extend_decode_batch_and_ttft(live_serve
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"])
         page = browser.new_page(viewport={"width": 1440, "height": 1000})
+        errors = _console_errors(page)
         page.goto(live_server + "/visualizer")
         page.wait_for_selector('#conn-status[data-state="open"]', timeout=15000)
         page.click("#btn-demo")
@@ -114,6 +130,27 @@ def test_live_page_shows_waiting_chunked_extend_decode_batch_and_ttft(live_serve
         assert all(v is not None for v in seen.values()), f"not shown while stepping back: {seen}"
         page.keyboard.press("ArrowRight")
         assert page.inner_text("#view-status").startswith("PAUSED")
+        assert errors == []  # (the favicon request was one, on every load)
+        browser.close()
+
+
+def test_demo_is_served_whole_at_the_default_chunk_size(tiny_model: str) -> None:
+    """The README's server (chunk = context = 2048): prefix + tail once went past the context
+    and 3 of the 7 demo requests were 400s while the page said "demo done"."""
+    from playwright.sync_api import sync_playwright
+
+    with _serve(tiny_model, "--chunked-prefill-size", "2048") as url, sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"])
+        page = browser.new_page()
+        errors = _console_errors(page)
+        page.goto(url + "/visualizer")
+        page.wait_for_selector('#conn-status[data-state="open"]', timeout=15000)
+        page.click("#btn-demo")
+        page.wait_for_function("document.getElementById('demo-status').textContent.startsWith('demo done')", timeout=120000)
+        status = page.inner_text("#demo-status")
+        assert "refused" not in status and "--chunked-prefill-size 256" in status, status
+        page.wait_for_function("document.querySelectorAll('#finished .finished-req').length >= 7", timeout=10000)
+        assert errors == []
         browser.close()
 
 

@@ -230,6 +230,8 @@ def test_sse_stream_is_in_step_order_coalesced_and_keeps_retract_finish_abort(hu
         assert latest["step"] == 200
         history = httpx.get(app.url + "/visualizer/history", params={"after": seqs[-1] - 3}).json()
         assert [e["step"] for e in history["entries"]] == [198, 199, 200]
+        bad = httpx.get(app.url + "/visualizer/history", params={"limit": -1})  # (out[:-1] dropped the newest)
+        assert bad.status_code in (400, 422) and "limit" in bad.text  # (the server's handler makes a 422 a 400)
     finally:
         app.stop()
 

@@ -101,15 +101,18 @@ def create_app(
         return create_error_response(f"Internal server error: {exc}", 500, err_type="InternalServerError")
 
     if server_args.api_key:
-        expected = f"Bearer {server_args.api_key}"
+        # compared as UTF-8 bytes: compare_digest refuses str with non-ASCII characters (a 500)
+        expected = f"Bearer {server_args.api_key}".encode()
+        key_bytes = server_args.api_key.encode()
 
         def _authorized(request: Request) -> bool:
-            if secrets.compare_digest(request.headers.get("authorization", ""), expected):
+            # (starlette decodes header bytes as latin-1: encoding back gives the bytes sent)
+            if secrets.compare_digest(request.headers.get("authorization", "").encode("latin-1"), expected):
                 return True
             # A browser's EventSource cannot send headers: the visualizer page passes the
             # key as ?api_key=KEY, accepted for the /visualizer routes only.
-            key = request.query_params.get("api_key", "")
-            return request.url.path.startswith("/visualizer") and secrets.compare_digest(key, server_args.api_key)
+            key = request.query_params.get("api_key", "").encode()
+            return request.url.path.startswith("/visualizer") and secrets.compare_digest(key, key_bytes)
 
         def _public(path: str) -> bool:
             # The page's JS and CSS are the same for everyone (nothing secret in them), and a
@@ -276,6 +279,11 @@ def _wait_ready(procs: List[mp.Process], readers: List[Any], timeout: float = RE
     return infos
 
 
+def server_url(host: str, port: int) -> str:
+    """http://host:port, with an IPv6 host in brackets (http://[::1]:30000)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def _bind_socket(host: str, port: int) -> socket.socket:
     """Bind the HTTP socket ourselves: with port 0 the kernel picks, and we know the real port."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -323,7 +331,7 @@ async def _serve(server_args: ServerArgs, port_args: PortArgs, procs: List[mp.Pr
         while not server.should_exit:
             if not announced and server.started:
                 announced = True
-                print(f"minisgl server ready at http://{host}:{port}", flush=True)
+                print(f"minisgl server ready at {server_url(host, port)}", flush=True)
                 logger.info("The server is fired up and ready to roll! (max_total_num_tokens=%s)", sched_info.get("max_total_num_tokens"))
             dead = [p for p in procs if not p.is_alive()]
             if dead or handle_loop.done():

@@ -22,6 +22,7 @@ import torch
 
 from minisgl.models.decoder import DecoderForCausalLM
 from minisgl.models.model_config import ModelConfig
+from minisgl.server_args import is_missing_local_dir
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "tokenizer*"]
 
@@ -30,7 +31,7 @@ def resolve_model_path(model_path: str) -> str:
     """A local directory for `model_path`: itself, or the hub snapshot (downloaded or cached)."""
     if os.path.isdir(model_path):
         return model_path
-    if os.path.isabs(model_path) or model_path.startswith(".") or model_path.count("/") > 1:
+    if is_missing_local_dir(model_path):
         raise ValueError(f"Model directory {model_path!r} does not exist")
     from huggingface_hub import snapshot_download
 

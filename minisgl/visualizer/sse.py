@@ -33,7 +33,7 @@ import threading
 from collections import deque
 from typing import Any, AsyncIterator, Deque, Dict, List, Optional, Tuple
 
-from fastapi import Request
+from fastapi import Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
@@ -197,7 +197,7 @@ def register_visualizer_routes(app: Any, server_args: Any, port_args: Any, hub: 
         return JSONResponse(hub.latest())
 
     @app.get("/visualizer/history")
-    async def visualizer_history(after: int = 0, limit: int = DEFAULT_HISTORY_SIZE) -> Any:
+    async def visualizer_history(after: int = 0, limit: int = Query(DEFAULT_HISTORY_SIZE, ge=0)) -> Any:
         entries = hub.entries_after(after, limit)
         return JSONResponse({"last_seq": hub.last_seq, "entries": [{**snap, "seq": seq} for seq, snap in entries]})
 
