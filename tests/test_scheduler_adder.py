@@ -130,3 +130,18 @@ def test_policies_order_the_queue():
     # lpm with an empty tree and no shared prefixes keeps arrival order (stable sort)
     SchedulePolicy("lpm", adder.tree_cache).calc_priority(queue)
     assert queue == reqs
+
+
+def test_a_finished_request_frees_its_slot_for_the_very_next_step(tiny_model):
+    """It lingers in running_batch after its last decode step: the next admission must not count it."""
+    from minisgl import Engine
+
+    with Engine(tiny_model, device="cpu", max_running_requests=1, max_total_tokens=1024) as eng:
+        a = eng.add_request(input_ids=[5, 6, 7], sampling_params={"temperature": 0, "ignore_eos": True, "max_new_tokens": 3})
+        b = eng.add_request(input_ids=[8, 9, 10], sampling_params={"temperature": 0, "ignore_eos": True, "max_new_tokens": 3})
+        while not eng.rid_to_state[a].finished:
+            eng.step(snapshot=False)
+        snap = eng.step()  # the step right after A's last token
+        assert snap["forward_mode"] == "EXTEND" and [r["rid"] for r in snap["batch"]["reqs"]] == [b]
+        assert snap["adder"]["budgets"]["request_slots_left"] == 0  # B took the one slot A gave back
+        eng.run_until_idle()

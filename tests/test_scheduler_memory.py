@@ -83,3 +83,13 @@ def test_mixed_chunks_in_a_tight_pool_finish_every_request(tiny_model, page_size
     assert [len(engine.get_result(r)["output_ids"]) for r in short] == [10] * decoders
     assert len(engine.get_result(long)["output_ids"]) == 1
     engine.scheduler.check_memory_when_idle()
+
+
+@pytest.mark.parametrize("kwargs", [{"max_total_tokens": 6}, {"context_length": 6}])
+def test_a_pool_or_context_too_small_for_any_prompt_is_refused_at_start(tiny_model, kwargs):
+    """It used to start, then 400 every prompt (or, with auto-truncate, cut prompts to nothing:
+    an IndexError in the server, a spin in the Engine)."""
+    from minisgl import Engine
+
+    with pytest.raises(ValueError, match="leave no room for a prompt"):
+        Engine(tiny_model, device="cpu", allow_auto_truncate=True, **kwargs)

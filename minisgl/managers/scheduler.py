@@ -66,6 +66,12 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         # max_req_len bounds prompt + output; prompts stay 5 tokens below it (tp_worker.py)
         self.max_req_len = min(self.model_config.context_len - 1, self.max_total_num_tokens - 1)
         self.max_req_input_len = self.max_req_len - 5
+        if self.max_req_input_len < 2:  # prompts must stay below it: not even one token would fit
+            raise ValueError(
+                f"The context length ({self.model_config.context_len}) and the KV pool ({self.max_total_num_tokens} "
+                f"tokens) leave no room for a prompt: prompts must be shorter than min(context - 1, pool - 1) - 5 "
+                f"= {self.max_req_input_len} tokens. Use --max-total-tokens and --context-length of at least 8."
+            )
         self.chunked_prefill_size = server_args.chunked_prefill_size if chunked_prefill_enabled(server_args) else None
         self.is_mixed_chunk = self.chunked_prefill_size is not None and server_args.enable_mixed_chunk
         # The EOS ids that end a request (unless ignore_eos): the model's (config.json +
@@ -329,6 +335,14 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
                 self.running_batch.merge_batch(last_batch)
             # merged: the last batch must not be merged a second time
             self.last_batch = None
+        # Requests that finished in the last decode step are still in running_batch (SGLang
+        # drops them in the next update_running_batch). Drop them before admission, so the
+        # prefill's request slots, its token reservation and the logs count only what still
+        # runs: otherwise a finished request holds its slot one more step, and with
+        # --max-running-requests 1 the next request waits through an empty step.
+        if any(r.finished() for r in self.running_batch.reqs):
+            self.running_batch.filter_batch()
+            self.running_batch.batch_is_full = False
 
         new_batch = self.get_new_batch_prefill()
         if new_batch is not None:
