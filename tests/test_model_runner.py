@@ -183,6 +183,39 @@ def test_rope_spelling_precedence_follows_transformers(cfg: dict) -> None:
     assert scaling is not None and scaling["rope_type"] == hf["rope_type"] and scaling["factor"] == hf["factor"]
 
 
+def test_llama3_rope_without_original_max_position_embeddings_defaults_as_transformers() -> None:
+    cfg = {"max_position_embeddings": 4096, "rope_theta": 5e5,
+           "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}}  # fmt: skip
+    _, scaling = parse_rope(cfg)
+    assert scaling is not None and scaling["original_max_position_embeddings"] == 4096  # (a KeyError before)
+    with pytest.raises(ValueError, match=r"rope_scaling of type 'llama3' needs \['low_freq_factor'\]"):
+        parse_rope({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}})
+
+
+def test_quantized_checkpoints_are_refused_by_name(tiny_model: str, tmp_path: Any) -> None:
+    def quantized(d: dict) -> None:
+        d["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+
+    path = _copy_with(tiny_model, str(tmp_path / "m"), quantized)
+    with pytest.raises(ValueError, match="Quantized checkpoints are not supported.*'fp8'"):
+        ModelConfig.from_pretrained(path)
+
+
+def test_loader_errors_name_the_checkpoint_tensor(tiny_model_factory: Callable[..., str], tmp_path: Any) -> None:
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_model_factory("llama")
+    wrong_shape = _copy_with(src, str(tmp_path / "a"), lambda d: d.update(intermediate_size=d["intermediate_size"] - 32))
+    with pytest.raises(ValueError, match=r"checkpoint tensor 'model\.layers\.0\.mlp\.\w+_proj\.weight' does not fit"):
+        make_runner(wrong_shape)
+    missing = _copy_with(src, str(tmp_path / "b"))
+    weights = load_file(os.path.join(missing, "model.safetensors"))
+    del weights["model.layers.1.self_attn.k_proj.weight"]
+    save_file(weights, os.path.join(missing, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing tensors \['model\.layers\.1\.self_attn\.k_proj\.weight'\]"):
+        make_runner(missing)
+
+
 def test_unsupported_architecture_names_the_supported_ones(tiny_model: str, tmp_path: Any) -> None:
     def cfg(d: dict) -> None:
         d["architectures"] = ["GPT2LMHeadModel"]

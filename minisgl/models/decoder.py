@@ -179,16 +179,28 @@ class DecoderForCausalLM(nn.Module):
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {self.config.architecture}")
             param = params[target]
-            if shard_id is None:
-                default_weight_loader(param, tensor)
-            else:
-                owner = self.get_submodule(target.rsplit(".", 1)[0])
-                owner.weight_loader(param, tensor, shard_id)
+            try:
+                if shard_id is None:
+                    default_weight_loader(param, tensor)
+                else:
+                    owner = self.get_submodule(target.rsplit(".", 1)[0])
+                    owner.weight_loader(param, tensor, shard_id)
+            except ValueError as e:  # name the tensor: a config that disagrees with its weights
+                raise ValueError(f"checkpoint tensor {name!r} does not fit {target!r}: {e}") from None
             loaded.add(f"{target}:{shard_id}")
         expected = {f"{n}:{s}" for n in params for s in _shards_of(n)}
-        missing = sorted(expected - loaded)
+        missing = sorted(_checkpoint_name(key) for key in expected - loaded)
         if missing:
-            raise ValueError(f"checkpoint is missing weights for {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+            raise ValueError(f"checkpoint is missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+
+def _checkpoint_name(key: str) -> str:
+    """'<param>:<shard id>' -> the tensor name the checkpoint should have held."""
+    target, shard = key.rsplit(":", 1)
+    for ckpt_part, param_part, sid in STACKED_PARAMS:
+        if param_part in target and str(sid) == shard:
+            return target.replace(param_part, ckpt_part)
+    return target
 
 
 def _shards_of(param_name: str) -> Tuple[object, ...]:

@@ -17,6 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Set, Tuple
 
 from minisgl.layers.rotary_embedding import SUPPORTED_ROPE_TYPES
+
+# what compute_inv_freq reads for each scaled rope type
+ROPE_REQUIRED_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 from minisgl.models.registry import get_arch_spec
 
 logger = logging.getLogger("minisgl")
@@ -51,6 +57,13 @@ class ModelConfig:
         cfg = _read_json(os.path.join(model_dir, "config.json"), required=True)
         gen_cfg = _read_json(os.path.join(model_dir, "generation_config.json"), required=False)
         architecture, spec = get_arch_spec(cfg)
+        quant = cfg.get("quantization_config")
+        if quant:  # its weights are packed integers or fp8 with scales: nothing here can multiply them
+            method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
+            raise ValueError(
+                f"Quantized checkpoints are not supported (quantization_config.quant_method={method!r}); "
+                "use the model's unquantized (bf16/fp16/fp32) checkpoint"
+            )
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"Unsupported hidden_act {cfg['hidden_act']!r}; minisgl's MLP is gated SiLU")
         num_heads = int(cfg["num_attention_heads"])
@@ -122,7 +135,16 @@ def parse_rope(cfg: Dict[str, Any]) -> Tuple[float, Optional[Dict[str, Any]]]:
         raise ValueError(f"Unsupported rope_type {rope_type!r}; minisgl supports {SUPPORTED_ROPE_TYPES}")
     if rope_type == "default":
         return theta, None
-    return theta, {**scaling, "rope_type": rope_type}
+    scaling = {**scaling, "rope_type": rope_type}
+    if rope_type == "llama3":  # transformers fills it in the same way (standardize_rope_params)
+        scaling.setdefault(
+            "original_max_position_embeddings",
+            cfg.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 2048)),
+        )
+    missing = [k for k in ROPE_REQUIRED_KEYS[rope_type] if k not in scaling]
+    if missing:
+        raise ValueError(f"rope_scaling of type {rope_type!r} needs {missing} in config.json")
+    return theta, scaling
 
 
 def _context_len(window: Optional[int], max_pos: int, requested: Optional[int]) -> int:
