@@ -87,9 +87,12 @@ def sample_from_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Ten
 def multinomial_inverse_cdf(probs: torch.Tensor) -> torch.Tensor:
     """One draw per row of unnormalised probs [bs, V] from the global RNG: the first token whose CDF passes u.
 
-    Same distribution as torch.multinomial(probs, 1), which on CPU draws V exponentials per
+    The distribution of torch.multinomial(probs, 1), which on CPU draws V exponentials per
     row (5 ms for 64 x 4,096 on this project's CPU, 6% of a decode step); this draws one
-    uniform per row and binary-searches the row's running sum (~0.3 ms).
+    uniform per row and binary-searches the row's running sum (~0.3 ms). Up to the running
+    sum's float32 rounding: a token whose probability is below the sum's spacing (~6e-8 of
+    the total) adds nothing to it and is never drawn (at a 152k vocabulary ~0.1% of the mass
+    in total variation; at the built-in 4k vocabulary none in practice).
     """
     cdf = torch.cumsum(probs, dim=-1)  # [bs, V]
     u = torch.rand((probs.shape[0], 1), dtype=cdf.dtype, device=probs.device) * cdf[:, -1:]  # [bs, 1] in [0, total)
