@@ -538,3 +538,33 @@ def test_dynamic_batch_tokenizer_fails_only_the_text_at_fault(tokenizer: Any) ->
     assert isinstance(bad, TypeError)
     assert good0 == tokenizer.encode("alpha beta", add_special_tokens=False)
     assert good2 == tokenizer.encode("gamma delta", add_special_tokens=False)
+
+
+def test_a_disconnected_rid_stays_in_flight_until_the_scheduler_lets_it_go(tiny_model: str, tmp_path: Any) -> None:
+    """The scheduler runs the request until its abort lands: a new request reusing the rid in
+    the meantime got the old one's outputs (its abort and text); now it is a duplicate."""
+    from minisgl.managers.io_struct import AbortReq
+
+    tm, sent = _recording_tm(tiny_model, tmp_path, refuse_generate=False)
+
+    async def run() -> None:
+        gen = tm.generate_request(GenerateReqInput(text="hello", sampling_params={"max_new_tokens": 8}, rid="dup", stream=True))
+        first = asyncio.ensure_future(gen.__anext__())
+        while not any(isinstance(m, TokenizedGenerateReqInput) for m in sent):
+            await asyncio.sleep(0.01)
+        tm._handle_batch_output(_str_out("dup", "old", [5], 1))
+        assert (await first)["text"] == "old"
+        await gen.aclose()  # the client went away mid-stream
+        for _ in range(100):  # (the inner generator's finally runs from asyncio's finalizer hook)
+            if any(isinstance(m, AbortReq) for m in sent):
+                break
+            await asyncio.sleep(0.01)
+        assert [m.rid for m in sent if isinstance(m, AbortReq)] == ["dup"]
+        with pytest.raises(ValueError, match="Duplicate request ID"):
+            again = GenerateReqInput(text="again", sampling_params={"max_new_tokens": 8}, rid="dup")
+            await asyncio.wait_for(tm.generate_request(again).__anext__(), timeout=5)
+        tm._handle_batch_output(_str_out("dup", " more", [6], 2))  # still decoding: read by nobody
+        tm._handle_batch_output(_str_out("dup", "", [], 2, {"type": "abort", "message": "Abort"}))
+        assert "dup" not in tm.rid_to_state  # the abort came back: the rid is free again
+
+    asyncio.run(run())

@@ -49,7 +49,7 @@ from minisgl.server_args import SCHEDULE_POLICIES
 
 from engine_helpers import GREEDY
 
-SEEDS = list(range(32))
+SEEDS = list(range(24))
 TOKEN_LO, TOKEN_HI = 10, 500  # ordinary tokens of the tiny model's 512-token vocabulary
 ABORT_STATES = ("waiting", "chunked", "just_prefilled", "decoding", "retracted", "mixed")
 
@@ -426,7 +426,8 @@ def test_random_workload_matches_solo_runs_and_never_leaks(tiny_model: str, solo
         result = engine.get_result(rid)
         output, finish = result["output_ids"], result["meta_info"]["finish_reason"]
         expected_output, expected_finish = solo(job.prompt, job.params)
-        if rid in aborted and finish["type"] == "abort":
+        if rid in aborted:  # aborted while unfinished: it ends as an abort, whatever state it was in
+            assert finish["type"] == "abort", f"{rid}: aborted, but it finished with {finish}"
             assert output == expected_output[: len(output)], f"{rid}: aborted output is not a prefix of the solo run"
         else:
             assert (output, finish) == (expected_output, expected_finish), f"{rid}: differs from the solo run"

@@ -223,7 +223,12 @@ class Req:
         self.to_finish = FINISH_ABORT(error_msg, 400, "BadRequestError")
 
     def check_finished(self) -> None:
-        """Decide whether the token just appended ends the request (0.5.9 order, §6.3)."""
+        """Decide whether the token just appended ends the request (0.5.23 order, §6.3).
+
+        Stop strings and stop tokens come before length, as in SGLang 0.5.23: a stop the
+        last allowed token completes is a stop (trimmed), not a length finish that would
+        hand the stop string to the user.
+        """
         if self.finished():
             return
         if self.to_finish is not None:
@@ -232,25 +237,27 @@ class Req:
             # it is not part of the answer.
             self.finished_len = max(len(self.output_ids) - 1, 0)
             return
-        max_new_tokens = self.sampling_params.max_new_tokens
-        if len(self.output_ids) >= max_new_tokens:
-            self.finished_reason = FINISH_LENGTH(length=max_new_tokens)
-            self.finished_len = max_new_tokens
-            return
         last_token = self.output_ids[-1]
-        if last_token in self._stop_token_ids():
-            self.finished_reason = FINISH_MATCHED_TOKEN(matched=last_token)
-            self.finished_len = len(self.output_ids)
-            return
         if self.vocab_size is not None and not 0 <= last_token < self.vocab_size:
             self.finished_reason = FINISH_MATCHED_STR(matched="NaN happened")
             return
         if self.sampling_params.stop_strs:
             tail = self.tail_str()
-            for stop_str in self.sampling_params.stop_strs:
-                if stop_str in tail:
-                    self.finished_reason = FINISH_MATCHED_STR(matched=stop_str)
-                    return
+            found = [(tail.find(s), -len(s), s) for s in self.sampling_params.stop_strs if s in tail]
+            if found:
+                # the stop that starts first in the text (then the longest), whatever its place in
+                # the list: the detokenizer cuts the text there
+                self.finished_reason = FINISH_MATCHED_STR(matched=min(found)[2])
+                self.finished_len = len(self.output_ids)
+                return
+        if last_token in self._stop_token_ids():
+            self.finished_reason = FINISH_MATCHED_TOKEN(matched=last_token)
+            self.finished_len = len(self.output_ids)
+            return
+        max_new_tokens = self.sampling_params.max_new_tokens
+        if len(self.output_ids) >= max_new_tokens:
+            self.finished_reason = FINISH_LENGTH(length=max_new_tokens)
+            self.finished_len = max_new_tokens
 
     def _stop_token_ids(self) -> Set[int]:
         return stop_token_set(self.sampling_params, self.eos_token_ids)  # eos_token_ids: the scheduler's, tokenizer's included
@@ -262,7 +269,11 @@ class Req:
             return ""
         if self.tokenizer is None:
             raise ValueError("stop strings need the scheduler to hold a tokenizer")
-        return self.tokenizer.decode(self.output_ids[-tail_len:])
+        # decoded as the detokenizer decodes it, so a stop matches the text the user sees
+        # (with special tokens skipped, "b<|endoftext|>c" reads "bc")
+        return self.tokenizer.decode(
+            self.output_ids[-tail_len:], skip_special_tokens=self.sampling_params.skip_special_tokens
+        )
 
     def check_match_stop_str_prefix(self) -> bool:
         """True while the tail contains a stop string or ends with a prefix of one (hold back)."""

@@ -75,6 +75,7 @@ class ReqState:
     out_list: List[Dict[str, Any]] = field(default_factory=list)
     finished: bool = False
     sent: bool = False  # TokenizedGenerateReqInput left for the scheduler
+    abandoned: bool = False  # nobody reads it any more: aborted, waiting for the scheduler's finish
     # time stats (perf_counter seconds)
     created_time: float = field(default_factory=time.perf_counter)
     tokenize_finish_time: float = 0.0
@@ -290,12 +291,17 @@ class TokenizerManager:
             async for out in self._wait_one_response(obj, state, request):
                 yield out
         finally:
-            # Error, or the consumer went away (client disconnect cancels the stream):
-            # free the scheduler's memory now and forget the state, since nobody reads it.
+            # Error, or the consumer went away (client disconnect cancels the stream): free
+            # the scheduler's memory now. A request the scheduler holds keeps its rid
+            # registered, abandoned, until its abort comes back (_handle_batch_output): until
+            # then the rid is still in flight, and a new request reusing it would be handed
+            # the old one's outputs (SGLang keeps the state the same way).
             if not state.finished and self.rid_to_state.get(obj.rid) is state:
                 if state.sent:
+                    state.abandoned = True
                     self.abort_request(obj.rid)
-                del self.rid_to_state[obj.rid]
+                else:
+                    del self.rid_to_state[obj.rid]
 
     def _init_req_state(self, obj: GenerateReqInput) -> ReqState:
         rid = obj.rid
@@ -506,6 +512,10 @@ class TokenizerManager:
             state = self.rid_to_state.get(rid)
             if state is None:
                 logger.debug("Received output for rid=%s but the state was deleted", rid)
+                continue
+            if state.abandoned:  # its reader is gone: only its finish matters (it frees the rid)
+                if recv.finished_reasons[i] is not None:
+                    del self.rid_to_state[rid]
                 continue
             token_logprobs, top_logprobs = logprobs_of(recv, i)
             state.text += recv.output_strs[i]

@@ -89,11 +89,13 @@ class SamplingParams:
             self.stop_strs = list(self.stop)
         if self.stop_token_ids is not None:
             self.stop_token_ids = sorted(set(int(t) for t in self.stop_token_ids))
+        # How many output tokens the scheduler decodes to look for a stop string. SGLang takes
+        # the stop's own tokenization, but a model may spell it with more, smaller tokens (one
+        # byte each at worst): its UTF-8 length bounds every spelling of a byte-level vocabulary.
+        self.stop_str_max_len = max((len(s.encode("utf-8")) for s in self.stop_strs), default=0)
         if self.stop_strs and tokenizer is not None:
-            self.stop_str_max_len = max(len(tokenizer.encode(s, add_special_tokens=False)) for s in self.stop_strs)
-        else:
-            # Without a tokenizer, a stop string never needs more tokens than characters.
-            self.stop_str_max_len = max((len(s) for s in self.stop_strs), default=0)
+            encoded = max(len(tokenizer.encode(s, add_special_tokens=False)) for s in self.stop_strs)
+            self.stop_str_max_len = max(self.stop_str_max_len, encoded)
 
     def verify(self, vocab_size: Optional[int] = None) -> None:
         """Raise ValueError naming the field and its valid range (sglang-facts.md §10.3)."""

@@ -1,0 +1,107 @@
+"""Stop strings end to end, with the sampled tokens scripted.
+
+Each test feeds a fixed token sequence through the real chain a sampled token takes:
+`Req.check_finished` (the scheduler decides), `stream_output` (what is emitted) and the
+`DetokenizerManager` (what text the user gets). A script can spell a stop string in ways
+a model may but a tokenizer would not (byte by byte, around a special token), which is
+where the scheduler's decoded tail and the user's text used to disagree.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, Dict, List, Optional, Tuple
+
+import pytest
+
+from minisgl.managers.detokenizer_manager import DetokenizerManager
+from minisgl.managers.schedule_batch import Req
+from minisgl.managers.scheduler_output_processor_mixin import SchedulerOutputProcessorMixin
+from minisgl.sampling.sampling_params import SamplingParams
+from minisgl.server_args import ServerArgs
+from minisgl.test_utils import train_tokenizer
+
+
+class _Emitter(SchedulerOutputProcessorMixin):
+    """Only the scheduler's output side: stream_output collects into _outputs."""
+
+    def __init__(self) -> None:
+        self._outputs: List[Any] = []
+        self.server_args = SimpleNamespace(stream_interval=1)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("stop-tokenizer")
+    train_tokenizer().save_pretrained(str(path))
+    return str(path)
+
+
+def run_script(tokenizer_dir: str, script: List[int], stream: bool, **params: Any) -> Tuple[str, Optional[Dict[str, Any]]]:
+    """(the text the user gets, the finish reason) for `script` sampled one token per step."""
+    detok = DetokenizerManager(ServerArgs(tokenizer_path=tokenizer_dir))
+    tokenizer = detok.tokenizer
+    sampling = SamplingParams.from_dict({"max_new_tokens": len(script) + 5, "ignore_eos": True, **params})
+    sampling.normalize(tokenizer)
+    sampling.verify()
+    req = Req("r", None, tokenizer.encode("Prompt:"), sampling, stream=stream, vocab_size=len(tokenizer), tokenizer=tokenizer)
+    emitter, text, finish = _Emitter(), "", None
+    for token in script:
+        req.output_ids.append(token)
+        req.check_finished()
+        emitter.stream_output([req])
+        for out in emitter._outputs:
+            str_out = detok.handle_batch_token_id_out(out)
+            text += "".join(str_out.output_strs)
+            finish = str_out.finished_reasons[-1] or finish
+        emitter._outputs.clear()
+        if req.finished():
+            break
+    return text, finish
+
+
+def ids(tokenizer_dir: str, text: str) -> List[int]:
+    return DetokenizerManager(ServerArgs(tokenizer_path=tokenizer_dir)).tokenizer.encode(text, add_special_tokens=False)
+
+
+def byte_ids(tokenizer_dir: str, text: str) -> List[int]:
+    """`text` (ASCII) spelled one byte-level token per character, as no tokenizer would encode it."""
+    tokenizer = DetokenizerManager(ServerArgs(tokenizer_path=tokenizer_dir)).tokenizer
+    tokens = ["\u0120" if c == " " else c for c in text]  # byte-level BPE writes a space as U+0120
+    return tokenizer.convert_tokens_to_ids(tokens)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_the_stop_that_starts_first_in_the_text_wins_whatever_the_list_order(tokenizer_dir: str, stream: bool) -> None:
+    # the last token completes both "ab" and "b": "ab" starts first, so nothing of it may show
+    script = byte_ids(tokenizer_dir, "xab")
+    text, finish = run_script(tokenizer_dir, script, stream, stop=["b", "ab"])
+    assert (text, finish) == ("x", {"type": "stop", "matched": "ab"})
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_stop_completed_by_the_last_allowed_token_is_a_stop(tokenizer_dir: str, stream: bool) -> None:
+    """SGLang 0.5.23 checks stops before length; the 0.5.9 order handed the stop string to the user."""
+    script = ids(tokenizer_dir, "Say hello")
+    text, finish = run_script(tokenizer_dir, script, stream, stop=" hello", max_new_tokens=len(script))
+    assert (text, finish) == ("Say", {"type": "stop", "matched": " hello"})
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_stop_spelled_with_more_tokens_than_its_encoding_is_found(tokenizer_dir: str, stream: bool) -> None:
+    assert len(ids(tokenizer_dir, " hello")) < len(" hello")  # the premise: normally fewer tokens than bytes
+    script = ids(tokenizer_dir, "Say") + byte_ids(tokenizer_dir, " hello") + ids(tokenizer_dir, " there")
+    text, finish = run_script(tokenizer_dir, script, stream, stop=" hello")
+    assert (text, finish) == ("Say", {"type": "stop", "matched": " hello"})
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_stop_around_a_skipped_special_token_matches_the_text_the_user_sees(tokenizer_dir: str, stream: bool) -> None:
+    tokenizer = DetokenizerManager(ServerArgs(tokenizer_path=tokenizer_dir)).tokenizer
+    special = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    script = byte_ids(tokenizer_dir, "ab") + [special] + byte_ids(tokenizer_dir, "c and more")
+    text, finish = run_script(tokenizer_dir, script, stream, stop="bc")  # the user reads "abc and more"
+    assert (text, finish) == ("a", {"type": "stop", "matched": "bc"})
+    # with special tokens kept the text reads "ab<|endoftext|>c": no stop, all of it arrives
+    text, finish = run_script(tokenizer_dir, script, stream, stop="bc", skip_special_tokens=False, max_new_tokens=len(script))
+    assert text == "ab<|endoftext|>c and more" and finish is not None and finish["type"] == "length"
