@@ -224,6 +224,38 @@ def test_an_interrupted_generate_aborts_its_requests(engine, monkeypatch):
     _assert_idle_and_nothing_leaked(engine)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("in_step", [1, 3], ids=["prefill", "decode"])
+def test_ctrl_c_inside_a_forward_lands_after_the_step(engine, monkeypatch, stream, in_step):
+    """A real SIGINT in the middle of the model's forward (where Ctrl-C usually lands): it used
+    to leave a half-built batch that no abort could reach, and generate() spun forever."""
+    import os
+    import signal
+
+    forward, calls = engine.scheduler.run_batch, []
+
+    def forward_hit_by_ctrl_c(batch):
+        calls.append(1)
+        if len(calls) == in_step:
+            os.kill(os.getpid(), signal.SIGINT)  # delivered while the forward runs
+        return forward(batch)
+
+    monkeypatch.setattr(engine.scheduler, "run_batch", forward_hit_by_ctrl_c)
+    alarm = signal.signal(signal.SIGALRM, lambda *a: (_ for _ in ()).throw(TimeoutError("generate() hangs")))
+    signal.alarm(60)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            out = engine.generate(input_ids=[PROMPT, [9, 10]], sampling_params={**LONG, "max_new_tokens": 50}, stream=stream)
+            if stream:
+                list(out)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, alarm)
+    monkeypatch.undo()
+    _assert_idle_and_nothing_leaked(engine)
+    assert len(engine.generate(input_ids=PROMPT, sampling_params={**LONG, "max_new_tokens": 5})["output_ids"]) == 5
+
+
 def test_context_length_is_checked_as_by_the_server(engine):
     context_len = engine.context_len  # the tiny model's 2048
     with pytest.raises(ValueError, match=rf"The input \({context_len} tokens\) is longer than the model's context length"):
@@ -250,11 +282,13 @@ def test_shutdown_is_final(tiny_model):
     eng = Engine(tiny_model, device="cpu")
     stream = eng.generate(input_ids=[PROMPT, PROMPT], sampling_params=LONG, stream=True)
     next(stream)
+    unread = eng.generate(input_ids=PROMPT, sampling_params=LONG, stream=True)
     eng.shutdown()
     assert eng.scheduler is None and eng.model_runner is None  # model and KV pool can be freed
-    with pytest.raises(RuntimeError, match="shut down while this stream was open"):
-        next(stream)
-    for call in (lambda: eng.generate("hi"), lambda: eng.add_request("hi"), eng.step, eng.get_load):
+    for s in (stream, unread):
+        with pytest.raises(RuntimeError, match="shut down while this stream was open"):
+            next(s)
+    for call in (lambda: eng.generate("hi"), lambda: eng.add_request("hi"), eng.step, eng.get_load, eng.run_until_idle):
         with pytest.raises(RuntimeError, match=r"shut down; create a new Engine"):
             call()
     eng.shutdown()  # a second shutdown is harmless

@@ -193,6 +193,16 @@ def test_a_non_ascii_api_key_works(tiny_model: str, tmp_path: Any) -> None:
     tm.close()
 
 
+def test_bearer_matches_utf8_clients_and_latin1_browsers() -> None:
+    """(The TestClient re-encodes every header as UTF-8, so the browser's form is checked here.)"""
+    from minisgl.entrypoints.http_server import bearer_matches
+
+    assert bearer_matches("Bearer cl\u00e9".encode("utf-8"), "cl\u00e9")  # curl, the openai client
+    assert bearer_matches("Bearer cl\u00e9".encode("latin-1"), "cl\u00e9")  # a browser's fetch
+    assert not bearer_matches(b"Bearer cle", "cl\u00e9") and not bearer_matches(b"Bearer cl\xe9x", "cl\u00e9")
+    assert bearer_matches("Bearer \u043a\u043b\u044e\u0447".encode(), "\u043a\u043b\u044e\u0447")  # beyond Latin-1: UTF-8 only
+
+
 def test_server_url_brackets_an_ipv6_host() -> None:
     from urllib.parse import urlsplit
 
@@ -468,6 +478,16 @@ def test_lone_surrogates_are_400_not_500(guarded_client: TestClient, route: str,
     payload = json.dumps({**common, **body})  # ensure_ascii keeps the escape
     r = guarded_client.post(route, content=payload.encode(), headers={"content-type": "application/json"})
     assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], r.text
+
+
+def test_lone_surrogates_in_echoed_fields_are_4xx_not_500(guarded_client: TestClient) -> None:
+    """A wrong model name is quoted in the 404, a rid in every answer: neither may fail to encode."""
+    body = json.dumps({"model": "x\ud800", "prompt": "hi", "max_tokens": 2})
+    r = guarded_client.post("/v1/completions", content=body.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 404 and "x\\ud800" in r.json()["error"]["message"], r.text
+    body = json.dumps({"text": "hi", "rid": "r\ud800", "sampling_params": {"max_new_tokens": 2}})
+    r = guarded_client.post("/generate", content=body.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "`rid` must be valid Unicode" in r.json()["error"]["message"], r.text
 
 
 def test_chat_max_tokens_beyond_the_context_is_clamped_under_auto_truncate(tiny_model: str, tmp_path: Any) -> None:

@@ -20,6 +20,10 @@ empty unless asked for; a streamed chunk carries the deltas, a final result the 
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
@@ -28,6 +32,8 @@ from minisgl.managers.io_struct import AbortReq, BatchStrOutput, GenerateReqInpu
 from minisgl.managers.tokenization import tokenize_one_request, validate_context_length
 from minisgl.sampling.sampling_params import SamplingParams
 from minisgl.server_args import ServerArgs, resolve_server_args
+
+logger = logging.getLogger("minisgl")
 
 Prompt = Union[str, List[str], None]
 InputIds = Union[List[int], List[List[int]], None]
@@ -209,6 +215,8 @@ class Engine:
         try:
             yield {}  # consumed by generate()
             while True:
+                if self._closed:  # (a stream never read lands here after shutdown())
+                    raise RuntimeError("the Engine was shut down while this stream was open; its requests were aborted")
                 ready: List[Dict[str, Any]] = []
                 for index, rid in enumerate(rids):
                     state = self.rid_to_state[rid]
@@ -234,6 +242,9 @@ class Engine:
             self.abort(rid)
         # a running request is aborted at its next forward (SGLang's method 3)
         while not all(self.rid_to_state[r].finished for r in unfinished):
+            if self.scheduler.is_idle():  # nothing left that could ever finish them: do not spin
+                logger.warning("requests %s were lost by the scheduler; forgetting them", unfinished)
+                break
             self.step(snapshot=False)
         for rid in rids:
             self.rid_to_state.pop(rid)
@@ -246,9 +257,10 @@ class Engine:
         so they pay nothing for the visualizer's data) and returns None.
         """
         self._check_open()
-        self.scheduler.run_step()
-        self._drain_outputs()
-        self.scheduler.self_check_during_idle()  # as the server's loop does before it blocks
+        with _sigint_held_until_the_end():  # Ctrl-C lands after the step, on a whole scheduler
+            self.scheduler.run_step()
+            self._drain_outputs()
+            self.scheduler.self_check_during_idle()  # as the server's loop does before it blocks
         return self.scheduler.snapshot() if snapshot else None
 
     def snapshot(self) -> Dict[str, Any]:
@@ -260,6 +272,7 @@ class Engine:
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> int:
         """Step until every submitted request finished; returns the number of steps."""
+        self._check_open()
         steps = 0
         while self.has_unfinished_requests():
             if steps >= max_steps:
@@ -368,6 +381,30 @@ class Engine:
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+
+@contextlib.contextmanager
+def _sigint_held_until_the_end() -> Iterator[None]:
+    """Hold Ctrl-C (SIGINT) while the block runs, then deliver it to the usual handler.
+
+    A KeyboardInterrupt raised inside a forward would leave a batch half-built: its requests
+    out of the waiting queue but in no batch, KV allocated but not recorded, where no abort
+    can reach them. Held to the end of the step, it lands on a whole scheduler, and
+    generate() can abort what it started. Only the main thread can set signal handlers (a
+    Jupyter kernel runs cells there); elsewhere nothing is held.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: List[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: arrived.append(signum))
+    try:
+        yield
+    finally:
+        # (None: a handler set outside Python, which cannot be put back; Python's own instead)
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+        if arrived:
+            signal.raise_signal(signal.SIGINT)  # the restored handler: KeyboardInterrupt by default
 
 
 def _describe(value: Any) -> str:

@@ -74,6 +74,21 @@ def _validation_message(exc: RequestValidationError) -> Tuple[str, Optional[str]
     return "; ".join(parts) or "Invalid request", (params[0] if params else None)
 
 
+def bearer_matches(sent: bytes, api_key: str) -> bool:
+    """Whether an Authorization header's raw bytes carry `Bearer <api_key>`.
+
+    Compared as bytes: compare_digest refuses str with non-ASCII characters (a 500). curl
+    and the openai client send a non-ASCII key as UTF-8; a browser's fetch sends characters
+    up to U+00FF as one Latin-1 byte each (and refuses any above): both match.
+    """
+    forms = [f"Bearer {api_key}".encode("utf-8")]
+    try:
+        forms.append(f"Bearer {api_key}".encode("latin-1"))
+    except UnicodeEncodeError:
+        pass
+    return any([secrets.compare_digest(sent, form) for form in forms])  # (a list: no short cut)
+
+
 def create_app(
     server_args: ServerArgs,
     tokenizer_manager: TokenizerManager,
@@ -101,13 +116,11 @@ def create_app(
         return create_error_response(f"Internal server error: {exc}", 500, err_type="InternalServerError")
 
     if server_args.api_key:
-        # compared as UTF-8 bytes: compare_digest refuses str with non-ASCII characters (a 500)
-        expected = f"Bearer {server_args.api_key}".encode()
         key_bytes = server_args.api_key.encode()
 
         def _authorized(request: Request) -> bool:
             # (starlette decodes header bytes as latin-1: encoding back gives the bytes sent)
-            if secrets.compare_digest(request.headers.get("authorization", "").encode("latin-1"), expected):
+            if bearer_matches(request.headers.get("authorization", "").encode("latin-1"), server_args.api_key):
                 return True
             # A browser's EventSource cannot send headers: the visualizer page passes the
             # key as ?api_key=KEY, accepted for the /visualizer routes only.

@@ -272,6 +272,9 @@ class TokenizerManager:
             raise ValueError(f"`rid` must be a string for a single prompt, got {type(obj.rid).__name__}")
         if not obj.is_single and len(set(obj.rid)) != len(obj.rid):
             raise ValueError("`rid` must not repeat an id within a batch")
+        for rid in [obj.rid] if obj.is_single else obj.rid:
+            if isinstance(rid, str) and not _is_unicode(rid):  # it is echoed back in every answer
+                raise ValueError(f"`rid` must be valid Unicode, got {rid!r} (a lone surrogate)")
         param_dicts = [obj.sampling_params] if obj.is_single else obj.sampling_params
         params = [SamplingParams.from_dict(d) for d in param_dicts]  # unknown keys and wrong types
         for p in params:
@@ -550,6 +553,14 @@ class TokenizerManager:
         if self.dynamic_batch_tokenizer is not None:
             self.dynamic_batch_tokenizer.close()
         self.context.destroy(linger=0)
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def logprobs_of(recv: BatchStrOutput, i: int) -> Tuple[List[Tuple[float, int]], List[List[Tuple[float, int]]]]:

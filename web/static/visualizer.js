@@ -286,13 +286,15 @@ function tokens(n, seed) {
 }
 
 async function sendDemo() {
-  const models = await fetch("/v1/models", { headers: authHeaders() }).then((r) => r.json());
+  const modelsResponse = await fetch("/v1/models", { headers: authHeaders() });
+  const models = await modelsResponse.json();
+  if (!modelsResponse.ok) throw new Error(`/v1/models answered ${modelsResponse.status}: ${(models.error || {}).message}`);
   const ctx = models.data[0].max_model_len || 2048;
   const chunk = CONFIG.chunked_prefill_size > 0 ? CONFIG.chunked_prefill_size : 256;
   const maxNew = 24;
   // every prompt, shared prefix and tail together, fits the context with room for its output
   const limit = ctx - maxNew - 1;
-  const cap = (n) => Math.max(4, Math.min(n, limit));
+  const cap = (n, out = maxNew) => Math.max(4, Math.min(n, ctx - out - 1));
   const sharedLen = cap(Math.min(Math.round(chunk * 0.8), limit - Math.round(chunk * 0.3)));
   const shared = tokens(sharedLen, 1);
   const withShared = (n, seed) => shared.concat(tokens(Math.max(1, Math.min(n, limit - sharedLen)), seed));
@@ -307,7 +309,7 @@ async function sendDemo() {
     gen(tokens(cap(Math.round(chunk * 2.5)), 3), `B-long-${tag}`),
     gen(tokens(cap(Math.round(chunk * 0.5)), 4), `C-short-${tag}`),
     gen(withShared(Math.round(chunk * 0.2), 5), `D-prefix-${tag}`),
-    gen(tokens(cap(Math.round(chunk * 0.4)), 6), `E-short-${tag}`, maxNew * 2),
+    gen(tokens(cap(Math.round(chunk * 0.4), maxNew * 2), 6), `E-short-${tag}`, maxNew * 2),
   ];
   await wave1[3];  // D finished: its prompt is in the radix tree now
   const wave2 = [

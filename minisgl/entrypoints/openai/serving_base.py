@@ -36,6 +36,9 @@ def error_body(message: str, status_code: int = 400, err_type: Optional[str] = N
 
 
 def create_error_response(message: str, status_code: int = 400, err_type: Optional[str] = None, param: Optional[str] = None) -> JSONResponse:
+    # A message may quote user input with lone surrogates (a "model": "x\ud800" echoed in a
+    # 404): written as escapes, so the error itself never fails to encode (a 500)
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return JSONResponse(error_body(message, status_code, err_type, param), status_code=status_code)
 
 
