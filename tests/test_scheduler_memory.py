@@ -93,3 +93,26 @@ def test_a_pool_or_context_too_small_for_any_prompt_is_refused_at_start(tiny_mod
 
     with pytest.raises(ValueError, match="leave no room for a prompt"):
         Engine(tiny_model, device="cpu", allow_auto_truncate=True, **kwargs)
+
+
+def test_the_integrity_check_sees_a_row_pointing_at_a_freed_slot(tiny_model):
+    """The counts balance here; only the row itself shows that its K/V would come from a free page."""
+    from minisgl import Engine
+
+    with Engine(tiny_model, device="cpu", max_total_tokens=256) as eng:
+        rid = eng.add_request(input_ids=list(range(10, 30)), sampling_params={"temperature": 0, "ignore_eos": True, "max_new_tokens": 20})
+        for _ in range(3):
+            eng.step(snapshot=False)
+        sched = eng.scheduler
+        sched.check_integrity()  # whole so far
+        (req,) = [r for r in sched.running_batch.reqs if r.rid == rid]
+        free_slot = int(sched.token_to_kv_pool_allocator.free_pages[0]) * sched.page_size
+        row = sched.req_to_token_pool.req_to_token[req.req_pool_idx]
+        kept = int(row[0])
+        row[0] = free_slot
+        with pytest.raises(AssertionError, match=f"request {rid}: its req_to_token row points at freed KV slots"):
+            sched.check_integrity()
+        row[0] = kept  # (so the abort frees what the request really holds)
+        sched.check_integrity()
+        eng.abort(rid)
+        eng.run_until_idle()

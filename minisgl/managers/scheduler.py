@@ -555,6 +555,12 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         )
         available = self.token_to_kv_pool_allocator.available_size() + held
         self.tree_cache.check_integrity(available_size=available, total=self.max_total_num_tokens)
+        # The counts can balance while a row points at freed slots (its K/V would be read from
+        # pages another request writes): every live row's committed slots must be allocated.
+        for r in self._reqs_holding_rows():
+            slots = self.req_to_token_pool.req_to_token[r.req_pool_idx, : r.kv_committed_len]  # [committed]
+            if len(slots) and bool(self.token_to_kv_pool_allocator.is_free(slots).any()):
+                raise AssertionError(f"request {r.rid}: its req_to_token row points at freed KV slots")
 
     def _reqs_holding_rows(self) -> List[Req]:
         reqs: Dict[int, Req] = {}
