@@ -66,7 +66,11 @@ def test_an_abort_mid_chunk_shows_its_event_and_a_finished_record(engine: Any) -
         if snap["chunked_req"] is not None:
             break
     assert snap["chunked_req"]["rid"] == "C" and snap["chunked_req"]["chunk_index"] == 1
+    [row] = [r for r in snap["batch"]["reqs"] if r["rid"] == "C"]
     engine.abort("C")
+    # between steps the last step's batch row keeps its chunk progress (it was "1/1" after the abort)
+    [again] = [r for r in engine.snapshot()["batch"]["reqs"] if r["rid"] == "C"]
+    assert (again["chunk_index"], again["num_chunks"]) == (row["chunk_index"], row["num_chunks"]) == (1, 4)
     snap = engine.step()
     assert ("abort", "C") in _events(snap)
     [fin] = [f for f in snap["finished"] if f["rid"] == "C"]

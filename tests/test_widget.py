@@ -77,3 +77,16 @@ def test_run_n_steps_reaches_decode_then_finishes_with_ttft_and_reset_clears(eng
     widget.buttons["Reset"].click()
     assert widget.step_count == 0 and widget.timeline == [] and widget.finished == []
     assert widget.last_snapshot["radix"]["total_tokens"] == 0  # the radix cache was flushed
+
+
+def test_stepping_an_idle_engine_adds_no_second_bar_for_the_same_step(engine: Any) -> None:
+    """The page merges a republished step into one bar (merge_step_summaries); so does the widget."""
+    widget = SchedulerWidget(engine)
+    widget.reset()
+    widget.add_request(8, 1, rid="solo")
+    widget.step()  # EXTEND: prefilled, and finished (one new token)
+    widget.step()  # nothing left: the same step published again, IDLE
+    widget.step()
+    assert len(widget.timeline) == 1 and widget.timeline[0]["forward_mode"] == "EXTEND"
+    assert len(re.findall(r'class="[^"]*\bcurrent\b', widget.panels["timeline"])) == 1
+    engine.get_result("solo")

@@ -111,9 +111,12 @@ class SchedulerMetricsMixin:
             "finished": list(self.finished_records),
         }
 
-    def _num_chunks(self, req: Req) -> int:
-        """Chunks of the current prefill round: done so far + what the rest still needs."""
-        remaining = req.seqlen - len(req.fill_ids) if req is self.chunked_req else 0
+    def _num_chunks(self, req: Req, chunked_req: Optional[Req]) -> int:
+        """Chunks of the current prefill round: done so far + what the rest still needs.
+
+        `chunked_req`: the request left mid-prompt when this was decided (a batch's own, so an
+        abort after the step does not rewrite that step's row as a whole prefill)."""
+        remaining = req.seqlen - len(req.fill_ids) if req is chunked_req else 0
         size = self.chunked_prefill_size or max(remaining, 1)
         return req.num_chunks_done + -(-remaining // size)
 
@@ -122,7 +125,7 @@ class SchedulerMetricsMixin:
         if req is None:
             return None
         return {"rid": req.rid, "done_tokens": len(req.fill_ids), "total_tokens": req.seqlen,
-                "chunk_index": req.num_chunks_done, "num_chunks": self._num_chunks(req)}  # fmt: skip
+                "chunk_index": req.num_chunks_done, "num_chunks": self._num_chunks(req, req)}  # fmt: skip
 
     def _batch_reqs_snapshot(self, batch: ScheduleBatch) -> List[Dict[str, Any]]:
         decoding = {id(r) for r in batch.decoding_reqs or []}
@@ -136,7 +139,7 @@ class SchedulerMetricsMixin:
                     "prefix_len": batch.prefix_lens[i] if i < len(batch.prefix_lens) else 0,
                     "is_chunked": r.is_chunked,
                     "chunk_index": 0 if is_decode else r.num_chunks_done,
-                    "num_chunks": 0 if is_decode else self._num_chunks(r),
+                    "num_chunks": 0 if is_decode else self._num_chunks(r, batch.chunked_req),
                     "is_decode": is_decode,
                     "output_len": len(r.output_ids),
                     "max_new_tokens": r.sampling_params.max_new_tokens,

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 from minisgl.visualizer.render import PANEL_NAMES, render_panels, web_dir
-from minisgl.visualizer.snapshot import step_summary
+from minisgl.visualizer.snapshot import merge_step_summaries, step_summary
 
 # Token ids for generated prompts: 10..249 exist in every byte-level vocabulary.
 _ID_LOW, _ID_SPAN = 10, 240
@@ -122,7 +122,8 @@ class SchedulerWidget:
 
     # ------------------------------------------------------------------ display
     def _record(self, snap: Dict[str, Any]) -> None:
-        self.timeline.append(step_summary(snap))
+        # a step published again (an idle Step press, an abort between steps) is one bar, as on the page
+        self.timeline[:] = merge_step_summaries(self.timeline, [step_summary(snap)])
         del self.timeline[: max(0, len(self.timeline) - self.max_timeline)]
         self.finished.extend(snap["finished"])
 
