@@ -229,7 +229,7 @@ def test_missing_models_give_a_clear_error() -> None:
     with pytest.raises(ValueError, match="does not exist"):
         resolve_model_path("/no/such/model/dir")
     # conftest sets HF_HUB_OFFLINE=1; either way this id is neither local nor cached
-    with pytest.raises(ValueError, match="huggingface-cli download minisgl-test/no-such-model"):
+    with pytest.raises(ValueError, match="`hf download minisgl-test/no-such-model`"):
         resolve_model_path("minisgl-test/no-such-model")
 
 

@@ -397,8 +397,10 @@ def launch_server(server_args: ServerArgs) -> None:
     procs, readers = _spawn_children(server_args, port_args)
     exit_code = 1
     try:
-        tokenizer = get_tokenizer(server_args.tokenizer_path, server_args.trust_remote_code)
+        # the children first: a model that cannot load fails there with the clearest message
+        # (the scheduler's), before this process tries (and retries) the same path
         sched_info, _ = _wait_ready(procs, readers)
+        tokenizer = get_tokenizer(server_args.tokenizer_path, server_args.trust_remote_code)
         exit_code = _run_event_loop(_serve(server_args, port_args, procs, sched_info, tokenizer))
     except _ShutdownRequested:
         logger.info("Shutdown requested; stopping the scheduler and the detokenizer")

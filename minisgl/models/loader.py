@@ -41,7 +41,8 @@ def resolve_model_path(model_path: str) -> str:
         raise ValueError(
             f"Cannot find model {model_path!r}: it is not a local directory, and it could not be downloaded from the "
             f"Hugging Face hub nor found in the local cache ({type(e).__name__}: {e}). Fix: connect to the network, "
-            f"or run `huggingface-cli download {model_path}` on a machine that can, or pass --model-path <local dir>."
+            f"or run `hf download {model_path}` (older huggingface_hub: `huggingface-cli download {model_path}`) "
+            "on a machine that can, or pass --model-path <local dir>."
         ) from e
 
 
