@@ -57,3 +57,15 @@ def test_log_level_takes_any_case_and_logging_aliases() -> None:
 
     for level in ("INFO", "warning", "warn", "Debug"):
         assert ServerArgs.from_argv(["--log-level", level]).log_level == level
+
+
+def test_serve_with_a_model_it_cannot_find_fails_once_with_the_schedulers_message() -> None:
+    """The HTTP process loaded its tokenizer before waiting for its children, so the user got its
+    retries and its own message instead of the scheduler's clear one."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "minisgl", "serve", "--model-path", "minisgl-test/no-such-model", "--port", "0"],
+                          capture_output=True, text=True, timeout=180, env=env)  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "minisgl server failed: minisgl-scheduler failed to start" in proc.stderr
+    assert "Cannot find model 'minisgl-test/no-such-model'" in proc.stderr and "hf download" in proc.stderr
+    assert "Cannot load the tokenizer" not in proc.stderr
