@@ -50,6 +50,13 @@ def get_zmq_socket(context: Any, socket_type: int, endpoint: str, bind: bool) ->
     return sock
 
 
+def leave_ctrl_c_to_the_parent() -> None:
+    """A child ignores SIGINT: a terminal's Ctrl-C reaches the whole process group, and the
+    HTTP process shuts the children down in order (aborts, then terminate) instead of each
+    dying mid-send with a KeyboardInterrupt traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def kill_itself_when_parent_died() -> None:
     """Child processes die with their parent (DESIGN.md: never an orphaned scheduler)."""
     if os.name != "posix":

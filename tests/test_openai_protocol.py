@@ -588,3 +588,25 @@ def test_a_disconnected_rid_stays_in_flight_until_the_scheduler_lets_it_go(tiny_
         assert "dup" not in tm.rid_to_state  # the abort came back: the rid is free again
 
     asyncio.run(run())
+
+
+def test_aborting_a_rid_never_hits_another_clients_rid_that_looks_like_a_sample(tiny_model: str, tmp_path: Any) -> None:
+    """`job` must not abort another client's single request `job-1`; the n > 1 samples of `multi` it must."""
+    from minisgl.managers.io_struct import AbortReq
+
+    tm, sent = _recording_tm(tiny_model, tmp_path, refuse_generate=False)
+
+    async def run() -> None:
+        single = tm.generate_request(GenerateReqInput(text="a", sampling_params={"max_new_tokens": 8}, rid="job-1"))
+        multi = tm.generate_request(GenerateReqInput(text="b", sampling_params={"max_new_tokens": 8, "n": 2}, rid="multi"))
+        tasks = [asyncio.ensure_future(g.__anext__()) for g in (single, multi)]
+        while sum(isinstance(m, TokenizedGenerateReqInput) for m in sent) < 3:
+            await asyncio.sleep(0.01)
+        tm.abort_request("job")  # nobody's request: nothing to abort
+        assert [m for m in sent if isinstance(m, AbortReq)] == []
+        tm.abort_request("multi")
+        assert sorted(m.rid for m in sent if isinstance(m, AbortReq)) == ["multi-0", "multi-1"]
+        for task in tasks:
+            task.cancel()
+
+    asyncio.run(run())

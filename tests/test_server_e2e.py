@@ -468,8 +468,16 @@ def test_freeze_gc_reaches_every_process_and_serving_goes_on(server: Server) -> 
 
 
 def test_sigterm_shuts_everything_down_cleanly(server: Server) -> None:
-    """Runs last among the `server` tests: it stops that server."""
-    server.proc.send_signal(signal.SIGTERM)
+    """Runs last among the `server` tests: it stops that server. A stream in flight ends as an
+    abort with [DONE] (it was cancelled into a 500 with a traceback in the log)."""
+    body = {"text": PROMPTS[0], "stream": True, "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
+    with httpx.stream("POST", server.url + "/generate", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))  # generating
+        server.proc.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert r.status_code == 200 and rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][len("data: "):])["meta_info"]["finish_reason"]["type"] == "abort"
     assert server.proc.wait(timeout=15) == 0
     for pid in server.pids.values():
         deadline = time.monotonic() + 5

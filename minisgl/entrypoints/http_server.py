@@ -352,6 +352,11 @@ async def _serve(server_args: ServerArgs, port_args: PortArgs, procs: List[mp.Pr
                 server.should_exit = True
                 server.force_exit = True  # do not wait for open streams: nothing will answer them
             await asyncio.sleep(0.2)
+        if exit_code == 0:
+            # A requested shutdown (SIGTERM, Ctrl-C): the scheduler is still up, so abort what
+            # is in flight and let each request end as an abort (streams with their last chunk
+            # and [DONE]) within uvicorn's grace period, rather than be cancelled into a 500.
+            tm.abort_request(abort_all=True)
 
     monitor_task = asyncio.get_running_loop().create_task(monitor())
     try:

@@ -46,7 +46,14 @@ from minisgl.managers.io_struct import (
 )
 from minisgl.managers.watchdog import SoftWatchdog
 from minisgl.server_args import PortArgs, ServerArgs
-from minisgl.utils import configure_logging, freeze_gc, get_tokenizer, get_zmq_socket, kill_itself_when_parent_died
+from minisgl.utils import (
+    configure_logging,
+    freeze_gc,
+    get_tokenizer,
+    get_zmq_socket,
+    kill_itself_when_parent_died,
+    leave_ctrl_c_to_the_parent,
+)
 
 logger = logging.getLogger("minisgl")
 
@@ -313,6 +320,7 @@ class DetokenizerManager:
 def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs, pipe_writer: Any) -> None:
     """Entry point of the detokenizer process (multiprocessing spawn target)."""
     kill_itself_when_parent_died()
+    leave_ctrl_c_to_the_parent()
     configure_logging(server_args.log_level, prefix="Detokenizer")
     try:
         manager = DetokenizerManager(server_args, port_args)

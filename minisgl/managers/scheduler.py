@@ -648,9 +648,10 @@ def run_scheduler_process(server_args: ServerArgs, port_args: Any, pipe_writer: 
     import zmq
 
     from minisgl.model_executor.model_runner import ModelRunner
-    from minisgl.utils import configure_logging, get_tokenizer, get_zmq_socket, kill_itself_when_parent_died
+    from minisgl.utils import configure_logging, get_tokenizer, get_zmq_socket, kill_itself_when_parent_died, leave_ctrl_c_to_the_parent
 
     kill_itself_when_parent_died()
+    leave_ctrl_c_to_the_parent()
     configure_logging(server_args.log_level, prefix="Scheduler")
     # tqdm (the weight-loading bar) would otherwise create a multiprocessing lock, a
     # semaphore the parent's resource tracker reports as leaked when this child is stopped.

@@ -26,7 +26,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
+from typing import Any, AsyncIterator, Dict, List, Optional, Set, Tuple
 
 import zmq
 import zmq.asyncio
@@ -235,6 +235,7 @@ class TokenizerManager:
         self.vocab_size = vocab_size
         self.model_name = server_args.served_model_name or server_args.model_path or "minisgl"
         self.rid_to_state: Dict[str, ReqState] = {}
+        self.samples_of: Dict[str, Set[str]] = {}  # n > 1: the client's rid -> its samples' rids
         self.metrics = TokenizerMetricsCollector(self.model_name)
         self.dynamic_batch_tokenizer = (
             AsyncDynamicBatchTokenizer(tokenizer) if server_args.enable_dynamic_batch_tokenizer else None
@@ -302,7 +303,7 @@ class TokenizerManager:
             if not state.finished and self.rid_to_state.get(obj.rid) is state:
                 if state.sent:
                     state.abandoned = True
-                    self.abort_request(obj.rid)
+                    self.abort_request(obj.rid, with_samples=False)  # this rid only, never another's samples
                 else:
                     del self.rid_to_state[obj.rid]
 
@@ -436,6 +437,10 @@ class TokenizerManager:
             finally:
                 queue.put_nowait((index, done))
 
+        # the samples of an n > 1 request, by the rid its client chose: what /abort_request(<rid>) aborts
+        parents = {sub.rid: single_rid for sub, single_rid in zip(subs, self._parent_rids(obj)) if sub.rid != single_rid}
+        for sample, parent in parents.items():
+            self.samples_of.setdefault(parent, set()).add(sample)
         tasks = [asyncio.get_running_loop().create_task(pump(i, sub)) for i, sub in enumerate(subs)]
         try:
             remaining = len(tasks)
@@ -451,16 +456,25 @@ class TokenizerManager:
         finally:
             for task in tasks:
                 task.cancel()  # each sub-generator's finally aborts its rid if still running
+            for sample, parent in parents.items():
+                self.samples_of.get(parent, set()).discard(sample)
+                if not self.samples_of.get(parent, True):
+                    del self.samples_of[parent]
+
+    def _parent_rids(self, obj: GenerateReqInput) -> List[str]:
+        """The client's rid behind each sub-request of _expand_batch, in the same order."""
+        singles = [obj] if obj.is_single else [obj[i] for i in range(obj.batch_size)]
+        return [single.rid for single in singles for _ in range(int(dict(single.sampling_params or {}).get("n", 1)))]
 
     # ------------------------------------------------------------------ abort and control
-    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
-        """Abort `rid`, or the samples `<rid>-<j>` of an n > 1 request `rid`, or all.
+    def abort_request(self, rid: str = "", abort_all: bool = False, with_samples: bool = True) -> None:
+        """Abort `rid`, and (`with_samples`) the samples `<rid>-<j>` of an n > 1 request `rid`, or all.
 
         The scheduler matches exact rids, so the samples go one message each."""
         if abort_all:
             targets = [""]
         else:
-            targets = ([rid] if rid in self.rid_to_state else []) + (self._sample_rids(rid) if rid else [])
+            targets = ([rid] if rid in self.rid_to_state else []) + (self._sample_rids(rid) if rid and with_samples else [])
         if not targets:
             return
         for target in targets:
@@ -468,9 +482,9 @@ class TokenizerManager:
         self.metrics.num_aborted_requests_total.labels(**self.metrics.labels).inc()
 
     def _sample_rids(self, rid: str) -> List[str]:
-        """The in-flight samples `<rid>-<j>` of an n > 1 request (see `_expand_batch`)."""
-        prefix = f"{rid}-"
-        return [r for r in self.rid_to_state if r.startswith(prefix) and r[len(prefix) :].isdigit()]
+        """The in-flight samples `<rid>-<j>` of this client's n > 1 request `rid` (recorded by
+        _handle_batch_request): never another client's own rid that merely looks like one."""
+        return sorted(r for r in self.samples_of.get(rid, ()) if r in self.rid_to_state)
 
     def freeze_gc(self) -> None:
         """Freeze the GC here, then in the scheduler, which passes it on to the detokenizer."""
