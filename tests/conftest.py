@@ -4,6 +4,8 @@
   before any module with @triton.jit is imported, so it is set here, first.
 - Tiny random-weight models (minisgl.test_utils.make_tiny_model) are built once per
   session and shared: `tiny_model` (Qwen3) and `tiny_model_factory(arch, **overrides)`.
+- `one_thread`: torch on one thread for a module of tiny-model tests
+  (`pytestmark = pytest.mark.usefixtures("one_thread")`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Iterator, Tuple
 
 import pytest
 
@@ -42,3 +44,13 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
 @pytest.fixture(scope="session")
 def tiny_model(tiny_model_factory: Callable[..., str]) -> str:
     return tiny_model_factory("qwen3")
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny models run faster on one thread, and on a loaded machine OpenMP threads that spin
+    waiting for each other slowed a 32-token generate from 0.2 s to 12 s."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

@@ -7,7 +7,7 @@ real ModelRunner, paged KV pool and torch attention backend (tests/forward_helpe
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
 import torch
@@ -34,14 +34,7 @@ def _prompts(n: int, seed: int, lo: int = 5, hi: int = 40) -> List[List[int]]:
     return [torch.randint(3, 500, (n_,), generator=g).tolist() for n_ in lens]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    # Tiny models: one thread is faster, and on a loaded machine OpenMP threads that spin
-    # waiting for each other slowed a 32-token generate from 0.2 s to 12 s.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Optional
 
 import pytest
 import torch
@@ -19,12 +19,7 @@ from minisgl.sampling.sampling_params import SamplingParams
 from minisgl.server_args import ServerArgs, resolve_server_args
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models; see test_model_parity.py
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest.py)
 
 
 def _copy_with(src: str, dst: str, config_edits: Any = None, gen_edits: Any = None) -> str:

@@ -39,10 +39,9 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import pytest
-import torch
 
 from minisgl import Engine
 from minisgl.managers.io_struct import AbortReq
@@ -60,12 +59,7 @@ ABORT_STATES = ("waiting", "chunked", "just_prefilled", "decoding", "retracted",
 FinishReason = Dict[str, Any]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models; see test_model_parity.py (100x faster on a busy machine)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest.py)
 
 
 # --------------------------------------------------------------------------- the oracle
