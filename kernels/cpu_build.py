@@ -22,6 +22,7 @@ import hashlib
 import importlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -45,15 +46,24 @@ class CpuKernelUnavailable(RuntimeError):
     """The C kernels cannot be built here (no compiler, or the build failed)."""
 
 
-def find_compiler() -> Optional[str]:
-    """$CC if set, else the first of cc, gcc, clang on PATH."""
+def find_compiler() -> Optional[List[str]]:
+    """The compiler command: $CC if set (split like a shell would: "ccache gcc"), else the first
+    of cc, gcc, clang on PATH. None if there is none."""
     if os.environ.get("CC"):
-        return shutil.which(os.environ["CC"])
+        words = shlex.split(os.environ["CC"])
+        path = shutil.which(words[0]) if words else None
+        return [path, *words[1:]] if path else None
     for name in ("cc", "gcc", "clang"):
         path = shutil.which(name)
         if path:
-            return path
+            return [path]
     return None
+
+
+def _no_compiler_message() -> str:
+    if os.environ.get("CC"):
+        return f"$CC={os.environ['CC']!r} is not a command on PATH: fix $CC, or use --attention-backend torch"
+    return "no C compiler on PATH (looked for cc, gcc, clang): install one (apt-get install -y gcc) or use --attention-backend torch"
 
 
 def cache_dir() -> Path:
@@ -77,11 +87,12 @@ def _cpu_model() -> str:
     return "".join(found.values()) or platform.processor() or platform.machine()
 
 
-def _cache_key(source: bytes, compiler: str) -> str:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+def _cache_key(source: bytes, compiler: List[str]) -> str:
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True).stdout
     h = hashlib.sha256()
     headers = b"".join(p.read_bytes() for p in sorted(CSRC_DIR.glob("*.h")))  # included by the sources
-    for part in (source, headers, " ".join(CFLAGS).encode(), version.encode(), _cpu_model().encode()):
+    command = " ".join([*compiler[1:], *CFLAGS])  # $CC's own arguments build differently too
+    for part in (source, headers, command.encode(), version.encode(), _cpu_model().encode()):
         h.update(part)
     return h.hexdigest()[:16]
 
@@ -95,10 +106,7 @@ def load_cpu_library(name: str) -> ctypes.CDLL:
     source_path = CSRC_DIR / f"{name}.c"
     compiler = find_compiler()
     if compiler is None:
-        raise CpuKernelUnavailable(
-            "no C compiler on PATH (looked for $CC, cc, gcc, clang): install one (apt-get install -y gcc) "
-            "or use --attention-backend torch"
-        )
+        raise CpuKernelUnavailable(_no_compiler_message())
     source = source_path.read_bytes()
     target = cache_dir() / f"{name}-{_cache_key(source, compiler)}.so"
     if not target.exists():
@@ -107,11 +115,18 @@ def load_cpu_library(name: str) -> ctypes.CDLL:
     importlib.import_module("torch")
     try:
         return ctypes.CDLL(str(target))
+    except OSError:
+        pass  # a damaged cached file (a crash mid-write, a bad copy): build it again, once
+    _build(compiler, source_path, target)
+    try:
+        return ctypes.CDLL(str(target))
     except OSError as e:  # e.g. a libgomp or libc the build linked against is missing here
-        raise CpuKernelUnavailable(f"loading {target} failed: {e}; use --attention-backend torch") from e
+        raise CpuKernelUnavailable(
+            f"loading {target} failed even after rebuilding it: {e}; use --attention-backend torch"
+        ) from e
 
 
-def _build(compiler: str, source_path: Path, target: Path) -> None:
+def _build(compiler: List[str], source_path: Path, target: Path) -> None:
     """Compile one kernel into `target`, atomically; CpuKernelUnavailable with the reason if it cannot."""
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -123,15 +138,24 @@ def _build(compiler: str, source_path: Path, target: Path) -> None:
             f"cannot write the kernel cache {target.parent} ({e}): set MINISGL_CACHE_DIR to a writable "
             "directory or use --attention-backend torch"
         ) from e
-    cmd: List[str] = [compiler, *CFLAGS, str(source_path), "-o", tmp]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode != 0:
-        os.unlink(tmp)
-        raise CpuKernelUnavailable(
-            f"building {source_path.name} failed ({' '.join(cmd)}):\n{result.stderr.strip()}\n"
-            "use --attention-backend torch"
-        )
-    os.replace(tmp, target)
+    cmd: List[str] = [*compiler, *CFLAGS, str(source_path), "-o", tmp]
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise CpuKernelUnavailable(
+                f"building {source_path.name} failed ({' '.join(cmd)}):\n{result.stderr.strip()}\n"
+                "use --attention-backend torch"
+            )
+        # mkstemp made it 0600: readable by everyone, as a build in a shared cache must be
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)
+        with open(tmp, "rb") as f:  # on disk before the rename, so a crash cannot leave it empty
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):  # failed or interrupted (Ctrl-C): no stray temp file in the cache
+            os.unlink(tmp)
 
 
 def load_all_cpu_kernels() -> None:

@@ -7,6 +7,10 @@ them once into a temporary cache directory, so they also check that a fresh mach
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -199,11 +203,48 @@ def test_build_is_cached_and_reports_a_missing_compiler(monkeypatch: pytest.Monk
     monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path))  # nothing cached here
     monkeypatch.setenv("CC", "no-such-compiler")
     cpu_build.load_cpu_library.cache_clear()
-    with pytest.raises(cpu_build.CpuKernelUnavailable, match="no C compiler"):
+    with pytest.raises(cpu_build.CpuKernelUnavailable, match=r"\$CC='no-such-compiler' is not a command on PATH"):
         cpu_build.load_cpu_library("decode_attention_cpu")
     cpu_build.load_cpu_library.cache_clear()
     # auto falls back to the torch backend instead of failing to start
     assert resolve_server_args(ServerArgs(device="cpu")).attention_backend == "torch"
+
+
+def test_a_damaged_cached_build_is_rebuilt(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """An empty file (a crash mid-write, a bad copy) used to switch the kernels off until deleted by hand."""
+    monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path))
+    cpu_build.load_cpu_library.cache_clear()
+    cpu_build.load_cpu_library("silu_and_mul_cpu")
+    (built,) = cpu_build.cache_dir().glob("silu_and_mul_cpu-*.so")
+    assert built.stat().st_mode & 0o777 == 0o777 & ~_umask()  # readable by others (mkstemp made it 0600)
+    built.write_bytes(b"")
+    # a new process (this one would get its already-loaded library back from dlopen)
+    load = "from minisgl.kernels import cpu_build; cpu_build.load_cpu_library('silu_and_mul_cpu')"
+    proc = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert built.stat().st_size > 0
+    cpu_build.load_cpu_library.cache_clear()
+
+
+def test_cc_may_carry_arguments_and_a_failed_build_leaves_no_temp_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    compiler = cpu_build.find_compiler()
+    assert compiler is not None
+    monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", f"{compiler[0]} -O2")  # as "ccache gcc": a command with arguments
+    cpu_build.load_cpu_library.cache_clear()
+    cpu_build.load_cpu_library("silu_and_mul_cpu")
+    monkeypatch.setenv("CC", f"{compiler[0]} --no-such-flag-minisgl")
+    cpu_build.load_cpu_library.cache_clear()
+    with pytest.raises(cpu_build.CpuKernelUnavailable, match="building silu_and_mul_cpu.c failed"):
+        cpu_build.load_cpu_library("silu_and_mul_cpu")
+    assert [p.name for p in cpu_build.cache_dir().glob("tmp*")] == []
+    cpu_build.load_cpu_library.cache_clear()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def test_auto_backend_on_cpu() -> None:
