@@ -173,8 +173,11 @@ def report(name: str, run: Dict[str, Any]) -> Dict[str, float]:
     ttft = [r["arrivals"][0] for r in results if r["arrivals"]]
     itl = [b - a for r in results for a, b in zip(r["arrivals"], r["arrivals"][1:])]
     tpot = [(r["e2e"] - r["arrivals"][0]) / (r["output_len"] - 1) for r in results if r["arrivals"] and r["output_len"] > 1]
-    tps = n_out / wall
-    common.print_result(f"{name}_output_tok_s", tps, "tok/s", f"wall {wall:.2f} s, {chunks} text chunks for {n_out} tokens")
+    # credit what the server says it produced when it says it for every request (a server that
+    # stopped short must not be paid for the tokens asked), else what was asked
+    produced = sum(reported) if None not in reported else n_out
+    tps = produced / wall
+    common.print_result(f"{name}_output_tok_s", tps, "tok/s", f"wall {wall:.2f} s, {chunks} text chunks for {produced} tokens")
     common.print_result(f"{name}_req_s", len(results) / wall, "req/s")
     out = {"tok_s": tps}
     for metric, xs in (("ttft", ttft), ("itl", itl), ("tpot", tpot), ("e2e", [r["e2e"] for r in results])):
