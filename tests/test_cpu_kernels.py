@@ -211,19 +211,23 @@ def test_build_is_cached_and_reports_a_missing_compiler(monkeypatch: pytest.Monk
 
 
 def test_a_damaged_cached_build_is_rebuilt(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """An empty file (a crash mid-write, a bad copy) used to switch the kernels off until deleted by hand."""
+    """An empty file (a crash mid-write, a bad copy) used to switch the kernels off until deleted by hand.
+
+    Built and loaded by child processes only: truncating a library this process has mapped
+    would crash it (SIGBUS) when it touches the mapping at exit."""
     monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path))
-    cpu_build.load_cpu_library.cache_clear()
-    cpu_build.load_cpu_library("silu_and_mul_cpu")
-    (built,) = cpu_build.cache_dir().glob("silu_and_mul_cpu-*.so")
+    load = "from minisgl.kernels import cpu_build; cpu_build.load_cpu_library('silu_and_mul_cpu')"
+
+    def load_in_a_child() -> None:
+        proc = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+
+    load_in_a_child()
+    (built,) = (tmp_path / "kernels").glob("silu_and_mul_cpu-*.so")
     assert built.stat().st_mode & 0o777 == 0o777 & ~_umask()  # readable by others (mkstemp made it 0600)
     built.write_bytes(b"")
-    # a new process (this one would get its already-loaded library back from dlopen)
-    load = "from minisgl.kernels import cpu_build; cpu_build.load_cpu_library('silu_and_mul_cpu')"
-    proc = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    load_in_a_child()
     assert built.stat().st_size > 0
-    cpu_build.load_cpu_library.cache_clear()
 
 
 def test_cc_may_carry_arguments_and_a_failed_build_leaves_no_temp_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
