@@ -50,6 +50,20 @@ def get_zmq_socket(context: Any, socket_type: int, endpoint: str, bind: bool) ->
     return sock
 
 
+def lone_surrogate_at(text: str) -> Optional[int]:
+    """The index of the first lone surrogate in `text`, or None if it is valid Unicode.
+
+    JSON's "\\ud800" escapes decode to lone surrogates: not Unicode scalar values, so no
+    tokenizer can encode them and no UTF-8 answer can echo them. Every field of user text
+    that goes on (prompts, stop strings, rids) is checked with this, for a 400 rather than a 500.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
 def leave_ctrl_c_to_the_parent() -> None:
     """A child ignores SIGINT: a terminal's Ctrl-C reaches the whole process group, and the
     HTTP process shuts the children down in order (aborts, then terminate) instead of each

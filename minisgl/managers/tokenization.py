@@ -21,17 +21,15 @@ from typing import Any, List, Optional
 
 from minisgl.managers.io_struct import GenerateReqInput, TokenizedGenerateReqInput
 from minisgl.sampling.sampling_params import SamplingParams
+from minisgl.utils import lone_surrogate_at
 
 
 def check_text(text: str) -> None:
-    """A ValueError (a 400) for text no tokenizer can encode: JSON's \\ud800 escapes decode to
-    lone surrogates, which are not Unicode scalar values (the tokenizer would raise a TypeError)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(
-            f"The prompt is not valid Unicode: character {e.start} is a lone surrogate ({text[e.start]!r}); send UTF-8 text"
-        ) from None
+    """A ValueError (a 400) for text with a lone surrogate, which no tokenizer can encode
+    (it would raise a TypeError: a 500)."""
+    at = lone_surrogate_at(text)
+    if at is not None:
+        raise ValueError(f"The prompt is not valid Unicode: character {at} is a lone surrogate ({text[at]!r}); send UTF-8 text")
 
 
 def encode_text(tokenizer: Any, text: str) -> List[int]:

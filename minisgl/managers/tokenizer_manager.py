@@ -47,7 +47,7 @@ from minisgl.managers.io_struct import (
 )
 from minisgl.sampling.sampling_params import SamplingParams
 from minisgl.server_args import PortArgs, ServerArgs
-from minisgl.utils import freeze_gc, get_zmq_socket
+from minisgl.utils import freeze_gc, get_zmq_socket, lone_surrogate_at
 
 logger = logging.getLogger("minisgl.tokenizer_manager")
 
@@ -274,7 +274,7 @@ class TokenizerManager:
         if not obj.is_single and len(set(obj.rid)) != len(obj.rid):
             raise ValueError("`rid` must not repeat an id within a batch")
         for rid in [obj.rid] if obj.is_single else obj.rid:
-            if isinstance(rid, str) and not _is_unicode(rid):  # it is echoed back in every answer
+            if isinstance(rid, str) and lone_surrogate_at(rid) is not None:  # it is echoed back in every answer
                 raise ValueError(f"`rid` must be valid Unicode, got {rid!r} (a lone surrogate)")
         param_dicts = [obj.sampling_params] if obj.is_single else obj.sampling_params
         params = [SamplingParams.from_dict(d) for d in param_dicts]  # unknown keys and wrong types
@@ -567,14 +567,6 @@ class TokenizerManager:
         if self.dynamic_batch_tokenizer is not None:
             self.dynamic_batch_tokenizer.close()
         self.context.destroy(linger=0)
-
-
-def _is_unicode(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def logprobs_of(recv: BatchStrOutput, i: int) -> Tuple[List[Tuple[float, int]], List[List[Tuple[float, int]]]]:

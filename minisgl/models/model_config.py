@@ -17,15 +17,15 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Set, Tuple
 
 from minisgl.layers.rotary_embedding import SUPPORTED_ROPE_TYPES
+from minisgl.models.registry import get_arch_spec
+
+logger = logging.getLogger("minisgl")
 
 # what compute_inv_freq reads for each scaled rope type
 ROPE_REQUIRED_KEYS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
-from minisgl.models.registry import get_arch_spec
-
-logger = logging.getLogger("minisgl")
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Union
 
+from minisgl.utils import lone_surrogate_at
+
 TOP_K_ALL = 1 << 30
 _GREEDY_EPS = 1e-6
 
@@ -165,10 +167,8 @@ def check_type(key: str, value: Any) -> None:
         if any(s == "" for s in strs):
             raise ValueError("stop strings must not be empty: an empty string would match before the first token")
         for s in strs:
-            try:
-                s.encode("utf-8")
-            except UnicodeEncodeError:  # a lone surrogate (JSON "\\ud800"): no tokenizer can encode it
-                raise ValueError(f"stop strings must be valid Unicode, got {s!r} (a lone surrogate)") from None
+            if lone_surrogate_at(s) is not None:  # (JSON "\\ud800"): no tokenizer can encode it
+                raise ValueError(f"stop strings must be valid Unicode, got {s!r} (a lone surrogate)")
     if key == "stop_token_ids" and value is not None:
         if not isinstance(value, list) or not all(_is_int(t) for t in value):
             raise ValueError(f"stop_token_ids must be a list of integers, {got}")
