@@ -91,7 +91,7 @@ class ServerArgs:
     # --- scheduling ---
     schedule_policy: str = field(default="fcfs", metadata=_opt("Waiting-queue order.", choices=SCHEDULE_POLICIES))
     chunked_prefill_size: Optional[int] = field(
-        default=None, metadata=_opt("Max tokens of one request per prefill (-1 disables chunking). Default: 2048 CPU, 8192 CUDA.")
+        default=None, metadata=_opt("Max prompt tokens per prefill batch, shared by its requests; a longer prompt is split into chunks (-1 disables chunking). Default: 2048 CPU, 8192 CUDA.")
     )
     max_prefill_tokens: int = field(default=16384, metadata=_opt("Max tokens per prefill batch (the first request may exceed it)."))
     prefill_max_requests: Optional[int] = field(default=None, metadata=_opt("Max requests admitted per prefill batch."))

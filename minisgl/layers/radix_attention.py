@@ -4,7 +4,7 @@ Where it sits: decoder layer -> attention module -> RadixAttention ->
 `forward_batch.attn_backend.forward(q, k, v, layer_id, scaling, forward_batch)`.
 In: q [N, Hq, D], k/v [N, Hkv, D] of the tokens of this pass; out: [N, Hq, D].
 The layer holds only its shape and layer id (which K/V buffer of the pool is its own);
-which backend runs (torch or Triton) is chosen by the ModelRunner, not the model.
+which backend runs (cpu, torch or triton) is chosen by the ModelRunner, not the model.
 """
 
 from __future__ import annotations

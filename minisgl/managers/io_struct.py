@@ -199,8 +199,8 @@ class BatchTokenIDOutput:
     output_token_logprobs_idx: List[List[int]] = field(default_factory=list)
     output_top_logprobs_val: List[List[List[float]]] = field(default_factory=list)
     output_top_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
-    # per-request timing, seconds: queue / schedule / forward / ttft / e2e (set when known)
-    time_stats: List[Dict[str, Optional[float]]] = field(default_factory=list)  # to_ms_dict: None = not reached
+    # per-request timing in milliseconds (ReqTimeStats.to_ms_dict): queue_ms / schedule_ms / forward_ms / ttft_ms / e2e_ms
+    time_stats: List[Dict[str, Optional[float]]] = field(default_factory=list)  # None = not reached
 
 
 @dataclass

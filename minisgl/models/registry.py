@@ -1,6 +1,6 @@
 """Architecture adapters: how each supported Hugging Face architecture maps onto the generic decoder.
 
-Where it sits: loader -> ModelConfig.from_pretrained reads `config.json["architectures"]`
+Where it sits: ModelRunner -> ModelConfig.from_pretrained -> get_arch_spec(config.json["architectures"])
 -> ARCHITECTURES[name] -> the flags the generic decoder (decoder.py) is built with.
 
 Llama, Qwen2, Qwen3 and Mistral are the same decoder (RMSNorm, RoPE, grouped-query

@@ -1,4 +1,4 @@
-"""AttentionBackend: the interface every attention implementation fills (torch, triton).
+"""AttentionBackend: the interface every attention implementation fills (cpu, torch, triton).
 
 Where it sits: model -> RadixAttention layer -> `forward_batch.attn_backend.forward(...)`.
 The backend first stores the new K/V of this pass at `forward_batch.out_cache_loc`

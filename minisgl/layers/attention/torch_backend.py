@@ -1,4 +1,4 @@
-"""TorchNativeAttnBackend: paged attention in plain torch (the CPU path, and the reference).
+"""TorchNativeAttnBackend: paged attention in plain torch (the reference; the CPU path without the C kernels).
 
 Where it sits: RadixAttention -> `forward_batch.attn_backend.forward(q, k, v, layer_id, ...)`.
 In: q [N, Hq, D], k/v [N, Hkv, D] of this pass; out: [N, Hq, D].
