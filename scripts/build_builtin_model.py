@@ -202,6 +202,16 @@ def save(model: Any, tok: Any, out_dir: str) -> None:
     with open(path, "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
         f.write("\n")
+    # transformers 5 names the fast tokenizer class "TokenizersBackend", which 4.x does not
+    # know (AutoTokenizer raises, so the server cannot start); "PreTrainedTokenizerFast"
+    # loads under both (5.x maps it to TokenizersBackend).
+    path = os.path.join(out_dir, "tokenizer_config.json")
+    with open(path) as f:
+        tok_cfg = json.load(f)
+    tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    with open(path, "w") as f:
+        json.dump(tok_cfg, f, indent=2, sort_keys=True)
+        f.write("\n")
 
 
 def write_readme(out_dir: str, cmd: str, steps: int, final_loss: float, n_params: int,

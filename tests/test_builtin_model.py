@@ -7,6 +7,7 @@ they guard the shipped files, which scripts/build_builtin_model.py produces.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 from typing import Any, Set, Tuple
@@ -87,6 +88,17 @@ def test_directory_is_small_and_complete() -> None:
         assert name in files
     total = sum(os.path.getsize(os.path.join(BUILTIN_MODEL_DIR, f)) for f in files)
     assert total < MAX_DIR_BYTES
+
+
+def test_files_load_under_transformers_4() -> None:
+    """pyproject allows transformers>=4.51 for the engine: the shipped files must not name
+    what only transformers 5 knows (its "TokenizersBackend" class made AutoTokenizer raise
+    under 4.51, so `minisgl serve` could not start), nor keep rope_theta only where 5 puts it."""
+    with open(os.path.join(BUILTIN_MODEL_DIR, "tokenizer_config.json")) as f:
+        assert json.load(f)["tokenizer_class"] == "PreTrainedTokenizerFast"
+    with open(os.path.join(BUILTIN_MODEL_DIR, "config.json")) as f:
+        cfg = json.load(f)
+    assert cfg["rope_theta"] == 1e6 and cfg["torch_dtype"] == "bfloat16"
 
 
 def test_eos_is_im_end(builtin: Tuple[Any, Any]) -> None:
