@@ -71,17 +71,21 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def _cpu_model() -> str:
-    """The CPU's model name and feature flags: what -march=native compiled for."""
+def _cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """What -march=native compiled for: the first CPU's block of /proc/cpuinfo, x86's
+    "model name" and "flags" or aarch64's implementer, part, variant and "Features" (an
+    aarch64 block has no "model name": keyed on "aarch64" alone, a build made on a CPU with
+    SVE would be loaded on one without, a SIGILL in the first decode step)."""
+    keys = ("model name", "flags", "CPU implementer", "CPU part", "CPU variant", "Features")
     found = {}
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(cpuinfo) as f:
             for line in f:
                 key = line.split(":", 1)[0].strip()
-                if key in ("model name", "flags") and key not in found:
+                if key in keys and key not in found:
                     found[key] = line
-                if len(found) == 2:
-                    break
+                if not line.strip() and found:
+                    break  # the end of the first processor's block
     except OSError:
         pass
     return "".join(found.values()) or platform.processor() or platform.machine()

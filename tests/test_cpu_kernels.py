@@ -210,6 +210,25 @@ def test_build_is_cached_and_reports_a_missing_compiler(monkeypatch: pytest.Monk
     assert resolve_server_args(ServerArgs(device="cpu")).attention_backend == "torch"
 
 
+def test_cache_key_tells_cpus_apart(tmp_path: Path) -> None:
+    """A build for one CPU (-march=native) must not be loaded on another: an aarch64 block
+    has no "model name", so two Arm CPUs, one with SVE and one without, were both keyed
+    "aarch64" and shared a cached .so (a SIGILL on the one without)."""
+
+    def model_of(cpuinfo: str) -> str:
+        path = tmp_path / "cpuinfo"
+        path.write_text(cpuinfo)
+        return cpu_build._cpu_model(str(path))
+
+    arm = "processor\t: {i}\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd {extra}\nCPU implementer\t: 0x41\nCPU part\t: {part}\n\n"
+    n1 = "".join(arm.format(i=i, extra="", part="0xd0c") for i in range(2))  # Neoverse N1, no SVE
+    v1 = "".join(arm.format(i=i, extra="sve", part="0xd40") for i in range(2))  # Neoverse V1, SVE
+    assert model_of(n1) != model_of(v1)
+    assert "0xd0c" in model_of(n1) and "sve" in model_of(v1)
+    x86 = "processor\t: {i}\nmodel name\t: CPU {i}\nflags\t\t: fpu avx512f\n\n"
+    assert model_of(x86.format(i=0) + x86.format(i=1)) == "model name\t: CPU 0\nflags\t\t: fpu avx512f\n"  # the first block only
+
+
 def test_a_damaged_cached_build_is_rebuilt(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """An empty file (a crash mid-write, a bad copy) used to switch the kernels off until deleted by hand.
 
