@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from typing import Any, Dict, List
 
 import pytest
@@ -107,6 +108,19 @@ def test_stream_chunks_carry_logprob_deltas_like_the_server(engine, monkeypatch,
     server = _server_result(engine, tmp_path, messages, stream=True)  # it may coalesce chunks: compare concatenations
     for key in ("output_token_logprobs", "output_top_logprobs"):
         assert sum((c["meta_info"][key] for c in server), []) == sum((c["meta_info"][key] for c in chunks), []), key
+
+
+def test_logprobs_of_masked_tokens_are_finite_numbers(engine):
+    """min_new_tokens masks EOS with -inf; its logprob must stay a JSON number (clamped, as
+    SGLang's): -inf made /generate answer a 400 after the whole generation, and a stream
+    carry the invalid literal -Infinity."""
+    params = {"temperature": 0, "max_new_tokens": 3, "min_new_tokens": 2}
+    out = engine.generate(input_ids=PROMPT, sampling_params=params, return_logprob=True, top_logprobs_num=engine.vocab_size)
+    meta = out["meta_info"]
+    json.dumps(meta, allow_nan=False)  # what the server has to send
+    first_step = meta["output_top_logprobs"][0]
+    assert len(first_step) == engine.vocab_size
+    assert min(lp for lp, _ in first_step) < -1e30  # the masked EOS: as low as float32 goes
 
 
 def test_logprob_lists_are_present_and_empty_when_not_asked_for(engine):

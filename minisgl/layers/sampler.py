@@ -122,6 +122,10 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) 
 def _with_logprobs(next_token_ids: torch.Tensor, logprobs: Optional[torch.Tensor], info: SamplingBatchInfo) -> SampleOutput:
     if logprobs is None:
         return SampleOutput(next_token_ids, None, None, None)
+    # As SGLang's sampler: clamped, not -inf. A token masked by min_new_tokens has logprob
+    # -inf, which JSON cannot carry (/generate answered a 400 after the whole generation,
+    # a stream sent the invalid literal -Infinity).
+    logprobs = logprobs.clamp(min=torch.finfo(logprobs.dtype).min)
     token_logprobs = logprobs.gather(-1, next_token_ids[:, None]).squeeze(-1)  # [bs]
     k = min(max(info.top_logprobs_nums, default=0), logprobs.shape[-1])
     if k == 0:
