@@ -279,7 +279,7 @@ def test_dynamic_batch_tokenizer_batches_concurrent_texts(tokenizer: Any) -> Non
             results = await asyncio.gather(*(batcher.encode(t) for t in texts))
         finally:
             batcher.close()
-        assert batcher.batch_sizes == [8]  # one batched tokenizer call for all eight
+        assert list(batcher.batch_sizes) == [8]  # one batched tokenizer call for all eight
         return list(results)
 
     results = asyncio.run(run())
@@ -586,6 +586,37 @@ def test_a_disconnected_rid_stays_in_flight_until_the_scheduler_lets_it_go(tiny_
         tm._handle_batch_output(_str_out("dup", " more", [6], 2))  # still decoding: read by nobody
         tm._handle_batch_output(_str_out("dup", "", [], 2, {"type": "abort", "message": "Abort"}))
         assert "dup" not in tm.rid_to_state  # the abort came back: the rid is free again
+
+    asyncio.run(run())
+
+
+def test_a_disconnect_aborts_its_own_rid_once_and_no_one_elses_samples(tiny_model: str, tmp_path: Any) -> None:
+    """Client A runs rid `job` with n = 2 (samples job-0, job-1); client B, non-streaming,
+    reuses `job` (accepted: only the samples are registered) and goes away. B's abort must
+    hit `job` alone, once: it also aborted A's samples, and counted itself twice."""
+    from minisgl.managers.io_struct import AbortReq
+
+    tm, sent = _recording_tm(tiny_model, tmp_path, refuse_generate=False)
+    tm.wait_timeout = 0.05  # how often a waiting request asks whether its client is still there
+
+    class GoneClient:
+        async def is_disconnected(self) -> bool:
+            return True
+
+    def aborts() -> List[str]:
+        return sorted(m.rid for m in sent if isinstance(m, AbortReq))
+
+    async def run() -> None:
+        a = tm.generate_request(GenerateReqInput(text="a", sampling_params={"max_new_tokens": 8, "n": 2}, rid="job"))
+        a_first = asyncio.ensure_future(a.__anext__())
+        while sum(isinstance(m, TokenizedGenerateReqInput) for m in sent) < 2:
+            await asyncio.sleep(0.01)
+        b = tm.generate_request(GenerateReqInput(text="b", sampling_params={"max_new_tokens": 8}, rid="job"), GoneClient())
+        with pytest.raises(ValueError, match="disconnected"):
+            await asyncio.wait_for(b.__anext__(), timeout=5)
+        assert aborts() == ["job"]
+        assert tm.metrics.num_aborted_requests_total.labels(**tm.metrics.labels)._value.get() == 1
+        a_first.cancel()
 
     asyncio.run(run())
 

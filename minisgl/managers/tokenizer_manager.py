@@ -19,6 +19,7 @@ Owns: rid_to_state, the request-side Prometheus metrics, the dynamic batch token
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import copy
 import dataclasses
@@ -26,7 +27,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Dict, List, Optional, Set, Tuple
+from typing import Any, AsyncIterator, Deque, Dict, List, Optional, Set, Tuple
 
 import zmq
 import zmq.asyncio
@@ -174,7 +175,8 @@ class AsyncDynamicBatchTokenizer:
         self.max_batch_size = max_batch_size
         self.batch_wait_timeout_s = batch_wait_timeout_s
         self.pending: List[Tuple[str, asyncio.Future]] = []
-        self.batch_sizes: List[int] = []  # one entry per batched tokenizer call (for logs and tests)
+        # the sizes of the last batched tokenizer calls (what tests read); bounded: a server runs for days
+        self.batch_sizes: Deque[int] = collections.deque(maxlen=1024)
         self._worker: Optional[asyncio.Task] = None
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dyn-tokenizer")
 
@@ -357,7 +359,8 @@ class TokenizerManager:
                 await asyncio.wait_for(state.event.wait(), timeout=self.wait_timeout)
             except asyncio.TimeoutError:
                 if request is not None and await request.is_disconnected():
-                    self.abort_request(obj.rid)
+                    # (_generate_one's finally aborts this rid, once, and never another
+                    # client's `<rid>-<j>` samples, which a plain abort_request(rid) would)
                     raise ValueError(f"Request is disconnected from the client side (type 1). Abort request rid={obj.rid}")
                 continue
             # Drain atomically: no await between reading and clearing.
@@ -381,7 +384,6 @@ class TokenizerManager:
             if obj.stream:
                 yield out
             elif request is not None and await request.is_disconnected():
-                self.abort_request(obj.rid)
                 raise ValueError(f"Request is disconnected from the client side (type 3). Abort request rid={obj.rid}")
 
     @staticmethod
