@@ -621,6 +621,30 @@ def test_a_disconnect_aborts_its_own_rid_once_and_no_one_elses_samples(tiny_mode
     asyncio.run(run())
 
 
+def test_a_late_control_reply_is_not_handed_to_the_next_caller(tiny_model: str, tmp_path: Any) -> None:
+    """A /get_load that timed out (a scheduler step longer than the timeout) is still answered
+    later: that answer must be dropped, not returned to the next /get_load, which would then
+    read the previous step's load (and every later caller one reply behind)."""
+    from minisgl.managers.io_struct import GetLoadReqInput, GetLoadReqOutput
+
+    tm, sent = _recording_tm(tiny_model, tmp_path)
+
+    async def run() -> None:
+        with pytest.raises(asyncio.TimeoutError):
+            await tm._control_request(GetLoadReqInput(), GetLoadReqOutput, timeout=0.05)
+        second = asyncio.ensure_future(tm._control_request(GetLoadReqInput(), GetLoadReqOutput, timeout=5))
+        while sum(isinstance(m, GetLoadReqInput) for m in sent) < 2:
+            await asyncio.sleep(0.01)
+        def load(running: int) -> GetLoadReqOutput:
+            return GetLoadReqOutput(running, 0, 0, 0, 0, 0, 0, 0.0, 0.0, 0.0)
+
+        tm._dispatch(load(1))  # the late answer to the first
+        tm._dispatch(load(2))  # the answer to the second
+        assert (await second).num_running_reqs == 2
+
+    asyncio.run(run())
+
+
 def test_aborting_a_rid_never_hits_another_clients_rid_that_looks_like_a_sample(tiny_model: str, tmp_path: Any) -> None:
     """`job` must not abort another client's single request `job-1`; the n > 1 samples of `multi` it must."""
     from minisgl.managers.io_struct import AbortReq

@@ -249,6 +249,10 @@ class TokenizerManager:
         # One control request of each kind in flight at a time; handle_loop resolves it.
         self._control_locks: Dict[type, asyncio.Lock] = {}
         self._control_futures: Dict[type, asyncio.Future] = {}
+        # Replies still owed to control requests that timed out: the scheduler answers every
+        # request, in order, so each of these is dropped when it comes, not handed to the
+        # next caller (who would read the previous step's load or flush result).
+        self._stale_replies: Dict[type, int] = {}
         self.last_receive_tstamp = time.time()
 
     # ------------------------------------------------------------------ generate
@@ -507,6 +511,9 @@ class TokenizerManager:
             self._send_to_scheduler(msg)
             try:
                 return await asyncio.wait_for(fut, timeout=timeout)
+            except asyncio.TimeoutError:
+                self._stale_replies[reply_type] = self._stale_replies.get(reply_type, 0) + 1
+                raise
             finally:
                 self._control_futures.pop(reply_type, None)
 
@@ -516,14 +523,20 @@ class TokenizerManager:
         while True:
             recv = decode(await self.recv_from_detokenizer.recv())
             self.last_receive_tstamp = time.time()
-            if isinstance(recv, BatchStrOutput):
-                self._handle_batch_output(recv)
-            elif type(recv) in self._control_futures:
-                fut = self._control_futures[type(recv)]
-                if not fut.done():
-                    fut.set_result(recv)
-            else:
-                logger.warning("TokenizerManager received an unexpected %s", type(recv).__name__)
+            self._dispatch(recv)
+
+    def _dispatch(self, recv: Any) -> None:
+        """One message from the detokenizer (outputs) or the scheduler (control replies)."""
+        if isinstance(recv, BatchStrOutput):
+            self._handle_batch_output(recv)
+        elif self._stale_replies.get(type(recv), 0) > 0:
+            self._stale_replies[type(recv)] -= 1  # the late answer to a request that timed out
+        elif type(recv) in self._control_futures:
+            fut = self._control_futures[type(recv)]
+            if not fut.done():
+                fut.set_result(recv)
+        else:
+            logger.warning("TokenizerManager received an unexpected %s", type(recv).__name__)
 
     def _handle_batch_output(self, recv: BatchStrOutput) -> None:
         now = time.perf_counter()
