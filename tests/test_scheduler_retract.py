@@ -51,3 +51,33 @@ def test_a_request_bigger_than_the_pool_fails_clearly_and_others_run(tiny_model)
     assert 40 + len(out["output_ids"]) <= 64  # the whole request fits the pool
     assert len(engine.get_result(ok)["output_ids"]) == 4
     engine.scheduler.check_memory_when_idle()
+
+
+def test_a_request_aborted_while_running_and_then_retracted_ends_at_once(tiny_model):
+    """An abort marks a running request (it ends after its next forward); if that step
+    retracts it instead, it must end there, not go back to the queue to be prefilled again
+    only to finish (the client waited through a whole re-prefill for its abort)."""
+    engine = Engine(tiny_model, device="cpu", max_total_tokens=64, chunked_prefill_size=-1, schedule_conservativeness=0.01)
+    params = {**GREEDY, "ignore_eos": True, "max_new_tokens": 40}
+    a = engine.add_request(input_ids=list(range(10, 20)), sampling_params=params)
+    engine.step(snapshot=False)
+    b = engine.add_request(input_ids=list(range(30, 40)), sampling_params=params)
+    sched = engine.scheduler
+    for _ in range(200):  # decode both until the next step has to retract one of them
+        batch = sched.running_batch
+        if batch.batch_size() == 2 and batch.forward_mode.is_decode() and not batch.check_decode_mem():
+            break
+        engine.step(snapshot=False)
+    else:
+        pytest.fail("the pool never filled up")
+    decoded = {r.rid: len(r.output_ids) for r in batch.reqs}
+    engine.abort(a)
+    engine.abort(b)
+    engine.step(snapshot=False)  # retracts one, runs the other's last forward
+    assert sched.num_retracted_reqs_total == 1
+    assert sched.waiting_queue == [] and not engine.has_unfinished_requests()
+    for rid in (a, b):
+        out = engine.get_result(rid)
+        assert out["meta_info"]["finish_reason"]["type"] == "abort"
+        assert len(out["output_ids"]) == decoded[rid]  # what it had decoded, nothing lost or added
+    engine.scheduler.check_memory_when_idle()

@@ -506,7 +506,13 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             )
             for req in retracted:
                 self._event("retract", req, f"output_len={len(req.output_ids)}")
-                self._add_request_to_queue(req, is_retracted=True)
+                if req.to_finish is not None:
+                    # aborted while running: queued again, it would be prefilled once more only
+                    # to finish then; its KV is freed already, so it ends here, with what it has
+                    req.finished_reason, req.to_finish = req.to_finish, None
+                    self._finish_without_running(req, "aborted while retracted")
+                else:
+                    self._add_request_to_queue(req, is_retracted=True)
         else:
             self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
         if batch.batch_size() < initial_bs:
