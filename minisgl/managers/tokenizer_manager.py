@@ -248,11 +248,12 @@ class TokenizerManager:
         self.send_to_scheduler = get_zmq_socket(self.context, zmq.PUSH, port_args.scheduler_input_ipc_name, bind=False)
         # One control request of each kind in flight at a time; handle_loop resolves it.
         self._control_locks: Dict[type, asyncio.Lock] = {}
-        self._control_futures: Dict[type, asyncio.Future] = {}
-        # Replies still owed to control requests that timed out: the scheduler answers every
-        # request, in order, so each of these is dropped when it comes, not handed to the
-        # next caller (who would read the previous step's load or flush result).
-        self._stale_replies: Dict[type, int] = {}
+        self._control_futures: Dict[type, Tuple[int, asyncio.Future]] = {}  # (its number, its future)
+        # Per reply type: [requests sent, replies received]. The scheduler answers every control
+        # request once, in order, so reply k answers request k: a reply whose caller timed out
+        # is dropped when it comes, never handed to the next caller (who would read the
+        # previous step's load or flush result, and every later caller one behind).
+        self._control_counts: Dict[type, List[int]] = {}
         self.last_receive_tstamp = time.time()
 
     # ------------------------------------------------------------------ generate
@@ -507,13 +508,12 @@ class TokenizerManager:
         lock = self._control_locks.setdefault(reply_type, asyncio.Lock())
         async with lock:
             fut = asyncio.get_running_loop().create_future()
-            self._control_futures[reply_type] = fut
+            counts = self._control_counts.setdefault(reply_type, [0, 0])
+            counts[0] += 1
+            self._control_futures[reply_type] = (counts[0], fut)
             self._send_to_scheduler(msg)
             try:
                 return await asyncio.wait_for(fut, timeout=timeout)
-            except asyncio.TimeoutError:
-                self._stale_replies[reply_type] = self._stale_replies.get(reply_type, 0) + 1
-                raise
             finally:
                 self._control_futures.pop(reply_type, None)
 
@@ -529,12 +529,13 @@ class TokenizerManager:
         """One message from the detokenizer (outputs) or the scheduler (control replies)."""
         if isinstance(recv, BatchStrOutput):
             self._handle_batch_output(recv)
-        elif self._stale_replies.get(type(recv), 0) > 0:
-            self._stale_replies[type(recv)] -= 1  # the late answer to a request that timed out
-        elif type(recv) in self._control_futures:
-            fut = self._control_futures[type(recv)]
-            if not fut.done():
+        elif type(recv) in self._control_counts:
+            counts = self._control_counts[type(recv)]
+            counts[1] += 1
+            number, fut = self._control_futures.get(type(recv), (0, None))
+            if fut is not None and number == counts[1] and not fut.done():
                 fut.set_result(recv)
+            # else: the late answer to a request whose caller timed out
         else:
             logger.warning("TokenizerManager received an unexpected %s", type(recv).__name__)
 
