@@ -15,6 +15,7 @@ from minisgl.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from minisgl.model_executor.model_runner import CPU_MAX_RUNNING_REQUESTS, CPU_POOL_CONTEXTS, ModelRunner
 from minisgl.models.loader import resolve_model_path, safetensors_files
 from minisgl.models.model_config import ModelConfig, parse_rope
+from minisgl.sampling.sampling_batch_info import SamplingBatchInfo
 from minisgl.sampling.sampling_params import SamplingParams
 from minisgl.server_args import ServerArgs, resolve_server_args
 
@@ -55,6 +56,9 @@ def test_cpu_pool_from_budget_and_cap(tiny_model: str) -> None:
     assert capped.model_config.context_len == 256
     assert capped.max_total_num_tokens == CPU_POOL_CONTEXTS * 256
     assert capped.max_running_requests == min(CPU_POOL_CONTEXTS * 256 // 2, CPU_MAX_RUNNING_REQUESTS)
+    # a value given by flag is used as given, as SGLang does (it was capped at 4096 silently)
+    big = make_runner(tiny_model, max_running_requests=5000, context_length=16)
+    assert big.max_running_requests == 5000 and big.req_to_token_pool.size == 5000
 
 
 def test_one_rope_table_for_the_model_sized_by_the_context(tiny_model: str) -> None:
@@ -256,6 +260,11 @@ def test_sharded_and_bf16_checkpoints_load(tiny_model_factory: Callable[..., str
     assert stored.dtype == torch.bfloat16 and torch.equal(w, stored.float())
 
 
+def sampling_info(runner: ModelRunner, reqs: Any) -> SamplingBatchInfo:
+    mc = runner.model_config
+    return SamplingBatchInfo.from_reqs(reqs, mc.vocab_size, runner.device, mc.hf_eos_token_ids)
+
+
 def test_forward_then_sample_end_to_end(tiny_model: str) -> None:
     runner = make_runner(tiny_model)
     driver = BatchDriver(runner)
@@ -269,12 +278,12 @@ def test_forward_then_sample_end_to_end(tiny_model: str) -> None:
 
     reqs = [Req([4, 8, 15, 16, 23], temperature=0), Req([42, 7], temperature=0.7, seed=3)]
     out = driver.extend([driver.new_req() for _ in reqs], [r.origin_input_ids for r in reqs])
-    info = runner.make_sampling_info(reqs)
+    info = sampling_info(runner, reqs)
     sampled = runner.sample(out, info)
     assert sampled.next_token_ids.shape == (2,) and sampled.next_token_ids.dtype == torch.int64
     assert int(sampled.next_token_ids[0]) == int(out.next_token_logits[0].argmax())
     assert sampled.top_logprobs_idx is not None and all(len(x) == 2 for x in sampled.top_logprobs_idx)
-    again = runner.sample(out, runner.make_sampling_info(reqs))
+    again = runner.sample(out, sampling_info(runner, reqs))
     assert int(again.next_token_ids[1]) == int(sampled.next_token_ids[1])  # seeded
 
 
@@ -290,7 +299,7 @@ def test_penalties_do_not_modify_the_model_logits(tiny_model: str) -> None:
         return_logprob, top_logprobs_num = False, 0
 
     Req.sampling_params.normalize()
-    sampled = runner.sample(out, runner.make_sampling_info([Req()]))
+    sampled = runner.sample(out, sampling_info(runner, [Req()]))
     assert torch.equal(out.next_token_logits, before)
     assert int(sampled.next_token_ids[0]) != int(before[0].argmax())  # penalised by 4 (random logits spread ~1)
 

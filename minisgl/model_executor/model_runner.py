@@ -20,7 +20,6 @@ Sizing (SGLang's formulas, sglang-facts.md §4.1; docs/model_execution.md):
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Sequence
 
 import torch
 
@@ -98,7 +97,7 @@ class ModelRunner:
             tokens = args.max_total_tokens
         elif self.device == "cuda":
             free, total = torch.cuda.mem_get_info()
-            rest = free - total * (1 - (args.mem_fraction_static or 0.85))
+            rest = free - total * (1 - args.mem_fraction_static)  # resolved: 0.85 unless set
             tokens = int(rest) // self.cell_size
             if tokens <= 0:
                 raise RuntimeError(
@@ -116,9 +115,9 @@ class ModelRunner:
 
     def _max_running_requests(self) -> int:
         requested = self.server_args.max_running_requests
+        if requested is not None:  # SGLang sizes the request pool from the flag, uncapped
+            return requested
         max_num_reqs = min(max(int(self.max_total_num_tokens / self.model_config.context_len * 512), 2048), 4096)
-        if requested is not None:
-            return max(1, min(requested, max_num_reqs))
         n = min(self.max_total_num_tokens // 2, max_num_reqs)
         if self.device == "cpu":
             n = min(n, CPU_MAX_RUNNING_REQUESTS)
@@ -158,8 +157,3 @@ class ModelRunner:
                 logits = logits.clone()  # keep the model's logits intact for the caller
                 sampling_info.apply_logits_bias(logits)
             return self.sampler(logits, sampling_info)
-
-    def make_sampling_info(self, reqs: Sequence[Any], device: Optional[str] = None) -> SamplingBatchInfo:
-        """SamplingBatchInfo for `reqs` with this model's vocabulary and EOS ids."""
-        mc = self.model_config
-        return SamplingBatchInfo.from_reqs(reqs, mc.vocab_size, device or self.device, mc.hf_eos_token_ids)
