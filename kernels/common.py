@@ -19,7 +19,7 @@ INDEX_DTYPES = (torch.int64, torch.int32)
 def is_interpreter() -> bool:
     """True when Triton runs kernels on the CPU through its interpreter (TRITON_INTERPRET=1).
 
-    The interpreter's bf16 arithmetic is broken (environment.md), so kernels load
+    The interpreter's bf16 arithmetic is broken (docs/kernels.md), so kernels load
     tensors and cast them to fp32 before any math when this is true.
     """
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -314,8 +314,8 @@ class Engine:
                 state.finished = True
                 state.finished_time = now
             state.meta_info["e2e_latency"] = (now - state.created_time) if state.finished else None
-            # a non-streaming request emits only at the end, so its TTFT is the scheduler's
-            # queue + schedule + forward (prefill_finished - recv), as SGLang 0.5.23 reports
+            # TTFT is the scheduler's queue + schedule + forward (prefill_finished - recv), as
+            # SGLang 0.5.23 reports it for every request, streamed or not
             ttft_ms = state.meta_info.get("ttft_ms")
             state.meta_info["ttft"] = ttft_ms / 1e3 if ttft_ms is not None else None
             # a streamed chunk carries this message's logprobs only (deltas, as the server's do)

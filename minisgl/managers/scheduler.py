@@ -62,7 +62,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         self.tree_cache = RadixCache(
             self.req_to_token_pool, self.token_to_kv_pool_allocator, self.page_size, disable=server_args.disable_radix_cache
         )
-        self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, self.page_size)
+        self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache)
         # max_req_len bounds prompt + output; prompts stay 5 tokens below it (tp_worker.py)
         self.max_req_len = min(self.model_config.context_len - 1, self.max_total_num_tokens - 1)
         self.max_req_input_len = self.max_req_len - 5
@@ -83,7 +83,6 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         self.waiting_queue: List[Req] = []
         self.running_batch = self._empty_batch()
         self.cur_batch: Optional[ScheduleBatch] = None
-        self.num_dropped_snapshots = 0  # --visualize frames the PUB socket could not queue
         self.last_batch: Optional[ScheduleBatch] = None
         self.chunked_req: Optional[Req] = None
         self.forward_ct = 0
@@ -148,7 +147,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         return replies
 
     def handle_generate_request(self, recv_req: TokenizedGenerateReqInput) -> Req:
-        """Build the Req, then SGLang's gates in order (§1.5)."""
+        """Build the Req, then SGLang's gates (§1.5), with truncation before the max_new_tokens clamp."""
         req = Req(
             recv_req.rid,
             recv_req.input_text,
@@ -201,6 +200,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
                 len(req.origin_input_ids),
                 self.max_req_input_len,
             )
+            # SGLang's cut, one token longer than what the gate accepts uncut; the tokenizer's
+            # own gate (tokenization.validate_context_length) has already cut to max_req_input_len - 1
             req.origin_input_ids = req.origin_input_ids[: self.max_req_input_len]
             return None
         return (
@@ -639,10 +640,8 @@ def event_loop_normal(scheduler: Scheduler, recv_from_tokenizer: Any, send_to_de
         changed = batch is not None or bool(scheduler.events) or flushed
         if publish_snapshot is not None and changed:
             msg = SchedulerSnapshotOut(scheduler.forward_ct, json.dumps(scheduler.snapshot()))
-            try:
-                publish_snapshot.send(encode(msg), zmq.NOBLOCK)  # never slows scheduling
-            except zmq.ZMQError:
-                scheduler.num_dropped_snapshots += 1  # a stalled viewer loses frames, not steps
+            # PUB never blocks: past its high-water mark a stalled viewer loses frames, not steps
+            publish_snapshot.send(encode(msg), zmq.NOBLOCK)
         soft_watchdog.feed()
         hard_watchdog.feed()
 

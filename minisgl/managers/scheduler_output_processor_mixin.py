@@ -38,6 +38,8 @@ class SchedulerOutputProcessorMixin:
         decoding = {id(r) for r in batch.decoding_reqs or []}
         skip_stream_req: Optional[Req] = None
         for i, (req, token) in enumerate(zip(batch.reqs, next_token_ids)):
+            # SGLang's guard; is_retracted matters only under its overlap scheduler (a request
+            # retracted while its forward ran). Here a retracted request has left the batch.
             if req.finished() or req.is_retracted:
                 continue
             if req.is_chunked > 0:

@@ -119,6 +119,8 @@ def validate_context_length(
                 f"context length of {context_len} tokens or the KV pool, less room to generate). Use a shorter input "
                 "or enable --allow-auto-truncate."
             )
+        # limit - 1: the longest prompt the scheduler's gate accepts as it is (its own
+        # truncation, SGLang's, cuts to max_req_input_len and only sees prompts that skip this gate)
         tokenized.input_ids = tokenized.input_ids[: limit - 1]
         input_len = len(tokenized.input_ids)
     max_new = params.max_new_tokens

@@ -5,9 +5,10 @@ extend (`alloc_extend`) or a decode (`alloc_decode`); the RadixCache and finishe
 requests give slots back (`free`). The allocator owns only the free list; the K/V
 tensors live in MHATokenToKVPool and the per-request slot rows in ReqToTokenPool.
 
-Slot 0 is reserved as the padding slot (dummy writes land there), so slot ids run
-1..size. With page_size P > 1 the allocator hands out whole pages: page p owns
-slots p*P .. p*P+P-1, pages run 1..num_pages, and freeing any slot frees its page.
+Slot 0 is the padding slot: never handed out, so slot ids run 1..size; padded reads
+(the torch backend's [batch, max_len] gather) point there and nothing writes to it.
+With page_size P > 1 the allocator hands out whole pages: page p owns slots
+p*P .. p*P+P-1, pages run 1..num_pages, and freeing any slot frees its page.
 
 Invariant: available_size() + (slots held by requests and the tree) == size.
 """
