@@ -219,7 +219,7 @@ def _common_prefix_len(a: List[int], b: List[int]) -> int:
 class SchedulePolicy:
     """Orders the waiting queue before each prefill pass (§3)."""
 
-    def __init__(self, policy: str, tree_cache: Any, page_size: int = 1) -> None:
+    def __init__(self, policy: str, tree_cache: Any) -> None:
         if policy not in ("fcfs", "lpm", "dfs-weight", "lof", "random"):
             raise ValueError(f"unknown schedule policy {policy!r}")
         # a cache-aware policy without a cache is fcfs
@@ -227,7 +227,6 @@ class SchedulePolicy:
             policy = "fcfs"
         self.policy = policy
         self.tree_cache = tree_cache
-        self.page_size = page_size
 
     def calc_priority(self, waiting_queue: List[Req]) -> None:
         """Sort waiting_queue in place. fcfs keeps arrival order (retracted requests at the tail)."""

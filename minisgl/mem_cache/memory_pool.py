@@ -77,12 +77,6 @@ class MHATokenToKVPool:
         """Bytes of K and V for one token across all layers (sizes the pool from a budget)."""
         return num_kv_heads * head_dim * num_layers * 2 * torch.empty(0, dtype=dtype).element_size()
 
-    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.k_buffer[layer_id]
-
-    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.v_buffer[layer_id]
-
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffer[layer_id], self.v_buffer[layer_id]
 

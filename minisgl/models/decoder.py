@@ -142,10 +142,6 @@ class DecoderForCausalLM(nn.Module):
         # Tied and packed: the embedding lookup keeps the dense table; the head multiplies a packed copy.
         self.tied_lm_head_packed: Optional[torch.Tensor] = None
 
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.dense_weight()  # [V, hidden]
-
     def pack_linear_weights_for_cpu(self) -> int:
         """Pack every matmul weight for oneDNN (CPU float32, linear.py); returns how many were packed."""
         packed = sum(m.pack_for_cpu() for m in self.modules() if isinstance(m, ReplicatedLinear))

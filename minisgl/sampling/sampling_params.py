@@ -74,10 +74,6 @@ class SamplingParams:
             check_type(key, value)
         return cls(**d)
 
-    @property
-    def is_greedy(self) -> bool:
-        return self.top_k == 1
-
     def normalize(self, tokenizer: Any = None) -> None:
         """Canonical form: greedy mapping, top_k -1 -> all, stop as a list, stop-string token length."""
         if self.temperature is not None and 0 <= self.temperature < _GREEDY_EPS:
@@ -129,9 +125,6 @@ class SamplingParams:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
-
-    def to_dict(self) -> Dict[str, Any]:
-        return dataclasses.asdict(self)
 
     def copy(self) -> "SamplingParams":
         return dataclasses.replace(self, stop_strs=list(self.stop_strs))

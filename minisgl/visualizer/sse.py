@@ -69,14 +69,12 @@ class SnapshotHub:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self.num_invalid = 0  # snapshots rejected by validate_snapshot (logged once each)
 
     # ------------------------------------------------------------------ feeding
     def add(self, snap: Dict[str, Any]) -> int:
         """Record one snapshot; returns its sequence number (0 if it was rejected)."""
         problems = validate_snapshot(snap)
         if problems:
-            self.num_invalid += 1
             logger.warning("dropping an invalid scheduler snapshot: %s", "; ".join(problems[:3]))
             return 0
         with self._lock:
