@@ -19,6 +19,7 @@ from minisgl.entrypoints.http_server import create_app
 from minisgl.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from minisgl.managers.io_struct import BatchStrOutput, GenerateReqInput, TokenizedGenerateReqInput
 from minisgl.managers.tokenizer_manager import AsyncDynamicBatchTokenizer, TokenizerManager, coalesce_streaming_chunks
+from minisgl.models.model_config import default_sampling_params
 from minisgl.server_args import PortArgs, ServerArgs, resolve_server_args
 from minisgl.utils import get_tokenizer
 
@@ -86,6 +87,40 @@ def test_sampling_fields_map_onto_sglang_keys() -> None:
 
 def test_completion_max_tokens_defaults_to_16() -> None:
     assert CompletionRequest(model="m", prompt="hi").to_sampling_params()["max_new_tokens"] == 16
+
+
+def test_chat_falls_back_to_the_generation_config_then_the_builtin_default() -> None:
+    """SGLang's get_param: the request's value, else generation_config's, else the built-in
+    default. A model shipping temperature 0.6 / top_k 20 was sampled at 1.0 over all tokens."""
+    gen_cfg = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": True, "eos_token_id": 2}
+    defaults = default_sampling_params(gen_cfg)
+    assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    msgs = [{"role": "user", "content": "hi"}]
+    p = ChatCompletionRequest(model="m", messages=msgs, top_p=0.5).to_sampling_params(defaults)
+    assert (p["temperature"], p["top_p"], p["top_k"], p["min_p"], p["repetition_penalty"]) == (0.6, 0.5, 20, 0.0, 1.0)
+    assert ChatCompletionRequest(model="m", messages=msgs, temperature=0).to_sampling_params(defaults)["temperature"] == 0
+    # Hugging Face's top_k 0 is "no top-k" (SGLang's -1); a non-number is left to the default
+    assert default_sampling_params({"top_k": 0, "temperature": "hot", "min_p": 0.05}) == {"top_k": -1, "min_p": 0.05}
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_explicit_null_means_the_default_for_fields_openai_documents_as_nullable(route: str) -> None:
+    nulls = {"n": None, "presence_penalty": None, "frequency_penalty": None, "logprobs": None, "stream": None}
+    if route == "chat":
+        req: Any = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], **nulls)
+        assert req.logprobs is False
+    else:
+        req = CompletionRequest(model="m", prompt="hi", echo=None, **nulls)
+        assert req.logprobs is None and req.echo is False
+    assert (req.n, req.presence_penalty, req.frequency_penalty, req.stream) == (1, 0.0, 0.0, False)
+    with pytest.raises(ValueError):  # a null model is still an error: it has no default
+        ChatCompletionRequest(model=None, messages=[{"role": "user", "content": "hi"}])
+
+
+def test_text_parts_are_joined_with_a_space_as_sglang_does() -> None:
+    parts = [{"type": "text", "text": "Tell me"}, {"type": "text", "text": "a story"}]
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": parts}])
+    assert req.messages[0].text() == "Tell me a story"
 
 
 # --------------------------------------------------------------------------- HTTP errors
@@ -165,6 +200,15 @@ def test_models_lists_the_served_model(client: TestClient) -> None:
     data = client.get("/v1/models").json()["data"]
     assert [m["id"] for m in data] == [client.model]
     assert data[0]["max_model_len"] == CONTEXT_LEN
+
+
+def test_models_retrieve_the_served_model_or_404(client: TestClient) -> None:
+    """`client.models.retrieve(name)` (GET /v1/models/{model}) was a bare 404."""
+    card = client.get(f"/v1/models/{client.model}").json()  # the name is a path: slashes and all
+    assert card["id"] == client.model and card["object"] == "model" and card["max_model_len"] == CONTEXT_LEN
+    assert client.get("/v1/models/default").json()["id"] == client.model
+    r = client.get("/v1/models/not-served")
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
 
 
 def test_api_key_guards_every_route_but_health(tiny_model: str, tmp_path: Any) -> None:
@@ -665,3 +709,82 @@ def test_aborting_a_rid_never_hits_another_clients_rid_that_looks_like_a_sample(
             task.cancel()
 
     asyncio.run(run())
+
+
+# --------------------------------------------------------------------------- scripted outputs
+def _scripted_client(tiny_model: str, tmp_path: Any, outs: List[Dict[str, Any]], **tm_attrs: Any) -> Tuple[TestClient, List[Any]]:
+    """An app whose TokenizerManager answers every request with `outs` and records what it got."""
+    tm = _make_tm(tiny_model, tmp_path)
+    for name, value in tm_attrs.items():
+        setattr(tm, name, value)
+    seen: List[Any] = []
+
+    async def scripted(obj: Any, request: Any = None) -> Any:
+        seen.append(obj)
+        for out in outs:
+            yield dict(out)
+
+    tm.generate_request = scripted  # type: ignore[method-assign]
+    client = TestClient(create_app(tm.server_args, tm, is_healthy=lambda: True))
+    client.model = tm.model_name  # type: ignore[attr-defined]
+    return client, seen
+
+
+def _out(rid: str, text: str, completion: int, finish: Any = None, index: Any = None) -> Dict[str, Any]:
+    meta = {"id": rid, "finish_reason": finish, "prompt_tokens": 3, "completion_tokens": completion, "cached_tokens": 0}
+    out: Dict[str, Any] = {"text": text, "output_ids": [5] * completion, "meta_info": meta}
+    if index is not None:
+        out["index"] = index
+    return out
+
+
+def test_chat_requests_carry_the_generation_config_defaults_and_completions_do_not(tiny_model: str, tmp_path: Any) -> None:
+    outs = [_out("r", "x", 1, {"type": "length", "length": 1})]
+    client, seen = _scripted_client(tiny_model, tmp_path, outs, default_sampling_params={"top_k": 1, "temperature": 0.6})
+    with client:
+        assert _chat(client).status_code == 200
+        assert client.post("/v1/completions", json={"model": client.model, "prompt": "hi"}).status_code == 200
+    chat, completion = (obj.sampling_params for obj in seen)
+    assert (chat["top_k"], chat["temperature"]) == (1, 0.6)
+    assert (completion["top_k"], completion["temperature"]) == (-1, 1.0)  # SGLang: chat only
+
+
+def test_stream_chunks_spell_out_their_nulls_and_share_one_created(tiny_model: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """OpenAI's chunks carry finish_reason/logprobs null until the end, usage null before the
+    usage chunk, and one `created` for the whole stream (each chunk took its own clock read)."""
+    import itertools
+    import time
+
+    clock = itertools.count(1_700_000_000)
+    monkeypatch.setattr(time, "time", lambda: float(next(clock)))
+    outs = [_out("r", "Hel", 1), _out("r", "lo", 2), _out("r", "", 2, {"type": "length", "length": 2})]
+    client, _ = _scripted_client(tiny_model, tmp_path, outs)
+    options = {"stream": True, "stream_options": {"include_usage": True}}
+    with client:
+        chat = client.post("/v1/chat/completions", json={"model": client.model, "messages": [{"role": "user", "content": "hi"}], **options})
+        comp = client.post("/v1/completions", json={"model": client.model, "prompt": "hi", **options})
+    for r in (chat, comp):
+        events = [e[len("data: ") :] for e in r.text.strip().split("\n\n")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert len({c["created"] for c in chunks}) == 1
+        *content, usage = chunks
+        assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 5
+        assert all(c["usage"] is None for c in content)
+        assert [c["choices"][0]["finish_reason"] for c in content][-1] == "length"
+        assert all(c["choices"][0]["finish_reason"] is None and c["choices"][0]["logprobs"] is None for c in content[:-1])
+    deltas = [c["choices"][0]["delta"] for c in (json.loads(e[len("data: ") :]) for e in chat.text.strip().split("\n\n")[:-2])]
+    assert deltas == [{"role": "assistant", "content": ""}, {"content": "Hel"}, {"content": "lo"}, {}]
+
+
+def test_a_completions_batch_may_name_one_rid_per_prompt(tiny_model: str, tmp_path: Any) -> None:
+    """SGLang's CompletionRequest takes a list of rids for a list of prompts; minisgl took only
+    a string, which a batch refuses. The response id is the first prompt's rid, whole."""
+    finish = {"type": "length", "length": 1}
+    outs = [_out("job-a", "x", 1, finish, index=0), _out("job-b", "y", 1, finish, index=1)]
+    client, seen = _scripted_client(tiny_model, tmp_path, outs)
+    with client:
+        r = client.post("/v1/completions", json={"model": client.model, "prompt": ["p", "q"], "rid": ["job-a", "job-b"]})
+    assert r.status_code == 200, r.text
+    assert seen[0].rid == ["job-a", "job-b"]
+    assert r.json()["id"] == "job-a"  # not "job": only an n > 1 sample's "-j" is stripped

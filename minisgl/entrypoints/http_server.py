@@ -149,6 +149,15 @@ def create_app(
         card = ModelCard(id=tm.model_name, max_model_len=tm.context_len)
         return JSONResponse(ModelList(data=[card]).model_dump())
 
+    @app.get("/v1/models/{model:path}")  # `:path`: served names may hold a slash (org/name)
+    async def retrieve_model(model: str) -> Response:
+        if model not in (tm.model_name, "default"):
+            return create_error_response(
+                f"The model `{model}` does not exist. Served model: `{tm.model_name}`.",
+                status_code=404, err_type="NotFoundError", param="model",
+            )  # fmt: skip
+        return JSONResponse(ModelCard(id=tm.model_name, max_model_len=tm.context_len).model_dump())
+
     @app.post("/generate")
     async def generate(request: GenerateRequest, raw_request: Request) -> Response:
         return await _native_generate(tm, request, raw_request)
@@ -323,7 +332,10 @@ async def _serve(server_args: ServerArgs, port_args: PortArgs, procs: List[mp.Pr
     tm = TokenizerManager(
         server_args, port_args, tokenizer, int(sched_info["context_len"]), int(sched_info["vocab_size"]),
         max_req_input_len=int(sched_info["max_req_input_len"]),
+        default_sampling_params=sched_info.get("default_sampling_params"),
     )  # fmt: skip
+    if tm.default_sampling_params:
+        logger.info("Using default chat sampling params from model generation config: %s", tm.default_sampling_params)
     handle_loop = asyncio.get_running_loop().create_task(tm.handle_loop())
 
     def is_healthy() -> bool:

@@ -686,6 +686,7 @@ def run_scheduler_process(server_args: ServerArgs, port_args: Any, pipe_writer: 
                 "context_len": scheduler.model_config.context_len,
                 "vocab_size": scheduler.model_config.vocab_size,
                 "max_req_input_len": scheduler.max_req_input_len,
+                "default_sampling_params": scheduler.model_config.default_sampling_params,
             }
         )
     except Exception as e:  # start-up failed: say why on the pipe, exit non-zero

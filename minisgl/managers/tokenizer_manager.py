@@ -229,8 +229,11 @@ class TokenizerManager:
         context_len: int,
         vocab_size: int,
         max_req_input_len: Optional[int] = None,
+        default_sampling_params: Optional[Dict[str, Any]] = None,
     ) -> None:
         self.server_args = server_args
+        # the model's generation_config sampling keys, which chat requests fall back to
+        self.default_sampling_params: Dict[str, Any] = dict(default_sampling_params or {})
         self.tokenizer = tokenizer
         self.context_len = context_len
         self.max_req_input_len = max_req_input_len  # the scheduler's prompt limit (None: the context)

@@ -50,6 +50,8 @@ class ModelConfig:
     mlp_bias: bool
     qk_norm: bool
     hf_eos_token_ids: Set[int] = field(default_factory=set)
+    # generation_config.json's sampling keys: the defaults of a chat request that leaves them out
+    default_sampling_params: Dict[str, Any] = field(default_factory=dict)
     hf_config: Dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -90,8 +92,27 @@ class ModelConfig:
             mlp_bias=spec.mlp_bias(cfg),
             qk_norm=spec.qk_norm,
             hf_eos_token_ids=_as_id_set(cfg.get("eos_token_id")) | _as_id_set(gen_cfg.get("eos_token_id")),
+            default_sampling_params=default_sampling_params(gen_cfg),
             hf_config=cfg,
         )
+
+
+def default_sampling_params(gen_cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """SGLang's get_default_sampling_params: the sampling keys generation_config.json sets.
+
+    Hugging Face's top_k 0 means "no top-k", which is SGLang's -1; a key whose value is not
+    a number is left out (the built-in default applies) rather than failing every request.
+    """
+    defaults: Dict[str, Any] = {}
+    for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        value = gen_cfg.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if key == "top_k":
+            defaults[key] = -1 if int(value) == 0 else int(value)
+        else:
+            defaults[key] = float(value)
+    return defaults
 
 
 def _read_json(path: str, required: bool) -> Dict[str, Any]:

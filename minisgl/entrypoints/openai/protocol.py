@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
@@ -73,10 +73,27 @@ class ModelList(BaseModel):
     data: List[ModelCard] = Field(default_factory=list)
 
 
+# Fields the OpenAI reference documents as nullable whose minisgl type is not: an explicit
+# null (the openai SDK sends one for `n=None`) means the default, as leaving the field out does.
+NULL_MEANS_DEFAULT = frozenset({"frequency_penalty", "presence_penalty", "n", "logprobs", "stream", "echo"})
+
+# generation_config.json keys a chat request falls back to (SGLang's get_default_sampling_params)
+GENERATION_CONFIG_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_BUILTIN_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
 class _SamplingFields(BaseModel):
     """Sampling fields shared by chat and completions (sglang-facts.md §10.3)."""
 
     model_config = _STRICT
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls_that_mean_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in NULL_MEANS_DEFAULT)}
+        return data
+
     model: str
     temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
     top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
@@ -98,18 +115,21 @@ class _SamplingFields(BaseModel):
     stream_options: Optional[StreamOptions] = None
     rid: Optional[str] = None
 
-    def _common_sampling_params(self, max_new_tokens: Optional[int]) -> Dict[str, Any]:
-        """The SGLang sampling_params dict. Unset knobs keep SGLang's defaults."""
+    def _common_sampling_params(self, max_new_tokens: Optional[int], defaults: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+        """The SGLang sampling_params dict. An unset knob takes `defaults` (the model's
+        generation_config, chat only), else SGLang's built-in default."""
+        fallback = {**_BUILTIN_DEFAULTS, **(defaults or {})}
+
+        def get_param(name: str) -> Any:  # SGLang's order: the request, generation_config, built-in
+            value = getattr(self, name)
+            return fallback[name] if value is None else value
+
         params: Dict[str, Any] = {
             "max_new_tokens": max_new_tokens,
             "min_new_tokens": self.min_tokens,
-            "temperature": 1.0 if self.temperature is None else self.temperature,
-            "top_p": 1.0 if self.top_p is None else self.top_p,
-            "top_k": -1 if self.top_k is None else self.top_k,
-            "min_p": 0.0 if self.min_p is None else self.min_p,
+            **{name: get_param(name) for name in GENERATION_CONFIG_SAMPLING_KEYS},
             "frequency_penalty": self.frequency_penalty,
             "presence_penalty": self.presence_penalty,
-            "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos,
@@ -139,7 +159,8 @@ class ChatMessage(BaseModel):
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        # SGLang joins the text parts with a space for string-content templates
+        return " ".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -150,11 +171,12 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     continue_final_message: bool = False
 
-    def to_sampling_params(self) -> Dict[str, Any]:
+    def to_sampling_params(self, defaults: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+        """`defaults`: the model's generation_config sampling keys (ModelConfig.default_sampling_params)."""
         # max_completion_tokens wins over the deprecated max_tokens; None lets the
         # scheduler clamp to the context length (sglang-facts.md §10.3).
         max_new = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._common_sampling_params(max_new)
+        return self._common_sampling_params(max_new, defaults)
 
 
 class ChatCompletionMessage(BaseModel):
@@ -197,6 +219,12 @@ class DeltaMessage(BaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
 
+    @model_serializer(mode="wrap")
+    def _only_what_changed(self, handler: Any) -> Dict[str, Any]:
+        # a delta names only what it adds ({"content": ...}; {} in the finish chunk), while the
+        # chunk around it spells out its nulls (finish_reason, logprobs, usage), as OpenAI's do
+        return {k: v for k, v in handler(self).items() if v is not None}
+
 
 class ChatCompletionResponseStreamChoice(BaseModel):
     index: int
@@ -219,6 +247,7 @@ class ChatCompletionStreamResponse(BaseModel):
 class CompletionRequest(_SamplingFields):
     # a string, a list of strings, a list of token ids, or a list of lists of token ids
     prompt: Union[str, List[str], List[int], List[List[int]]]
+    rid: Optional[Union[str, List[str]]] = None  # a list: one per prompt of a batch, as SGLang's
     max_tokens: Optional[int] = Field(default=16, ge=0)
     echo: bool = False
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)

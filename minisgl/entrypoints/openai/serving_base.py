@@ -45,7 +45,9 @@ def create_error_response(message: str, status_code: int = 400, err_type: Option
 def sse_data(obj: Any) -> str:
     """One SSE event, framed: `data: <json>` and a blank line. `obj`: a pydantic model, a dict or "[DONE]"."""
     if isinstance(obj, BaseModel):
-        payload = obj.model_dump_json(exclude_none=True)  # pydantic's own (Rust) encoder: no dict in between
+        # nulls included: a chunk spells out finish_reason / logprobs / usage: null, as OpenAI's
+        # and SGLang's do (only DeltaMessage drops its unset keys). pydantic's own (Rust) encoder.
+        payload = obj.model_dump_json()
     elif isinstance(obj, str):
         payload = obj
     else:
@@ -86,10 +88,11 @@ def abort_status(reason: Optional[Dict[str, Any]]) -> Optional[int]:
     return None
 
 
-def response_id(out: Dict[str, Any]) -> str:
-    """The response id: the request's rid (sub-requests of n > 1 are `<rid>-<j>`)."""
+def response_id(out: Dict[str, Any], n: int) -> str:
+    """The response id: the request's rid (the samples of n > 1 are `<rid>-<j>`; a batch's
+    prompts keep their own rids, and the response takes the first one's)."""
     rid = out["meta_info"]["id"]
-    return rid.rsplit("-", 1)[0] if "index" in out and "-" in rid else rid
+    return rid.rsplit("-", 1)[0] if n > 1 else rid
 
 
 async def prepend(first: Dict[str, Any], rest: AsyncIterator[Dict[str, Any]]) -> AsyncIterator[Dict[str, Any]]:

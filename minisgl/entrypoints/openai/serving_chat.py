@@ -10,6 +10,7 @@ finish chunk per choice, an optional usage chunk, then `data: [DONE]`.
 
 from __future__ import annotations
 
+import time
 from typing import Any, AsyncIterator, Dict, List, Optional
 
 from fastapi import Request
@@ -86,7 +87,7 @@ class OpenAIServingChat(OpenAIServingBase):
     def _convert_to_internal_request(self, request: ChatCompletionRequest) -> GenerateReqInput:
         return GenerateReqInput(
             text=self._apply_chat_template(request),
-            sampling_params=request.to_sampling_params(),
+            sampling_params=request.to_sampling_params(self.tokenizer_manager.default_sampling_params),
             rid=request.rid,
             return_logprob=request.logprobs,
             top_logprobs_num=request.top_logprobs or 0,
@@ -134,20 +135,21 @@ class OpenAIServingChat(OpenAIServingBase):
                     matched_stop=matched,
                 )
             )
-        response = ChatCompletionResponse(id=response_id(outs[0]), model=request.model, choices=choices, usage=usage.usage())
+        response = ChatCompletionResponse(id=response_id(outs[0], request.n), model=request.model, choices=choices, usage=usage.usage())
         return JSONResponse(response.model_dump(exclude_none=False))
 
     # ------------------------------------------------------------------ streaming
     async def _stream_events(
         self, first: Dict[str, Any], rest: AsyncIterator[Dict[str, Any]], adapted: GenerateReqInput, request: ChatCompletionRequest
     ) -> AsyncIterator[str]:
-        rid = response_id(first)
+        rid = response_id(first, request.n)
+        created = int(time.time())  # one timestamp for every chunk of the stream, as OpenAI's
         usage = UsageCounter(request.n)
         role_sent: set = set()
 
         def chunk(index: int, delta: DeltaMessage, **kw: Any) -> str:
             choice = ChatCompletionResponseStreamChoice(index=index, delta=delta, **kw)
-            body = ChatCompletionStreamResponse(id=rid, model=request.model, choices=[choice])
+            body = ChatCompletionStreamResponse(id=rid, created=created, model=request.model, choices=[choice])
             return sse_data(body)
 
         async for out in prepend(first, rest):
@@ -170,6 +172,6 @@ class OpenAIServingChat(OpenAIServingBase):
                 finish_reason, matched = openai_finish_reason(reason)
                 yield chunk(index, DeltaMessage(), finish_reason=finish_reason, matched_stop=matched)
         if request.stream_options is not None and request.stream_options.include_usage:
-            body = ChatCompletionStreamResponse(id=rid, model=request.model, choices=[], usage=usage.usage())
+            body = ChatCompletionStreamResponse(id=rid, created=created, model=request.model, choices=[], usage=usage.usage())
             yield sse_data(body)
         yield sse_data("[DONE]")

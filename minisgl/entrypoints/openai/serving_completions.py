@@ -7,6 +7,7 @@ lists become a batch GenerateReqInput (one choice per prompt and sample, index =
 
 from __future__ import annotations
 
+import time
 from typing import Any, AsyncIterator, Dict, List, Optional
 
 from fastapi import Request
@@ -100,18 +101,19 @@ class OpenAIServingCompletions(OpenAIServingBase):
                     matched_stop=matched,
                 )
             )
-        response = CompletionResponse(id=response_id(outs[0]), model=request.model, choices=choices, usage=usage.usage())
+        response = CompletionResponse(id=response_id(outs[0], request.n), model=request.model, choices=choices, usage=usage.usage())
         return JSONResponse(response.model_dump())
 
     async def _stream_events(
         self, first: Dict[str, Any], rest: AsyncIterator[Dict[str, Any]], adapted: GenerateReqInput, request: CompletionRequest
     ) -> AsyncIterator[str]:
-        rid = response_id(first)
+        rid = response_id(first, request.n)
+        created = int(time.time())  # one timestamp for every chunk of the stream, as OpenAI's
         usage = UsageCounter(request.n)
         text_offsets: Dict[int, int] = {}
 
         def chunk(choice: CompletionResponseChoice) -> str:
-            return sse_data(CompletionStreamResponse(id=rid, model=request.model, choices=[choice]))
+            return sse_data(CompletionStreamResponse(id=rid, created=created, model=request.model, choices=[choice]))
 
         async for out in prepend(first, rest):
             index = out.get("index", 0)
@@ -133,6 +135,6 @@ class OpenAIServingCompletions(OpenAIServingBase):
             if text or finish_reason is not None or (logprobs is not None and logprobs.tokens):
                 yield chunk(CompletionResponseChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason, matched_stop=matched))
         if request.stream_options is not None and request.stream_options.include_usage:
-            body = CompletionStreamResponse(id=rid, model=request.model, choices=[], usage=usage.usage())
+            body = CompletionStreamResponse(id=rid, created=created, model=request.model, choices=[], usage=usage.usage())
             yield sse_data(body)
         yield sse_data("[DONE]")
