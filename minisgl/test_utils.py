@@ -52,6 +52,44 @@ def train_tokenizer(vocab_size: int = 2048, texts: Optional[Iterable[str]] = Non
     )
 
 
+def train_byte_fallback_tokenizer(vocab_size: int = 600) -> Any:
+    """A SentencePiece-style BPE as Llama-2 and Mistral ship it: words marked with U+2581,
+    characters outside the vocabulary spelled as byte tokens <0xNN> (byte fallback), and
+    their decoder chain (the marker back to a space, bytes fused, the first space stripped).
+
+    Unlike a byte-level BPE, its decode drops a leading space and turns a whole run of byte
+    tokens into U+FFFD when the run starts inside a character: the cases the detokenizer's
+    left context and the scheduler's stop-string tail must get right. Trained on English
+    only, so CJK and emoji always take the byte path.
+    """
+    import json
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, limit_alphabet=64, show_progress=False)
+    draft = Tokenizer(models.BPE(unk_token="<unk>"))
+    draft.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    draft.train_from_iterator(corpus_texts()[:200], trainer)
+    # the same merges over a vocabulary that also holds the 256 byte tokens, right after the specials
+    vocab = {name: i for i, name in enumerate(specials)}
+    vocab.update({f"<0x{b:02X}>": len(specials) + b for b in range(256)})
+    for piece, _ in sorted(draft.get_vocab().items(), key=lambda kv: kv[1]):
+        vocab.setdefault(piece, len(vocab))
+    draft_merges = json.loads(draft.to_str())["model"]["merges"]  # "a b" strings or [a, b] pairs
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in draft_merges]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tok.add_special_tokens([AddedToken(name, special=True) for name in specials])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", model_max_length=1 << 20
+    )
+
+
 @functools.lru_cache(maxsize=4)
 def _cached_tokenizer(vocab_size: int) -> Any:
     return train_tokenizer(vocab_size)

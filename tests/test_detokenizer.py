@@ -20,7 +20,7 @@ from minisgl.managers.detokenizer_manager import DetokenizerManager, find_printa
 from minisgl.managers.io_struct import BatchStrOutput, BatchTokenIDOutput, ClearDecodeStatusReq, FlushCacheReqInput
 from minisgl.managers.watchdog import SoftWatchdog
 from minisgl.server_args import ServerArgs
-from minisgl.test_utils import train_tokenizer
+from minisgl.test_utils import train_byte_fallback_tokenizer, train_tokenizer
 
 EOS = 2  # <|im_end|>
 CONTEXT = 5  # prompt ids of left context on the first emission
@@ -123,6 +123,26 @@ def test_streaming_multibyte_never_emits_replacement_char(mgr: DetokenizerManage
         assert "".join(deltas) == text == tok.decode(out_ids)
         # It streamed: text arrived before the final message.
         assert "".join(deltas[:-1]) != ""
+    assert mgr.decode_status == {}
+
+
+@pytest.mark.parametrize(("prompt", "answer"), [("Answer with emojis: 😀😀", "🎉 ok"), ("续写：你好", "吗？是的")])
+def test_left_context_starting_inside_a_byte_spelled_character_spoils_nothing(
+    tmp_path: Any, prompt: str, answer: str
+) -> None:
+    """Byte fallback (Llama-2, Mistral): the five prompt ids of left context began inside the
+    prompt's last character, and the decoder turned that whole run of byte tokens, the
+    answer's own bytes included, into U+FFFD ("�������� ok" for "🎉 ok")."""
+    train_byte_fallback_tokenizer().save_pretrained(str(tmp_path))
+    mgr = DetokenizerManager(ServerArgs(tokenizer_path=str(tmp_path)))
+    tok = mgr.tokenizer
+    prompt_ids = tok.encode(prompt, add_special_tokens=False)
+    out_ids = tok.encode(answer, add_special_tokens=False)
+    if tok.convert_ids_to_tokens(out_ids[0]) == "\u2581":
+        out_ids = out_ids[1:]  # the answer continues the prompt's word: no word marker
+    assert tok.decode(prompt_ids[-CONTEXT:]).startswith("\ufffd")  # the premise: context starts mid-character
+    for steps in ([1] * len(out_ids), [len(out_ids)]):  # streamed token by token, and all at once
+        assert "".join(stream(mgr, prompt_ids, out_ids, steps)) == answer
     assert mgr.decode_status == {}
 
 

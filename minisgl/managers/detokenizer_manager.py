@@ -257,7 +257,10 @@ class DetokenizerManager:
         if s is None:
             # First emission: decode_ids = left context + output, read_offset = output start.
             s = DecodeStatus(
-                decoded_text="", decode_ids=list(recv.decode_ids[i]), surr_offset=0, read_offset=recv.read_offsets[i]
+                decoded_text="",
+                decode_ids=list(recv.decode_ids[i]),
+                surr_offset=self._context_start(recv, i),
+                read_offset=recv.read_offsets[i],
             )
             self.decode_status[rid] = s
             if len(self.decode_status) > DETOKENIZER_MAX_STATES:
@@ -266,6 +269,23 @@ class DetokenizerManager:
         else:
             s.decode_ids.extend(recv.decode_ids[i])
         return s
+
+    def _context_start(self, recv: BatchTokenIDOutput, i: int) -> int:
+        """Where row i's left context starts: on a character boundary.
+
+        The five prompt ids can begin inside a character. Its orphan bytes decode to U+FFFD,
+        which a byte-level BPE keeps to those bytes, but a byte-fallback decoder (Llama-2,
+        Mistral: <0xNN> tokens) turns the whole run of byte tokens into U+FFFD, the output's
+        own bytes in that run included, and the committed text would stay wrong."""
+        ids, read_offset = recv.decode_ids[i], recv.read_offsets[i]
+        start = 0
+        while start < read_offset and self.tokenizer.decode(
+            ids[start:read_offset],
+            skip_special_tokens=recv.skip_special_tokens[i],
+            spaces_between_special_tokens=recv.spaces_between_special_tokens[i],
+        ).startswith("\ufffd"):
+            start += 1
+        return start
 
     def _emit(self, recv: BatchTokenIDOutput, i: int, s: DecodeStatus, surr_text: str, read_text: str) -> str:
         """Advance row i's state with its decoded window and return the text delta to send."""
