@@ -19,7 +19,7 @@ from minisgl.managers.schedule_batch import Req
 from minisgl.managers.scheduler_output_processor_mixin import SchedulerOutputProcessorMixin
 from minisgl.sampling.sampling_params import SamplingParams
 from minisgl.server_args import ServerArgs
-from minisgl.test_utils import train_tokenizer
+from minisgl.test_utils import train_byte_fallback_tokenizer, train_tokenizer
 
 
 class _Emitter(SchedulerOutputProcessorMixin):
@@ -37,14 +37,25 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(path)
 
 
-def run_script(tokenizer_dir: str, script: List[int], stream: bool, **params: Any) -> Tuple[str, Optional[Dict[str, Any]]]:
+@pytest.fixture(scope="module")
+def sp_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Llama-2 / Mistral style: U+2581 word marker, byte fallback (minisgl.test_utils)."""
+    path = tmp_path_factory.mktemp("stop-sp-tokenizer")
+    train_byte_fallback_tokenizer().save_pretrained(str(path))
+    return str(path)
+
+
+def run_script(
+    tokenizer_dir: str, script: List[int], stream: bool, prompt: str = "Prompt:", **params: Any
+) -> Tuple[str, Optional[Dict[str, Any]]]:
     """(the text the user gets, the finish reason) for `script` sampled one token per step."""
     detok = DetokenizerManager(ServerArgs(tokenizer_path=tokenizer_dir))
     tokenizer = detok.tokenizer
     sampling = SamplingParams.from_dict({"max_new_tokens": len(script) + 5, "ignore_eos": True, **params})
     sampling.normalize(tokenizer)
     sampling.verify()
-    req = Req("r", None, tokenizer.encode("Prompt:"), sampling, stream=stream, vocab_size=len(tokenizer), tokenizer=tokenizer)
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    req = Req("r", None, prompt_ids, sampling, stream=stream, vocab_size=len(tokenizer), tokenizer=tokenizer)
     emitter, text, finish = _Emitter(), "", None
     for token in script:
         req.output_ids.append(token)
@@ -105,3 +116,25 @@ def test_a_stop_around_a_skipped_special_token_matches_the_text_the_user_sees(to
     # with special tokens kept the text reads "ab<|endoftext|>c": no stop, all of it arrives
     text, finish = run_script(tokenizer_dir, script, stream, stop="bc", skip_special_tokens=False, max_new_tokens=len(script))
     assert text == "ab<|endoftext|>c and more" and finish is not None and finish["type"] == "length"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_stop_with_a_leading_space_at_the_start_of_a_sentencepiece_output(sp_tokenizer_dir: str, stream: bool) -> None:
+    """The scheduler decoded its tail alone, and a SentencePiece decode drops the leading
+    space: " 42" read "42", the stop went unseen, and the user got it (and all after it)."""
+    script = ids(sp_tokenizer_dir, " 42. The answer is")
+    text, finish = run_script(sp_tokenizer_dir, script, stream, prompt="The answer is", stop=" 42")
+    assert (text, finish) == ("", {"type": "stop", "matched": " 42"})
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_stop_after_a_byte_spelled_character_is_seen_at_once(sp_tokenizer_dir: str, stream: bool) -> None:
+    """A tail that began inside the bytes of the emoji before the stop decoded as U+FFFD
+    throughout that byte run (byte fallback), so "🎉" was seen only tokens later, or never
+    when the model ended right after it: the user got the stop string."""
+    eos = 2  # </s>
+    script = ids(sp_tokenizer_dir, "Party 😀🎉") + [eos]
+    text, finish = run_script(
+        sp_tokenizer_dir, script, stream, prompt="Say it with emojis:", stop="🎉", stop_token_ids=[eos], ignore_eos=False
+    )
+    assert (text, finish) == (" Party 😀", {"type": "stop", "matched": "🎉"})

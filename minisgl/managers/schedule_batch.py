@@ -263,17 +263,42 @@ class Req:
         return stop_token_set(self.sampling_params, self.eos_token_ids)  # eos_token_ids: the scheduler's, tokenizer's included
 
     def tail_str(self) -> str:
-        """Decoded tail of the output tokens only: a stop string never matches the prompt."""
-        tail_len = min(self.sampling_params.stop_str_max_len + 2, len(self.output_ids))
+        """Decoded tail of the output tokens only: a stop string never matches the prompt.
+
+        Decoded as the detokenizer decodes, so a stop matches the text the user sees: with
+        special tokens skipped ("b<|endoftext|>c" reads "bc"), and after a few ids of left
+        context. Decoded alone, a SentencePiece tail loses its leading space (" 42" reads
+        "42"), and one that starts inside a character spelled in byte tokens (Llama-2,
+        Mistral) decodes as U+FFFD throughout that run of bytes, a stop inside it unseen.
+        """
+        out = self.output_ids
+        tail_len = min(self.sampling_params.stop_str_max_len + 2, len(out))
         if tail_len == 0:
             return ""
         if self.tokenizer is None:
             raise ValueError("stop strings need the scheduler to hold a tokenizer")
-        # decoded as the detokenizer decodes it, so a stop matches the text the user sees
-        # (with special tokens skipped, "b<|endoftext|>c" reads "bc")
-        return self.tokenizer.decode(
-            self.output_ids[-tail_len:], skip_special_tokens=self.sampling_params.skip_special_tokens
-        )
+        skip = self.sampling_params.skip_special_tokens
+
+        def decode(ids: List[int]) -> str:
+            return self.tokenizer.decode(ids, skip_special_tokens=skip)
+
+        # the tail starts on a character boundary: back over at most 3 ids (an unfinished
+        # UTF-8 character has at most 3 more bytes), output ids only
+        start = len(out) - tail_len
+        for _ in range(3):
+            if start == 0 or not decode(out[start:]).startswith("\ufffd"):
+                break
+            start -= 1
+        # left context: the ids before the tail (the prompt's, early on), from a boundary too
+        ctx = out[max(start - INIT_INCREMENTAL_DETOKENIZATION_OFFSET, 0) : start]
+        if len(ctx) < INIT_INCREMENTAL_DETOKENIZATION_OFFSET:
+            prompt = self.origin_input_ids_unpadded
+            ctx = prompt[max(len(prompt) - INIT_INCREMENTAL_DETOKENIZATION_OFFSET + len(ctx), 0) :] + ctx
+        ctx_text = decode(ctx)
+        while ctx and ctx_text.startswith("\ufffd"):
+            ctx = ctx[1:]
+            ctx_text = decode(ctx)
+        return decode(ctx + out[start:])[len(ctx_text) :]
 
     def check_match_stop_str_prefix(self) -> bool:
         """True while the tail contains a stop string or ends with a prefix of one (hold back)."""
