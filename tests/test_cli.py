@@ -69,3 +69,19 @@ def test_serve_with_a_model_it_cannot_find_fails_once_with_the_schedulers_messag
     assert "minisgl server failed: minisgl-scheduler failed to start" in proc.stderr
     assert "Cannot find model 'minisgl-test/no-such-model'" in proc.stderr and "hf download" in proc.stderr
     assert "Cannot load the tokenizer" not in proc.stderr
+
+
+def test_serve_on_a_port_in_use_fails_before_loading_the_model(tiny_model: str) -> None:
+    """The port was bound only after the model loaded (minutes for a real one), and the error
+    named no port: "[Errno 98] Address already in use"."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        argv = [sys.executable, "-m", "minisgl", "serve", "--model-path", tiny_model, "--port", str(port)]
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use; choose another --port" in proc.stderr
+    assert "minisgl scheduler pid=" not in proc.stdout  # nothing was started

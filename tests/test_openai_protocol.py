@@ -788,3 +788,33 @@ def test_a_completions_batch_may_name_one_rid_per_prompt(tiny_model: str, tmp_pa
     assert r.status_code == 200, r.text
     assert seen[0].rid == ["job-a", "job-b"]
     assert r.json()["id"] == "job-a"  # not "job": only an n > 1 sample's "-j" is stripped
+
+
+def test_fail_all_requests_answers_every_waiting_handler(tiny_model: str, tmp_path: Any) -> None:
+    """What the server does when a child dies: each request in flight ends here as an abort
+    with the reason and a 503, so its handler answers instead of being cancelled into a 500."""
+    from minisgl.managers.tokenizer_manager import ReqAbortedError
+
+    async def run() -> None:
+        tm, _ = _recording_tm(tiny_model, tmp_path, refuse_generate=False)
+        try:
+            streamed = GenerateReqInput(text="a", sampling_params={"max_new_tokens": 50}, stream=True)
+            waiting = GenerateReqInput(text="b", sampling_params={"max_new_tokens": 50})
+            gen_s, gen_w = tm.generate_request(streamed), tm.generate_request(waiting)
+            first_s, first_w = asyncio.ensure_future(gen_s.__anext__()), asyncio.ensure_future(gen_w.__anext__())
+            await asyncio.sleep(0.05)
+            tm._handle_batch_output(_str_out(streamed.rid, "Hel", [5], 1))
+            assert (await asyncio.wait_for(first_s, 5))["text"] == "Hel"
+            tm.fail_all_requests("The server is shutting down: minisgl-scheduler (exit code -9) died")
+            last = await asyncio.wait_for(gen_s.__anext__(), 5)
+            reason = last["meta_info"]["finish_reason"]
+            assert reason["type"] == "abort" and reason["status_code"] == 503 and "died" in reason["message"]
+            assert last["meta_info"]["completion_tokens"] == 1
+            with pytest.raises(ReqAbortedError) as e:  # the non-streaming handler answers a 503
+                await asyncio.wait_for(first_w, 5)
+            assert e.value.status_code == 503 and "died" in e.value.message
+            assert tm.rid_to_state == {}
+        finally:
+            tm.close()
+
+    asyncio.run(run())

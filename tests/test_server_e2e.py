@@ -512,12 +512,24 @@ def test_dynamic_batch_tokenizer_concurrent_requests(server_dyn: Server, referen
 
 
 def test_killing_the_scheduler_exits_the_server_nonzero(server_dyn: Server) -> None:
+    """A stream in flight ends with an error event naming the dead process and [DONE] (it was
+    cancelled mid-chunk, with an ASGI traceback per request in the log)."""
     assert "scheduler" in server_dyn.pids
-    os.kill(server_dyn.pids["scheduler"], signal.SIGKILL)
-    start = time.monotonic()
+    body = {"model": server_dyn.model, "prompt": PROMPTS[0], "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    headers = {"Authorization": "Bearer sekret"}
+    with httpx.stream("POST", server_dyn.url + "/v1/completions", json=body, headers=headers, timeout=60) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))  # generating
+        os.kill(server_dyn.pids["scheduler"], signal.SIGKILL)
+        start = time.monotonic()
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    error = json.loads(rest[-2][len("data: ") :])["error"]
+    assert error["code"] == 503 and "scheduler" in error["message"] and "died" in error["message"]
     code = server_dyn.proc.wait(timeout=15)
     assert code != 0
     assert time.monotonic() - start < 10
+    assert "Exception in ASGI application" not in server_dyn._read_log()
 
 
 # --------------------------------------------------------------------------- the visualizer, live

@@ -51,6 +51,8 @@ from minisgl.utils import configure_logging, get_tokenizer
 logger = logging.getLogger("minisgl.http_server")
 
 READY_TIMEOUT_S = 600.0  # loading a real model on CPU can take minutes
+GRACEFUL_SHUTDOWN_S = 2  # uvicorn cancels the handlers still running after this
+SHUTDOWN_ABORT_WAIT_S = 1.5  # within that: how long the scheduler gets to end aborted requests
 
 
 # --------------------------------------------------------------------------- the app
@@ -305,11 +307,17 @@ def server_url(host: str, port: int) -> str:
 
 
 def _bind_socket(host: str, port: int) -> socket.socket:
-    """Bind the HTTP socket ourselves: with port 0 the kernel picks, and we know the real port."""
+    """Bind the HTTP socket ourselves, before the model loads: a port in use fails at once,
+    not after minutes of loading, and with port 0 the kernel picks and we know the real port.
+    It listens only once the server is ready (`_serve`): a client connecting while the model
+    loads is refused, not left hanging in the backlog."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror}; choose another --port (0 picks a free one)") from e
     sock.set_inheritable(True)
     return sock
 
@@ -325,7 +333,10 @@ def _terminate(procs: List[mp.Process]) -> None:
             proc.join(timeout=2)
 
 
-async def _serve(server_args: ServerArgs, port_args: PortArgs, procs: List[mp.Process], sched_info: Dict[str, Any], tokenizer: Any) -> int:
+async def _serve(
+    server_args: ServerArgs, port_args: PortArgs, procs: List[mp.Process], sched_info: Dict[str, Any], tokenizer: Any,
+    sock: socket.socket,
+) -> int:  # fmt: skip
     """Run uvicorn + the TokenizerManager until a signal (exit 0) or a dead child (exit 1)."""
     import uvicorn
 
@@ -342,9 +353,9 @@ async def _serve(server_args: ServerArgs, port_args: PortArgs, procs: List[mp.Pr
         return all(p.is_alive() for p in procs) and not handle_loop.done()
 
     app = create_app(server_args, tm, is_healthy, port_args)
-    sock = _bind_socket(server_args.host, server_args.port)
+    sock.listen(2048)
     host, port = sock.getsockname()[:2]
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2, access_log=False)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, access_log=False)
     server = uvicorn.Server(config)
     exit_code = 0
 
@@ -361,14 +372,22 @@ async def _serve(server_args: ServerArgs, port_args: PortArgs, procs: List[mp.Pr
                 what = ", ".join(f"{p.name} (exit code {p.exitcode})" for p in dead) or "the TokenizerManager loop"
                 logger.error("%s died; shutting the server down", what)
                 exit_code = 1
+                # nothing will answer the requests in flight: end them here, so that each
+                # handler answers its client within uvicorn's grace period
+                tm.fail_all_requests(f"The server is shutting down: {what} died")
                 server.should_exit = True
-                server.force_exit = True  # do not wait for open streams: nothing will answer them
             await asyncio.sleep(0.2)
         if exit_code == 0:
             # A requested shutdown (SIGTERM, Ctrl-C): the scheduler is still up, so abort what
             # is in flight and let each request end as an abort (streams with their last chunk
             # and [DONE]) within uvicorn's grace period, rather than be cancelled into a 500.
             tm.abort_request(abort_all=True)
+            # A step can outlast that grace period (a long prefill on a CPU): what the scheduler
+            # has not ended by then ends here.
+            deadline = time.monotonic() + SHUTDOWN_ABORT_WAIT_S
+            while tm.rid_to_state and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            tm.fail_all_requests("The server is shutting down")
 
     monitor_task = asyncio.get_running_loop().create_task(monitor())
     try:
@@ -411,6 +430,13 @@ def launch_server(server_args: ServerArgs) -> None:
     # serves, shuts down gracefully, then re-raises them into these handlers).
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _raise_shutdown)
+    try:
+        sock = _bind_socket(server_args.host, server_args.port)
+    except OSError as e:
+        logger.error("Server failed: %s", e)
+        print(f"minisgl server failed: {e}", file=sys.stderr, flush=True)
+        shutil.rmtree(port_args.ipc_dir, ignore_errors=True)
+        sys.exit(1)
     procs, readers = _spawn_children(server_args, port_args)
     exit_code = 1
     try:
@@ -418,7 +444,7 @@ def launch_server(server_args: ServerArgs) -> None:
         # (the scheduler's), before this process tries (and retries) the same path
         sched_info, _ = _wait_ready(procs, readers)
         tokenizer = get_tokenizer(server_args.tokenizer_path, server_args.trust_remote_code)
-        exit_code = _run_event_loop(_serve(server_args, port_args, procs, sched_info, tokenizer))
+        exit_code = _run_event_loop(_serve(server_args, port_args, procs, sched_info, tokenizer, sock))
     except _ShutdownRequested:
         logger.info("Shutdown requested; stopping the scheduler and the detokenizer")
         exit_code = 0
@@ -427,5 +453,6 @@ def launch_server(server_args: ServerArgs) -> None:
         print(f"minisgl server failed: {e}", file=sys.stderr, flush=True)
     finally:
         _terminate(procs)
+        sock.close()
         shutil.rmtree(port_args.ipc_dir, ignore_errors=True)
     sys.exit(exit_code)

@@ -582,6 +582,25 @@ class TokenizerManager:
             state.out_list.append(out)
             state.event.set()
 
+    def fail_all_requests(self, message: str, status_code: int = 503) -> None:
+        """End every request in flight as an abort carrying `message`, here, as the scheduler's
+        own abort would: for when nothing else will answer them (a child process died, or a
+        shutdown outlasted the scheduler). A waiting handler then answers its client (a 503, or
+        an error event and [DONE] on a stream) instead of being cancelled into a bare 500."""
+        rids = list(self.rid_to_state)
+        states = [self.rid_to_state[rid] for rid in rids]
+        self._handle_batch_output(
+            BatchStrOutput(
+                rids=rids,
+                finished_reasons=[{"type": "abort", "message": message, "status_code": status_code} for _ in rids],
+                output_strs=["" for _ in rids],
+                output_ids=[[] for _ in rids],
+                prompt_tokens=[state.prompt_tokens for state in states],
+                completion_tokens=[len(state.output_ids) for state in states],
+                cached_tokens=[0 for _ in rids],
+            )
+        )
+
     def close(self) -> None:
         if self.dynamic_batch_tokenizer is not None:
             self.dynamic_batch_tokenizer.close()
