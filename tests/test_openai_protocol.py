@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 
 from minisgl.entrypoints.http_server import create_app
 from minisgl.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from minisgl.managers.io_struct import BatchStrOutput, GenerateReqInput, TokenizedGenerateReqInput
+from minisgl.managers.io_struct import AbortReq, BatchStrOutput, GenerateReqInput, TokenizedGenerateReqInput
 from minisgl.managers.tokenizer_manager import AsyncDynamicBatchTokenizer, TokenizerManager, coalesce_streaming_chunks
 from minisgl.models.model_config import default_sampling_params
 from minisgl.server_args import PortArgs, ServerArgs, resolve_server_args
@@ -226,6 +226,7 @@ def test_api_key_guards_every_route_but_health(tiny_model: str, tmp_path: Any) -
         assert c.get("/visualizer/history", params={"api_key": "s\u00e9kret"}).status_code in (401, 404)
         healthy["ok"] = False
         assert c.get("/health").status_code == 503
+        assert c.get("/health_generate").status_code == 503  # keyless too, and dead means no probe
     tm.close()
 
 
@@ -814,6 +815,43 @@ def test_fail_all_requests_answers_every_waiting_handler(tiny_model: str, tmp_pa
                 await asyncio.wait_for(first_w, 5)
             assert e.value.status_code == 503 and "died" in e.value.message
             assert tm.rid_to_state == {}
+        finally:
+            tm.close()
+
+    asyncio.run(run())
+
+
+def test_health_generate_needs_the_pipeline_to_answer(tiny_model: str, tmp_path: Any) -> None:
+    """/health only sees that the processes live; a stuck one answers nothing. The probe is a
+    one-token request that must get an answer, and it stays out of the request metrics."""
+
+    async def run() -> None:
+        tm, sent = _recording_tm(tiny_model, tmp_path, refuse_generate=False)
+        try:
+            assert await tm.health_generate(timeout=0.3) is False  # nothing answers: a stuck pipeline
+            await asyncio.sleep(0.05)  # the cancelled probe aborts its rid, as a disconnect would
+            probes = [m for m in sent if isinstance(m, TokenizedGenerateReqInput)]
+            assert len(probes) == 1 and probes[0].rid.startswith("HEALTH_CHECK_")
+            assert probes[0].sampling_params.max_new_tokens == 1
+            assert [m.rid for m in sent if isinstance(m, AbortReq)] == [probes[0].rid]
+
+            def answer(msg: Any) -> None:  # a scheduler that works: the one token comes back
+                sent.append(msg)
+                if isinstance(msg, TokenizedGenerateReqInput):
+                    done = _str_out(msg.rid, "x", [5], 1, {"type": "length", "length": 1})
+                    asyncio.get_running_loop().call_later(0.05, tm._dispatch, done)
+
+            tm._send_to_scheduler = answer  # type: ignore[method-assign]
+            def finished_requests() -> Any:
+                name = "sglang:e2e_request_latency_seconds_count"
+                return tm.metrics.registry.get_sample_value(name, tm.metrics.labels)
+
+            tm.metrics.e2e_request_latency.labels(**tm.metrics.labels)  # the series exists, at 0
+            assert finished_requests() == 0
+            assert await tm.health_generate(timeout=5) is True
+            await asyncio.sleep(0.1)
+            assert not tm._health_checks  # the probe finished by itself
+            assert finished_requests() == 0
         finally:
             tm.close()
 

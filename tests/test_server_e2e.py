@@ -448,6 +448,12 @@ def test_metrics_parse_and_counters_move(server: Server) -> None:
     assert _metric(server, "sglang:token_usage") == _load(server)["token_usage"]
 
 
+def test_health_generate_runs_a_token_through_the_pipeline(server: Server) -> None:
+    finished = _metric(server, "sglang:e2e_request_latency_seconds_count")
+    assert httpx.get(server.url + "/health_generate", timeout=30).status_code == 200
+    assert _metric(server, "sglang:e2e_request_latency_seconds_count") == finished  # a probe, not a request
+
+
 def test_flush_cache(server: Server) -> None:
     _client(server).completions.create(model=server.model, prompt=PROMPTS[0], max_tokens=2, temperature=0)
     assert _load(server)["evictable_tokens"] > 0  # something cached to flush

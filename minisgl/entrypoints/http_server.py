@@ -130,7 +130,8 @@ def create_app(
         def _public(path: str) -> bool:
             # The page's JS and CSS are the same for everyone (nothing secret in them), and a
             # <script src> / <link href> cannot carry the key: without this the page is dead.
-            return path == "/health" or path.startswith("/visualizer/static/")
+            # The health routes are for load balancers and probes, which carry no key (SGLang's rule).
+            return path in ("/health", "/health_generate") or path.startswith("/visualizer/static/")
 
         @app.middleware("http")
         async def _check_api_key(request: Request, call_next: Any) -> Response:
@@ -166,7 +167,15 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
+        """Liveness: every process and the receive loop are alive."""
         return Response(status_code=200 if is_healthy() else 503)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        """Readiness, as SGLang's: a one-token request, and something must come back within 20 s."""
+        if not is_healthy():
+            return Response(status_code=503)
+        return Response(status_code=200 if await tm.health_generate() else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -41,6 +41,7 @@ class GenerateReqInput:
     top_logprobs_num: int = 0
     stream: bool = False
     priority: Optional[int] = None
+    log_metrics: bool = True  # False for /health_generate's probe (SGLang's field)
     # filled by normalize_batch_and_arguments()
     is_single: bool = True
     batch_size: int = 1

@@ -45,6 +45,7 @@ from minisgl.managers.io_struct import (
     TokenizedGenerateReqInput,
     decode,
     encode,
+    new_rid,
 )
 from minisgl.sampling.sampling_params import SamplingParams
 from minisgl.server_args import PortArgs, ServerArgs
@@ -54,6 +55,8 @@ logger = logging.getLogger("minisgl.tokenizer_manager")
 
 # SGLANG_REQUEST_STATE_WAIT_TIMEOUT: how often a waiting request checks for a gone client.
 REQUEST_STATE_WAIT_TIMEOUT = float(os.environ.get("MINISGL_REQUEST_STATE_WAIT_TIMEOUT", "4"))
+# SGLang's HEALTH_CHECK_TIMEOUT: how long /health_generate waits for the pipeline to answer.
+HEALTH_CHECK_TIMEOUT = 20.0
 # A backlog this long means the client reads slower than the engine writes (seed 004).
 STREAMING_BACKLOG_WARN = 20
 
@@ -258,6 +261,7 @@ class TokenizerManager:
         # previous step's load or flush result, and every later caller one behind).
         self._control_counts: Dict[type, List[int]] = {}
         self.last_receive_tstamp = time.time()
+        self._health_checks: Set[asyncio.Task] = set()  # /health_generate probes still running
 
     # ------------------------------------------------------------------ generate
     async def generate_request(self, obj: GenerateReqInput, request: Any = None) -> AsyncIterator[Dict[str, Any]]:
@@ -524,12 +528,11 @@ class TokenizerManager:
     async def handle_loop(self) -> None:
         """Receive BatchStrOutput and control replies forever; fill ReqStates."""
         while True:
-            recv = decode(await self.recv_from_detokenizer.recv())
-            self.last_receive_tstamp = time.time()
-            self._dispatch(recv)
+            self._dispatch(decode(await self.recv_from_detokenizer.recv()))
 
     def _dispatch(self, recv: Any) -> None:
         """One message from the detokenizer (outputs) or the scheduler (control replies)."""
+        self.last_receive_tstamp = time.time()  # what /health_generate watches
         if isinstance(recv, BatchStrOutput):
             self._handle_batch_output(recv)
         elif type(recv) in self._control_counts:
@@ -570,17 +573,48 @@ class TokenizerManager:
             }
             out = {"text": recv.output_strs[i], "output_ids": list(recv.output_ids[i]), "meta_info": meta_info}
             is_abort = isinstance(finish_reason, dict) and finish_reason.get("type") == "abort"
-            if not is_abort:
+            log_metrics = state.obj.log_metrics and not is_abort
+            if log_metrics:
                 self.metrics.observe_output(state, recv.completion_tokens[i], now)
             if finish_reason is not None:
                 state.finished = True
                 state.finished_time = now
                 meta_info["e2e_latency"] = now - state.created_time
                 del self.rid_to_state[rid]
-                if not is_abort:
+                if log_metrics:
                     self.metrics.observe_finished(state, recv.prompt_tokens[i], recv.completion_tokens[i], recv.cached_tokens[i])
             state.out_list.append(out)
             state.event.set()
+
+    async def health_generate(self, timeout: float = HEALTH_CHECK_TIMEOUT) -> bool:
+        """SGLang's /health_generate: send a one-token request and report whether the
+        pipeline (scheduler, model, detokenizer) answers anything within `timeout`.
+
+        Any output counts, not only this request's: a busy server answers others' requests
+        at once. A process that is alive but stuck (a deadlock, a stopped process) answers
+        nothing, which /health, a liveness check, cannot see."""
+        tic = time.time()
+        obj = GenerateReqInput(
+            input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0}, rid=f"HEALTH_CHECK_{new_rid()}"
+        )
+
+        obj.log_metrics = False  # a probe, not a request: kept out of /metrics, as in SGLang
+
+        async def run() -> None:
+            async for _ in self.generate_request(obj):
+                pass
+
+        # on success the one-token request finishes by itself; on failure it is cancelled,
+        # which aborts it as a client disconnect would
+        task = asyncio.get_running_loop().create_task(run())
+        self._health_checks.add(task)
+        task.add_done_callback(self._health_checks.discard)
+        while time.time() < tic + timeout:
+            if self.last_receive_tstamp > tic:
+                return True
+            await asyncio.sleep(0.05)
+        task.cancel()
+        return False
 
     def fail_all_requests(self, message: str, status_code: int = 503) -> None:
         """End every request in flight as an abort carrying `message`, here, as the scheduler's
