@@ -277,6 +277,8 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
     model_path = args.model_path or BUILTIN_MODEL_DIR
     if is_missing_local_dir(model_path):  # refused here, before any process starts
         raise ValueError(f"Model directory {model_path!r} does not exist")
+    if args.tokenizer_path is not None and is_missing_local_dir(args.tokenizer_path):
+        raise ValueError(f"Tokenizer directory {args.tokenizer_path!r} does not exist")
     return dataclasses.replace(
         args,
         device=device,

@@ -43,6 +43,7 @@ def test_settings_that_cannot_work_are_one_line_errors_not_tracebacks() -> None:
         (["serve", "--log-level", "verbose"], "--log-level must be one of debug, info"),
         (["serve", "--random-seed", str(2**64)], "--random-seed must be in [-2**63, 2**64)"),  # (the scheduler died)
         (["serve", "--model-path", "/no/such/dir"], "Model directory '/no/such/dir' does not exist"),  # (before any child)
+        (["serve", "--tokenizer-path", "/no/such/tok"], "Tokenizer directory '/no/such/tok' does not exist"),  # (165 lines from two processes)
         (["serve", "--device", "cpu", "--attention-backend", "triton"], "--attention-backend triton needs a GPU"),
     ]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # (conftest sets it for the kernel tests)
@@ -69,6 +70,7 @@ def test_serve_with_a_model_it_cannot_find_fails_once_with_the_schedulers_messag
     assert "minisgl server failed: minisgl-scheduler failed to start" in proc.stderr
     assert "Cannot find model 'minisgl-test/no-such-model'" in proc.stderr and "hf download" in proc.stderr
     assert "Cannot load the tokenizer" not in proc.stderr
+    assert "Traceback" not in proc.stderr  # an expected refusal is one line per process, not a traceback
 
 
 def test_serve_on_a_port_in_use_fails_before_loading_the_model(tiny_model: str) -> None:

@@ -347,7 +347,10 @@ def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs, pipe_w
         pipe_writer.send({"status": "ready"})
         manager.event_loop()
     except Exception as e:
-        logger.exception("DetokenizerManager hit an exception")
+        if isinstance(e, ValueError):  # e.g. a tokenizer it cannot load: the message says which
+            logger.error("DetokenizerManager failed: %s", e)
+        else:
+            logger.exception("DetokenizerManager hit an exception")
         try:
             pipe_writer.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
         except (OSError, ValueError):

@@ -690,7 +690,10 @@ def run_scheduler_process(server_args: ServerArgs, port_args: Any, pipe_writer: 
             }
         )
     except Exception as e:  # start-up failed: say why on the pipe, exit non-zero
-        logger.exception("Scheduler failed to start")
+        if isinstance(e, ValueError):  # a setting or a model minisgl refuses: the message says what to change
+            logger.error("Scheduler failed to start: %s", e)
+        else:
+            logger.exception("Scheduler failed to start")
         pipe_writer.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
         sys.exit(1)
     try:
