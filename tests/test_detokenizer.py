@@ -343,6 +343,7 @@ def test_soft_watchdog_reports_a_slow_iteration_once(caplog: pytest.LogCaptureFi
             wd.feed()
         assert wd.num_timeouts == 1
         assert "Unit watchdog timeout" in caplog.text and "slow-1" in caplog.text
+        assert "--soft-watchdog-timeout" in caplog.text
     finally:
         wd.stop()
 

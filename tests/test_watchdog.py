@@ -32,4 +32,5 @@ def test_hard_watchdog_exits_the_process_when_an_iteration_hangs() -> None:
     assert proc.returncode == 1
     assert time.monotonic() - start < 10
     assert "Scheduler watchdog timeout" in proc.stderr and "rids: [hung]" in proc.stderr
+    assert "(> --watchdog-timeout 0.2s)" in proc.stderr  # its own flag (it named the soft one)
     assert "still alive" not in proc.stdout

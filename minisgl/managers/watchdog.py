@@ -35,6 +35,8 @@ _STACK_FRAMES = 6
 
 
 class SoftWatchdog:
+    flag = "--soft-watchdog-timeout"  # the setting its timeout comes from, named in the report
+
     def __init__(
         self,
         debug_name: str,
@@ -111,12 +113,14 @@ class SoftWatchdog:
         stack = "".join(traceback.format_stack(frame)[-_STACK_FRAMES:]) if frame is not None else "(thread gone)\n"
         logger.warning(
             f"{self.debug_name} watchdog timeout: one iteration has run {elapsed:.2f}s "
-            f"(> soft_watchdog_timeout {self.timeout}s); {what}\nStack of the stuck loop:\n{stack}"
+            f"(> {self.flag} {self.timeout}s); {what}\nStack of the stuck loop:\n{stack}"
         )
 
 
 class HardWatchdog(SoftWatchdog):
     """Like SoftWatchdog, but a stalled iteration ends the process (exit status 1)."""
+
+    flag = "--watchdog-timeout"
 
     def _report(self, elapsed: float) -> None:
         super()._report(elapsed)
