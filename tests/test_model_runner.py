@@ -61,6 +61,16 @@ def test_cpu_pool_from_budget_and_cap(tiny_model: str) -> None:
     assert big.max_running_requests == 5000 and big.req_to_token_pool.size == 5000
 
 
+def test_a_context_longer_than_the_model_was_trained_for_is_refused_unless_allowed(
+    tiny_model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang refuses it (it was accepted with a warning); its environment switch allows it."""
+    with pytest.raises(ValueError, match="longer than the model's max_position_embeddings"):
+        make_runner(tiny_model, context_length=4096)  # the tiny config's max_position_embeddings is 2048
+    monkeypatch.setenv("MINISGL_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "1")
+    assert make_runner(tiny_model, context_length=4096).model_config.context_len == 4096
+
+
 def test_one_rope_table_for_the_model_sized_by_the_context(tiny_model: str) -> None:
     """Every layer reads the same cos/sin table, [context_len, D]: memory a long-context model would lose to the KV pool."""
     runner = make_runner(tiny_model, context_length=256)

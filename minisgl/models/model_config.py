@@ -176,6 +176,14 @@ def _context_len(window: Optional[int], max_pos: int, requested: Optional[int]) 
     """
     context_len = requested or max_pos
     if requested and requested > max_pos:
+        # SGLang's rule: positions past what the model was trained on give garbage, so a longer
+        # context is refused unless the user says they know (SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN)
+        if os.environ.get("MINISGL_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "0") not in ("1", "true", "True"):
+            raise ValueError(
+                f"--context-length {requested} is longer than the model's max_position_embeddings ({max_pos}), "
+                "which may give incorrect outputs; use a shorter one, or set "
+                "MINISGL_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 to allow it"
+            )
         logger.warning("context_length %d exceeds max_position_embeddings %d of the model", requested, max_pos)
     if window and window < context_len:
         logger.warning("capping context_len %d to the model's sliding_window %d", context_len, window)
