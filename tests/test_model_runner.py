@@ -201,6 +201,61 @@ def test_llama3_rope_without_original_max_position_embeddings_defaults_as_transf
         parse_rope({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}})
 
 
+def test_llama3_top_level_original_max_position_embeddings_wins_as_in_transformers(
+    tiny_model_factory: Callable[..., str], tmp_path: Any
+) -> None:
+    """transformers (and SGLang's Llama) take the top-level value over the rope dict's; minisgl
+    took the dict's, and every rope frequency came out different (logits off by ~1.5)."""
+    import transformers as tf
+
+    def cfg(d: dict) -> None:
+        d.pop("rope_scaling", None)
+        d["rope_parameters"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 64, "rope_theta": 5e5}  # fmt: skip
+        d["original_max_position_embeddings"] = 16
+
+    path = _copy_with(tiny_model_factory("llama"), str(tmp_path / "m"), cfg)
+    ours = ModelConfig.from_pretrained(path).rope_scaling
+    assert ours is not None and ours["original_max_position_embeddings"] == 16
+    hf = tf.AutoModelForCausalLM.from_pretrained(path)  # the model standardizes its config's rope
+    assert hf.config.rope_parameters["original_max_position_embeddings"] == 16
+
+
+def test_transformers_spellings_of_supported_settings_are_accepted(tiny_model: str, tmp_path: Any) -> None:
+    """hidden_act "swish" is SiLU and partial_rotary_factor null is full rotary in transformers."""
+    path = _copy_with(tiny_model, str(tmp_path / "m"), lambda d: d.update(hidden_act="swish", partial_rotary_factor=None))
+    ModelConfig.from_pretrained(path)  # both were refused
+
+
+def test_a_tied_checkpoints_lm_head_is_the_embedding_or_refused(tiny_model_factory: Callable[..., str], tmp_path: Any) -> None:
+    """A tied model's stored lm_head.weight was dropped unseen: a different matrix (transformers 5
+    unties the two) is refused now, and a checkpoint storing the tied matrix only under the
+    head's name loads (it was "missing model.embed_tokens.weight")."""
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_model_factory("llama", tie_word_embeddings=True)
+    prompt = [[5, 9, 200, 31, 7, 77]]
+    d = BatchDriver(make_runner(src))
+    reference = d.extend([d.new_req()], prompt).next_token_logits
+
+    def rewrite(name: str, edit: Callable[[Dict[str, Any]], None]) -> str:
+        path = _copy_with(src, str(tmp_path / name))
+        weights = load_file(os.path.join(path, "model.safetensors"))
+        edit(weights)
+        save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        return path
+
+    embed = "model.embed_tokens.weight"
+    distinct = rewrite("distinct", lambda w: w.update({"lm_head.weight": w[embed] + 1.0}))
+    with pytest.raises(ValueError, match="lm_head.weight differs from model.embed_tokens.weight; set tie_word_embeddings to false"):
+        make_runner(distinct)
+    head_only = rewrite("head-only", lambda w: w.update({"lm_head.weight": w.pop(embed)}))
+    d = BatchDriver(make_runner(head_only))
+    torch.testing.assert_close(d.extend([d.new_req()], prompt).next_token_logits, reference)
+    same = rewrite("copy", lambda w: w.update({"lm_head.weight": w[embed].clone()}))
+    make_runner(same)  # an equal copy, as most tied checkpoints store, loads as before
+
+
 def test_quantized_checkpoints_are_refused_by_name(tiny_model: str, tmp_path: Any) -> None:
     def quantized(d: dict) -> None:
         d["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
@@ -321,22 +376,35 @@ def test_idle_forward_returns_no_logits(tiny_model: str) -> None:
     assert r.forward(fb).next_token_logits.shape == (0, r.model_config.vocab_size)
 
 
-def test_mistral_sliding_window_caps_the_context(tiny_model_factory: Callable[..., str]) -> None:
+def test_mistral_sliding_window_caps_the_context(tiny_model_factory: Callable[..., str], tmp_path: Any) -> None:
     path = tiny_model_factory("mistral", sliding_window=128)
     assert ModelConfig.from_pretrained(path).context_len == 128
+    # a hand-written config without the key has MistralConfig's default window, 4096 (it had none)
+    no_key = _copy_with(path, str(tmp_path / "no-key"), lambda d: (d.pop("sliding_window"), d.update(max_position_embeddings=8192)))
+    assert ModelConfig.from_pretrained(no_key).context_len == 4096
     assert ModelConfig.from_pretrained(tiny_model_factory("qwen3")).context_len == 2048  # use_sliding_window False
 
 
-@pytest.mark.parametrize("use_sliding_window, context_len", [(None, 2048), (False, 2048), (True, 128)])
-def test_qwen2_window_counts_only_when_switched_on(tiny_model_factory: Callable[..., str], tmp_path: Any,
-                                                   use_sliding_window: Optional[bool], context_len: int) -> None:  # fmt: skip
-    """transformers' Qwen2 ignores sliding_window unless use_sliding_window (default off), even when the key is absent."""
+@pytest.mark.parametrize(
+    "use_sliding_window, max_window_layers, context_len",
+    [(None, 0, 2048), (False, 0, 2048), (True, 0, 128), (True, 1, 128), (True, 2, 2048), (True, None, 2048)],
+)
+def test_qwen2_window_counts_only_when_switched_on_and_some_layer_slides(
+    tiny_model_factory: Callable[..., str], tmp_path: Any,
+    use_sliding_window: Optional[bool], max_window_layers: Optional[int], context_len: int,
+) -> None:  # fmt: skip
+    """transformers' Qwen2 ignores sliding_window unless use_sliding_window (default off), and
+    then slides only the layers from max_window_layers on (or those `layer_types` names; the
+    saved config's, all full attention, for None): with no sliding layer the context is whole."""
 
     def cfg(d: dict) -> None:
         d["sliding_window"] = 128
         d.pop("use_sliding_window", None)
         if use_sliding_window is not None:
             d["use_sliding_window"] = use_sliding_window
+        if max_window_layers is not None:  # 2 layers: 0 and 1 slide some, 2 none
+            d.pop("layer_types", None)
+            d["max_window_layers"] = max_window_layers
 
     path = _copy_with(tiny_model_factory("qwen2"), str(tmp_path / "m"), cfg)
     assert ModelConfig.from_pretrained(path).context_len == context_len

@@ -162,11 +162,13 @@ class DecoderForCausalLM(nn.Module):
         """Copy checkpoint tensors into the parameters; every parameter must be filled exactly once."""
         params = dict(self.named_parameters())
         loaded: Set[str] = set()
+        tied_head: Optional[torch.Tensor] = None
         for name, tensor in weights:
             if name.endswith(IGNORED_WEIGHT_SUFFIXES):
                 continue
-            if name.startswith("lm_head.") and self.lm_head is None:
-                continue  # tied checkpoints may still store a copy of the embedding
+            if name == "lm_head.weight" and self.lm_head is None:
+                tied_head = tensor  # tied checkpoints may store a copy of the embedding (checked below)
+                continue
             target, shard_id = name, None
             for ckpt_part, param_part, sid in STACKED_PARAMS:
                 if ckpt_part in name:
@@ -184,10 +186,28 @@ class DecoderForCausalLM(nn.Module):
             except ValueError as e:  # name the tensor: a config that disagrees with its weights
                 raise ValueError(f"checkpoint tensor {name!r} does not fit {target!r}: {e}") from None
             loaded.add(f"{target}:{shard_id}")
+        if tied_head is not None:
+            self._load_tied_head(tied_head, params["model.embed_tokens.weight"], loaded)
         expected = {f"{n}:{s}" for n in params for s in _shards_of(n)}
         missing = sorted(_checkpoint_name(key) for key in expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+
+    @staticmethod
+    def _load_tied_head(head: torch.Tensor, embed: torch.nn.Parameter, loaded: Set[str]) -> None:
+        """A tied model's lm_head.weight: the embedding itself when the checkpoint stores only
+        the head's name, else a copy that must equal it. A different matrix would be dropped
+        without a word (transformers 5 unties the two instead): refused, naming the fix."""
+        key = "model.embed_tokens.weight:None"
+        if key not in loaded:
+            default_weight_loader(embed, head)
+            loaded.add(key)
+        elif not torch.equal(embed.data, head.to(device=embed.device, dtype=embed.dtype)):
+            raise ValueError(
+                "tie_word_embeddings is true, but the checkpoint's lm_head.weight differs from "
+                "model.embed_tokens.weight; set tie_word_embeddings to false in config.json to use the stored head"
+            )
 
 
 def _checkpoint_name(key: str) -> str:

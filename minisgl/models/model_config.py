@@ -66,7 +66,7 @@ class ModelConfig:
                 f"Quantized checkpoints are not supported (quantization_config.quant_method={method!r}); "
                 "use the model's unquantized (bf16/fp16/fp32) checkpoint"
             )
-        if cfg.get("hidden_act", "silu") != "silu":
+        if cfg.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers' "swish" is SiLU
             raise ValueError(f"Unsupported hidden_act {cfg['hidden_act']!r}; minisgl's MLP is gated SiLU")
         num_heads = int(cfg["num_attention_heads"])
         rope_theta, rope_scaling = parse_rope(cfg)
@@ -147,7 +147,7 @@ def parse_rope(cfg: Dict[str, Any]) -> Tuple[float, Optional[Dict[str, Any]]]:
     scaling: Optional[Dict[str, Any]] = dict(params) if params else None
     theta = float((scaling or {}).pop("rope_theta", cfg.get("rope_theta", 10000.0)))
     partial = (scaling or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
+    if partial is not None and partial != 1.0:  # None: transformers' full rotary
         raise ValueError(f"partial_rotary_factor={partial} is not supported (minisgl rotates the whole head)")
     if scaling is None:
         return theta, None
@@ -157,11 +157,11 @@ def parse_rope(cfg: Dict[str, Any]) -> Tuple[float, Optional[Dict[str, Any]]]:
     if rope_type == "default":
         return theta, None
     scaling = {**scaling, "rope_type": rope_type}
-    if rope_type == "llama3":  # transformers fills it in the same way (standardize_rope_params)
-        scaling.setdefault(
-            "original_max_position_embeddings",
-            cfg.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 2048)),
-        )
+    if rope_type == "llama3":  # as transformers' standardize_rope_params (and SGLang's Llama):
+        if "original_max_position_embeddings" in cfg:  # the top-level value wins over the dict's
+            scaling["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+        else:
+            scaling.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings", 2048))
     missing = [k for k in ROPE_REQUIRED_KEYS[rope_type] if k not in scaling]
     if missing:
         raise ValueError(f"rope_scaling of type {rope_type!r} needs {missing} in config.json")

@@ -31,11 +31,20 @@ def _const(value: bool) -> Callable[[HFConfig], bool]:
 
 
 def _window(cfg: HFConfig) -> Optional[int]:
-    return cfg.get("sliding_window") or None
+    # a missing key is transformers' class default (Mistral, Qwen2, Qwen3: 4096); null is none
+    return cfg.get("sliding_window", 4096) or None
 
 
 def _window_if_used(cfg: HFConfig) -> Optional[int]:
-    return _window(cfg) if cfg.get("use_sliding_window", False) else None  # transformers' default: off
+    """Qwen2/Qwen3: a window only with use_sliding_window (transformers' default: off) and only
+    if some layer slides: `layer_types`, else the layers from `max_window_layers` on."""
+    if not cfg.get("use_sliding_window", False):
+        return None
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        first = int(cfg.get("max_window_layers", 28))  # Qwen2Config's default
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(int(cfg["num_hidden_layers"]))]
+    return _window(cfg) if "sliding_attention" in layer_types else None
 
 
 def _no_window(cfg: HFConfig) -> Optional[int]:
