@@ -148,3 +148,55 @@ def test_freeze_gc_passes_through_scheduler_and_detokenizer(tiny_model):
         assert len(calls) == 1 and len(out["output_ids"]) == 2
     finally:
         gc.unfreeze()
+
+
+def test_calls_from_two_threads_take_turns(tiny_model):
+    """A generate() in a background thread while the notebook adds and steps: the two drove one
+    scheduler at once (AssertionErrors, a wrong greedy answer, a KV leak at the idle check)."""
+    import threading
+
+    with Engine(tiny_model, device="cpu", max_total_tokens=2048) as engine:
+        params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+        reference = engine.generate("a background job", params)["output_ids"]
+        box = {}
+        worker = threading.Thread(target=lambda: box.update(out=engine.generate("a background job", params)))
+        worker.start()
+        errors = []
+        for i in range(30):
+            try:
+                rid = engine.add_request(f"foreground {i}", {"temperature": 0, "max_new_tokens": 2})
+                while not engine.rid_to_state[rid].finished:
+                    engine.step()
+                engine.get_result(rid)
+            except Exception as e:  # noqa: BLE001 - every failure is the finding
+                errors.append(repr(e))
+        worker.join(timeout=120)
+        assert errors == [] and box["out"]["output_ids"] == reference
+        engine.run_until_idle()
+        engine.step()  # the idle check (pool accounting) runs here and raises on a leak
+
+
+def test_a_stream_whose_request_is_collected_elsewhere_ends_or_says_why(engine):
+    """get_result on the last chunk's rid, or the widget's Reset mid-stream, gave a bare KeyError."""
+    chunks = []
+    for chunk in engine.generate("collected", GREEDY, stream=True):
+        chunks.append(chunk)
+        if chunk["meta_info"]["finish_reason"] is not None:
+            engine.get_result(chunk["meta_info"]["id"])  # the caller takes the result itself
+    assert len(chunks) == 6
+    stream = engine.generate("reset midway", {**GREEDY, "max_new_tokens": 30}, stream=True)
+    first = next(stream)
+    engine.abort(first["meta_info"]["id"])
+    engine.run_until_idle()
+    engine.get_result(first["meta_info"]["id"])  # what the widget's Reset does to every rid
+    with pytest.raises(RuntimeError, match="was collected elsewhere"):
+        list(stream)
+    assert engine.rid_to_state == {}
+
+
+def test_a_finished_uncollected_rid_says_how_to_free_it(engine):
+    rid = engine.add_request("kept", GREEDY, rid="kept")
+    engine.run_until_idle()
+    with pytest.raises(ValueError, match=r"rid 'kept' finished, but its result was not collected: engine.get_result\('kept'\)"):
+        engine.add_request("again", GREEDY, rid="kept")
+    engine.get_result(rid)

@@ -1,4 +1,4 @@
-"""Engine: the whole serving stack in one process and one thread, no sockets (DESIGN.md).
+"""Engine: the whole serving stack in one process, no sockets (DESIGN.md).
 
 Where it sits: the in-process twin of the server. It runs the same objects the server's
 processes run, with direct calls in place of ZMQ:
@@ -11,7 +11,8 @@ processes run, with direct calls in place of ZMQ:
 `step()` runs exactly one scheduler iteration and returns `snapshot()` (docs/snapshot.md),
 so a notebook can watch the scheduler decide, one batch at a time.
 Owns: the ModelRunner, the Scheduler, the DetokenizerManager, one tokenizer, and a
-`_ReqState` per request submitted and not yet collected.
+`_ReqState` per request submitted and not yet collected. Every call runs in its caller's
+thread; calls from several threads take turns (one lock: a step, or a call, at a time).
 
 Results have the TokenizerManager's shape (docs/engine.md): `meta_info` always carries
 `output_token_logprobs` [(logprob, id)] and `output_top_logprobs` [[(logprob, id)] * k],
@@ -21,12 +22,13 @@ empty unless asked for; a streamed chunk carries the deltas, a final result the 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 from minisgl.managers.io_struct import AbortReq, BatchStrOutput, GenerateReqInput, TokenizedGenerateReqInput, new_rid
 from minisgl.managers.tokenization import tokenize_one_request, validate_context_length
@@ -37,6 +39,17 @@ logger = logging.getLogger("minisgl")
 
 Prompt = Union[str, List[str], None]
 InputIds = Union[List[int], List[List[int]], None]
+
+
+def _locked(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run an Engine method holding the Engine's lock (reentrant: generate() steps inside it)."""
+
+    @functools.wraps(method)
+    def wrapper(self: "Engine", *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 @dataclass
@@ -76,8 +89,12 @@ class Engine:
         self.context_len: int = self.model_runner.model_config.context_len
         self.rid_to_state: Dict[str, _ReqState] = {}
         self._closed = False
+        # One scheduler, driven by whoever calls: calls from several threads (a generate() in a
+        # background thread while a notebook steps) take turns, one step or call at a time.
+        self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ submission
+    @_locked
     def add_request(
         self,
         prompt: Optional[str] = None,
@@ -117,6 +134,10 @@ class Engine:
         if not obj.is_single:
             raise ValueError("add_request takes a single prompt; pass a list to generate()")
         if obj.rid in self.rid_to_state:
+            if self.rid_to_state[obj.rid].finished:
+                raise ValueError(
+                    f"rid {obj.rid!r} finished, but its result was not collected: engine.get_result({obj.rid!r}) frees the rid"
+                )
             raise ValueError(f"rid {obj.rid!r} is already in flight")
         tokenized = tokenize_one_request(self.tokenizer, obj, self.vocab_size)
         validate_context_length(
@@ -132,6 +153,7 @@ class Engine:
         self.scheduler.process_input_requests(requests)
         self._drain_outputs()  # a request rejected at the gate (queue full) finishes here
 
+    @_locked
     def _submit(
         self, prompt: Prompt, sampling_params: Any, input_ids: InputIds, stream: bool, **kwargs: Any
     ) -> tuple[List[str], bool]:
@@ -192,7 +214,7 @@ class Engine:
             next(stream)  # enter its try: from here, even an iterator dropped unread releases its requests
             return stream
         try:
-            while not all(self.rid_to_state[r].finished for r in rids):
+            while not self._all_finished(rids):
                 self.step(snapshot=False)
         except BaseException:
             # Ctrl-C in a notebook (or an error): abort what is left, so nothing keeps decoding
@@ -200,8 +222,22 @@ class Engine:
             if not self._closed:
                 self._release(rids)
             raise
-        results = [self._pop_result(r) for r in rids]
+        with self._lock:
+            results = [self._pop_result(r) for r in rids]
         return results[0] if single else results
+
+    @_locked
+    def _all_finished(self, rids: List[str]) -> bool:
+        return all(self._state_of(rid).finished for rid in rids)
+
+    def _state_of(self, rid: str) -> _ReqState:
+        """The state of a request this call is waiting for; a clear error if another call took it."""
+        state = self.rid_to_state.get(rid)
+        if state is None:
+            raise RuntimeError(
+                f"request {rid!r} was collected elsewhere (get_result, or the widget's Reset) while this call waited for it"
+            )
+        return state
 
     def _stream(self, rids: List[str], single: bool) -> Iterator[Dict[str, Any]]:
         """Incremental dicts (text, output_ids and logprob deltas) as the scheduler produces them.
@@ -215,14 +251,15 @@ class Engine:
         try:
             yield {}  # consumed by generate()
             while True:
-                if self._closed:  # (a stream never read lands here after shutdown())
-                    raise RuntimeError("the Engine was shut down while this stream was open; its requests were aborted")
                 ready: List[Dict[str, Any]] = []
-                for index, rid in enumerate(rids):
-                    state = self.rid_to_state[rid]
-                    ready += [chunk if single else {**chunk, "index": index} for chunk in state.pending]
-                    state.pending.clear()
-                finished = all(self.rid_to_state[r].finished for r in rids)
+                with self._lock:  # (released before yielding: a paused stream blocks no one)
+                    if self._closed:  # (a stream never read lands here after shutdown())
+                        raise RuntimeError("the Engine was shut down while this stream was open; its requests were aborted")
+                    for index, rid in enumerate(rids):
+                        state = self._state_of(rid)
+                        ready += [chunk if single else {**chunk, "index": index} for chunk in state.pending]
+                        state.pending.clear()
+                    finished = all(self.rid_to_state[r].finished for r in rids)
                 for chunk in ready:
                     yield chunk
                     if self._closed:  # shutdown() ran while the caller held this chunk
@@ -235,9 +272,11 @@ class Engine:
             if not self._closed:
                 self._release(rids)
 
+    @_locked
     def _release(self, rids: List[str]) -> None:
         """Abort what a caller left unfinished, step until the scheduler let it go, forget it all."""
-        unfinished = [r for r in rids if not self.rid_to_state[r].finished]
+        # (a rid collected elsewhere meanwhile, by get_result or the widget's Reset, is gone already)
+        unfinished = [r for r in rids if r in self.rid_to_state and not self.rid_to_state[r].finished]
         for rid in unfinished:
             self.abort(rid)
         # a running request is aborted at its next forward (SGLang's method 3)
@@ -247,9 +286,10 @@ class Engine:
                 break
             self.step(snapshot=False)
         for rid in rids:
-            self.rid_to_state.pop(rid)
+            self.rid_to_state.pop(rid, None)
 
     # ------------------------------------------------------------------ stepping
+    @_locked
     def step(self, snapshot: bool = True) -> Optional[Dict[str, Any]]:
         """One scheduler iteration; returns the snapshot of the scheduler after it.
 
@@ -263,6 +303,7 @@ class Engine:
             self.scheduler.self_check_during_idle()  # as the server's loop does before it blocks
         return self.scheduler.snapshot() if snapshot else None
 
+    @_locked
     def snapshot(self) -> Dict[str, Any]:
         self._check_open()
         return self.scheduler.snapshot()
@@ -325,7 +366,8 @@ class Engine:
 
     def _pop_result(self, rid: str) -> Dict[str, Any]:
         """The whole answer: all text, ids and logprobs of every message (TokenizerManager._full_output)."""
-        state = self.rid_to_state.pop(rid)
+        state = self._state_of(rid)
+        del self.rid_to_state[rid]
         meta = {
             **state.meta_info,
             "output_token_logprobs": list(state.output_token_logprobs),
@@ -333,6 +375,7 @@ class Engine:
         }
         return {"text": state.text, "output_ids": state.output_ids, "meta_info": meta}
 
+    @_locked
     def get_result(self, rid: str) -> Dict[str, Any]:
         """The result of a finished request started with add_request (and forget it)."""
         self._check_open()
@@ -343,20 +386,24 @@ class Engine:
         return self._pop_result(rid)
 
     # ------------------------------------------------------------------ control
+    @_locked
     def abort(self, rid: str) -> None:
         """Abort a request (waiting, mid-chunk or running); its result carries finish type abort."""
         self._check_open()
         self.scheduler.abort_request(AbortReq(rid=rid))
         self._drain_outputs()
 
+    @_locked
     def flush_cache(self) -> bool:
         self._check_open()
         return self.scheduler.flush_cache().success
 
+    @_locked
     def get_load(self) -> Any:
         self._check_open()
         return self.scheduler.get_load()
 
+    @_locked
     def shutdown(self) -> None:
         """Abort everything in flight and drop the model, its KV pool and the scheduler holding them.
 
