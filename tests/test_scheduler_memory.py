@@ -116,3 +116,25 @@ def test_the_integrity_check_sees_a_row_pointing_at_a_freed_slot(tiny_model):
         sched.check_integrity()
         eng.abort(rid)
         eng.run_until_idle()
+
+
+def test_batch_full_says_whether_slots_or_kv_tokens_ran_out(tiny_model):
+    """After a NO_TOKEN stop, SGLang's batch_is_full holds admission with request slots free;
+    the adder record said "running batch is full", pointing a learner at the slots."""
+    from minisgl.visualizer.widget import demo_input_ids
+
+    with Engine(tiny_model, device="cpu", chunked_prefill_size=64, max_total_tokens=200, max_running_requests=8) as e:
+        for i in range(4):
+            e.add_request(input_ids=demo_input_ids(30, i), sampling_params={**GREEDY, "max_new_tokens": 40}, rid=f"r{i}")
+        assert e.step()["adder"]["stop_reason"] == "NO_TOKEN"
+        adder = e.step()["adder"]
+        assert adder["stop_reason"] == "BATCH_FULL" and adder["budgets"]["request_slots_left"] > 0
+        assert "ran out of KV tokens (NO_TOKEN)" in adder["stop_detail"]
+        e.run_until_idle()
+    with Engine(tiny_model, device="cpu", max_total_tokens=2048, max_running_requests=1) as e:
+        e.add_request(input_ids=demo_input_ids(8, 0), sampling_params={**GREEDY, "max_new_tokens": 5}, rid="a")
+        e.add_request(input_ids=demo_input_ids(8, 1), sampling_params={**GREEDY, "max_new_tokens": 5}, rid="b")
+        e.step()
+        adder = e.step()["adder"]
+        assert adder["stop_reason"] == "BATCH_FULL" and adder["stop_detail"] == "no request slot left (max_running_requests=1)"
+        e.run_until_idle()

@@ -415,7 +415,13 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         adder.record_stop("QUEUE_EMPTY", "every waiting request was admitted")
 
     def _record_without_adder(self, reason: str, running_bs: int) -> Dict[str, Any]:
-        detail = "running batch is full" if reason == "BATCH_FULL" else "waiting queue is empty"
+        slots = self.get_num_allocatable_reqs(running_bs)
+        if reason == "QUEUE_EMPTY":
+            detail = "waiting queue is empty"
+        elif slots <= 0:
+            detail = f"no request slot left (max_running_requests={self.max_running_requests})"
+        else:  # slots are free: SGLang's batch_is_full, set when admission last ran out of KV tokens
+            detail = "batch_is_full: the last admission ran out of KV tokens (NO_TOKEN); none until a request leaves"
         return {
             "stop_reason": reason,
             "stop_detail": detail,
@@ -427,7 +433,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
                 "chunked_prefill_size": self.chunked_prefill_size,
                 "prefill_max_requests": self.server_args.prefill_max_requests,
                 "num_admitted": 0,
-                "request_slots_left": self.get_num_allocatable_reqs(running_bs),
+                "request_slots_left": slots,
                 "total_tokens": self.max_total_num_tokens,
             },
             "admitted": [],
