@@ -90,3 +90,13 @@ def test_stepping_an_idle_engine_adds_no_second_bar_for_the_same_step(engine: An
     assert len(widget.timeline) == 1 and widget.timeline[0]["forward_mode"] == "EXTEND"
     assert len(re.findall(r'class="[^"]*\bcurrent\b', widget.panels["timeline"])) == 1
     engine.get_result("solo")
+
+
+def test_a_button_error_is_shown_in_the_widget(engine: Any) -> None:
+    """An Add request past the context raised inside the click callback: only the ipywidgets
+    log saw it, and the learner saw nothing happen."""
+    widget = SchedulerWidget(engine)
+    widget.prompt_len.value = engine.context_len + 10
+    widget.buttons["Add request"].click()
+    assert "error" in widget._header.value and "context length" in widget._header.value
+    assert not engine.has_unfinished_requests()

@@ -18,6 +18,7 @@ widget), `.timeline` (step summaries), `.finished` (finished records, oldest fir
 
 from __future__ import annotations
 
+import html
 from typing import Any, Dict, List, Optional
 
 from minisgl.visualizer.render import PANEL_NAMES, render_panels, web_dir
@@ -60,7 +61,7 @@ class SchedulerWidget:
         self.buttons: Dict[str, Any] = {}
         for label, action in buttons.items():
             button = w.Button(description=label)
-            button.on_click(lambda _b, act=action: act())
+            button.on_click(lambda _b, act=action: self._press(act))
             self.buttons[label] = button
         style = (web_dir() / "static" / "visualizer.css").read_text()
         self._style = w.HTML(f"<style>{style}</style>")
@@ -78,6 +79,14 @@ class SchedulerWidget:
         self._show(self.last_snapshot)
 
     # ------------------------------------------------------------------ actions
+    def _press(self, action: Any) -> None:
+        """A button's action. Its error (a prompt longer than the context, say) is shown above the
+        panels: raised from a click callback it would reach only the ipywidgets log, unseen."""
+        try:
+            action()
+        except (ValueError, RuntimeError) as e:
+            self._header.value = f'<div class="minisgl-viz-header"><b>error</b> {html.escape(str(e))}</div>'
+
     def step(self) -> Dict[str, Any]:
         """One scheduler iteration; returns the snapshot now shown."""
         snap = self.engine.step()
