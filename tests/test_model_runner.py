@@ -221,6 +221,17 @@ def test_llama3_top_level_original_max_position_embeddings_wins_as_in_transforme
     assert hf.config.rope_parameters["original_max_position_embeddings"] == 16
 
 
+def test_a_qwen3_config_without_head_dim_has_qwen3s_default(tiny_model_factory: Callable[..., str], tmp_path: Any) -> None:
+    """Qwen3Config's head_dim defaults to 128, not hidden / heads (Llama's rule, which minisgl
+    applied to every architecture): such a checkpoint failed on a weight shape."""
+    import transformers as tf
+
+    path = _copy_with(tiny_model_factory("qwen3"), str(tmp_path / "m"), lambda d: d.pop("head_dim"))
+    assert ModelConfig.from_pretrained(path).head_dim == tf.AutoConfig.from_pretrained(path).head_dim == 128
+    llama = _copy_with(tiny_model_factory("llama"), str(tmp_path / "l"), lambda d: d.pop("head_dim", None))
+    assert ModelConfig.from_pretrained(llama).head_dim == tf.AutoConfig.from_pretrained(llama).head_dim
+
+
 def test_transformers_spellings_of_supported_settings_are_accepted(tiny_model: str, tmp_path: Any) -> None:
     """hidden_act "swish" is SiLU and partial_rotary_factor null is full rotary in transformers."""
     path = _copy_with(tiny_model, str(tmp_path / "m"), lambda d: d.update(hidden_act="swish", partial_rotary_factor=None))

@@ -69,6 +69,7 @@ class ModelConfig:
         if cfg.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers' "swish" is SiLU
             raise ValueError(f"Unsupported hidden_act {cfg['hidden_act']!r}; minisgl's MLP is gated SiLU")
         num_heads = int(cfg["num_attention_heads"])
+        head_dim = cfg["head_dim"] if "head_dim" in cfg else spec.head_dim  # absent: the config class's default
         rope_theta, rope_scaling = parse_rope(cfg)
         max_pos = int(cfg.get("max_position_embeddings", 2048))
         return cls(
@@ -80,7 +81,7 @@ class ModelConfig:
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // num_heads),
+            head_dim=int(head_dim or cfg["hidden_size"] // num_heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,

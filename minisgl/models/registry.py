@@ -58,6 +58,7 @@ class ArchSpec:
     mlp_bias: Callable[[HFConfig], bool]
     qk_norm: bool
     sliding_window: Callable[[HFConfig], Optional[int]]  # the window attention uses, or None
+    head_dim: Optional[int] = None  # the config class's default when config.json has no head_dim
 
 
 ARCHITECTURES: Dict[str, ArchSpec] = {
@@ -71,7 +72,7 @@ ARCHITECTURES: Dict[str, ArchSpec] = {
     ),
     "Qwen3ForCausalLM": ArchSpec(
         qkv_bias=_flag("attention_bias"), o_bias=_flag("attention_bias"), mlp_bias=_const(False), qk_norm=True,
-        sliding_window=_window_if_used,
+        sliding_window=_window_if_used, head_dim=128,  # Qwen3Config's default, not hidden / heads
     ),
     "MistralForCausalLM": ArchSpec(
         qkv_bias=_const(False), o_bias=_const(False), mlp_bias=_const(False), qk_norm=False, sliding_window=_window,
