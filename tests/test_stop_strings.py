@@ -138,3 +138,32 @@ def test_a_stop_after_a_byte_spelled_character_is_seen_at_once(sp_tokenizer_dir:
         sp_tokenizer_dir, script, stream, prompt="Say it with emojis:", stop="🎉", stop_token_ids=[eos], ignore_eos=False
     )
     assert (text, finish) == (" Party 😀", {"type": "stop", "matched": "🎉"})
+
+
+class _CountingStr(str):
+    """A stop string that counts how many of its prefixes the checks build."""
+
+    slices = 0
+
+    def __getitem__(self, key: Any) -> str:
+        _CountingStr.slices += 1
+        return str.__getitem__(self, key)
+
+
+def test_a_long_stop_string_costs_what_the_text_does_not_its_own_length_squared(tokenizer_dir: str) -> None:
+    """A 1.6 MB stop string that never matches built every one of its prefixes at every step
+    (~7 s a step at 400k characters): one request stalled every other, and a longer one
+    tripped the watchdog and took the server down."""
+    from minisgl.managers.detokenizer_manager import stop_str_safe_len
+
+    stop = _CountingStr("\U0001f600" * 100_000)
+    tokenizer = DetokenizerManager(ServerArgs(tokenizer_path=tokenizer_dir)).tokenizer
+    sampling = SamplingParams.from_dict({"max_new_tokens": 8, "stop": "x"})
+    sampling.normalize(tokenizer)
+    sampling.stop_strs = [stop]  # (normalize would tokenize it; the check is what is measured)
+    req = Req("r", None, tokenizer.encode("Prompt:"), sampling, vocab_size=len(tokenizer), tokenizer=tokenizer)
+    req.output_ids = ids(tokenizer_dir, "a few words")
+    _CountingStr.slices = 0
+    assert req.check_match_stop_str_prefix() is False
+    assert stop_str_safe_len("a few words", [stop], start=3) == len("a few words")
+    assert _CountingStr.slices <= 2 * (len("a few words") + 1)  # prefixes no longer than the text

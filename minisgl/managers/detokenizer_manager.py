@@ -141,8 +141,9 @@ def stop_str_safe_len(text: str, stop_strs: Sequence[str], start: int = 0) -> in
         pos = text.find(stop, start)
         if pos != -1:
             safe = min(safe, pos)
-        # The longest proper prefix of `stop` that `text` ends with.
-        for k in range(min(len(stop) - 1, len(text)), 0, -1):
+        # The longest proper prefix of `stop` that `text` ends with, starting at or after `start`
+        # (the unsent text bounds it: a long stop string cost len(stop)^2 per step otherwise).
+        for k in range(min(len(stop) - 1, len(text) - start), 0, -1):
             if text.endswith(stop[:k]):
                 safe = min(safe, len(text) - k)
                 break

@@ -308,7 +308,9 @@ class Req:
         for stop_str in self.sampling_params.stop_strs:
             if stop_str in tail:
                 return True
-            if any(tail.endswith(stop_str[:i]) for i in range(1, len(stop_str))):
+            # only a prefix no longer than the tail can end it (SGLang's bound): a long stop string
+            # that never matches cost len(stop)^2 per step, enough to stall every request
+            if any(tail.endswith(stop_str[:i]) for i in range(1, min(len(stop_str), len(tail) + 1))):
                 return True
         return False
 
