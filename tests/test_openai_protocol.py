@@ -856,3 +856,48 @@ def test_health_generate_needs_the_pipeline_to_answer(tiny_model: str, tmp_path:
             tm.close()
 
     asyncio.run(run())
+
+
+def test_a_big_prompt_is_tokenized_off_the_event_loop(tiny_model: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 10 MB prompt took 10 s to tokenize on the event loop: every other stream and /health
+    stopped for that long, though the prompt was then refused as too long."""
+    import threading
+    import time
+
+    from minisgl.managers import tokenization
+
+    real = tokenization.tokenize_one_request
+    threads: List[str] = []
+
+    def slow_tokenize(*args: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        time.sleep(0.5)  # what a big prompt costs
+        return real(*args)
+
+    monkeypatch.setattr(tokenization, "tokenize_one_request", slow_tokenize)
+
+    async def run() -> None:
+        tm, _ = _recording_tm(tiny_model, tmp_path, refuse_generate=False)
+        ticks = 0
+
+        async def other_clients() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.ensure_future(other_clients())
+        try:
+            big = GenerateReqInput(text="word " * 10_000, sampling_params={"max_new_tokens": 1})
+            with pytest.raises(ValueError, match="longer than the model's context length"):
+                await tm.generate_request(big).__anext__()
+            assert threads[-1] != threading.main_thread().name and ticks >= 10  # the loop went on
+            small = asyncio.ensure_future(tm.generate_request(GenerateReqInput(text="hi", sampling_params={"max_new_tokens": 1})).__anext__())
+            await asyncio.sleep(0.6)
+            assert threads[-1] == threading.main_thread().name  # a short one stays inline (no thread hop)
+            small.cancel()
+        finally:
+            ticker.cancel()
+            tm.close()
+
+    asyncio.run(run())

@@ -55,6 +55,9 @@ logger = logging.getLogger("minisgl.tokenizer_manager")
 
 # SGLANG_REQUEST_STATE_WAIT_TIMEOUT: how often a waiting request checks for a gone client.
 REQUEST_STATE_WAIT_TIMEOUT = float(os.environ.get("MINISGL_REQUEST_STATE_WAIT_TIMEOUT", "4"))
+# Requests with more text than this (prompt and stop strings, in characters) are tokenized in
+# a worker thread: ~1 ms per 2,000 characters, so this is where one starts to stall others.
+TOKENIZE_OFF_LOOP_CHARS = 20_000
 # SGLang's HEALTH_CHECK_TIMEOUT: how long /health_generate waits for the pipeline to answer.
 HEALTH_CHECK_TIMEOUT = 20.0
 # A backlog this long means the client reads slower than the engine writes (seed 004).
@@ -338,6 +341,13 @@ class TokenizerManager:
         if obj.input_ids is None and self.dynamic_batch_tokenizer is not None:
             input_ids = await self._tokenize_texts(obj.text)
             tokenized = self._create_tokenized_object(obj, obj.text, input_ids)
+        elif _text_chars(obj) > TOKENIZE_OFF_LOOP_CHARS:
+            # A big prompt (or stop list) takes seconds to tokenize, and on this event loop every
+            # other client's stream would stop meanwhile: a worker thread does it (the Rust
+            # tokenizer releases the GIL), and the loop goes on serving.
+            tokenized = await asyncio.get_running_loop().run_in_executor(
+                None, tokenization.tokenize_one_request, self.tokenizer, obj, self.vocab_size
+            )
         else:
             tokenized = tokenization.tokenize_one_request(self.tokenizer, obj, self.vocab_size)
         self._validate_one_request(tokenized)
@@ -639,6 +649,14 @@ class TokenizerManager:
         if self.dynamic_batch_tokenizer is not None:
             self.dynamic_batch_tokenizer.close()
         self.context.destroy(linger=0)
+
+
+def _text_chars(obj: GenerateReqInput) -> int:
+    """Characters a single request's tokenization reads: its prompt text and its stop strings."""
+    stop = (obj.sampling_params or {}).get("stop") if isinstance(obj.sampling_params, dict) else None
+    stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
+    text = obj.text if isinstance(obj.text, str) else ""
+    return len(text) + sum(len(s) for s in stops if isinstance(s, str))
 
 
 def logprobs_of(recv: BatchStrOutput, i: int) -> Tuple[List[Tuple[float, int]], List[List[Tuple[float, int]]]]:
