@@ -172,6 +172,10 @@ def test_bad_json_is_400_not_422(client: TestClient) -> None:
     assert "JSON" in r.json()["error"]["message"]
     r = client.post("/v1/completions", json=["a", "list"])
     assert r.status_code == 400 and "valid dictionary" in r.json()["error"]["message"]
+    nested = b"[" * 100_000 + b"]" * 100_000  # past the JSON parser's recursion limit: it was a 500
+    for route in ("/abort_request", "/v1/completions", "/generate"):
+        r = client.post(route, content=nested, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (route, r.text)
 
 
 @pytest.mark.parametrize(
@@ -371,7 +375,9 @@ def guarded_client(tiny_model: str, tmp_path: Any) -> TestClient:
         ({"ignore_eos": "no"}, "ignore_eos must be true or false"),
         ({"top_k": 2.5}, "top_k must be an integer"),
         ({"n": True}, "n must be an integer"),
-        ({"n": 0}, "n must be >= 1"),  # answered 200 with [] (no sub-request) while the Engine refused it
+        ({"n": 0}, "n must be in [1, 128]"),  # answered 200 with [] (no sub-request) while the Engine refused it
+        ({"n": 5000}, "n must be in [1, 128]"),  # 5,000 requests from one client stalled the others
+        ({"temperature": 1e300, "min_new_tokens": 2}, "at most 3.403e+38"),  # inf in float32: NaN logprobs, a 400 at the end
         ({"temperature": -1}, "temperature must be a finite number >= 0"),
     ],
 )
@@ -388,6 +394,15 @@ def test_native_generate_type_checks_sampling_params_before_the_scheduler(
     tm.close()
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_native_generate_caps_top_logprobs_num_as_openai_does(guarded_client: TestClient, stream: bool) -> None:
+    """Unbounded, it was clamped to the vocabulary: one request's answer was 30 MB (246 MB with
+    n=8), and the HTTP process stalled every other stream while it encoded the JSON."""
+    body = {"text": "hi", "return_logprob": True, "top_logprobs_num": 10**9, "stream": stream}
+    r = guarded_client.post("/generate", json=body)
+    assert r.status_code == 400 and "top_logprobs_num must be in [0, 20]" in r.json()["error"]["message"]
+
+
 def test_one_bad_entry_fails_a_batch_before_any_prompt_is_sent(tiny_model: str, tmp_path: Any) -> None:
     async def run() -> None:
         tm, sent = _recording_tm(tiny_model, tmp_path)
@@ -395,6 +410,12 @@ def test_one_bad_entry_fails_a_batch_before_any_prompt_is_sent(tiny_model: str, 
             obj = GenerateReqInput(text=["a", "b"], sampling_params=[{"max_new_tokens": 2}, {"max_new_tokens": 2.5}])
             with pytest.raises(ValueError, match="max_new_tokens must be an integer"):
                 await tm.generate_request(obj).__anext__()
+            assert sent == [] and tm.rid_to_state == {}
+            # a prompt-level fault (an id outside the vocabulary) in the last of many: the siblings
+            # were prefilled, then aborted one by one
+            ids = GenerateReqInput(input_ids=[[1, 2, 3]] * 50 + [[999_999]], sampling_params={"max_new_tokens": 2})
+            with pytest.raises(ValueError, match="999999"):
+                await tm.generate_request(ids).__anext__()
             assert sent == [] and tm.rid_to_state == {}
         finally:
             tm.close()
@@ -409,6 +430,8 @@ def test_one_bad_entry_fails_a_batch_before_any_prompt_is_sent(tiny_model: str, 
         ({"input_ids": [5, 6], "rid": ["a"]}, "`rid` must be a string for a single prompt"),
         ({"text": ["hi", "yo"], "rid": ["a", "a"]}, "must not repeat"),
         ({"text": "hi", "top_logprobs_num": 3}, "top_logprobs_num needs return_logprob"),
+        ({"text": "hi", "rid": ""}, "`rid` must not be empty"),  # the scheduler reads "" as no rid: unabortable
+        ({"text": ["hi", "yo"], "rid": ["a", ""]}, "`rid` must not be empty"),
     ],
 )
 def test_native_generate_shape_errors_are_400(guarded_client: TestClient, body: Dict[str, Any], needle: str) -> None:

@@ -206,7 +206,7 @@ def create_app(
     async def abort_request(raw_request: Request) -> Response:
         try:
             body: Dict[str, Any] = await raw_request.json()
-        except ValueError:
+        except (ValueError, RecursionError):  # (RecursionError: JSON nested thousands deep)
             return create_error_response("The request body is not valid JSON")
         if not isinstance(body, dict) or not isinstance(body.get("rid", ""), str):
             return create_error_response("Expected {\"rid\": str, \"abort_all\": bool}", param="rid")

@@ -55,6 +55,8 @@ logger = logging.getLogger("minisgl.tokenizer_manager")
 
 # SGLANG_REQUEST_STATE_WAIT_TIMEOUT: how often a waiting request checks for a gone client.
 REQUEST_STATE_WAIT_TIMEOUT = float(os.environ.get("MINISGL_REQUEST_STATE_WAIT_TIMEOUT", "4"))
+# The server's cap on top_logprobs_num (OpenAI's top_logprobs bound).
+MAX_TOP_LOGPROBS_NUM = 20
 # Requests with more text than this (prompt and stop strings, in characters) are tokenized in
 # a worker thread: ~1 ms per 2,000 characters, so this is where one starts to stall others.
 TOKENIZE_OFF_LOOP_CHARS = 20_000
@@ -291,21 +293,32 @@ class TokenizerManager:
         if not obj.is_single and len(set(obj.rid)) != len(obj.rid):
             raise ValueError("`rid` must not repeat an id within a batch")
         for rid in [obj.rid] if obj.is_single else obj.rid:
+            if rid == "":  # the scheduler reads "" as no rid: such a request could never be aborted
+                raise ValueError("`rid` must not be empty; leave it out for a generated one")
             if isinstance(rid, str) and lone_surrogate_at(rid) is not None:  # it is echoed back in every answer
                 raise ValueError(f"`rid` must be valid Unicode, got {rid!r} (a lone surrogate)")
         param_dicts = [obj.sampling_params] if obj.is_single else obj.sampling_params
         params = [SamplingParams.from_dict(d) for d in param_dicts]  # unknown keys and wrong types
         for p in params:
             p.verify()  # ranges, n >= 1 among them
+        if obj.top_logprobs_num > MAX_TOP_LOGPROBS_NUM:
+            # OpenAI's bound (top_logprobs <= 20) on /generate too: a top-k over the whole vocabulary
+            # per token made one answer hundreds of MB, and its encoding stalled every other stream.
+            # (The in-process Engine, one user's, takes any k.)
+            raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS_NUM}], got {obj.top_logprobs_num}")
         return_logprob = obj.return_logprob if isinstance(obj.return_logprob, list) else [obj.return_logprob]
         if obj.top_logprobs_num and not all(return_logprob):
             raise ValueError("top_logprobs_num needs return_logprob to be true")
         return params
 
-    async def _generate_one(self, obj: GenerateReqInput, request: Any) -> AsyncIterator[Dict[str, Any]]:
+    async def _generate_one(
+        self, obj: GenerateReqInput, request: Any, tokenized: Optional[TokenizedGenerateReqInput] = None
+    ) -> AsyncIterator[Dict[str, Any]]:
+        """One rid: register, tokenize (unless a batch did it already), send, wait."""
         state = self._init_req_state(obj)
         try:
-            tokenized = await self._tokenize_one_request(obj)
+            if tokenized is None:
+                tokenized = await self._tokenize_one_request(obj)
             state.tokenize_finish_time = time.perf_counter()
             state.prompt_tokens = len(tokenized.input_ids)
             self._send_one_request(tokenized, state)
@@ -449,12 +462,18 @@ class TokenizerManager:
     async def _handle_batch_request(self, obj: GenerateReqInput, request: Any) -> AsyncIterator[Dict[str, Any]]:
         """Fan out into several rids and merge their outputs, each tagged with its "index"."""
         subs = self._expand_batch(obj)
+        # Every prompt is tokenized and checked before any is sent: one bad prompt (an id out of
+        # the vocabulary, too long) fails the batch with nothing of it prefilled, as a bad field does.
+        for sub in subs:
+            if sub.rid in self.rid_to_state:
+                raise ValueError(f"Duplicate request ID detected: rid={sub.rid} is already in flight")
+        tokenized = await asyncio.gather(*(self._tokenize_one_request(sub) for sub in subs))
         queue: asyncio.Queue = asyncio.Queue()
         done = object()
 
         async def pump(index: int, sub: GenerateReqInput) -> None:
             try:
-                async for out in self._generate_one(sub, request):
+                async for out in self._generate_one(sub, request, tokenized[index]):
                     queue.put_nowait((index, out))
             except Exception as e:  # surfaced to the consumer, which cancels the siblings
                 queue.put_nowait((index, e))

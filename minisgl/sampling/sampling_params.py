@@ -15,7 +15,6 @@ Greedy: a temperature below 1e-6 becomes temperature 1.0 with top_k 1, as in SGL
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Union
 
@@ -23,6 +22,10 @@ from minisgl.utils import lone_surrogate_at
 
 TOP_K_ALL = 1 << 30
 _GREEDY_EPS = 1e-6
+
+
+FLOAT32_MAX = 3.4028234663852886e38
+MAX_N = 128  # samples per prompt: each is a whole request, and one client must not fill the server
 
 
 @dataclass
@@ -97,8 +100,10 @@ class SamplingParams:
 
     def verify(self, vocab_size: Optional[int] = None) -> None:
         """Raise ValueError naming the field and its valid range (sglang-facts.md §10.3)."""
-        if self.temperature is None or not 0 <= self.temperature < math.inf:  # NaN and inf fail too
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        # NaN and inf fail too, and so does a value past float32's largest: it is inf on the logits
+        # (and -inf / inf is NaN in a masked row)
+        if self.temperature is None or not 0 <= self.temperature <= FLOAT32_MAX:
+            raise ValueError(f"temperature must be a finite number >= 0 (at most {FLOAT32_MAX:.4g}), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
@@ -117,8 +122,8 @@ class SamplingParams:
             raise ValueError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
         if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
             raise ValueError(f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens ({self.max_new_tokens})")
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
+        if not 1 <= self.n <= MAX_N:  # the OpenAI routes' bound, for /generate and the Engine too
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         if self.stream_interval is not None and self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if vocab_size is not None and self.stop_token_ids:

@@ -139,8 +139,8 @@ class SchedulerWidget:
     def _show(self, snap: Dict[str, Any]) -> None:
         self.last_snapshot = snap
         self.panels = render_panels(snap, self.timeline, list(reversed(self.finished)))
-        for name, html in self.panels.items():
-            self._panel_widgets[name].value = html
+        for name, panel in self.panels.items():
+            self._panel_widgets[name].value = panel
         mode = snap["forward_mode"]
         self._header.value = (f'<div class="minisgl-viz-header"><b>step {snap["step"]}</b> '
                               f'<span class="mode-tag" data-mode="{mode}">{mode}</span> '
