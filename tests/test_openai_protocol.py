@@ -735,6 +735,34 @@ def test_aborting_a_rid_never_hits_another_clients_rid_that_looks_like_a_sample(
     asyncio.run(run())
 
 
+def test_a_finished_samples_rid_reused_by_another_client_is_not_aborted_with_its_parent(tiny_model: str, tmp_path: Any) -> None:
+    """Sample `x-0` finishes while `x-1` runs; another client then sends its own request `x-0`.
+    Aborting `x` must hit `x-1` only: the sample table still listed `x-0`."""
+    tm, sent = _recording_tm(tiny_model, tmp_path, refuse_generate=False)
+
+    async def run() -> None:
+        multi = tm.generate_request(GenerateReqInput(text="b", sampling_params={"max_new_tokens": 8, "n": 2}, rid="x"))
+        first = asyncio.ensure_future(multi.__anext__())
+        while sum(isinstance(m, TokenizedGenerateReqInput) for m in sent) < 2:
+            await asyncio.sleep(0.01)
+        tm._handle_batch_output(_str_out("x-0", "done", [5], 1, {"type": "length", "length": 1}))
+        await asyncio.wait_for(first, 5)  # sample 0's answer; sample 1 still runs
+        other = asyncio.ensure_future(
+            tm.generate_request(GenerateReqInput(text="c", sampling_params={"max_new_tokens": 8}, rid="x-0")).__anext__()
+        )
+        while sum(isinstance(m, TokenizedGenerateReqInput) for m in sent) < 3:
+            await asyncio.sleep(0.01)
+        tm.abort_request("x")
+        assert [m.rid for m in sent if isinstance(m, AbortReq)] == ["x-1"]
+        other.cancel()
+        await multi.aclose()
+
+    try:
+        asyncio.run(run())
+    finally:
+        tm.close()
+
+
 # --------------------------------------------------------------------------- scripted outputs
 def _scripted_client(tiny_model: str, tmp_path: Any, outs: List[Dict[str, Any]], **tm_attrs: Any) -> Tuple[TestClient, List[Any]]:
     """An app whose TokenizerManager answers every request with `outs` and records what it got."""

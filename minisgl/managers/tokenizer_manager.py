@@ -248,7 +248,9 @@ class TokenizerManager:
         self.vocab_size = vocab_size
         self.model_name = server_args.served_model_name or server_args.model_path or "minisgl"
         self.rid_to_state: Dict[str, ReqState] = {}
-        self.samples_of: Dict[str, Set[str]] = {}  # n > 1: the client's rid -> its samples' rids
+        # n > 1: the client's rid -> {sample rid: that sample's request}; the request object tells a
+        # sample still in flight from another client's later request that reuses a finished one's rid
+        self.samples_of: Dict[str, Dict[str, GenerateReqInput]] = {}
         self.metrics = TokenizerMetricsCollector(self.model_name)
         self.dynamic_batch_tokenizer = (
             AsyncDynamicBatchTokenizer(tokenizer) if server_args.enable_dynamic_batch_tokenizer else None
@@ -482,8 +484,9 @@ class TokenizerManager:
 
         # the samples of an n > 1 request, by the rid its client chose: what /abort_request(<rid>) aborts
         parents = {sub.rid: single_rid for sub, single_rid in zip(subs, self._parent_rids(obj)) if sub.rid != single_rid}
-        for sample, parent in parents.items():
-            self.samples_of.setdefault(parent, set()).add(sample)
+        for sub in subs:
+            if sub.rid in parents:
+                self.samples_of.setdefault(parents[sub.rid], {})[sub.rid] = sub
         tasks = [asyncio.get_running_loop().create_task(pump(i, sub)) for i, sub in enumerate(subs)]
         try:
             remaining = len(tasks)
@@ -500,7 +503,7 @@ class TokenizerManager:
             for task in tasks:
                 task.cancel()  # each sub-generator's finally aborts its rid if still running
             for sample, parent in parents.items():
-                self.samples_of.get(parent, set()).discard(sample)
+                self.samples_of.get(parent, {}).pop(sample, None)
                 if not self.samples_of.get(parent, True):
                     del self.samples_of[parent]
 
@@ -527,7 +530,8 @@ class TokenizerManager:
     def _sample_rids(self, rid: str) -> List[str]:
         """The in-flight samples `<rid>-<j>` of this client's n > 1 request `rid` (recorded by
         _handle_batch_request): never another client's own rid that merely looks like one."""
-        return sorted(r for r in self.samples_of.get(rid, ()) if r in self.rid_to_state)
+        samples = self.samples_of.get(rid, {})
+        return sorted(r for r, sub in samples.items() if r in self.rid_to_state and self.rid_to_state[r].obj is sub)
 
     def freeze_gc(self) -> None:
         """Freeze the GC here, then in the scheduler, which passes it on to the detokenizer."""
