@@ -38,6 +38,9 @@ class SlowTokenizer:
             time.sleep(SLOW_SECONDS)
         return self.tokenizer.batch_decode(ids_list, **kwargs)
 
+    def __getattr__(self, name: str) -> Any:  # everything else (decode, ...) as the real one
+        return getattr(self.tokenizer, name)
+
 
 def _child_main(server_args: ServerArgs, port_args: PortArgs, pipe_writer: Any, log_path: str) -> None:
     """Spawn target: send the child's stderr (its log) to a file, slow tokenizer, then the real entry point."""
