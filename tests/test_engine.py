@@ -200,3 +200,19 @@ def test_a_finished_uncollected_rid_says_how_to_free_it(engine):
     with pytest.raises(ValueError, match=r"rid 'kept' finished, but its result was not collected: engine.get_result\('kept'\)"):
         engine.add_request("again", GREEDY, rid="kept")
     engine.get_result(rid)
+
+
+def test_get_load_counts_a_request_mid_chunk_as_running(tiny_model):
+    """/get_load (and the /metrics gauges) read 0 running, 0 waiting while a long prompt was
+    being prefilled chunk by chunk: a busy server looked idle to a load balancer."""
+    with Engine(tiny_model, device="cpu", max_total_tokens=2048, chunked_prefill_size=16) as e:
+        e.add_request(input_ids=list(range(10, 110)), sampling_params={**GREEDY, "max_new_tokens": 3})
+        e.step()
+        assert e.scheduler.chunked_req is not None
+        load = e.get_load()
+        assert (load.num_running_reqs, load.num_waiting_reqs) == (1, 0)
+        while e.scheduler.chunked_req is not None:
+            e.step()
+        assert e.get_load().num_running_reqs == 1  # just prefilled, not yet merged into the batch
+        e.run_until_idle()
+        assert e.get_load().num_running_reqs == 0

@@ -952,3 +952,96 @@ def test_a_big_prompt_is_tokenized_off_the_event_loop(tiny_model: str, tmp_path:
             tm.close()
 
     asyncio.run(run())
+
+
+def test_request_metrics_count_aborts_that_ran_and_time_a_non_streams_first_token(tiny_model: str, tmp_path: Any) -> None:
+    """An abort after tokens were generated is a finished request in /metrics (its tokens were
+    missing from generation_tokens), one that never ran is not; a non-streaming request's TTFT
+    is when its first token existed (the scheduler's prefill), not its first message, which
+    comes after 50 tokens or at the end."""
+
+    def sample(name: str, tm: TokenizerManager) -> float:
+        return tm.metrics.registry.get_sample_value(name, tm.metrics.labels) or 0.0
+
+    async def run() -> None:
+        tm, _ = _recording_tm(tiny_model, tmp_path, refuse_generate=False)
+        try:
+            async def finish(obj: GenerateReqInput, *outs: BatchStrOutput) -> None:
+                gen = tm.generate_request(obj)
+                first = asyncio.ensure_future(gen.__anext__())
+                await asyncio.sleep(0.05)
+                for out in outs:
+                    tm._handle_batch_output(out)
+                try:
+                    await asyncio.wait_for(first, 5)
+                    async for _ in gen:
+                        pass
+                except Exception:  # noqa: BLE001 - an abort with a status raises for a non-stream
+                    pass
+
+            ran = GenerateReqInput(text="a", sampling_params={"max_new_tokens": 50}, stream=True, rid="ran")
+            await finish(ran, _str_out("ran", "x", [5], 1), _str_out("ran", "yz", [6, 7], 3, {"type": "abort", "message": "Abort"}))
+            assert sample("sglang:num_requests_total", tm) == 1 and sample("sglang:generation_tokens_total", tm) == 3
+            waited = GenerateReqInput(text="b", sampling_params={"max_new_tokens": 50}, stream=True, rid="waited")
+            await finish(waited, _str_out("waited", "", [], 0, {"type": "abort", "message": "Abort"}))
+            assert sample("sglang:num_requests_total", tm) == 1  # never ran: not a request served
+
+            whole = GenerateReqInput(text="c", sampling_params={"max_new_tokens": 3}, rid="whole")
+            gen = tm.generate_request(whole)
+            first = asyncio.ensure_future(gen.__anext__())
+            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.8)  # the rest of the generation: the one message comes at the end
+            done = _str_out("whole", "xyz", [5, 6, 7], 3, {"type": "length", "length": 3})
+            done.time_stats = [{"ttft_ms": 2.0}]
+            tm._handle_batch_output(done)
+            await asyncio.wait_for(first, 5)
+            ttft_sum = sample("sglang:time_to_first_token_seconds_sum", tm)
+            e2e_sum = sample("sglang:e2e_request_latency_seconds_sum", tm)
+            assert ttft_sum < 0.5 < 0.8 < e2e_sum  # (ttft_sum also holds the stream's, ~0.05 s)
+        finally:
+            tm.close()
+
+    asyncio.run(run())
+
+
+def test_log_requests_shows_the_whole_answer_and_clips_huge_text(tiny_model: str, tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """--log-requests logged a stream's last delta as its answer, nothing for a request ending in
+    a 503 abort, and a 10 MB prompt as one 10 MB line."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="minisgl")
+
+    async def run() -> None:
+        tm = _make_tm(tiny_model, tmp_path, log_requests=True)
+        tm._send_to_scheduler = lambda msg: None  # type: ignore[method-assign]
+
+        async def answer(obj: GenerateReqInput, *outs: BatchStrOutput) -> None:
+            gen = tm.generate_request(obj)
+            first = asyncio.ensure_future(gen.__anext__())
+            await asyncio.sleep(0.05)
+            for out in outs:
+                tm._handle_batch_output(out)
+            try:
+                await asyncio.wait_for(first, 5)
+                async for _ in gen:
+                    pass
+            except Exception:  # noqa: BLE001 - the 503 of a non-streaming request
+                pass
+
+        try:
+            huge = GenerateReqInput(text="x " * 5_000, sampling_params={"max_new_tokens": 2}, rid="huge")
+            with pytest.raises(ValueError):  # refused as too long, but logged as received first
+                await tm.generate_request(huge).__anext__()
+            streamed = GenerateReqInput(text="p", sampling_params={"max_new_tokens": 2}, stream=True, rid="s")
+            await answer(streamed, _str_out("s", "Hel", [5], 1), _str_out("s", "lo", [6], 2, {"type": "length", "length": 2}))
+            full = GenerateReqInput(text="q", sampling_params={"max_new_tokens": 2}, rid="f")
+            await answer(full, _str_out("f", "", [], 0, {"type": "abort", "message": "The request queue is full.", "status_code": 503}))
+        finally:
+            tm.close()
+
+    asyncio.run(run())
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("Finish: rid=s ") and line.endswith("out='Hello'") for line in lines), lines
+    assert any(line.startswith("Finish: rid=f ") and "'status_code': 503" in line for line in lines), lines
+    receive = next(line for line in lines if line.startswith("Receive: rid=huge "))
+    assert len(receive) < 3_000 and "more characters" in receive

@@ -141,13 +141,22 @@ def test_max_new_tokens_is_clamped_to_the_context(engine):
         engine.generate(input_ids=list(range(10, 110)), sampling_params={**GREEDY, "max_new_tokens": 1000})
 
 
-def test_queue_full_is_a_503_abort(tiny_model):
+def test_queue_full_is_a_503_abort(tiny_model, caplog):
+    """...and says so in the log, once a second at most (a 503 left no trace at info level)."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="minisgl")
     engine = Engine(tiny_model, device="cpu", max_total_tokens=1024, max_queued_requests=1)
     first = engine.add_request("first", GREEDY)
     second = engine.add_request("second", GREEDY)
+    third = engine.add_request("third", GREEDY)
     finish = engine.get_result(second)["meta_info"]["finish_reason"]
     assert finish == {"type": "abort", "message": "The request queue is full.", "status_code": 503,
                       "err_type": "ServiceUnavailableError"}  # fmt: skip
+    engine.get_result(third)
+    warnings = [r.getMessage() for r in caplog.records if "request queue is full" in r.getMessage()]
+    assert len(warnings) == 1 and f"rid={second}" in warnings[0] and "--max-queued-requests 1" in warnings[0]
+    assert engine.scheduler.num_rejected_queue_full == 2
     engine.run_until_idle()
     assert engine.get_result(first)["meta_info"]["finish_reason"]["type"] == "length"
 

@@ -94,6 +94,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         self.new_token_ratio = self.init_new_token_ratio
 
         self.num_retracted_reqs_total = 0
+        self.num_rejected_queue_full = 0  # requests refused with 503 by --max-queued-requests
+        self._last_queue_full_log = -1e9  # (monotonic time of the last queue-full warning)
         self.total_hit_tokens = 0
         self.total_input_tokens = 0
         self.last_prefill_log_time = time.perf_counter()
@@ -214,6 +216,14 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         if not is_retracted and max_queued is not None and len(self.waiting_queue) >= max_queued:
             req.finished_reason = FINISH_ABORT("The request queue is full.", 503, "ServiceUnavailableError")
             self._finish_without_running(req, "queue full")
+            self.num_rejected_queue_full += 1
+            now = time.monotonic()
+            if now - self._last_queue_full_log >= 1.0:  # an operator's only trace of the 503s; once a second
+                logger.warning(
+                    "The request queue is full (--max-queued-requests %d): rejected rid=%s with 503 "
+                    "(%d rejected so far)", max_queued, req.rid, self.num_rejected_queue_full,
+                )  # fmt: skip
+                self._last_queue_full_log = now
             return
         if not req.time_stats.wait_queue_entry_time:
             req.time_stats.wait_queue_entry_time = time.perf_counter()
@@ -273,8 +283,10 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         used = self.max_total_num_tokens - (available + evictable)
         total = self.total_hit_tokens + self.total_input_tokens
         return GetLoadReqOutput(
-            # finished requests linger in running_batch until the next filter_batch
-            num_running_reqs=sum(not r.finished() for r in self.running_batch.reqs),
+            # the running batch, the just-prefilled requests not yet merged into it, and the one
+            # mid-chunk: a server busy prefilling a long prompt read as idle (finished requests
+            # linger in running_batch until the next filter_batch, and are not counted)
+            num_running_reqs=len(self._decoding_reqs()) + (self.chunked_req is not None and not self.chunked_req.finished()),
             num_waiting_reqs=len(self.waiting_queue),
             num_used_tokens=used,
             available_tokens=available,

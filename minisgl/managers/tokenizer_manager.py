@@ -55,6 +55,8 @@ logger = logging.getLogger("minisgl.tokenizer_manager")
 
 # SGLANG_REQUEST_STATE_WAIT_TIMEOUT: how often a waiting request checks for a gone client.
 REQUEST_STATE_WAIT_TIMEOUT = float(os.environ.get("MINISGL_REQUEST_STATE_WAIT_TIMEOUT", "4"))
+# --log-requests: how much of a prompt or an answer one log line shows (SGLang's partial logging)
+LOG_REQUEST_CHARS = 2048
 # The server's cap on top_logprobs_num (OpenAI's top_logprobs bound).
 MAX_TOP_LOGPROBS_NUM = 20
 # Requests with more text than this (prompt and stop strings, in characters) are tokenized in
@@ -148,11 +150,12 @@ class TokenizerMetricsCollector:
         self.cache_hit_rate.labels(**self.labels).set(load.cache_hit_rate)
         self.max_total_num_tokens.labels(**self.labels).set(load.max_total_num_tokens)
 
-    def observe_output(self, state: ReqState, completion_tokens: int, now: float) -> None:
-        """TTFT once on the first output; ITL as interval / new tokens, counted per token."""
+    def observe_output(self, state: ReqState, completion_tokens: int, now: float, first_token_time: Optional[float] = None) -> None:
+        """TTFT once on the first output (at `first_token_time` when the output came later than the
+        token: a non-streaming request's); ITL as interval / new tokens, counted per token."""
         if state.first_token_time == 0.0:
-            state.first_token_time = now
-            self.time_to_first_token.labels(**self.labels).observe(now - state.created_time)
+            state.first_token_time = first_token_time or now
+            self.time_to_first_token.labels(**self.labels).observe(state.first_token_time - state.created_time)
         else:
             new_tokens = completion_tokens - state.last_completion_tokens
             if new_tokens > 0:
@@ -346,7 +349,10 @@ class TokenizerManager:
             raise ValueError(f"Duplicate request ID detected: rid={rid} is already in flight")
         state = ReqState(obj=obj)
         if self.server_args.log_requests:
-            logger.info("Receive: rid=%s text=%r input_ids=%s sampling_params=%s", rid, obj.text, obj.input_ids, obj.sampling_params)
+            logger.info(
+                "Receive: rid=%s text=%s input_ids=%s sampling_params=%s",
+                rid, _clip(obj.text), _clip(obj.input_ids), obj.sampling_params,
+            )  # fmt: skip
         else:
             logger.debug("Receive: rid=%s", rid)
         self.rid_to_state[rid] = state  # registered BEFORE tokenizing (0.5.23 order)
@@ -413,9 +419,12 @@ class TokenizerManager:
             if finished:
                 if not obj.stream:
                     out = self._full_output(state, out)
+                if self.server_args.log_requests:  # the whole answer, before an abort becomes an error
+                    logger.info(
+                        "Finish: rid=%s finish_reason=%s out=%s",
+                        obj.rid, out["meta_info"].get("finish_reason"), _clip(state.text),
+                    )  # fmt: skip
                 self._check_abort_status(out, obj.stream)
-                if self.server_args.log_requests:
-                    logger.info("Finish: rid=%s out=%r", obj.rid, out["text"])
                 yield out
                 return
             if obj.stream:
@@ -606,18 +615,30 @@ class TokenizerManager:
             }
             out = {"text": recv.output_strs[i], "output_ids": list(recv.output_ids[i]), "meta_info": meta_info}
             is_abort = isinstance(finish_reason, dict) and finish_reason.get("type") == "abort"
-            log_metrics = state.obj.log_metrics and not is_abort
-            if log_metrics:
-                self.metrics.observe_output(state, recv.completion_tokens[i], now)
+            if state.obj.log_metrics and not is_abort:  # (SGLang: TTFT from a non-abort output only)
+                self.metrics.observe_output(state, recv.completion_tokens[i], now, self._first_token_time(state, recv, i))
             if finish_reason is not None:
                 state.finished = True
                 state.finished_time = now
                 meta_info["e2e_latency"] = now - state.created_time
                 del self.rid_to_state[rid]
-                if log_metrics:
+                # an abort counts as a finished request once it produced tokens, as SGLang's do (an
+                # abort while waiting, or a full queue's 503, never ran: not a request served)
+                if state.obj.log_metrics and (not is_abort or recv.completion_tokens[i] > 0):
                     self.metrics.observe_finished(state, recv.prompt_tokens[i], recv.completion_tokens[i], recv.cached_tokens[i])
             state.out_list.append(out)
             state.event.set()
+
+    @staticmethod
+    def _first_token_time(state: ReqState, recv: BatchStrOutput, i: int) -> Optional[float]:
+        """When the first token existed, for a non-streaming request (SGLang 0.5.23: the scheduler's
+        prefill_finished_time): its first message comes only after 50 tokens, or at the end. The
+        scheduler's own TTFT (receive -> prefill done) after this process's tokenization; None
+        for a stream, whose first message is its first token."""
+        if state.obj.stream or i >= len(recv.time_stats):
+            return None
+        ttft_ms = recv.time_stats[i].get("ttft_ms")
+        return state.tokenize_finish_time + ttft_ms / 1e3 if ttft_ms is not None and state.tokenize_finish_time else None
 
     async def health_generate(self, timeout: float = HEALTH_CHECK_TIMEOUT) -> bool:
         """SGLang's /health_generate: send a one-token request and report whether the
@@ -672,6 +693,13 @@ class TokenizerManager:
         if self.dynamic_batch_tokenizer is not None:
             self.dynamic_batch_tokenizer.close()
         self.context.destroy(linger=0)
+
+
+def _clip(value: Any, limit: int = LOG_REQUEST_CHARS) -> str:
+    """repr(value), cut to `limit` characters for --log-requests (SGLang logs partial input and
+    output by default): a 10 MB prompt was one 10 MB log line, written on the event loop."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
 def _text_chars(obj: GenerateReqInput) -> int:
