@@ -526,13 +526,18 @@ class ScheduleBatch:
         self.seq_lens = [n + 1 for n in old_lens]
         self.prefix_lens = list(old_lens)
         self.extend_lens = [1] * len(self.reqs)
-        last_loc = [int(pool.req_to_token[r.req_pool_idx, n - 1]) for r, n in zip(self.reqs, old_lens)]
+        # whole-batch reads and writes of req_to_token: per request, each was a GPU->CPU sync or a
+        # one-element copy, every step
+        rows = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64, device=pool.device)
+        cols = torch.tensor(old_lens, dtype=torch.int64, device=pool.device)
+        # the slot of each request's last token: only pages need it (the next slot of the same page)
+        last_loc = pool.req_to_token[rows, cols - 1].tolist() if self.page_size > 1 else [-1] * len(self.reqs)
         allocator = self.token_to_kv_pool_allocator
         self.out_cache_loc = self._alloc_token_slots(
             allocator.alloc_decode, self.new_tokens_required_next_decode(), self.seq_lens, last_loc
         )  # [bs] int64
-        for i, req in enumerate(self.reqs):
-            pool.req_to_token[req.req_pool_idx, old_lens[i]] = self.out_cache_loc[i]
+        pool.req_to_token[rows, cols] = self.out_cache_loc
+        for req in self.reqs:
             req.kv_committed_len += 1
 
     # ------------------------------------------------------------------ membership
