@@ -126,7 +126,8 @@ def run_hf_static(model: Any, input_ids: List[List[int]], output_lens: List[int]
         mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(x) for x in ids])[:, None]).long()
         with torch.inference_mode():
             out = model.generate(
-                input_ids=tokens, attention_mask=mask, max_new_tokens=max(outs), min_new_tokens=max(outs),
+                input_ids=tokens.to(model.device), attention_mask=mask.to(model.device),
+                max_new_tokens=max(outs), min_new_tokens=max(outs),
                 do_sample=False, pad_token_id=0,
             )  # fmt: skip
         if out.shape[1] - width != max(outs):  # every request's tokens are in it, or the rate is wrong

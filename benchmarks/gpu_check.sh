@@ -4,7 +4,8 @@
 #   1. install the project (editable, no deps, no network),
 #   2. kernel tests on CUDA (tests/test_kernels.py: the same tests as on CPU, device cuda),
 #   3. the engine with the triton backend against the torch backend (tests/test_triton_backend.py),
-#   4. the transformers parity tests (tests/test_model_parity.py, which holds the bfloat16 check),
+#   4. the transformers parity tests (tests/test_model_parity.py: on the CPU, except the triton
+#      layer hooks, which run on the GPU here),
 #   5. each kernel's benchmark (benchmarks/bench_kernels.py: GB/s, vs torch, vs device copy),
 #   6. the offline throughput benchmark (benchmarks/bench_offline.py) when it exists.
 # Each step has its own time limit so the whole script ends in under 8 minutes; a step
@@ -19,6 +20,10 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 unset TRITON_INTERPRET  # the kernels must compile for the GPU here
 SUMMARY=()
 
+# pyproject's addopts name plugins (nbval, pytest-timeout) a GPU image may lack: pytest would
+# stop at "unrecognized arguments" before running a test. Each step has its own time limit.
+PYTEST=("$PY" -m pytest -o "addopts=" -p no:cacheprovider -q -rs)
+
 step() {  # step NAME TIMEOUT_S COMMAND...: run, log to LOG_DIR/NAME.log, record rc and seconds
     local name="$1" limit="$2"; shift 2
     local t0=$SECONDS rc
@@ -31,9 +36,9 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run, log to LOG_DIR/NAME.log, record
 
 "$PY" -c "import torch, triton; assert torch.cuda.is_available(), 'no CUDA device'; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" || exit 1
 step install 40 "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e .
-step kernels 110 "$PY" -m pytest -q -rs tests/test_kernels.py
-step triton_engine 80 "$PY" -m pytest -q -rs tests/test_triton_backend.py
-step parity 90 "$PY" -m pytest -q -rs tests/test_model_parity.py
+step kernels 110 "${PYTEST[@]}" tests/test_kernels.py
+step triton_engine 80 "${PYTEST[@]}" tests/test_triton_backend.py
+step parity 90 "${PYTEST[@]}" tests/test_model_parity.py
 step bench_kernels 90 "$PY" benchmarks/bench_kernels.py
 if [ -f benchmarks/bench_offline.py ]; then
     step bench_offline 60 "$PY" benchmarks/bench_offline.py --device cuda --dtype bfloat16

@@ -25,10 +25,11 @@ def make_runner(
     max_total_tokens: int = 4096,
     dtype: str = "float32",
     attention_backend: str = "torch",
+    device: str = "cpu",
     **kw: Any,
 ) -> ModelRunner:
     args = ServerArgs(
-        model_path=model_path, device="cpu", dtype=dtype, attention_backend=attention_backend,
+        model_path=model_path, device=device, dtype=dtype, attention_backend=attention_backend,
         page_size=page_size, max_total_tokens=max_total_tokens, **kw,
     )  # fmt: skip
     return ModelRunner(resolve_server_args(args), show_progress=False)

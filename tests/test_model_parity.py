@@ -189,9 +189,10 @@ def test_triton_layer_hooks_match_the_torch_layers(tiny_model_factory: Callable[
     path = tiny_model_factory("llama", rope_scaling=LLAMA3_ROPE, rope_theta=500000.0)
     prompts = _prompts(2, seed=7, lo=4, hi=12)
     logits = []
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # Triton's interpreter on the CPU, else the GPU
     for kernels in ("torch", "triton"):
-        runner = make_runner(path)
-        runner.model = load_model(runner.model_config, "cpu", torch.float32, kernels=kernels, show_progress=False)
+        runner = make_runner(path, device=device)
+        runner.model = load_model(runner.model_config, device, torch.float32, kernels=kernels, show_progress=False)
         driver = BatchDriver(runner)
         logits.append(driver.extend([driver.new_req() for _ in prompts], prompts, return_all_logits=True).full_logits)
     assert relative_error(logits[1], logits[0]) < 1e-5

@@ -417,7 +417,12 @@ class Engine:
         self.rid_to_state.clear()
         self._closed = True
         # the scheduler references the ModelRunner too: both go, so the memory is freed
+        on_cuda = self.server_args.device == "cuda"
         self.scheduler = self.model_runner = self.detokenizer = None  # type: ignore[assignment]
+        if on_cuda:  # out of torch's caching allocator too, so the next Engine (or process) sees it free
+            import torch
+
+            torch.cuda.empty_cache()
 
     def _check_open(self) -> None:
         if self._closed:

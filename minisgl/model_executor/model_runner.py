@@ -96,6 +96,9 @@ class ModelRunner:
         if args.max_total_tokens is not None:
             tokens = args.max_total_tokens
         elif self.device == "cuda":
+            # memory a previous Engine freed sits in torch's caching allocator, where mem_get_info
+            # counts it as used: hand it back first, as SGLang's get_available_gpu_memory does
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info()
             rest = free - total * (1 - args.mem_fraction_static)  # resolved: 0.85 unless set
             tokens = int(rest) // self.cell_size
