@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -35,6 +35,7 @@ class SchedulerOutputProcessorMixin:
     def process_batch_result_prefill(self, batch: ScheduleBatch, result: Any) -> None:
         """Append the first token (unless mid-chunk), finish or cache the prompt, stream (§6.8)."""
         next_token_ids = result.next_token_ids.tolist()
+        logprobs = _logprob_lists(result)
         decoding = {id(r) for r in batch.decoding_reqs or []}
         skip_stream_req: Optional[Req] = None
         for i, (req, token) in enumerate(zip(batch.reqs, next_token_ids)):
@@ -52,7 +53,7 @@ class SchedulerOutputProcessorMixin:
                 if id(req) not in decoding:
                     self._event("prefill_done", req, f"cached_tokens={req.cached_tokens}")
             req.output_ids.append(int(token))
-            self._append_logprobs(req, result, i)
+            self._append_logprobs(req, logprobs, i)
             req.check_finished()
             if req.finished():
                 self._release_finished(req)
@@ -64,12 +65,13 @@ class SchedulerOutputProcessorMixin:
 
     def process_batch_result_decode(self, batch: ScheduleBatch, result: Any) -> None:
         next_token_ids = result.next_token_ids.tolist()
+        logprobs = _logprob_lists(result)
         self.token_to_kv_pool_allocator.free_group_begin()
         for i, (req, token) in enumerate(zip(batch.reqs, next_token_ids)):
             if req.finished() or req.is_retracted:
                 continue
             req.output_ids.append(int(token))
-            self._append_logprobs(req, result, i)
+            self._append_logprobs(req, logprobs, i)
             req.check_finished()
             if req.finished():
                 self._release_finished(req)
@@ -80,15 +82,15 @@ class SchedulerOutputProcessorMixin:
         if self.forward_ct_decode % self.server_args.decode_log_interval == 0:
             self.log_decode_stats(batch)
 
-    def _append_logprobs(self, req: Req, result: Any, i: int) -> None:
-        if not req.return_logprob or result.next_token_logprobs is None:
+    def _append_logprobs(self, req: Req, logprobs: Tuple[Any, Any, Any], i: int) -> None:
+        token_lps, top_vals, top_idxs = logprobs
+        if not req.return_logprob or token_lps is None:
             return
-        req.output_token_logprobs_val.append(float(result.next_token_logprobs[i]))
+        req.output_token_logprobs_val.append(float(token_lps[i]))
         req.output_token_logprobs_idx.append(req.output_ids[-1])
-        if req.top_logprobs_num > 0 and result.top_logprobs_val is not None:
-            vals, idxs = result.top_logprobs_val[i], result.top_logprobs_idx[i]
-            req.output_top_logprobs_val.append([float(v) for v in (vals.tolist() if torch.is_tensor(vals) else vals)])
-            req.output_top_logprobs_idx.append([int(v) for v in (idxs.tolist() if torch.is_tensor(idxs) else idxs)])
+        if req.top_logprobs_num > 0 and top_vals is not None:
+            req.output_top_logprobs_val.append([float(v) for v in top_vals[i]])
+            req.output_top_logprobs_idx.append([int(v) for v in top_idxs[i]])
 
     def _release_finished(self, req: Req, detail: Optional[str] = None) -> None:
         """Finished: KV of origin + output[:-1] goes into the tree, the row is freed; one
@@ -160,3 +162,17 @@ class SchedulerOutputProcessorMixin:
             req.send_decode_id_offset = len(decode_ids)
             req.send_token_offset = end
         self._outputs.append(out)
+
+
+def _logprob_lists(result: Any) -> Tuple[Any, Any, Any]:
+    """The batch's logprobs as Python lists, one transfer each (read per request, a GPU tensor
+    cost a device sync per element): token logprobs [bs], top-k values and ids [bs][k]."""
+
+    def as_list(x: Any) -> Any:
+        if x is None:
+            return None
+        if torch.is_tensor(x):
+            return x.tolist()
+        return [v.tolist() if torch.is_tensor(v) else v for v in x]
+
+    return as_list(result.next_token_logprobs), as_list(result.top_logprobs_val), as_list(result.top_logprobs_idx)
