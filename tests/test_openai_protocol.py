@@ -1045,3 +1045,40 @@ def test_log_requests_shows_the_whole_answer_and_clips_huge_text(tiny_model: str
     assert any(line.startswith("Finish: rid=f ") and "'status_code': 503" in line for line in lines), lines
     receive = next(line for line in lines if line.startswith("Receive: rid=huge "))
     assert len(receive) < 3_000 and "more characters" in receive
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_an_abort_while_the_request_is_tokenized_is_not_lost(tiny_model: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """A big request is tokenized off the event loop; an /abort_request in that window went to
+    the scheduler, which did not know the rid yet, and the request then ran to the end (for
+    n > 1 the samples were not even registered, so the abort found nothing)."""
+    import time
+
+    from minisgl.managers import tokenization
+    from minisgl.managers.io_struct import AbortReq
+
+    real = tokenization.tokenize_one_request
+
+    def slow_tokenize(*args: Any) -> Any:
+        time.sleep(0.3)
+        return real(*args)
+
+    monkeypatch.setattr(tokenization, "tokenize_one_request", slow_tokenize)
+
+    async def run() -> None:
+        tm, sent = _recording_tm(tiny_model, tmp_path, refuse_generate=False)
+        try:
+            stop = ["never " * 5_000]  # > 20,000 characters: tokenized in a worker thread
+            obj = GenerateReqInput(text="hi", sampling_params={"max_new_tokens": 8, "n": n, "stop": stop}, rid="big")
+            gen = tm.generate_request(obj)
+            first = asyncio.ensure_future(gen.__anext__())
+            await asyncio.sleep(0.1)  # tokenizing now
+            tm.abort_request("big")
+            outs = [await asyncio.wait_for(first, 5)] + [out async for out in gen]
+            assert len(outs) == n and all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outs)
+            assert not [m for m in sent if isinstance(m, (TokenizedGenerateReqInput, AbortReq))]  # nothing ran
+            assert tm.rid_to_state == {} and tm.samples_of == {}
+        finally:
+            tm.close()
+
+    asyncio.run(run())

@@ -86,6 +86,7 @@ class ReqState:
     out_list: List[Dict[str, Any]] = field(default_factory=list)
     finished: bool = False
     sent: bool = False  # TokenizedGenerateReqInput left for the scheduler
+    abort_requested: bool = False  # aborted before it was sent (while tokenizing): never send it
     abandoned: bool = False  # nobody reads it any more: aborted, waiting for the scheduler's finish
     # time stats (perf_counter seconds)
     created_time: float = field(default_factory=time.perf_counter)
@@ -317,16 +318,23 @@ class TokenizerManager:
         return params
 
     async def _generate_one(
-        self, obj: GenerateReqInput, request: Any, tokenized: Optional[TokenizedGenerateReqInput] = None
+        self,
+        obj: GenerateReqInput,
+        request: Any,
+        state: Optional[ReqState] = None,
+        tokenized: Optional[TokenizedGenerateReqInput] = None,
     ) -> AsyncIterator[Dict[str, Any]]:
-        """One rid: register, tokenize (unless a batch did it already), send, wait."""
-        state = self._init_req_state(obj)
+        """One rid: register, tokenize, send, wait (a batch registered and tokenized it already)."""
+        state = state or self._init_req_state(obj)
         try:
             if tokenized is None:
                 tokenized = await self._tokenize_one_request(obj)
             state.tokenize_finish_time = time.perf_counter()
             state.prompt_tokens = len(tokenized.input_ids)
-            self._send_one_request(tokenized, state)
+            if state.abort_requested:  # aborted while it was tokenized: the scheduler never sees it
+                self._finish_locally([obj.rid], {"type": "abort", "message": "Abort before the request was scheduled"})
+            else:
+                self._send_one_request(tokenized, state)
             async for out in self._wait_one_response(obj, state, request):
                 yield out
         finally:
@@ -473,29 +481,37 @@ class TokenizerManager:
     async def _handle_batch_request(self, obj: GenerateReqInput, request: Any) -> AsyncIterator[Dict[str, Any]]:
         """Fan out into several rids and merge their outputs, each tagged with its "index"."""
         subs = self._expand_batch(obj)
-        # Every prompt is tokenized and checked before any is sent: one bad prompt (an id out of
-        # the vocabulary, too long) fails the batch with nothing of it prefilled, as a bad field does.
-        for sub in subs:
-            if sub.rid in self.rid_to_state:
-                raise ValueError(f"Duplicate request ID detected: rid={sub.rid} is already in flight")
-        tokenized = await asyncio.gather(*(self._tokenize_one_request(sub) for sub in subs))
+        # Every rid is registered first (a duplicate fails the batch; an abort that comes while the
+        # batch is tokenized finds its rids), then every prompt is tokenized and checked before any
+        # is sent: one bad prompt (an id out of the vocabulary, too long) fails the batch with
+        # nothing of it prefilled, as a bad field does.
+        states: List[ReqState] = []
+        # the samples of an n > 1 request, by the rid its client chose: what /abort_request(<rid>) aborts
+        parents = {sub.rid: single_rid for sub, single_rid in zip(subs, self._parent_rids(obj)) if sub.rid != single_rid}
+        try:
+            for sub in subs:
+                states.append(self._init_req_state(sub))
+                if sub.rid in parents:
+                    self.samples_of.setdefault(parents[sub.rid], {})[sub.rid] = sub
+            tokenized = await asyncio.gather(*(self._tokenize_one_request(sub) for sub in subs))
+        except BaseException:
+            for sub, state in zip(subs, states):
+                if self.rid_to_state.get(sub.rid) is state:
+                    del self.rid_to_state[sub.rid]
+            self._forget_samples(parents)
+            raise
         queue: asyncio.Queue = asyncio.Queue()
         done = object()
 
         async def pump(index: int, sub: GenerateReqInput) -> None:
             try:
-                async for out in self._generate_one(sub, request, tokenized[index]):
+                async for out in self._generate_one(sub, request, states[index], tokenized[index]):
                     queue.put_nowait((index, out))
             except Exception as e:  # surfaced to the consumer, which cancels the siblings
                 queue.put_nowait((index, e))
             finally:
                 queue.put_nowait((index, done))
 
-        # the samples of an n > 1 request, by the rid its client chose: what /abort_request(<rid>) aborts
-        parents = {sub.rid: single_rid for sub, single_rid in zip(subs, self._parent_rids(obj)) if sub.rid != single_rid}
-        for sub in subs:
-            if sub.rid in parents:
-                self.samples_of.setdefault(parents[sub.rid], {})[sub.rid] = sub
         tasks = [asyncio.get_running_loop().create_task(pump(i, sub)) for i, sub in enumerate(subs)]
         try:
             remaining = len(tasks)
@@ -511,10 +527,13 @@ class TokenizerManager:
         finally:
             for task in tasks:
                 task.cancel()  # each sub-generator's finally aborts its rid if still running
-            for sample, parent in parents.items():
-                self.samples_of.get(parent, {}).pop(sample, None)
-                if not self.samples_of.get(parent, True):
-                    del self.samples_of[parent]
+            self._forget_samples(parents)
+
+    def _forget_samples(self, parents: Dict[str, str]) -> None:
+        for sample, parent in parents.items():
+            self.samples_of.get(parent, {}).pop(sample, None)
+            if not self.samples_of.get(parent, True):
+                del self.samples_of[parent]
 
     def _parent_rids(self, obj: GenerateReqInput) -> List[str]:
         """The client's rid behind each sub-request of _expand_batch, in the same order."""
@@ -527,13 +546,22 @@ class TokenizerManager:
 
         The scheduler matches exact rids, so the samples go one message each."""
         if abort_all:
-            targets = [""]
+            targets = list(self.rid_to_state)
         else:
             targets = ([rid] if rid in self.rid_to_state else []) + (self._sample_rids(rid) if rid and with_samples else [])
         if not targets:
             return
+        # a request still being tokenized is not the scheduler's yet: an AbortReq would find
+        # nothing there and be lost, and the request would run to the end once sent
         for target in targets:
-            self._send_to_scheduler(AbortReq(rid=target, abort_all=abort_all))
+            if not self.rid_to_state[target].sent:
+                self.rid_to_state[target].abort_requested = True
+        sent = [t for t in targets if self.rid_to_state[t].sent]
+        if abort_all:
+            self._send_to_scheduler(AbortReq(rid="", abort_all=True))
+        else:
+            for target in sent:
+                self._send_to_scheduler(AbortReq(rid=target))
         self.metrics.num_aborted_requests_total.labels(**self.metrics.labels).inc()
 
     def _sample_rids(self, rid: str) -> List[str]:
@@ -675,12 +703,15 @@ class TokenizerManager:
         own abort would: for when nothing else will answer them (a child process died, or a
         shutdown outlasted the scheduler). A waiting handler then answers its client (a 503, or
         an error event and [DONE] on a stream) instead of being cancelled into a bare 500."""
-        rids = list(self.rid_to_state)
+        self._finish_locally(list(self.rid_to_state), {"type": "abort", "message": message, "status_code": status_code})
+
+    def _finish_locally(self, rids: List[str], reason: Dict[str, Any]) -> None:
+        """Finish `rids` here with `reason`, through the same path as the scheduler's outputs."""
         states = [self.rid_to_state[rid] for rid in rids]
         self._handle_batch_output(
             BatchStrOutput(
                 rids=rids,
-                finished_reasons=[{"type": "abort", "message": message, "status_code": status_code} for _ in rids],
+                finished_reasons=[dict(reason) for _ in rids],
                 output_strs=["" for _ in rids],
                 output_ids=[[] for _ in rids],
                 prompt_tokens=[state.prompt_tokens for state in states],
