@@ -65,10 +65,31 @@ def test_a_context_longer_than_the_model_was_trained_for_is_refused_unless_allow
     tiny_model: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SGLang refuses it (it was accepted with a warning); its environment switch allows it."""
-    with pytest.raises(ValueError, match="longer than the model's max_position_embeddings"):
+    with pytest.raises(ValueError, match="longer than the model's context \\(2048: max_position_embeddings"):
         make_runner(tiny_model, context_length=4096)  # the tiny config's max_position_embeddings is 2048
     monkeypatch.setenv("MINISGL_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "1")
     assert make_runner(tiny_model, context_length=4096).model_config.context_len == 4096
+
+
+def test_a_linear_rope_scaling_extends_the_models_context_as_sglang_derives_it(
+    tiny_model_factory: Callable[..., str], tmp_path: Any
+) -> None:
+    """SGLang's get_context_length multiplies by a scaled rope's factor (not llama3's, which names
+    its original length): a linear x4 model of 2048 positions has 8192, and --context-length 8192
+    must not be refused (nor the default left at 2048)."""
+    def linear(d: dict) -> None:
+        d.pop("rope_parameters", None)
+        d.update(rope_theta=10000.0, rope_scaling={"type": "linear", "factor": 4.0})
+
+    path = _copy_with(tiny_model_factory("llama"), str(tmp_path / "m"), linear)
+    assert ModelConfig.from_pretrained(path).context_len == 8192
+    assert ModelConfig.from_pretrained(path, 8192).context_len == 8192
+    with pytest.raises(ValueError, match="longer than the model's context \\(8192"):
+        ModelConfig.from_pretrained(path, 8193)
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 512}  # fmt: skip
+    path3 = _copy_with(tiny_model_factory("llama"), str(tmp_path / "l3"), lambda d: d.update(rope_scaling=llama3))
+    assert ModelConfig.from_pretrained(path3).context_len == 2048  # max_position_embeddings, already extended
 
 
 def test_one_rope_table_for_the_model_sized_by_the_context(tiny_model: str) -> None:

@@ -86,7 +86,7 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_pos,
-            context_len=_context_len(spec.sliding_window(cfg), max_pos, context_length),
+            context_len=_context_len(spec.sliding_window(cfg), derived_context_len(max_pos, rope_scaling), context_length),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=spec.qkv_bias(cfg),
             o_bias=spec.o_bias(cfg),
@@ -169,23 +169,31 @@ def parse_rope(cfg: Dict[str, Any]) -> Tuple[float, Optional[Dict[str, Any]]]:
     return theta, scaling
 
 
-def _context_len(window: Optional[int], max_pos: int, requested: Optional[int]) -> int:
-    """--context-length, else max_position_embeddings; never past a sliding window.
+def derived_context_len(max_pos: int, rope_scaling: Optional[Dict[str, Any]]) -> int:
+    """SGLang's get_context_length: max_position_embeddings, times a scaled rope's factor unless
+    the scaling names its own original length (llama3 always does, here)."""
+    if rope_scaling and "original_max_position_embeddings" not in rope_scaling:
+        return int(max_pos * float(rope_scaling.get("factor", 1.0)))
+    return max_pos
+
+
+def _context_len(window: Optional[int], derived: int, requested: Optional[int]) -> int:
+    """--context-length, else the model's derived context; never past a sliding window.
 
     minisgl attends over the whole sequence. That equals sliding-window attention as long
     as no sequence is longer than the window, so the context is capped at the window.
     """
-    context_len = requested or max_pos
-    if requested and requested > max_pos:
+    context_len = requested or derived
+    if requested and requested > derived:
         # SGLang's rule: positions past what the model was trained on give garbage, so a longer
         # context is refused unless the user says they know (SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN)
         if os.environ.get("MINISGL_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "0") not in ("1", "true", "True"):
             raise ValueError(
-                f"--context-length {requested} is longer than the model's max_position_embeddings ({max_pos}), "
-                "which may give incorrect outputs; use a shorter one, or set "
-                "MINISGL_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 to allow it"
+                f"--context-length {requested} is longer than the model's context ({derived}: "
+                "max_position_embeddings, times a linear rope scaling's factor), which may give incorrect "
+                "outputs; use a shorter one, or set MINISGL_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 to allow it"
             )
-        logger.warning("context_length %d exceeds max_position_embeddings %d of the model", requested, max_pos)
+        logger.warning("context_length %d exceeds the model's context %d", requested, derived)
     if window and window < context_len:
         logger.warning("capping context_len %d to the model's sliding_window %d", context_len, window)
         context_len = int(window)
