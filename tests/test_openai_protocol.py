@@ -1082,3 +1082,32 @@ def test_an_abort_while_the_request_is_tokenized_is_not_lost(tiny_model: str, tm
             tm.close()
 
     asyncio.run(run())
+
+
+def test_a_health_probe_answered_with_a_503_leaves_no_unretrieved_task_error(tiny_model: str, tmp_path: Any) -> None:
+    """A probe during a full queue or a shutdown ends in a 503 abort: its task's exception was
+    never retrieved, and asyncio logged a traceback per probe."""
+    import gc
+
+    async def run() -> None:
+        tm, sent = _recording_tm(tiny_model, tmp_path, refuse_generate=False)
+        errors: List[Any] = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
+
+        def full_queue(msg: Any) -> None:
+            sent.append(msg)
+            if isinstance(msg, TokenizedGenerateReqInput):
+                reason = {"type": "abort", "message": "The request queue is full.", "status_code": 503}
+                asyncio.get_running_loop().call_later(0.05, tm._dispatch, _str_out(msg.rid, "", [], 0, reason))
+
+        tm._send_to_scheduler = full_queue  # type: ignore[method-assign]
+        try:
+            assert await tm.health_generate(timeout=5) is True  # an answer is an answer
+            await asyncio.sleep(0.1)
+            gc.collect()
+            await asyncio.sleep(0)
+            assert not tm._health_checks and errors == []
+        finally:
+            tm.close()
+
+    asyncio.run(run())

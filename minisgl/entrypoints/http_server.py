@@ -362,8 +362,11 @@ async def _serve(
         return all(p.is_alive() for p in procs) and not handle_loop.done()
 
     app = create_app(server_args, tm, is_healthy, port_args)
-    sock.listen(2048)
     host, port = sock.getsockname()[:2]
+    try:
+        sock.listen(2048)
+    except OSError as e:  # another server bound the same port (SO_REUSEADDR) and listened first
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror}; choose another --port (0 picks a free one)") from e
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, access_log=False)
     server = uvicorn.Server(config)
     exit_code = 0

@@ -683,7 +683,10 @@ class TokenizerManager:
         obj.log_metrics = False  # a probe, not a request: kept out of /metrics, as in SGLang
 
         async def run() -> None:
-            async for _ in self.generate_request(obj):
+            try:
+                async for _ in self.generate_request(obj):
+                    pass
+            except (ReqAbortedError, ValueError):  # a full queue's 503, a shutdown: any answer counts
                 pass
 
         # on success the one-token request finishes by itself; on failure it is cancelled,

@@ -122,7 +122,7 @@ class SamplingParams:
             raise ValueError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
         if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
             raise ValueError(f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens ({self.max_new_tokens})")
-        if not 1 <= self.n <= MAX_N:  # the OpenAI routes' bound, for /generate and the Engine too
+        if not 1 <= self.n <= MAX_N:  # the OpenAI routes' bound, for /generate too (the Engine fans n out itself)
             raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         if self.stream_interval is not None and self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
