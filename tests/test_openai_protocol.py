@@ -1111,3 +1111,36 @@ def test_a_health_probe_answered_with_a_503_leaves_no_unretrieved_task_error(tin
             tm.close()
 
     asyncio.run(run())
+
+
+def test_a_request_failed_while_tokenized_is_never_sent(tiny_model: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fail_all_requests (a dead child) while a big request was tokenized off the loop ended it
+    here, and then the request was sent anyway, to run unseen."""
+    import time
+
+    from minisgl.managers import tokenization
+
+    real = tokenization.tokenize_one_request
+
+    def slow_tokenize(*args: Any) -> Any:
+        time.sleep(0.3)
+        return real(*args)
+
+    monkeypatch.setattr(tokenization, "tokenize_one_request", slow_tokenize)
+
+    async def run() -> None:
+        tm, sent = _recording_tm(tiny_model, tmp_path, refuse_generate=False)
+        try:
+            obj = GenerateReqInput(text="hi", sampling_params={"max_new_tokens": 8, "stop": ["never " * 5_000]}, stream=True)
+            gen = tm.generate_request(obj)
+            first = asyncio.ensure_future(gen.__anext__())
+            await asyncio.sleep(0.1)  # tokenizing now
+            tm.fail_all_requests("The server is shutting down: minisgl-scheduler (exit code -9) died")
+            out = await asyncio.wait_for(first, 5)
+            assert out["meta_info"]["finish_reason"]["status_code"] == 503
+            await asyncio.sleep(0.4)
+            assert not [m for m in sent if isinstance(m, TokenizedGenerateReqInput)] and tm.rid_to_state == {}
+        finally:
+            tm.close()
+
+    asyncio.run(run())

@@ -331,7 +331,9 @@ class TokenizerManager:
                 tokenized = await self._tokenize_one_request(obj)
             state.tokenize_finish_time = time.perf_counter()
             state.prompt_tokens = len(tokenized.input_ids)
-            if state.abort_requested:  # aborted while it was tokenized: the scheduler never sees it
+            if state.finished:
+                pass  # ended here while it was tokenized (fail_all_requests): nothing to send
+            elif state.abort_requested:  # aborted while it was tokenized: the scheduler never sees it
                 self._finish_locally([obj.rid], {"type": "abort", "message": "Abort before the request was scheduled"})
             else:
                 self._send_one_request(tokenized, state)
