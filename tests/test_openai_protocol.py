@@ -1144,3 +1144,59 @@ def test_a_request_failed_while_tokenized_is_never_sent(tiny_model: str, tmp_pat
             tm.close()
 
     asyncio.run(run())
+
+
+def test_aborts_reach_their_samples_once_and_count_only_real_requests(tiny_model: str, tmp_path: Any) -> None:
+    """Four accounting slips around aborts: a refused retry of an n > 1 rid erased the sample
+    table (the client's abort then found nothing and both samples ran to the end); a request whose
+    client disconnected after tokens were generated was missing from the request metrics; a
+    disconnect followed by /abort_request sent two aborts and counted two; a timed-out health
+    probe counted as an aborted request."""
+    from minisgl.managers.io_struct import AbortReq
+
+    def sample(name: str, tm: TokenizerManager) -> float:
+        return tm.metrics.registry.get_sample_value(name, tm.metrics.labels) or 0.0
+
+    async def run() -> None:
+        tm, sent = _recording_tm(tiny_model, tmp_path, refuse_generate=False)
+        try:
+            def sent_rids() -> List[str]:
+                return [m.rid for m in sent if isinstance(m, TokenizedGenerateReqInput)]
+
+            job = tm.generate_request(GenerateReqInput(text="a", sampling_params={"max_new_tokens": 9, "n": 2}, rid="job"))
+            first = asyncio.ensure_future(job.__anext__())
+            while len(sent_rids()) < 2:
+                await asyncio.sleep(0.01)
+            with pytest.raises(ValueError, match="Duplicate request ID"):
+                await tm.generate_request(GenerateReqInput(text="b", sampling_params={"n": 2}, rid="job")).__anext__()
+            tm.abort_request("job")
+            assert sorted(m.rid for m in sent if isinstance(m, AbortReq)) == ["job-0", "job-1"]
+            for j in range(2):
+                tm._handle_batch_output(_str_out(f"job-{j}", "", [], 0, {"type": "abort", "message": "Abort"}))
+            await asyncio.wait_for(first, 5)
+            await job.aclose()
+            sent.clear()
+
+            gone = tm.generate_request(GenerateReqInput(text="c", sampling_params={"max_new_tokens": 9}, stream=True, rid="gone"))
+            task = asyncio.ensure_future(gone.__anext__())
+            while "gone" not in sent_rids():
+                await asyncio.sleep(0.01)
+            tm._handle_batch_output(_str_out("gone", "x", [5], 1))
+            await asyncio.wait_for(task, 5)
+            reading = asyncio.ensure_future(gone.__anext__())
+            await asyncio.sleep(0.01)
+            reading.cancel()  # the client disconnects (its handler is cancelled): the rid is aborted
+            await asyncio.sleep(0.01)
+            tm.abort_request("gone")  # and an /abort_request for it arrives before the finish
+            assert [m.rid for m in sent if isinstance(m, AbortReq)] == ["gone"]
+            tm._handle_batch_output(_str_out("gone", "y", [6], 2, {"type": "abort", "message": "Abort"}))
+            assert sample("sglang:num_requests_total", tm) == 1 and sample("sglang:generation_tokens_total", tm) == 2
+            aborted = sample("sglang:num_aborted_requests_total", tm)
+
+            assert await tm.health_generate(timeout=0.2) is False  # nothing answers: the probe is cancelled
+            await asyncio.sleep(0.05)
+            assert sample("sglang:num_aborted_requests_total", tm) == aborted  # a probe, not a request
+        finally:
+            tm.close()
+
+    asyncio.run(run())

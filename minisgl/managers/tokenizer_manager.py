@@ -87,6 +87,7 @@ class ReqState:
     finished: bool = False
     sent: bool = False  # TokenizedGenerateReqInput left for the scheduler
     abort_requested: bool = False  # aborted before it was sent (while tokenizing): never send it
+    abort_sent: bool = False  # an AbortReq left for it (SGLang 0.5.23's): one per request
     abandoned: bool = False  # nobody reads it any more: aborted, waiting for the scheduler's finish
     # time stats (perf_counter seconds)
     created_time: float = field(default_factory=time.perf_counter)
@@ -500,7 +501,7 @@ class TokenizerManager:
             for sub, state in zip(subs, states):
                 if self.rid_to_state.get(sub.rid) is state:
                     del self.rid_to_state[sub.rid]
-            self._forget_samples(parents)
+            self._forget_samples(parents, subs)
             raise
         queue: asyncio.Queue = asyncio.Queue()
         done = object()
@@ -529,13 +530,18 @@ class TokenizerManager:
         finally:
             for task in tasks:
                 task.cancel()  # each sub-generator's finally aborts its rid if still running
-            self._forget_samples(parents)
+            self._forget_samples(parents, subs)
 
-    def _forget_samples(self, parents: Dict[str, str]) -> None:
-        for sample, parent in parents.items():
-            self.samples_of.get(parent, {}).pop(sample, None)
-            if not self.samples_of.get(parent, True):
-                del self.samples_of[parent]
+    def _forget_samples(self, parents: Dict[str, str], subs: List[GenerateReqInput]) -> None:
+        """Drop this request's own sample entries: another request of the same parent rid may
+        hold the same sample rids now (a later one that reuses a finished sample's rid)."""
+        for sub in subs:
+            parent = parents.get(sub.rid)
+            samples = self.samples_of.get(parent) if parent is not None else None
+            if samples is not None and samples.get(sub.rid) is sub:
+                del samples[sub.rid]
+                if not samples:
+                    del self.samples_of[parent]
 
     def _parent_rids(self, obj: GenerateReqInput) -> List[str]:
         """The client's rid behind each sub-request of _expand_batch, in the same order."""
@@ -551,6 +557,9 @@ class TokenizerManager:
             targets = list(self.rid_to_state)
         else:
             targets = ([rid] if rid in self.rid_to_state else []) + (self._sample_rids(rid) if rid and with_samples else [])
+        # one abort per request (SGLang 0.5.23's abort_sent): a rid already aborted (by its client's
+        # disconnect or an earlier call, or marked while tokenized) is neither sent nor counted again
+        targets = [t for t in targets if not (self.rid_to_state[t].abort_sent or self.rid_to_state[t].abort_requested)]
         if not targets:
             return
         # a request still being tokenized is not the scheduler's yet: an AbortReq would find
@@ -559,12 +568,16 @@ class TokenizerManager:
             if not self.rid_to_state[target].sent:
                 self.rid_to_state[target].abort_requested = True
         sent = [t for t in targets if self.rid_to_state[t].sent]
+        for target in sent:
+            self.rid_to_state[target].abort_sent = True
+        counted = any(self.rid_to_state[t].obj.log_metrics for t in targets)  # (not a health probe's)
         if abort_all:
             self._send_to_scheduler(AbortReq(rid="", abort_all=True))
         else:
             for target in sent:
                 self._send_to_scheduler(AbortReq(rid=target))
-        self.metrics.num_aborted_requests_total.labels(**self.metrics.labels).inc()
+        if counted:
+            self.metrics.num_aborted_requests_total.labels(**self.metrics.labels).inc()
 
     def _sample_rids(self, rid: str) -> List[str]:
         """The in-flight samples `<rid>-<j>` of this client's n > 1 request `rid` (recorded by
@@ -627,6 +640,9 @@ class TokenizerManager:
             if state.abandoned:  # its reader is gone: only its finish matters (it frees the rid)
                 if recv.finished_reasons[i] is not None:
                     del self.rid_to_state[rid]
+                    state.finished_time = now
+                    if state.obj.log_metrics and recv.completion_tokens[i] > 0:  # it ran: a request served
+                        self.metrics.observe_finished(state, recv.prompt_tokens[i], recv.completion_tokens[i], recv.cached_tokens[i])
                 continue
             token_logprobs, top_logprobs = logprobs_of(recv, i)
             state.text += recv.output_strs[i]
