@@ -717,6 +717,10 @@ class TokenizerManager:
                 return True
             await asyncio.sleep(0.05)
         task.cancel()
+        await asyncio.gather(task, return_exceptions=True)  # its abort is sent
+        # a stuck pipeline may never answer that abort: forget the probe now, as SGLang does,
+        # or every failed probe would leave its rid in flight for good
+        self.rid_to_state.pop(obj.rid, None)
         return False
 
     def fail_all_requests(self, message: str, status_code: int = 503) -> None:
