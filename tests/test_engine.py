@@ -216,3 +216,30 @@ def test_get_load_counts_a_request_mid_chunk_as_running(tiny_model):
         assert e.get_load().num_running_reqs == 1  # just prefilled, not yet merged into the batch
         e.run_until_idle()
         assert e.get_load().num_running_reqs == 0
+
+
+def test_the_engine_needs_no_server_packages(tiny_model):
+    """A GPU image may carry torch, triton and transformers only: the Engine (and so the triton
+    engine test and bench_offline) must not import pyzmq or fastapi. It failed at its first
+    output, reading logprobs through the TokenizerManager's module."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        f"""
+        import sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("zmq", "fastapi", "uvicorn", "starlette"):
+                    raise ImportError("blocked " + name)
+        sys.meta_path.insert(0, Block())
+        from minisgl import Engine
+        with Engine({tiny_model!r}, device="cpu", max_total_tokens=1024) as e:
+            out = e.generate("hello", {{"max_new_tokens": 3, "temperature": 0}}, return_logprob=True)
+        assert len(out["output_ids"]) == 3 and len(out["meta_info"]["output_token_logprobs"]) == 3
+        print("ok")
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
-from minisgl.managers.io_struct import AbortReq, BatchStrOutput, GenerateReqInput, TokenizedGenerateReqInput, new_rid
+from minisgl.managers.io_struct import AbortReq, BatchStrOutput, GenerateReqInput, TokenizedGenerateReqInput, logprobs_of, new_rid
 from minisgl.managers.tokenization import tokenize_one_request, validate_context_length
 from minisgl.sampling.sampling_params import SamplingParams
 from minisgl.server_args import ServerArgs, resolve_server_args
@@ -330,8 +330,6 @@ class Engine:
 
     def _handle_str_output(self, out: BatchStrOutput) -> None:
         """Fill each rid's state from one message, as TokenizerManager._handle_batch_output does."""
-        from minisgl.managers.tokenizer_manager import logprobs_of  # one shape for both entry points
-
         now = time.perf_counter()
         for i, rid in enumerate(out.rids):
             state = self.rid_to_state.get(rid)
@@ -355,8 +353,8 @@ class Engine:
                 state.finished = True
                 state.finished_time = now
             state.meta_info["e2e_latency"] = (now - state.created_time) if state.finished else None
-            # TTFT is the scheduler's queue + schedule + forward (prefill_finished - recv), as
-            # SGLang 0.5.23 reports it for every request, streamed or not
+            # TTFT is the scheduler's queue + schedule + forward (prefill_finished - recv) for every
+            # request, streamed or not (SGLang 0.5.23 takes prefill_finished for non-streaming ones)
             ttft_ms = state.meta_info.get("ttft_ms")
             state.meta_info["ttft"] = ttft_ms / 1e3 if ttft_ms is not None else None
             # a streamed chunk carries this message's logprobs only (deltas, as the server's do)

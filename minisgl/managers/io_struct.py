@@ -18,7 +18,7 @@ import dataclasses
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from minisgl.sampling.sampling_params import SamplingParams
 
@@ -220,6 +220,20 @@ class BatchStrOutput:
     output_top_logprobs_val: List[List[List[float]]] = field(default_factory=list)
     output_top_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
     time_stats: List[Dict[str, Optional[float]]] = field(default_factory=list)  # to_ms_dict: None = not reached
+
+
+def logprobs_of(recv: BatchStrOutput, i: int) -> Tuple[List[Tuple[float, int]], List[List[Tuple[float, int]]]]:
+    """Request i's new (logprob, token id) pairs and top-k lists; empty when not requested.
+
+    Here, next to the message, so the Engine reads outputs as the TokenizerManager does
+    without importing it (and pyzmq with it)."""
+    token: List[Tuple[float, int]] = []
+    top: List[List[Tuple[float, int]]] = []
+    if i < len(recv.output_token_logprobs_val) and recv.output_token_logprobs_val[i]:
+        token = list(zip(recv.output_token_logprobs_val[i], recv.output_token_logprobs_idx[i]))
+    if i < len(recv.output_top_logprobs_val) and recv.output_top_logprobs_val[i]:
+        top = [list(zip(vals, idxs)) for vals, idxs in zip(recv.output_top_logprobs_val[i], recv.output_top_logprobs_idx[i])]
+    return token, top
 
 
 # --------------------------------------------------------------------------- codec

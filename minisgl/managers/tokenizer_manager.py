@@ -45,6 +45,7 @@ from minisgl.managers.io_struct import (
     TokenizedGenerateReqInput,
     decode,
     encode,
+    logprobs_of,
     new_rid,
 )
 from minisgl.sampling.sampling_params import SamplingParams
@@ -764,17 +765,6 @@ def _text_chars(obj: GenerateReqInput) -> int:
     stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
     text = obj.text if isinstance(obj.text, str) else ""
     return len(text) + sum(len(s) for s in stops if isinstance(s, str))
-
-
-def logprobs_of(recv: BatchStrOutput, i: int) -> Tuple[List[Tuple[float, int]], List[List[Tuple[float, int]]]]:
-    """Request i's new (logprob, token id) pairs and top-k lists; empty when not requested."""
-    token: List[Tuple[float, int]] = []
-    top: List[List[Tuple[float, int]]] = []
-    if i < len(recv.output_token_logprobs_val) and recv.output_token_logprobs_val[i]:
-        token = list(zip(recv.output_token_logprobs_val[i], recv.output_token_logprobs_idx[i]))
-    if i < len(recv.output_top_logprobs_val) and recv.output_top_logprobs_val[i]:
-        top = [list(zip(vals, idxs)) for vals, idxs in zip(recv.output_top_logprobs_val[i], recv.output_top_logprobs_idx[i])]
-    return token, top
 
 
 def coalesce_streaming_chunks(out_list: List[Dict[str, Any]]) -> Dict[str, Any]:
