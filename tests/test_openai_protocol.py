@@ -929,6 +929,7 @@ def test_a_big_prompt_is_tokenized_off_the_event_loop(tiny_model: str, tmp_path:
 
     async def run() -> None:
         tm, _ = _recording_tm(tiny_model, tmp_path, refuse_generate=False)
+        tm.max_prompt_chars = 10**9  # as for a long-context model: this prompt could fit, so it is tokenized
         ticks = 0
 
         async def other_clients() -> None:
@@ -1200,3 +1201,43 @@ def test_aborts_reach_their_samples_once_and_count_only_real_requests(tiny_model
             tm.close()
 
     asyncio.run(run())
+
+
+def test_a_prompt_too_long_by_its_characters_alone_is_refused_before_tokenizing(
+    tiny_model: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 10 MB prompt was tokenized into 3.3M tokens only to be refused: 1.7 GB of the HTTP
+    process's memory for one request, kept after it."""
+    from minisgl.managers import tokenization
+
+    def no_tokenizing(*args: Any) -> Any:
+        raise AssertionError("the tokenizer ran")
+
+    monkeypatch.setattr(tokenization, "tokenize_one_request", no_tokenizing)
+
+    async def run() -> None:
+        tm, sent = _recording_tm(tiny_model, tmp_path, refuse_generate=False)
+        try:
+            huge = GenerateReqInput(text="x" * (tm.max_prompt_chars + 1), sampling_params={"max_new_tokens": 1})
+            with pytest.raises(ValueError, match=r"characters, so at least \d+ tokens\) is longer than the model's context length"):
+                await tm.generate_request(huge).__anext__()
+            assert sent == [] and tm.rid_to_state == {}
+        finally:
+            tm.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ({"text": ["hi"] * 40, "sampling_params": {"n": 128, "max_new_tokens": 1}}, "fans out into 5120 generations"),
+        ({"text": "hi", "sampling_params": {"stop": ["s"] * 65}}, "stop takes at most 64 strings"),
+        ({"text": "hi", "sampling_params": {"stop_token_ids": [7] * 1025}}, "stop_token_ids takes at most 1024 ids"),
+    ],
+)
+def test_one_request_cannot_ask_for_more_than_a_shared_server_gives(guarded_client: TestClient, body: Dict[str, Any], needle: str) -> None:
+    """1000 prompts x n=128 stalled /health for 17 s; 100k stop strings slowed every other
+    stream 40x; a million stop_token_ids froze the event loop for 28 s."""
+    r = guarded_client.post("/generate", json=body)
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text

@@ -60,6 +60,10 @@ REQUEST_STATE_WAIT_TIMEOUT = float(os.environ.get("MINISGL_REQUEST_STATE_WAIT_TI
 LOG_REQUEST_CHARS = 2048
 # The server's cap on top_logprobs_num (OpenAI's top_logprobs bound).
 MAX_TOP_LOGPROBS_NUM = 20
+# The server's caps on one request's size (the in-process Engine, one user's, has none).
+MAX_SUB_REQUESTS = 4096  # prompts x n
+MAX_STOP_STRINGS = 64  # OpenAI takes 4
+MAX_STOP_TOKEN_IDS = 1024
 # Requests with more text than this (prompt and stop strings, in characters) are tokenized in
 # a worker thread: ~1 ms per 2,000 characters, so this is where one starts to stall others.
 TOKENIZE_OFF_LOOP_CHARS = 20_000
@@ -262,6 +266,12 @@ class TokenizerManager:
             AsyncDynamicBatchTokenizer(tokenizer) if server_args.enable_dynamic_batch_tokenizer else None
         )
         self.wait_timeout = REQUEST_STATE_WAIT_TIMEOUT
+        # A prompt has at least len(text) / (the longest vocabulary entry) tokens: past twice
+        # that many characters per context token it cannot fit, and is refused before the
+        # tokenizer builds millions of tokens (a 10 MB prompt cost the HTTP process 1.7 GB, kept).
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        self.longest_token_chars = max(max((len(t) for t in vocab), default=1), 1)
+        self.max_prompt_chars = 2 * context_len * self.longest_token_chars
         self.context = zmq.asyncio.Context()
         self.recv_from_detokenizer = get_zmq_socket(self.context, zmq.PULL, port_args.tokenizer_ipc_name, bind=True)
         self.send_to_scheduler = get_zmq_socket(self.context, zmq.PUSH, port_args.scheduler_input_ipc_name, bind=False)
@@ -309,6 +319,7 @@ class TokenizerManager:
         params = [SamplingParams.from_dict(d) for d in param_dicts]  # unknown keys and wrong types
         for p in params:
             p.verify()  # ranges, n >= 1 among them
+        TokenizerManager._check_request_size(obj, param_dicts)
         if obj.top_logprobs_num > MAX_TOP_LOGPROBS_NUM:
             # OpenAI's bound (top_logprobs <= 20) on /generate too: a top-k over the whole vocabulary
             # per token made one answer hundreds of MB, and its encoding stalled every other stream.
@@ -318,6 +329,26 @@ class TokenizerManager:
         if obj.top_logprobs_num and not all(return_logprob):
             raise ValueError("top_logprobs_num needs return_logprob to be true")
         return params
+
+    @staticmethod
+    def _check_request_size(obj: GenerateReqInput, param_dicts: List[Any]) -> None:
+        """Bounds on what one HTTP request may ask of a server others share (SGLang has none):
+        each was measured to stall every other client for seconds, or to keep GBs."""
+        sub_requests = sum(int(d.get("n", 1)) if isinstance(d, dict) and isinstance(d.get("n", 1), int) else 1
+                           for d in (param_dicts or [None]))  # fmt: skip
+        if sub_requests > MAX_SUB_REQUESTS:  # prompts x n: 1000 x 128 stalled /health for 17 s
+            raise ValueError(
+                f"This request fans out into {sub_requests} generations (prompts x n); at most "
+                f"{MAX_SUB_REQUESTS} per request: split it"
+            )
+        for d in param_dicts or []:
+            if not isinstance(d, dict):
+                continue
+            stop, stop_ids = d.get("stop"), d.get("stop_token_ids")
+            if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:  # checked at every step: 100k slowed all others 40x
+                raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+            if isinstance(stop_ids, list) and len(stop_ids) > MAX_STOP_TOKEN_IDS:
+                raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(stop_ids)}")
 
     async def _generate_one(
         self,
@@ -371,6 +402,13 @@ class TokenizerManager:
         return state
 
     async def _tokenize_one_request(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
+        if isinstance(obj.text, str) and len(obj.text) > self.max_prompt_chars:
+            if not self.server_args.allow_auto_truncate:
+                raise ValueError(
+                    f"The input ({len(obj.text)} characters, so at least {len(obj.text) // self.longest_token_chars} "
+                    f"tokens) is longer than the model's context length ({self.context_len} tokens)."
+                )
+            obj.text = obj.text[: self.max_prompt_chars]  # still past the context: the gate truncates it
         if obj.input_ids is None and self.dynamic_batch_tokenizer is not None:
             input_ids = await self._tokenize_texts(obj.text)
             tokenized = self._create_tokenized_object(obj, obj.text, input_ids)
