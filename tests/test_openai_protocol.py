@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 from typing import Any, Dict, List, Tuple
 
 import pytest
@@ -955,6 +956,22 @@ def test_a_big_prompt_is_tokenized_off_the_event_loop(tiny_model: str, tmp_path:
     asyncio.run(run())
 
 
+async def _run_to_end(tm: TokenizerManager, obj: GenerateReqInput, *outs: BatchStrOutput) -> None:
+    """Send `obj`, feed it `outs` as the detokenizer would, and read it to its end (an abort with
+    a status raises for a non-streaming request: that is an end too)."""
+    gen = tm.generate_request(obj)
+    first = asyncio.ensure_future(gen.__anext__())
+    await asyncio.sleep(0.05)
+    for out in outs:
+        tm._handle_batch_output(out)
+    try:
+        await asyncio.wait_for(first, 5)
+        async for _ in gen:
+            pass
+    except Exception:  # noqa: BLE001
+        pass
+
+
 def test_request_metrics_count_aborts_that_ran_and_time_a_non_streams_first_token(tiny_model: str, tmp_path: Any) -> None:
     """An abort after tokens were generated is a finished request in /metrics (its tokens were
     missing from generation_tokens), one that never ran is not; a non-streaming request's TTFT
@@ -967,24 +984,11 @@ def test_request_metrics_count_aborts_that_ran_and_time_a_non_streams_first_toke
     async def run() -> None:
         tm, _ = _recording_tm(tiny_model, tmp_path, refuse_generate=False)
         try:
-            async def finish(obj: GenerateReqInput, *outs: BatchStrOutput) -> None:
-                gen = tm.generate_request(obj)
-                first = asyncio.ensure_future(gen.__anext__())
-                await asyncio.sleep(0.05)
-                for out in outs:
-                    tm._handle_batch_output(out)
-                try:
-                    await asyncio.wait_for(first, 5)
-                    async for _ in gen:
-                        pass
-                except Exception:  # noqa: BLE001 - an abort with a status raises for a non-stream
-                    pass
-
             ran = GenerateReqInput(text="a", sampling_params={"max_new_tokens": 50}, stream=True, rid="ran")
-            await finish(ran, _str_out("ran", "x", [5], 1), _str_out("ran", "yz", [6, 7], 3, {"type": "abort", "message": "Abort"}))
+            await _run_to_end(tm, ran, _str_out("ran", "x", [5], 1), _str_out("ran", "yz", [6, 7], 3, {"type": "abort", "message": "Abort"}))
             assert sample("sglang:num_requests_total", tm) == 1 and sample("sglang:generation_tokens_total", tm) == 3
             waited = GenerateReqInput(text="b", sampling_params={"max_new_tokens": 50}, stream=True, rid="waited")
-            await finish(waited, _str_out("waited", "", [], 0, {"type": "abort", "message": "Abort"}))
+            await _run_to_end(tm, waited, _str_out("waited", "", [], 0, {"type": "abort", "message": "Abort"}))
             assert sample("sglang:num_requests_total", tm) == 1  # never ran: not a request served
 
             whole = GenerateReqInput(text="c", sampling_params={"max_new_tokens": 3}, rid="whole")
@@ -1016,27 +1020,14 @@ def test_log_requests_shows_the_whole_answer_and_clips_huge_text(tiny_model: str
         tm = _make_tm(tiny_model, tmp_path, log_requests=True)
         tm._send_to_scheduler = lambda msg: None  # type: ignore[method-assign]
 
-        async def answer(obj: GenerateReqInput, *outs: BatchStrOutput) -> None:
-            gen = tm.generate_request(obj)
-            first = asyncio.ensure_future(gen.__anext__())
-            await asyncio.sleep(0.05)
-            for out in outs:
-                tm._handle_batch_output(out)
-            try:
-                await asyncio.wait_for(first, 5)
-                async for _ in gen:
-                    pass
-            except Exception:  # noqa: BLE001 - the 503 of a non-streaming request
-                pass
-
         try:
             huge = GenerateReqInput(text="x " * 5_000, sampling_params={"max_new_tokens": 2}, rid="huge")
             with pytest.raises(ValueError):  # refused as too long, but logged as received first
                 await tm.generate_request(huge).__anext__()
             streamed = GenerateReqInput(text="p", sampling_params={"max_new_tokens": 2}, stream=True, rid="s")
-            await answer(streamed, _str_out("s", "Hel", [5], 1), _str_out("s", "lo", [6], 2, {"type": "length", "length": 2}))
+            await _run_to_end(tm, streamed, _str_out("s", "Hel", [5], 1), _str_out("s", "lo", [6], 2, {"type": "length", "length": 2}))
             full = GenerateReqInput(text="q", sampling_params={"max_new_tokens": 2}, rid="f")
-            await answer(full, _str_out("f", "", [], 0, {"type": "abort", "message": "The request queue is full.", "status_code": 503}))
+            await _run_to_end(tm, full, _str_out("f", "", [], 0, {"type": "abort", "message": "The request queue is full.", "status_code": 503}))
         finally:
             tm.close()
 
@@ -1048,15 +1039,12 @@ def test_log_requests_shows_the_whole_answer_and_clips_huge_text(tiny_model: str
     assert len(receive) < 3_000 and "more characters" in receive
 
 
-@pytest.mark.parametrize("n", [1, 2])
-def test_an_abort_while_the_request_is_tokenized_is_not_lost(tiny_model: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, n: int) -> None:
-    """A big request is tokenized off the event loop; an /abort_request in that window went to
-    the scheduler, which did not know the rid yet, and the request then ran to the end (for
-    n > 1 the samples were not even registered, so the abort found nothing)."""
+@pytest.fixture()
+def slow_tokenizing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every request takes 0.3 s to tokenize, as a big one does: a window for aborts and failures."""
     import time
 
     from minisgl.managers import tokenization
-    from minisgl.managers.io_struct import AbortReq
 
     real = tokenization.tokenize_one_request
 
@@ -1065,6 +1053,14 @@ def test_an_abort_while_the_request_is_tokenized_is_not_lost(tiny_model: str, tm
         return real(*args)
 
     monkeypatch.setattr(tokenization, "tokenize_one_request", slow_tokenize)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_an_abort_while_the_request_is_tokenized_is_not_lost(tiny_model: str, tmp_path: Any, slow_tokenizing: None, n: int) -> None:
+    """A big request is tokenized off the event loop; an /abort_request in that window went to
+    the scheduler, which did not know the rid yet, and the request then ran to the end (for
+    n > 1 the samples were not even registered, so the abort found nothing)."""
+    from minisgl.managers.io_struct import AbortReq
 
     async def run() -> None:
         tm, sent = _recording_tm(tiny_model, tmp_path, refuse_generate=False)
@@ -1114,21 +1110,9 @@ def test_a_health_probe_answered_with_a_503_leaves_no_unretrieved_task_error(tin
     asyncio.run(run())
 
 
-def test_a_request_failed_while_tokenized_is_never_sent(tiny_model: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_request_failed_while_tokenized_is_never_sent(tiny_model: str, tmp_path: Any, slow_tokenizing: None) -> None:
     """fail_all_requests (a dead child) while a big request was tokenized off the loop ended it
     here, and then the request was sent anyway, to run unseen."""
-    import time
-
-    from minisgl.managers import tokenization
-
-    real = tokenization.tokenize_one_request
-
-    def slow_tokenize(*args: Any) -> Any:
-        time.sleep(0.3)
-        return real(*args)
-
-    monkeypatch.setattr(tokenization, "tokenize_one_request", slow_tokenize)
-
     async def run() -> None:
         tm, sent = _recording_tm(tiny_model, tmp_path, refuse_generate=False)
         try:
@@ -1204,28 +1188,16 @@ def test_aborts_reach_their_samples_once_and_count_only_real_requests(tiny_model
 
 
 def test_a_prompt_too_long_by_its_characters_alone_is_refused_before_tokenizing(
-    tiny_model: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+    guarded_client: TestClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A 10 MB prompt was tokenized into 3.3M tokens only to be refused: 1.7 GB of the HTTP
     process's memory for one request, kept after it."""
     from minisgl.managers import tokenization
 
-    def no_tokenizing(*args: Any) -> Any:
-        raise AssertionError("the tokenizer ran")
-
-    monkeypatch.setattr(tokenization, "tokenize_one_request", no_tokenizing)
-
-    async def run() -> None:
-        tm, sent = _recording_tm(tiny_model, tmp_path, refuse_generate=False)
-        try:
-            huge = GenerateReqInput(text="x" * (tm.max_prompt_chars + 1), sampling_params={"max_new_tokens": 1})
-            with pytest.raises(ValueError, match=r"characters, so at least \d+ tokens\) is longer than the model's context length"):
-                await tm.generate_request(huge).__anext__()
-            assert sent == [] and tm.rid_to_state == {}
-        finally:
-            tm.close()
-
-    asyncio.run(run())
+    monkeypatch.setattr(tokenization, "tokenize_one_request", lambda *a: pytest.fail("the tokenizer ran"))
+    r = guarded_client.post("/v1/completions", json={"model": guarded_client.model, "prompt": "x" * 2_000_000})
+    assert r.status_code == 400
+    assert re.search(r"\(2000000 characters, so at least \d+ tokens\) is longer than the model's context length", r.json()["error"]["message"])
 
 
 @pytest.mark.parametrize(
