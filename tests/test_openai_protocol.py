@@ -1213,3 +1213,32 @@ def test_one_request_cannot_ask_for_more_than_a_shared_server_gives(guarded_clie
     stream 40x; a million stop_token_ids froze the event loop for 28 s."""
     r = guarded_client.post("/generate", json=body)
     assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+def test_a_prompt_with_n_samples_is_tokenized_once(tiny_model: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each sample tokenized the whole prompt again (n = 128: 128 tokenizations of one long
+    prompt, still running in worker threads after the first copy's 400 had gone back)."""
+    from minisgl.managers import tokenization
+
+    real = tokenization.tokenize_one_request
+    calls: List[Any] = []
+    monkeypatch.setattr(tokenization, "tokenize_one_request", lambda *a: calls.append(a) or real(*a))
+
+    async def run() -> None:
+        tm, sent = _recording_tm(tiny_model, tmp_path, refuse_generate=False)
+        try:
+            obj = GenerateReqInput(text=["one prompt", "another"], sampling_params={"max_new_tokens": 4, "n": 3, "seed": 7}, rid=["p", "q"])
+            gen = tm.generate_request(obj)
+            first = asyncio.ensure_future(gen.__anext__())
+            while sum(isinstance(m, TokenizedGenerateReqInput) for m in sent) < 6:
+                await asyncio.sleep(0.01)
+            assert len(calls) == 2  # once per prompt
+            reqs = [m for m in sent if isinstance(m, TokenizedGenerateReqInput)]
+            assert [r.rid for r in reqs] == ["p-0", "p-1", "p-2", "q-0", "q-1", "q-2"]
+            assert [r.sampling_params.seed for r in reqs] == [7, 8, 9, 7, 8, 9]  # seed + j, as before
+            assert reqs[0].input_ids == reqs[2].input_ids != reqs[3].input_ids
+            first.cancel()
+        finally:
+            tm.close()
+
+    asyncio.run(run())

@@ -269,9 +269,12 @@ class TokenizerManager:
         # A prompt has at least len(text) / (the longest vocabulary entry) tokens: past twice
         # that many characters per context token it cannot fit, and is refused before the
         # tokenizer builds millions of tokens (a 10 MB prompt cost the HTTP process 1.7 GB, kept).
-        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-        self.longest_token_chars = max(max((len(t) for t in vocab), default=1), 1)
-        self.max_prompt_chars = 2 * context_len * self.longest_token_chars
+        try:
+            vocab = tokenizer.get_vocab()
+        except Exception:  # noqa: BLE001 - a tokenizer that cannot list its vocabulary: no bound
+            vocab = {}
+        self.longest_token_chars = max((len(t) for t in vocab), default=0)
+        self.max_prompt_chars = 2 * context_len * self.longest_token_chars if vocab else float("inf")
         self.context = zmq.asyncio.Context()
         self.recv_from_detokenizer = get_zmq_socket(self.context, zmq.PULL, port_args.tokenizer_ipc_name, bind=True)
         self.send_to_scheduler = get_zmq_socket(self.context, zmq.PUSH, port_args.scheduler_input_ipc_name, bind=False)
@@ -535,7 +538,7 @@ class TokenizerManager:
                 states.append(self._init_req_state(sub))
                 if sub.rid in parents:
                     self.samples_of.setdefault(parents[sub.rid], {})[sub.rid] = sub
-            tokenized = await asyncio.gather(*(self._tokenize_one_request(sub) for sub in subs))
+            tokenized = await self._tokenize_batch(obj, subs)
         except BaseException:
             for sub, state in zip(subs, states):
                 if self.rid_to_state.get(sub.rid) is state:
@@ -570,6 +573,31 @@ class TokenizerManager:
             for task in tasks:
                 task.cancel()  # each sub-generator's finally aborts its rid if still running
             self._forget_samples(parents, subs)
+
+    async def _tokenize_batch(self, obj: GenerateReqInput, subs: List[GenerateReqInput]) -> List[TokenizedGenerateReqInput]:
+        """Each prompt tokenized and checked once, its n samples copies of it that differ in rid
+        and seed only (as SGLang sends n copies): per sample, a long prompt was tokenized n times,
+        and went on being tokenized in worker threads after the first copy's 400 had gone back."""
+        prompt_of = self._prompt_indices(obj)  # sub index -> its prompt
+        firsts = [k for k in range(len(subs)) if k == 0 or prompt_of[k] != prompt_of[k - 1]]
+        bases = await asyncio.gather(*(self._tokenize_one_request(subs[k]) for k in firsts))
+        base_of = {prompt_of[k]: base for k, base in zip(firsts, bases)}
+        first_set = set(firsts)
+        out: List[TokenizedGenerateReqInput] = []
+        for k, sub in enumerate(subs):
+            base = base_of[prompt_of[k]]
+            if k in first_set:
+                out.append(base)
+                continue
+            params = base.sampling_params.copy()
+            params.seed = (sub.sampling_params or {}).get("seed")  # seed + j (_expand_batch)
+            out.append(dataclasses.replace(base, rid=sub.rid, sampling_params=params))
+        return out
+
+    def _prompt_indices(self, obj: GenerateReqInput) -> List[int]:
+        """The prompt behind each sub-request of _expand_batch, in the same order."""
+        singles = [obj] if obj.is_single else [obj[i] for i in range(obj.batch_size)]
+        return [i for i, single in enumerate(singles) for _ in range(int(dict(single.sampling_params or {}).get("n", 1)))]
 
     def _forget_samples(self, parents: Dict[str, str], subs: List[GenerateReqInput]) -> None:
         """Drop this request's own sample entries: another request of the same parent rid may
