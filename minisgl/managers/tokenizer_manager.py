@@ -613,7 +613,7 @@ class TokenizerManager:
     def _parent_rids(self, obj: GenerateReqInput) -> List[str]:
         """The client's rid behind each sub-request of _expand_batch, in the same order."""
         singles = [obj] if obj.is_single else [obj[i] for i in range(obj.batch_size)]
-        return [single.rid for single in singles for _ in range(int(dict(single.sampling_params or {}).get("n", 1)))]
+        return [singles[i].rid for i in self._prompt_indices(obj)]
 
     # ------------------------------------------------------------------ abort and control
     def abort_request(self, rid: str = "", abort_all: bool = False, with_samples: bool = True) -> None:
