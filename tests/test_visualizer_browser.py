@@ -200,7 +200,7 @@ def test_page_starts_over_when_the_server_restarts(browser_page: Any) -> None:
         new_hub.add(make_snapshot(step))
     app = LiveApp(new_hub, port=port)
     try:
-        _wait_step(browser_page, 3)  # EventSource reconnected with Last-Event-ID 30
+        _wait_step(browser_page, 3)  # EventSource reconnected with the old hub's Last-Event-ID
         new_hub.add(make_snapshot(4))
         _wait_step(browser_page, 4)
         browser_page.wait_for_function("document.querySelectorAll('#timeline .tl-step').length === 2", timeout=5000)
@@ -233,12 +233,81 @@ def test_timeline_has_one_bar_per_step_and_aborts_without_ttft_render(browser_pa
         update = {**merge_snapshots([ran, idle, idle]), "seq": 100, "missed_steps": 0}
         update["steps"] = [step_summary(s) for s in (ran, idle, idle)]  # as an older hub merged them
         browser_page.evaluate("u => onUpdate(u)", update)
+        browser_page.wait_for_function("document.querySelectorAll('#timeline .tl-step').length === 4", timeout=5000)
         assert _bars(browser_page) == [1, 2, 3, 4]
         assert browser_page.locator('#timeline .tl-step[data-step="4"]').get_attribute("data-mode") == "DECODE"
         # clicking a bar while live pauses on that step
         browser_page.click('#timeline .tl-step[data-step="2"]')
         browser_page.wait_for_selector('#view-status[data-live="0"]', timeout=5000)
         _wait_step(browser_page, 2)
+        assert browser_page.errors == []
+    finally:
+        app.stop()
+
+
+def test_a_page_slower_than_the_stream_shows_the_newest_step_and_every_event(browser_page: Any) -> None:
+    # At a few hundred requests a drawing costs more than the 50 ms between updates: drawing
+    # each one queued a backlog that left the LIVE view seconds behind the server.
+    from test_visualizer_sse import LiveApp, make_snapshot
+
+    from minisgl.visualizer.sse import SnapshotHub
+
+    hub = SnapshotHub()
+    hub.add(make_snapshot(1))
+    app = LiveApp(hub)
+    try:
+        browser_page.goto(app.url + "/visualizer")
+        _wait_step(browser_page, 1)
+        updates = [{**make_snapshot(step, events=[{"type": "arrive", "rid": f"r{step}", "detail": ""}]),
+                    "seq": step, "missed_steps": 0} for step in range(2, 52)]  # fmt: skip
+        drawn = browser_page.evaluate("""us => {
+            window.drawn = 0;
+            const draw = render;
+            render = (s) => { window.drawn += 1; draw(s); };
+            for (const u of us) onUpdate(u);  // 50 updates arrive before the page can draw one
+            return window.drawn;
+        }""", updates)  # fmt: skip
+        assert drawn == 0
+        _wait_step(browser_page, 51)
+        assert browser_page.evaluate("window.drawn") <= 2
+        shown = browser_page.eval_on_selector_all("#events .event", "els => els.map(e => e.dataset.rid)")
+        assert shown == [f"r{step}" for step in range(2, 52)]  # the undrawn updates' events are not lost
+        assert browser_page.errors == []
+    finally:
+        app.stop()
+
+
+def test_the_page_reconnects_after_an_http_error_and_pause_while_down_stays_live(browser_page: Any) -> None:
+    # A server restarting behind a reverse proxy: the proxy answers 502 meanwhile. An
+    # EventSource closes for good on an HTTP error; the page opened a new one.
+    from test_visualizer_sse import LiveApp, make_snapshot
+
+    from minisgl.visualizer.sse import SnapshotHub
+
+    old_hub = SnapshotHub()
+    old_hub.add(make_snapshot(7))
+    app = LiveApp(old_hub)
+    port = app.port
+    try:
+        browser_page.goto(app.url + "/visualizer")
+        _wait_step(browser_page, 7)
+    finally:
+        app.stop()
+    proxy = LiveApp(None, port=port)
+    try:
+        browser_page.wait_for_selector('#conn-status[data-state="error"]', timeout=15000)
+        browser_page.click("#btn-pause")  # /visualizer/history answers 502: the page stays live
+        browser_page.wait_for_function("document.getElementById('demo-status').textContent.includes('502')", timeout=5000)
+        assert browser_page.inner_text("#view-status") == "LIVE" and browser_page.inner_text("#btn-pause") == "Pause"
+        time.sleep(1)  # the page has seen the 502 on its event stream too
+    finally:
+        proxy.stop()
+    new_hub = SnapshotHub()
+    new_hub.add(make_snapshot(3))
+    app = LiveApp(new_hub, port=port)
+    try:
+        browser_page.wait_for_selector('#conn-status[data-state="open"]', timeout=15000)
+        _wait_step(browser_page, 3)
         assert browser_page.errors == []
     finally:
         app.stop()

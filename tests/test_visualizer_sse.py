@@ -19,7 +19,7 @@ from fastapi import FastAPI
 
 from minisgl.managers.io_struct import SchedulerSnapshotOut, encode
 from minisgl.server_args import PortArgs, ServerArgs
-from minisgl.visualizer.snapshot import check_snapshot, kv_segments, merge_snapshots, validate_snapshot
+from minisgl.visualizer.snapshot import check_snapshot, kv_segments, merge_snapshots, step_summary, validate_snapshot
 from minisgl.visualizer.sse import SnapshotHub, register_visualizer_routes
 
 
@@ -99,14 +99,19 @@ class Publisher:
 
 
 class LiveApp:
-    """A uvicorn server in a thread serving only the visualizer routes."""
+    """A uvicorn server in a thread serving only the visualizer routes (`hub=None`: a reverse
+    proxy whose server is down, answering every path with a 502)."""
 
-    def __init__(self, hub: SnapshotHub, port: int = 0) -> None:
+    def __init__(self, hub: Optional[SnapshotHub], port: int = 0) -> None:
         import uvicorn
+        from fastapi.responses import PlainTextResponse
 
         app = FastAPI()
-        args = ServerArgs(visualize=True, chunked_prefill_size=64, model_path="tiny")
-        register_visualizer_routes(app, args, port_args=None, hub=hub)
+        if hub is None:
+            app.add_api_route("/{path:path}", lambda path: PlainTextResponse("Bad Gateway", status_code=502))
+        else:
+            args = ServerArgs(visualize=True, chunked_prefill_size=64, model_path="tiny")
+            register_visualizer_routes(app, args, port_args=None, hub=hub)
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # `port`: a restart on the same port
         sock.bind(("127.0.0.1", port))
@@ -153,7 +158,7 @@ def read_sse(url: str, until_step: int, timeout: float = 20.0) -> List[Dict[str,
                 event_id = line[3:].strip()
             elif line.startswith("data:"):
                 update = json.loads(line[5:].strip())
-                assert event_id == str(update["seq"])  # the SSE id is the hub's sequence number
+                assert event_id == f"{event_id.split('-')[0]}-{update['seq']}"  # "<hub instance>-<seq>"
                 updates.append(update)
                 if update["step"] >= until_step:
                     break
@@ -200,6 +205,23 @@ def test_hub_receives_every_published_step_in_order_and_keeps_a_bounded_ring(hub
     steps = [snap["step"] for _, snap in hub.entries_after(0)]
     assert len(steps) == hub.history_size == 512  # the oldest fell out of the ring
     assert steps == list(range(600 - 511, 601))
+
+
+def test_the_ring_is_bounded_by_bytes_too_and_keeps_the_newest_snapshot() -> None:
+    # At 250 running requests one snapshot is ~240 KB: 512 of them made Pause's /history 44 MB.
+    size = len(json.dumps(make_snapshot(1)))
+    hub = SnapshotHub(history_size=8, history_bytes=5 * size + size // 2)
+    for step in range(1, 21):
+        hub.add(make_snapshot(step))
+    assert [snap["step"] for _, snap in hub.entries_after(0)] == [16, 17, 18, 19, 20]  # 5 fit, not 8
+    hub.history_bytes = 100 * size  # now the count bounds it, and the bytes it forgot are exact
+    for step in range(21, 41):
+        hub.add(make_snapshot(step))
+    assert [snap["step"] for _, snap in hub.entries_after(0)] == list(range(33, 41))
+    huge = make_snapshot(41, finished=[_finished("x" * 200) for _ in range(400)])
+    hub.history_bytes = size
+    hub.add(huge)  # bigger than the whole budget: still the latest, alone in the ring
+    assert [snap["step"] for _, snap in hub.entries_after(0)] == [41] and hub.latest() is huge
 
 
 def test_sse_stream_is_in_step_order_coalesced_and_keeps_retract_finish_abort(hub_pub: tuple) -> None:
@@ -267,16 +289,38 @@ def test_a_slow_sse_client_does_not_slow_the_publisher_or_the_hub(hub_pub: tuple
         app.stop()
 
 
-def test_a_browser_reconnecting_after_a_server_restart_gets_the_new_stream() -> None:
-    # The browser's Last-Event-ID (1000) comes from the old server; this hub counts from 1.
+def _first_update(url: str, last_event_id: str) -> Dict[str, Any]:
+    headers = {"Last-Event-ID": last_event_id.encode("latin-1")}
+    with httpx.stream("GET", url + "/visualizer/events", headers=headers, timeout=5) as resp:
+        assert resp.status_code == 200
+        data = next(line for line in resp.iter_lines() if line.startswith("data:"))
+    return json.loads(data[5:])
+
+
+def test_a_browser_reconnecting_to_the_same_server_gets_the_steps_it_missed() -> None:
+    hub = SnapshotHub()
+    for step in range(1, 10):
+        hub.add(make_snapshot(step))
+    app = LiveApp(hub)
+    try:
+        update = _first_update(app.url, hub.event_id(6))
+        assert (update["seq"], [s["step"] for s in update["steps"]], update["missed_steps"]) == (9, [7, 8, 9], 0)
+        # the same seq from a server that restarted (another instance): a fresh page, not "up to date"
+        assert _first_update(app.url, "0badf00d-9")["steps"] == [step_summary(make_snapshot(9))]
+    finally:
+        app.stop()
+
+
+@pytest.mark.parametrize("last_event_id", ["00000000-1000", "1000", "\u00b2", "9" * 5000])
+def test_a_browser_reconnecting_after_a_server_restart_gets_the_new_stream(last_event_id: str) -> None:
+    # The browser's Last-Event-ID comes from the old server (or is junk); this hub counts
+    # from 1. "²" passes str.isdigit() and 5,000 digits pass it too, but int() refused both: a 500.
     hub = SnapshotHub()
     for step in range(1, 5):
         hub.add(make_snapshot(step))
     app = LiveApp(hub)
     try:
-        with httpx.stream("GET", app.url + "/visualizer/events", headers={"Last-Event-ID": "1000"}, timeout=5) as resp:
-            data = next(line for line in resp.iter_lines() if line.startswith("data:"))
-        update = json.loads(data[5:])
+        update = _first_update(app.url, last_event_id)
         assert (update["seq"], update["step"], update["missed_steps"]) == (4, 4, 0)  # a fresh page: the latest
     finally:
         app.stop()

@@ -71,6 +71,10 @@ def test_run_n_steps_reaches_decode_then_finishes_with_ttft_and_reset_clears(eng
     assert sorted(f["rid"] for f in widget.finished) == ["A", "B", "C"]
     assert len(re.findall(r'class="row finished-req"', widget.panels["finished"])) == 3
     assert "TTFT" in widget.panels["finished"]
+    widget.max_finished = 2  # a long session draws the newest rows only (every press re-sends them)
+    widget.step()
+    drawn = re.findall(r'class="row finished-req" data-rid="(\w+)"', widget.panels["finished"])
+    assert drawn == [f["rid"] for f in reversed(widget.finished)][:2] and len(widget.finished) == 3
     for rid in ("A", "B", "C"):
         engine.get_result(rid)
 

@@ -17,7 +17,7 @@ the steps in between, so coalescing never loses one.
 `register_visualizer_routes(app, server_args, port_args)` adds, only when the
 server runs with `--visualize`:
     GET /visualizer            the page (jinja2 template, web/templates/visualizer.html)
-    GET /visualizer/events     SSE; each event is one (merged) snapshot, id = hub sequence number
+    GET /visualizer/events     SSE; each event is one (merged) snapshot, id = "<hub instance>-<seq>"
     GET /visualizer/snapshot   the latest snapshot as JSON (null before the first step)
     GET /visualizer/history    the ring buffer (?after=<seq>&limit=<n>)
     /visualizer/static/...     plain JS + CSS, no external network
@@ -29,6 +29,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
+import secrets
 import threading
 from collections import deque
 from typing import Any, AsyncIterator, Deque, Dict, List, Optional, Tuple
@@ -37,6 +39,7 @@ from fastapi import Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
+from starlette.concurrency import run_in_threadpool
 from sse_starlette.sse import EventSourceResponse, ServerSentEvent
 
 from minisgl.visualizer.render import web_dir
@@ -45,41 +48,61 @@ from minisgl.visualizer.snapshot import merge_snapshots, validate_snapshot
 logger = logging.getLogger("minisgl.visualizer")
 
 DEFAULT_HISTORY_SIZE = 512
+# The ring is bounded by bytes too: at 250 running requests one snapshot is ~240 KB, and
+# 512 of them made /history (what Pause loads) a 44 MB answer.
+DEFAULT_HISTORY_BYTES = 32 * 2**20
 DEFAULT_MAX_RATE_HZ = 20.0
 _SUB_POLL_MS = 100  # how often the receiver thread checks for close()
+_EVENT_ID = re.compile(r"([0-9a-f]{8})-([0-9]{1,18})")  # "<hub instance>-<seq>", as `event_id` writes it
 _SUB_RCVHWM = 10000  # snapshots queued in ZMQ before the SUB side drops (never reached in practice)
 
 
 class SnapshotHub:
     """Latest snapshot + ring buffer of recent ones, fed by a ZMQ SUB thread or by `add`.
 
-    Entries are `(seq, snapshot)`; `seq` counts snapshots received (1, 2, ...) and is
-    the SSE event id. It is not the scheduler's `step`: the scheduler may publish twice
-    for one step (a request arrives while nothing runs), and the page needs a key that
-    always grows.
+    Entries are `(seq, snapshot)`; `seq` counts snapshots received (1, 2, ...). It is not
+    the scheduler's `step`: the scheduler may publish twice for one step (a request arrives
+    while nothing runs), and the page needs a key that always grows. The SSE event id is
+    `instance-seq`: a restarted server's hub counts from 1 again, and a browser's
+    Last-Event-ID from the old one must not pass for a seq of the new one.
     """
 
     def __init__(self, ipc_name: Optional[str] = None, history_size: int = DEFAULT_HISTORY_SIZE,
-                 max_rate_hz: float = DEFAULT_MAX_RATE_HZ) -> None:  # fmt: skip
+                 max_rate_hz: float = DEFAULT_MAX_RATE_HZ, history_bytes: int = DEFAULT_HISTORY_BYTES) -> None:  # fmt: skip
         self.ipc_name = ipc_name
         self.history_size = history_size
+        self.history_bytes = history_bytes
         self.min_interval = 1.0 / max_rate_hz
         self._entries: Deque[Tuple[int, Dict[str, Any]]] = deque(maxlen=history_size)
+        self._sizes: Deque[int] = deque(maxlen=history_size)  # each entry's JSON length, beside it
+        self._total_bytes = 0
         self._seq = 0
+        self.instance = secrets.token_hex(4)
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
     # ------------------------------------------------------------------ feeding
-    def add(self, snap: Dict[str, Any]) -> int:
-        """Record one snapshot; returns its sequence number (0 if it was rejected)."""
+    def add(self, snap: Dict[str, Any], nbytes: Optional[int] = None) -> int:
+        """Record one snapshot of `nbytes` JSON bytes (measured if not given); returns its
+        sequence number (0 if it was rejected). The oldest entries leave the ring when it
+        holds more than `history_size` of them or `history_bytes` in all; the newest stays."""
         problems = validate_snapshot(snap)
         if problems:
             logger.warning("dropping an invalid scheduler snapshot: %s", "; ".join(problems[:3]))
             return 0
+        if nbytes is None:
+            nbytes = len(json.dumps(snap))
         with self._lock:
+            if len(self._entries) == self.history_size:
+                self._total_bytes -= self._sizes[0]  # append() below drops it
             self._seq += 1
             self._entries.append((self._seq, snap))
+            self._sizes.append(nbytes)
+            self._total_bytes += nbytes
+            while self._total_bytes > self.history_bytes and len(self._entries) > 1:
+                self._entries.popleft()
+                self._total_bytes -= self._sizes.popleft()
             return self._seq
 
     def start(self) -> None:
@@ -106,7 +129,7 @@ class SnapshotHub:
                     continue
                 msg = decode(sock.recv())
                 if isinstance(msg, SchedulerSnapshotOut):
-                    self.add(json.loads(msg.snapshot_json))
+                    self.add(json.loads(msg.snapshot_json), len(msg.snapshot_json))
         finally:
             sock.close()
 
@@ -119,6 +142,15 @@ class SnapshotHub:
     @property
     def last_seq(self) -> int:
         return self._seq
+
+    def event_id(self, seq: int) -> str:
+        return f"{self.instance}-{seq}"
+
+    def seq_of_event_id(self, event_id: str) -> Optional[int]:
+        """The seq of a Last-Event-ID this hub sent; None for any other (another server's,
+        or junk), which makes the browser a fresh page."""
+        m = _EVENT_ID.fullmatch(event_id)
+        return int(m.group(2)) if m and m.group(1) == self.instance else None
 
     def latest(self) -> Optional[Dict[str, Any]]:
         with self._lock:
@@ -134,10 +166,9 @@ class SnapshotHub:
         """Merged snapshots for one SSE client, at most `max_rate_hz` per second, in step order.
 
         `after_seq=None` (a fresh page) starts from the latest snapshot; a reconnecting
-        browser passes its Last-Event-ID and gets everything it missed that is still in
-        the ring buffer (`missed_steps` counts what fell out of it). An id past this hub's
-        last seq comes from a hub that no longer exists (the server restarted, and seq
-        counts from 1 again): that browser is a fresh page, or it would wait forever.
+        browser passes the seq of its Last-Event-ID and gets everything it missed that is
+        still in the ring buffer (`missed_steps` counts what fell out of it). A seq past
+        this hub's last one cannot be waited for: that browser is a fresh page too.
         """
         if after_seq is not None and after_seq > self._seq:
             after_seq = None
@@ -197,16 +228,17 @@ def register_visualizer_routes(app: Any, server_args: Any, port_args: Any, hub: 
     @app.get("/visualizer/history")
     async def visualizer_history(after: int = 0, limit: int = Query(DEFAULT_HISTORY_SIZE, ge=0)) -> Any:
         entries = hub.entries_after(after, limit)
-        return JSONResponse({"last_seq": hub.last_seq, "entries": [{**snap, "seq": seq} for seq, snap in entries]})
+        body = {"last_seq": hub.last_seq, "entries": [{**snap, "seq": seq} for seq, snap in entries]}
+        # tens of MB at a large batch: encoded in a worker thread, not on the loop every request shares
+        return await run_in_threadpool(JSONResponse, body)
 
     @app.get("/visualizer/events")
     async def visualizer_events(request: Request) -> Any:
-        last_id = request.headers.get("last-event-id")
-        after = int(last_id) if last_id and last_id.isdigit() else None
+        after = hub.seq_of_event_id(request.headers.get("last-event-id", ""))
 
         async def events() -> AsyncIterator[ServerSentEvent]:
             async for update in hub.updates(after):
-                yield ServerSentEvent(data=json.dumps(update), event="snapshot", id=str(update["seq"]))
+                yield ServerSentEvent(data=json.dumps(update), event="snapshot", id=hub.event_id(update["seq"]))
 
         return EventSourceResponse(events(), ping=15)
 

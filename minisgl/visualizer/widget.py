@@ -40,11 +40,12 @@ def demo_input_ids(n: int, seed: int) -> List[int]:
 class SchedulerWidget:
     """`SchedulerWidget(engine)`; display it as the last expression of a cell."""
 
-    def __init__(self, engine: Any, max_timeline: int = 200) -> None:
+    def __init__(self, engine: Any, max_timeline: int = 200, max_finished: int = 60) -> None:
         import ipywidgets as w
 
         self.engine = engine
         self.max_timeline = max_timeline
+        self.max_finished = max_finished  # rows drawn (as the page's MAX_FINISHED); .finished keeps all
         self.step_count = 0
         self.timeline: List[Dict[str, Any]] = []
         self.finished: List[Dict[str, Any]] = []
@@ -138,7 +139,9 @@ class SchedulerWidget:
 
     def _show(self, snap: Dict[str, Any]) -> None:
         self.last_snapshot = snap
-        self.panels = render_panels(snap, self.timeline, list(reversed(self.finished)))
+        # the newest rows only: every press re-sends the panels to the notebook front end
+        newest = list(reversed(self.finished[-self.max_finished :])) if self.max_finished > 0 else []
+        self.panels = render_panels(snap, self.timeline, newest)
         for name, panel in self.panels.items():
             self._panel_widgets[name].value = panel
         mode = snap["forward_mode"]

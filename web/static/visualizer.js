@@ -9,6 +9,7 @@
 const CONFIG = JSON.parse(document.getElementById("viz-config").textContent);
 const MAX_TIMELINE = 240;   // steps kept in the timeline strip
 const MAX_FINISHED = 60;    // finished requests listed
+const MAX_EVENTS = 200;     // events kept for the next drawing (a hidden tab draws nothing for a while)
 const state = {
   live: true,
   frames: [],      // snapshots, oldest first (live: SSE updates; paused: the server's ring buffer)
@@ -16,6 +17,7 @@ const state = {
   timeline: [],    // step summaries, oldest first, one per step
   finished: [],    // finished records, newest first
   lastSeq: null,   // hub sequence number of the last update (the SSE id)
+  drawPending: false,  // a live drawing is booked for the next animation frame
 };
 
 const $ = (id) => document.getElementById(id);
@@ -215,10 +217,20 @@ function absorb(update) {
 function onUpdate(update) {
   absorb(update);
   if (!state.live) return;  // paused: keep accumulating, do not move the view
+  // Draw at most once per animation frame: at a few hundred requests a drawing costs more
+  // than the 50 ms between updates, and drawing each one queued a backlog that left the
+  // "LIVE" view seconds behind. An update not drawn hands its events on to the next one.
+  const prev = state.frames[state.frames.length - 1];
+  if (state.drawPending && prev) update = { ...update, events: prev.events.concat(update.events).slice(-MAX_EVENTS) };
   state.frames.push(update);
   state.frames.splice(0, Math.max(0, state.frames.length - CONFIG.history_size));
   state.cursor = state.frames.length - 1;
-  render(update);
+  if (state.drawPending) return;
+  state.drawPending = true;
+  requestAnimationFrame(() => {
+    state.drawPending = false;
+    if (state.live && state.frames.length) render(state.frames[state.frames.length - 1]);
+  });
 }
 
 // With `minisgl serve --api-key KEY`, open the page as /visualizer?api_key=KEY: an
@@ -231,13 +243,20 @@ const authHeaders = (extra = {}) => (API_KEY ? { ...extra, Authorization: `Beare
 function connect() {
   const es = new EventSource(withKey("/visualizer/events"));
   es.addEventListener("open", () => { $("conn-status").dataset.state = "open"; $("conn-status").textContent = "connected"; });
-  es.addEventListener("error", () => { $("conn-status").dataset.state = "error"; $("conn-status").textContent = "reconnecting…"; });
+  es.addEventListener("error", () => {
+    $("conn-status").dataset.state = "error";
+    $("conn-status").textContent = "reconnecting…";
+    // EventSource retries a dropped connection itself, but an HTTP error (a proxy's 502
+    // while the server restarts, a 404) closes it for good: open a new one
+    if (es.readyState === EventSource.CLOSED) setTimeout(connect, 3000);
+  });
   es.addEventListener("snapshot", (e) => onUpdate(JSON.parse(e.data)));
 }
 
 async function loadHistory() {
   // Paused view: every single step still in the server's ring buffer, not the coalesced updates.
   const res = await fetch(withKey("/visualizer/history"));
+  if (!res.ok) throw new Error(`/visualizer/history answered ${res.status}`);
   const body = await res.json();
   if (body.entries.length) {
     state.frames = body.entries.map((s) => ({ ...s, events: s.events.map((e) => ({ ...e, step: s.step })) }));
@@ -249,7 +268,13 @@ async function loadHistory() {
 async function pause() {
   state.live = false;
   $("btn-pause").textContent = "Resume";
-  await loadHistory();
+  try {
+    await loadHistory();
+  } catch (e) {  // the server is down or refused: stay live rather than half-paused
+    resume();
+    $("demo-status").textContent = `cannot pause: ${e.message}`;
+    return;
+  }
   if (state.frames.length) render(state.frames[state.cursor]);
 }
 
@@ -258,18 +283,21 @@ function resume() {
   $("btn-pause").textContent = "Pause";
   state.frames = state.frames.slice(-1);
   state.cursor = state.frames.length - 1;
-  fetch(withKey("/visualizer/snapshot")).then((r) => r.json()).then((snap) => { if (snap && state.live) render(snap); });
+  fetch(withKey("/visualizer/snapshot")).then((r) => (r.ok ? r.json() : null))
+    .then((snap) => { if (snap && state.live) render(snap); })
+    .catch(() => {});  // the server is down: the event stream draws the next step when it is back
 }
 
 async function stepBy(delta) {
   if (state.live) await pause();
-  if (!state.frames.length) return;
+  if (state.live || !state.frames.length) return;  // live: the pause failed
   state.cursor = Math.max(0, Math.min(state.frames.length - 1, state.cursor + delta));
   render(state.frames[state.cursor]);
 }
 
 async function jumpToStep(step) {
   if (state.live) await pause();  // clicking a bar while live pauses on that step
+  if (state.live) return;  // the pause failed
   const i = state.frames.findIndex((f) => f.step === step);  // the first: the step that ran
   if (i >= 0) { state.cursor = i; render(state.frames[i]); }
 }
