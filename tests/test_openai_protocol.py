@@ -433,6 +433,8 @@ def test_one_bad_entry_fails_a_batch_before_any_prompt_is_sent(tiny_model: str, 
         ({"text": "hi", "top_logprobs_num": 3}, "top_logprobs_num needs return_logprob"),
         ({"text": "hi", "rid": ""}, "`rid` must not be empty"),  # the scheduler reads "" as no rid: unabortable
         ({"text": ["hi", "yo"], "rid": ["a", ""]}, "`rid` must not be empty"),
+        # a rid rides in every step's messages and snapshots: a few 4 MB ones filled GBs
+        ({"text": ["hi", "yo"], "rid": ["a", "r" * 257]}, "`rid` takes at most 256 characters, got 257"),
     ],
 )
 def test_native_generate_shape_errors_are_400(guarded_client: TestClient, body: Dict[str, Any], needle: str) -> None:

@@ -64,6 +64,7 @@ MAX_TOP_LOGPROBS_NUM = 20
 MAX_SUB_REQUESTS = 4096  # prompts x n
 MAX_STOP_STRINGS = 64  # OpenAI takes 4
 MAX_STOP_TOKEN_IDS = 1024
+MAX_RID_CHARS = 256  # a rid rides in every step's output message and snapshot: 4 MB ones cost GBs
 # Requests with more text than this (prompt and stop strings, in characters) are tokenized in
 # a worker thread: ~1 ms per 2,000 characters, so this is where one starts to stall others.
 TOKENIZE_OFF_LOOP_CHARS = 20_000
@@ -316,6 +317,8 @@ class TokenizerManager:
         for rid in [obj.rid] if obj.is_single else obj.rid:
             if rid == "":  # the scheduler reads "" as no rid: such a request could never be aborted
                 raise ValueError("`rid` must not be empty; leave it out for a generated one")
+            if isinstance(rid, str) and len(rid) > MAX_RID_CHARS:
+                raise ValueError(f"`rid` takes at most {MAX_RID_CHARS} characters, got {len(rid)}")
             if isinstance(rid, str) and lone_surrogate_at(rid) is not None:  # it is echoed back in every answer
                 raise ValueError(f"`rid` must be valid Unicode, got {rid!r} (a lone surrogate)")
         param_dicts = [obj.sampling_params] if obj.is_single else obj.sampling_params
