@@ -435,6 +435,8 @@ def test_one_bad_entry_fails_a_batch_before_any_prompt_is_sent(tiny_model: str, 
         ({"text": ["hi", "yo"], "rid": ["a", ""]}, "`rid` must not be empty"),
         # a rid rides in every step's messages and snapshots: a few 4 MB ones filled GBs
         ({"text": ["hi", "yo"], "rid": ["a", "r" * 257]}, "`rid` takes at most 256 characters, got 257"),
+        ({"text": "hi", "return_logprob": [True]}, "A single prompt takes one `sampling_params` dict"),
+        ({"text": ["hi", "yo"], "return_logprob": [True]}, "`return_logprob` must have 2 entries"),
     ],
 )
 def test_native_generate_shape_errors_are_400(guarded_client: TestClient, body: Dict[str, Any], needle: str) -> None:

@@ -269,6 +269,12 @@ def test_native_generate(server: Server, reference: Dict[str, Any]) -> None:
     body["text"] = PROMPTS[:2]
     outs = httpx.post(server.url + "/generate", json=body, timeout=60).json()
     assert [o["text"] for o in outs] == [reference[("raw", p)]["text"] for p in PROMPTS[:2]]
+    # SGLang's per-prompt lists: one sampling_params dict and one return_logprob per prompt
+    body = {**body, "sampling_params": [body["sampling_params"], {"max_new_tokens": 2, "temperature": 0}],
+            "return_logprob": [False, True]}  # fmt: skip
+    outs = httpx.post(server.url + "/generate", json=body, timeout=60).json()
+    assert outs[0]["text"] == reference[("raw", PROMPTS[0])]["text"] and len(outs[1]["output_ids"]) == 2
+    assert outs[0]["meta_info"]["output_token_logprobs"] == [] and len(outs[1]["meta_info"]["output_token_logprobs"]) == 2
     # streamed: SGLang's native stream carries the text so far in every event, then [DONE]
     body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0}, "stream": True}
     with httpx.stream("POST", server.url + "/generate", json=body, timeout=60) as r:

@@ -62,6 +62,9 @@ class GenerateReqInput:
         if self.is_single:
             if self.rid is None:
                 self.rid = new_rid()
+            if isinstance(self.sampling_params, list) or isinstance(self.return_logprob, list):
+                raise ValueError("A single prompt takes one `sampling_params` dict and one `return_logprob`; "
+                                 "lists are per prompt of a batch")  # fmt: skip
             return
         n = self.batch_size
         if self.rid is None:
@@ -74,6 +77,8 @@ class GenerateReqInput:
             raise ValueError(f"`sampling_params` must have {n} entries for a batch of {n} prompts")
         if not isinstance(self.return_logprob, list):
             self.return_logprob = [self.return_logprob] * n
+        elif len(self.return_logprob) != n:
+            raise ValueError(f"`return_logprob` must have {n} entries for a batch of {n} prompts")
 
     def __getitem__(self, i: int) -> "GenerateReqInput":
         """The i-th request of a normalized batch, as a single request."""
@@ -88,6 +93,7 @@ class GenerateReqInput:
             top_logprobs_num=self.top_logprobs_num,
             stream=self.stream,
             priority=self.priority,
+            log_metrics=self.log_metrics,
         )
 
 

@@ -291,13 +291,14 @@ class CompletionStreamResponse(BaseModel):
 
 # --------------------------------------------------------------------------- native /generate
 class GenerateRequest(BaseModel):
-    """SGLang's native /generate body: text or input_ids (single or batch) + sampling_params."""
+    """SGLang's native /generate body: text or input_ids (single or batch) + sampling_params
+    (one dict for all, or a batch's list of one per prompt; return_logprob likewise)."""
 
     model_config = _STRICT
     text: Optional[Union[str, List[str]]] = None
     input_ids: Optional[Union[List[int], List[List[int]]]] = None
-    sampling_params: Optional[Dict[str, Any]] = None
+    sampling_params: Optional[Union[Dict[str, Any], List[Dict[str, Any]]]] = None
     rid: Optional[Union[str, List[str]]] = None
-    return_logprob: bool = False
+    return_logprob: Union[bool, List[bool]] = False
     top_logprobs_num: int = Field(default=0, ge=0)
     stream: bool = False
