@@ -27,7 +27,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
-DEFAULT_MODEL_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "minisgl", "bench-models")
+DEFAULT_MODEL_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "minisgl", "bench-models")
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Where it sits: under the CPU attention backend. `load_cpu_library("decode_attention_cpu")`
 compiles `csrc/decode_attention_cpu.c` once per machine with the system C compiler into
-`~/.cache/minisgl/kernels/` (or `$MINISGL_CACHE_DIR/kernels/`) and returns the loaded
+`~/.cache/minisgl/kernels/` (`$XDG_CACHE_HOME` or `$MINISGL_CACHE_DIR` move it) and returns the loaded
 library; later calls, and later processes, reuse the cached file.
 
 Why plain C through ctypes instead of a torch C++ extension: the kernel only needs data
@@ -67,7 +67,10 @@ def _no_compiler_message() -> str:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("MINISGL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "minisgl")
+    """$MINISGL_CACHE_DIR/kernels, else $XDG_CACHE_HOME/minisgl/kernels (~/.cache by default, as
+    pip, torch and Hugging Face place theirs)."""
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    root = os.environ.get("MINISGL_CACHE_DIR") or os.path.join(xdg, "minisgl")
     return Path(root) / "kernels"
 
 

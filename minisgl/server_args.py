@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import logging
 import math
 import os
@@ -268,6 +269,11 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
         raise ValueError(
             "--attention-backend triton needs a GPU (or TRITON_INTERPRET=1 set before start, to run the "
             "kernels in Triton's slow interpreter); on the CPU use --attention-backend cpu or torch"
+        )
+    if backend == "triton" and importlib.util.find_spec("triton") is None:  # not a dependency: ~1 GB the CPU never uses
+        raise ValueError(
+            "--attention-backend triton needs the triton package (CUDA builds of torch on Linux bring it): "
+            "pip install triton, or use --attention-backend torch"
         )
     kv_dtype = _resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, backend)
     chunk = args.chunked_prefill_size

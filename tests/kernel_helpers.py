@@ -6,13 +6,28 @@ so each request's slots are non-contiguous and (page_size 16) its pages are scat
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
 from minisgl.mem_cache.allocator import make_allocator
 from minisgl.mem_cache.memory_pool import ReqToTokenPool
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_kernels_unavailable() -> Optional[str]:
+    """Why the C kernels cannot be built on this machine (None if they can): no compiler, or
+    one that cannot build them (Apple clang rejects -fopenmp). Tests of the `cpu` backend skip
+    with this reason, as the engine falls back to the torch backend."""
+    from minisgl.kernels import cpu_build
+
+    try:
+        cpu_build.load_all_cpu_kernels()
+    except cpu_build.CpuKernelUnavailable as e:
+        return f"the C kernels cannot be built here: {e}"
+    return None
 
 
 def paged_req_to_token(

@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from typing import Any
+
+import pytest
 
 from minisgl import Engine
 
@@ -53,6 +56,16 @@ def test_settings_that_cannot_work_are_one_line_errors_not_tracebacks() -> None:
         assert message in proc.stderr and "Traceback" not in proc.stderr, (argv, proc.stderr[-2000:])
 
 
+def test_the_triton_backend_without_triton_installed_is_a_clear_refusal(monkeypatch: Any) -> None:
+    # triton is no dependency of minisgl (~1 GB the CPU path never imports); CUDA torch brings it
+    from minisgl.server_args import ServerArgs, resolve_server_args
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setitem(sys.modules, "triton", None)  # find_spec("triton") is None: not installed
+    with pytest.raises(ValueError, match="needs the triton package .* pip install triton"):
+        resolve_server_args(ServerArgs(device="cpu", attention_backend="triton"))
+
+
 def test_log_level_takes_any_case_and_logging_aliases() -> None:
     from minisgl.server_args import ServerArgs
 
@@ -87,3 +100,16 @@ def test_serve_on_a_port_in_use_fails_before_loading_the_model(tiny_model: str) 
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert f"cannot listen on 127.0.0.1:{port}: Address already in use; choose another --port" in proc.stderr
     assert "minisgl scheduler pid=" not in proc.stdout  # nothing was started
+
+
+def test_a_checkout_run_in_place_finds_its_kernels_and_web_folders() -> None:
+    # From the repo root after a plain `pip install .` the checkout's minisgl/ shadows the
+    # installed copy, and no package-dir map says where minisgl.kernels / minisgl.web are:
+    # `minisgl serve` died with "No module named 'minisgl.kernels'". `-S`: no site-packages,
+    # so no editable-install finder either, only the checkout.
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import importlib.util as u, minisgl.web; "
+            "print(u.find_spec('minisgl.kernels.cpu_build').origin); print(minisgl.web.__file__)")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-S", "-c", code, repo], capture_output=True, text=True, timeout=60, cwd="/")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == [os.path.join(repo, "kernels", "cpu_build.py"), os.path.join(repo, "web", "__init__.py")]

@@ -16,7 +16,7 @@ from typing import Any, Dict, List
 
 import pytest
 import torch
-from kernel_helpers import kv_buffers, paged_req_to_token
+from kernel_helpers import cpu_kernels_unavailable, kv_buffers, paged_req_to_token
 
 from minisgl import Engine
 from minisgl.kernels import cpu_build
@@ -33,8 +33,8 @@ from minisgl.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from minisgl.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from minisgl.server_args import ServerArgs, resolve_server_args
 
-if cpu_build.find_compiler() is None:
-    pytest.skip("no C compiler on PATH: the cpu backend is unavailable (auto picks torch)", allow_module_level=True)
+if cpu_kernels_unavailable():  # no compiler, or one that cannot build them: auto picks torch
+    pytest.skip(cpu_kernels_unavailable(), allow_module_level=True)
 
 LENS = [1, 7, 33, 129]  # irregular: one token, under a page, just over two pages, just over eight
 
@@ -192,6 +192,10 @@ def test_build_is_cached_and_reports_a_missing_compiler(monkeypatch: pytest.Monk
     cpu_build.load_cpu_library("decode_attention_cpu")
     assert list(cpu_build.cache_dir().glob("decode_attention_cpu-*.so")) == built
     assert built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
+
+    monkeypatch.delenv("MINISGL_CACHE_DIR")  # else $XDG_CACHE_HOME/minisgl, as pip and torch do
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cpu_build.cache_dir() == tmp_path / "xdg" / "minisgl" / "kernels"
 
     a_file = tmp_path / "a-file"
     a_file.write_text("")

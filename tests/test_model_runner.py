@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from forward_helpers import BatchDriver, make_runner
+from kernel_helpers import cpu_kernels_unavailable
 from minisgl.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from minisgl.model_executor.model_runner import CPU_MAX_RUNNING_REQUESTS, CPU_POOL_CONTEXTS, ModelRunner
 from minisgl.models.loader import resolve_model_path, safetensors_files
@@ -111,7 +112,8 @@ def test_bfloat16_kv_pool_halves_the_cell_and_doubles_the_budgeted_tokens(tiny_m
     assert (full.max_total_num_tokens, half.max_total_num_tokens) == (300, 600)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("cpu", marks=pytest.mark.skipif(
+    bool(cpu_kernels_unavailable()), reason=str(cpu_kernels_unavailable())))])  # fmt: skip
 def test_bfloat16_kv_pool_changes_decode_logits_only_by_rounding(tiny_model: str, backend: str) -> None:
     """Decoding on top of a cached prompt reads the pool: bf16 K/V move the logits a little, never a lot."""
     prompt, logits = [[(7 * i + 5) % 300 for i in range(40)]], {}  # >= FRESH_MIN_TOKENS: the cpu backend's SDPA path

@@ -17,15 +17,11 @@ from minisgl.visualizer.snapshot import kv_segments
 
 
 def web_dir() -> Path:
-    """The visualizer's templates/ and static/: the installed `minisgl.web` package, or the repo's web/."""
+    """The visualizer's templates/ and static/: the `minisgl.web` package (the repo's web/,
+    installed or found in a checkout by minisgl/__init__.py)."""
     from importlib.resources import files
 
-    checkout = Path(__file__).resolve().parents[2] / "web"
-    try:
-        installed = Path(str(files("minisgl.web")))
-    except ModuleNotFoundError:  # a source checkout that is not pip-installed
-        return checkout
-    return installed if (installed / "templates").is_dir() else checkout
+    return Path(str(files("minisgl.web")))
 
 
 PANEL_NAMES = ("waiting", "batch", "running", "adder", "memory", "events", "timeline", "finished")
