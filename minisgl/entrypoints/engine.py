@@ -210,9 +210,9 @@ class Engine:
             prompt, sampling_params, input_ids, stream, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num
         )
         if stream:
-            stream = self._stream(rids, single)
-            next(stream)  # enter its try: from here, even an iterator dropped unread releases its requests
-            return stream
+            chunks = self._stream(rids, single)
+            next(chunks)  # enter its try: from here, even an iterator dropped unread releases its requests
+            return chunks
         try:
             while not self._all_finished(rids):
                 self.step(snapshot=False)

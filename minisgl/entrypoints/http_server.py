@@ -25,7 +25,7 @@ import signal
 import socket
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Tuple
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -248,7 +248,7 @@ async def _native_generate(tm: TokenizerManager, request: GenerateRequest, raw_r
     except ValueError as e:
         return create_error_response(str(e))
 
-    async def events() -> Any:
+    async def events() -> AsyncIterator[str]:
         texts: Dict[int, str] = {}
         ids: Dict[int, List[int]] = {}
         logprobs: Dict[int, Tuple[List[Any], List[Any]]] = {}
