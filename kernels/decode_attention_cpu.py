@@ -12,7 +12,7 @@ Why: the torch backend gathers each request's K/V out of the pool into a contigu
 before SDPA, on every layer of every decode step: it moves the KV history three times
 (read, write the copy, read the copy). This kernel reads each cached row once, where it
 lies (any page_size, scattered slots). On this project's 2-core CPU, 64 requests of
-100-700 tokens: see docs/kernels.md for the measured times.
+64-512 (+30 decoded) tokens: see docs/kernels.md for the measured times.
 
 Bound: memory. Bytes 2 * sum(seq_len) * Hkv * D * 4 (+ 8 per position for the slot id);
 FLOPs 4 * sum(seq_len) * Hq * D. q, out and all arithmetic are float32; the K/V pool may be

@@ -208,7 +208,7 @@ def test_hub_receives_every_published_step_in_order_and_keeps_a_bounded_ring(hub
 
 
 def test_the_ring_is_bounded_by_bytes_too_and_keeps_the_newest_snapshot() -> None:
-    # At 250 running requests one snapshot is ~240 KB: 512 of them made Pause's /history 44 MB.
+    # At 250 running requests 512 snapshots made Pause's /history a 44 MB answer.
     size = len(json.dumps(make_snapshot(1)))
     hub = SnapshotHub(history_size=8, history_bytes=5 * size + size // 2)
     for step in range(1, 21):

@@ -208,7 +208,7 @@ class DetokenizerManager:
         freeze_gc("Detokenizer")
 
     def handle_clear_decode_status(self, recv: ClearDecodeStatusReq) -> None:
-        """Drop the state of rids that will never finish here (aborted upstream)."""
+        """Drop the state of these rids (SGLang's message; minisgl sends none: docs/detokenizer.md)."""
         for rid in recv.rids:
             self.decode_status.pop(rid, None)
         return None

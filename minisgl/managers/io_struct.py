@@ -110,7 +110,7 @@ class TokenizedGenerateReqInput:
     top_logprobs_num: int = 0
     stream: bool = False
     priority: Optional[int] = None
-    created_time: float = 0.0  # time.time() when the TokenizerManager received it
+    created_time: float = 0.0  # time.time() when tokenization finished (nothing reads it yet)
 
 
 @dataclass
@@ -165,7 +165,8 @@ class FreezeGCReq:
 
 @dataclass
 class ClearDecodeStatusReq:
-    """Tell the detokenizer to drop the decode state of these rids (aborted before finishing)."""
+    """Tell the detokenizer to drop the decode state of these rids. Kept for SGLang parity:
+    nothing in minisgl sends it, since aborted requests end through the normal finish path."""
 
     rids: List[str] = field(default_factory=list)
 

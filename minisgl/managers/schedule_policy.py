@@ -252,7 +252,8 @@ class SchedulePolicy:
         In-batch prefix caching: when a request's tree match is short but an earlier
         queued request shares a long prefix with it, let that one fill the cache first
         (SGLang simulates this with a second radix tree; a pairwise common-prefix scan
-        over at most 128 requests gives the same answer).
+        gives the same answer: under lpm it never sees more than 128 requests, under
+        dfs-weight it scans the whole queue).
         """
         deprioritized = set()
         in_queue: List[List[int]] = []  # prompts that will populate the cache first

@@ -116,8 +116,9 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         adder record, log line.
 
         What was recorded after the last step ended is kept: arrivals and aborts of waiting or
-        mid-chunk requests happen between steps (process_input_requests), and the snapshot
-        after this step is the first one anybody sees (Engine.step, the server's publish).
+        mid-chunk requests happen between steps (process_input_requests), and they belong in
+        the snapshot after the next step (Engine.step, the server's publish); Engine.snapshot()
+        between steps shows them too.
         """
         num_events, num_finished = self._step_record_end
         self.events = self.events[num_events:]
@@ -143,7 +144,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
                 replies.append(self.get_load())
             elif isinstance(msg, FreezeGCReq):
                 freeze_gc("Scheduler")
-                self._outputs.append(msg)  # on to the detokenizer, behind this step's outputs
+                self._outputs.append(msg)  # on to the detokenizer, after the outputs already queued
             else:
                 raise TypeError(f"the scheduler does not handle {type(msg).__name__}")
         return replies
@@ -491,9 +492,9 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         """Can the decode rows ride in this prefill pass without taking KV the prefill needs?
 
         They get slots only from what is left after this pass and the chunked request's
-        remaining prompt: that prompt was budgeted whole at admission, while the decode rows
-        were reserved only as running_bs tokens scaled by new_token_ratio (no pages, and an
-        estimate). Without room they wait for the prefill, as without mixing, and the decode
+        remaining prompt: that prompt was checked whole at admission but is charged one chunk
+        at a time, while each decode row's next token was reserved as one token (no pages)
+        and its later output only as an estimate scaled by new_token_ratio. Without room they wait for the prefill, as without mixing, and the decode
         step that follows retracts if it must.
         """
         P = self.page_size

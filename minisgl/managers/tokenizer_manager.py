@@ -292,7 +292,7 @@ class TokenizerManager:
 
     # ------------------------------------------------------------------ generate
     async def generate_request(self, obj: GenerateReqInput, request: Any = None) -> AsyncIterator[Dict[str, Any]]:
-        """Seed 000's order: normalize, default priority, rid check, state, tokenize, send, wait."""
+        """Seed 000's order: normalize, rid and field checks, default priority, state, tokenize, send, wait."""
         obj.normalize_batch_and_arguments()
         params = self._validate_request_shape(obj)
         if obj.priority is None:

@@ -195,9 +195,10 @@ class RadixCache:
         return new_node
 
     def insert(self, key: List[int], value: torch.Tensor) -> int:
-        """Add key -> value (KV slots); returns how many leading tokens were already
-        cached. The caller owns value[:returned] as duplicates and must free them.
-        `key` must be whole pages."""
+        """Add key -> value (KV slots); returns how many leading tokens were already in the
+        tree. Of value[:returned], the caller frees only the slots it allocated itself,
+        [req.cache_protected_len, returned): value[:cache_protected_len] are the tree's own
+        slots, which the request matched earlier. `key` must be whole pages."""
         if self.disable:
             return 0
         assert len(key) == len(value), f"insert: {len(key)} tokens but {len(value)} KV slots"

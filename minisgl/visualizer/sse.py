@@ -48,8 +48,8 @@ from minisgl.visualizer.snapshot import merge_snapshots, validate_snapshot
 logger = logging.getLogger("minisgl.visualizer")
 
 DEFAULT_HISTORY_SIZE = 512
-# The ring is bounded by bytes too: at 250 running requests one snapshot is ~240 KB, and
-# 512 of them made /history (what Pause loads) a 44 MB answer.
+# The ring is bounded by bytes too: at 250 running requests the 512 snapshots held 123 MB
+# and /history (what Pause loads) was a 44 MB answer that took seconds to build.
 DEFAULT_HISTORY_BYTES = 32 * 2**20
 DEFAULT_MAX_RATE_HZ = 20.0
 _SUB_POLL_MS = 100  # how often the receiver thread checks for close()

@@ -304,7 +304,7 @@ async function jumpToStep(step) {
 
 // A mixed workload that shows chunking, prefix hits and decode batching at once.
 // Prompts are token ids (ids 10..249 exist in every byte-level vocabulary), so the lengths
-// are exact whatever the tokenizer: short ones, one longer than 2.5 chunks, and two that
+// are exact whatever the tokenizer: short ones, one of 2.5 chunks, and two that
 // share a prefix with an earlier request (sent after it finished, so the radix cache hits).
 function tokens(n, seed) {
   const out = [];
