@@ -478,3 +478,38 @@ TestRadixWorkloadPage1 = RadixWorkload.TestCase
 TestRadixWorkloadPage1.settings = _SETTINGS
 TestRadixWorkloadPage16 = RadixWorkloadPage16.TestCase
 TestRadixWorkloadPage16.settings = _SETTINGS
+
+
+# Eviction amounts and LRU freshness (sglang-facts §5): what stays cached decides the next
+# request's cached_tokens.
+def test_evict_stops_as_soon_as_enough_is_freed() -> None:
+    cache, alloc, _ = make_cache()
+    cache.insert([1, 1], alloc.alloc(2))  # oldest
+    cache.insert([2, 2], alloc.alloc(2))
+    cache.insert([3, 3], alloc.alloc(2))
+    assert cache.evict(2) == 2, "the LRU leaf alone frees exactly 2: nothing else goes"
+    assert cache.match_prefix([2, 2]).device_indices.numel() == 2
+    assert cache.evictable_size() == 4
+    cache.check_integrity(total=64)
+
+
+def test_evict_if_needed_evicts_the_whole_request_not_the_shortfall() -> None:
+    # SGLang's alloc_token_slots: when short, evict num_tokens, so the step's next allocations fit too
+    cache, alloc, _ = make_cache(size=8)
+    for t in range(6):
+        cache.insert([10 + t], alloc.alloc(1))  # six 1-token leaves, 2 slots free
+    assert cache.evict_if_needed(3) == 3 and alloc.available_size() == 5
+    cache.check_integrity(total=8)
+
+
+def test_reinserting_a_cached_sequence_makes_it_the_most_recent() -> None:
+    # A finished request whose tokens were all cached already (a repeated prompt) inserts a
+    # path that exists: that use must count for LRU, or it is evicted before older entries.
+    cache, alloc, _ = make_cache()
+    a = alloc.alloc(3)
+    cache.insert([1, 2, 3], a)
+    cache.insert([7, 7, 7], alloc.alloc(3))
+    assert cache.insert([1, 2, 3], a) == 3  # used again, most recently
+    assert cache.evict(3) == 3
+    assert cache.match_prefix([1, 2, 3]).device_indices.tolist() == a.tolist(), "the older [7, 7, 7] goes first"
+    assert cache.match_prefix([7, 7, 7]).device_indices.numel() == 0

@@ -239,3 +239,23 @@ def test_from_dict_refuses_wrong_types_naming_the_field(params: Dict[str, Any], 
     with pytest.raises(ValueError, match=needle):
         SamplingParams.from_dict(params)
 
+
+def test_min_p_one_keeps_exactly_the_most_likely_tokens() -> None:
+    # min_p is valid up to 1.0: the threshold is then p_max itself and only the best tokens
+    # (here two tied ones) survive, never an empty row that would draw an arbitrary token
+    logits = torch.tensor([[3.0, 3.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    assert kept_tokens(logits, min_p=1.0) == {0, 1}
+    assert kept_tokens(LOGITS, min_p=1.0) == {0}
+
+
+def test_unseeded_requests_batched_with_a_seeded_one_still_sample_at_random() -> None:
+    # One request with a seed must not make its unseeded neighbours deterministic: they
+    # draw from the global RNG, so 400 of them at the same position spread over the vocabulary.
+    torch.manual_seed(0)
+    n = 400
+    reqs = [req(seed=7)] + [req() for _ in range(n)]
+    out = sample(LOGITS.expand(n + 1, -1), reqs).next_token_ids
+    unseeded = out[1:]
+    assert len(set(unseeded.tolist())) >= 4
+    freq = torch.bincount(unseeded, minlength=V).float() / n
+    assert abs(float(freq[0]) - 0.40) < 0.08

@@ -9,7 +9,9 @@ from typing import List
 
 from minisgl import SamplingParams
 from minisgl.managers.schedule_batch import Req
-from minisgl.managers.schedule_policy import LPM_FALLBACK_QUEUE_LEN, SchedulePolicy
+from minisgl.managers.schedule_policy import (
+    IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD, LPM_FALLBACK_QUEUE_LEN, SchedulePolicy,
+)  # fmt: skip
 from minisgl.mem_cache.allocator import make_allocator
 from minisgl.mem_cache.memory_pool import ReqToTokenPool
 from minisgl.mem_cache.radix_cache import RadixCache
@@ -32,7 +34,7 @@ def _req(rid: str, ids: List[int]) -> Req:
     return Req(rid, None, ids, params)
 
 
-def test_lpm_puts_the_longest_cached_prefix_first():
+def test_lpm_puts_the_longest_cached_prefix_first() -> None:
     tree = _tree()
     _cache(tree, list(range(100, 160)))  # 60 tokens cached
     queue = [_req("none", list(range(500, 540))), _req("short", list(range(100, 110)) + [7] * 30),
@@ -42,7 +44,7 @@ def test_lpm_puts_the_longest_cached_prefix_first():
     assert [len(r.prefix_indices) for r in queue] == [50, 10, 0]
 
 
-def test_lpm_falls_back_to_fcfs_above_128_waiting():
+def test_lpm_falls_back_to_fcfs_above_128_waiting() -> None:
     tree = _tree()
     _cache(tree, list(range(100, 160)))
     queue = [_req(f"r{i}", list(range(500 + i, 540 + i))) for i in range(LPM_FALLBACK_QUEUE_LEN)]
@@ -55,7 +57,7 @@ def test_lpm_falls_back_to_fcfs_above_128_waiting():
     assert short[0].rid == "hit"
 
 
-def test_lpm_in_batch_prefix_caching_defers_requests_sharing_a_queued_prefix():
+def test_lpm_in_batch_prefix_caching_defers_requests_sharing_a_queued_prefix() -> None:
     # nothing cached; "b" shares a 40-token prefix with "a", which is ahead of it: let "a"
     # fill the cache first and run "b" after the unrelated "c"
     tree = _tree()
@@ -65,7 +67,7 @@ def test_lpm_in_batch_prefix_caching_defers_requests_sharing_a_queued_prefix():
     assert [r.rid for r in queue] == ["a", "c", "b"]
 
 
-def test_dfs_weight_serves_the_heaviest_subtree_first():
+def test_dfs_weight_serves_the_heaviest_subtree_first() -> None:
     tree = _tree()
     _cache(tree, list(range(100, 140)))  # subtree X
     _cache(tree, list(range(300, 340)))  # subtree Y
@@ -78,7 +80,7 @@ def test_dfs_weight_serves_the_heaviest_subtree_first():
     assert [r.rid for r in queue] == ["x0", "x1", "x2", "y0", "cold"]
 
 
-def test_random_is_a_permutation_and_cache_aware_policies_need_a_cache():
+def test_random_is_a_permutation_and_cache_aware_policies_need_a_cache() -> None:
     tree = _tree()
     queue = [_req(str(i), [10 + i, 20 + i]) for i in range(20)]
     random.seed(0)
@@ -87,3 +89,11 @@ def test_random_is_a_permutation_and_cache_aware_policies_need_a_cache():
     assert [r.rid for r in queue] != [str(i) for i in range(20)]
     disabled = RadixCache(ReqToTokenPool(4, 64), make_allocator(256, 1), 1, disable=True)
     assert SchedulePolicy("lpm", disabled).policy == "fcfs"
+
+
+def test_lpm_defers_a_request_sharing_exactly_the_threshold_with_a_queued_one() -> None:
+    tree = _tree()
+    shared = list(range(1000, 1000 + IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD))
+    queue = [_req("a", shared + [1, 2]), _req("b", shared + [3, 4]), _req("c", [7, 8, 9])]
+    SchedulePolicy("lpm", tree).calc_priority(queue)
+    assert [r.rid for r in queue] == ["a", "c", "b"]

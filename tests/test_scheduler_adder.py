@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 from minisgl import Engine, SamplingParams
 from minisgl.managers.schedule_batch import Req, ScheduleBatch
@@ -29,14 +29,14 @@ def _req(rid: str, input_len: int, max_new: int, adder: PrefillAdder) -> Req:
     return req
 
 
-def test_kv_budget_no_token_even_for_the_first_request():
+def test_kv_budget_no_token_even_for_the_first_request() -> None:
     adder = _adder(pool_tokens=100)
     assert adder.add_one_req(_req("a", 60, 50, adder)) == AddReqResult.NO_TOKEN
     assert adder.can_run_list == [] and adder.stop_reason == "NO_TOKEN"
     assert "rem_total_tokens" in adder.stop_detail and adder.budgets_at_stop["rem_total_tokens"] == 100
 
 
-def test_input_budget_first_request_may_exceed_it_second_may_not():
+def test_input_budget_first_request_may_exceed_it_second_may_not() -> None:
     adder = _adder(pool_tokens=1000, max_prefill=50)
     first = _req("a", 80, 4, adder)
     assert adder.add_one_req(first) == AddReqResult.OTHER  # admitted, then budget spent
@@ -44,14 +44,14 @@ def test_input_budget_first_request_may_exceed_it_second_may_not():
     assert "rem_input_tokens" in adder.stop_detail
 
 
-def test_input_budget_blocks_a_later_request():
+def test_input_budget_blocks_a_later_request() -> None:
     adder = _adder(pool_tokens=1000, max_prefill=50)
     assert adder.add_one_req(_req("a", 20, 4, adder)) == AddReqResult.CONTINUE
     assert adder.add_one_req(_req("b", 40, 4, adder)) == AddReqResult.OTHER
     assert [r.rid for r in adder.can_run_list] == ["a"]
 
 
-def test_chunk_budget_truncates_and_page_aligns():
+def test_chunk_budget_truncates_and_page_aligns() -> None:
     adder = _adder(pool_tokens=1024, chunk=40, page_size=16)
     req = _req("a", 100, 4, adder)
     assert adder.add_one_req(req) == AddReqResult.CONTINUE
@@ -61,21 +61,21 @@ def test_chunk_budget_truncates_and_page_aligns():
     assert "less than one page" in adder.stop_detail
 
 
-def test_chunk_budget_exhausted_exactly():
+def test_chunk_budget_exhausted_exactly() -> None:
     adder = _adder(pool_tokens=1024, chunk=64)
     req = _req("a", 100, 4, adder)
     assert adder.add_one_req(req) == AddReqResult.OTHER
     assert req.extend_input_len == 64 and "rem_chunk_tokens" in adder.stop_detail
 
 
-def test_prefill_max_requests():
+def test_prefill_max_requests() -> None:
     adder = _adder(pool_tokens=1024, prefill_max_requests=1)
     assert adder.add_one_req(_req("a", 10, 4, adder)) == AddReqResult.CONTINUE
     assert adder.add_one_req(_req("b", 10, 4, adder)) == AddReqResult.OTHER
     assert "prefill_max_requests" in adder.stop_detail
 
 
-def test_running_requests_reserve_ratio_scaled_output():
+def test_running_requests_reserve_ratio_scaled_output() -> None:
     adder = _adder(pool_tokens=1000)
     running = _req("r", 10, 100, adder)
     adder2 = PrefillAdder(1, adder.tree_cache, adder.token_to_kv_pool_allocator,
@@ -84,7 +84,7 @@ def test_running_requests_reserve_ratio_scaled_output():
     assert adder2.rem_total_tokens == 1000 - 100 * 0.5
 
 
-def test_head_of_line_blocking_and_batch_full(tiny_model):
+def test_head_of_line_blocking_and_batch_full(tiny_model: str) -> None:
     greedy = {"temperature": 0, "ignore_eos": True}
     engine = Engine(tiny_model, device="cpu", max_total_tokens=200, chunked_prefill_size=-1)
     engine.add_request(input_ids=list(range(10, 30)), sampling_params={**greedy, "max_new_tokens": 20}, rid="a")
@@ -104,7 +104,7 @@ def test_head_of_line_blocking_and_batch_full(tiny_model):
     engine.run_until_idle()
 
 
-def test_the_last_chunk_leaves_the_free_slot_to_the_queue(tiny_model):
+def test_the_last_chunk_leaves_the_free_slot_to_the_queue(tiny_model: str) -> None:
     """max_running_requests=2: while L finishes its chunked prefill, S takes the other slot;
     it must not wait for L's whole decode (L's row was counted twice on its last chunk)."""
     greedy = {"temperature": 0, "ignore_eos": True}
@@ -118,7 +118,7 @@ def test_the_last_chunk_leaves_the_free_slot_to_the_queue(tiny_model):
     assert len(engine.get_result("S")["output_ids"]) == 2 and len(engine.get_result("L")["output_ids"]) == 20
 
 
-def test_policies_order_the_queue():
+def test_policies_order_the_queue() -> None:
     adder = _adder(pool_tokens=1000)
     reqs = [_req(str(i), 5 + i, m, adder) for i, m in enumerate([3, 9, 1])]
     queue = list(reqs)
@@ -132,7 +132,7 @@ def test_policies_order_the_queue():
     assert queue == reqs
 
 
-def test_a_finished_request_frees_its_slot_for_the_very_next_step(tiny_model):
+def test_a_finished_request_frees_its_slot_for_the_very_next_step(tiny_model: str) -> None:
     """It lingers in running_batch after its last decode step: the next admission must not count it."""
     from minisgl import Engine
 
@@ -145,3 +145,41 @@ def test_a_finished_request_frees_its_slot_for_the_very_next_step(tiny_model):
         assert snap["forward_mode"] == "EXTEND" and [r["rid"] for r in snap["batch"]["reqs"]] == [b]
         assert snap["adder"]["budgets"]["request_slots_left"] == 0  # B took the one slot A gave back
         eng.run_until_idle()
+
+
+# Budgets at their edges (sglang-facts §2): what running requests still reserve, a request's
+# own cached prefix, a chunk under memory pressure.
+def _adder_with_running(adder: PrefillAdder, running: List[Req], ratio: float) -> PrefillAdder:
+    batch = ScheduleBatch.init_new(running, None, adder.token_to_kv_pool_allocator, adder.tree_cache)
+    return PrefillAdder(1, adder.tree_cache, adder.token_to_kv_pool_allocator, batch, ratio, 16384, 32)
+
+
+def test_a_running_request_reserves_only_the_output_it_has_left() -> None:
+    adder = _adder(pool_tokens=1000)
+    running = _req("r", 10, 100, adder)
+    running.output_ids = [5] * 40  # 60 of its 100 output tokens are still to come
+    assert _adder_with_running(adder, [running], 0.5).rem_total_tokens == 1000 - 60 * 0.5
+
+
+def test_a_requests_own_cached_prefix_is_not_counted_as_free_memory() -> None:
+    # 60 cached tokens fill the pool with 40 free: a request that reuses them needs its 20 new
+    # prompt tokens and 25 output tokens out of those 40, because its prefix cannot be evicted
+    adder = _adder(pool_tokens=100)
+    prefix = list(range(1, 61))
+    adder.tree_cache.insert(prefix, adder.token_to_kv_pool_allocator.alloc(60))
+    req = _req("a", 80, 25, adder)  # ids 1..80: its first 60 are the cached prefix
+    assert len(req.prefix_indices) == 60 and req.extend_input_len == 20
+    assert adder.add_one_req(req) == AddReqResult.NO_TOKEN
+    assert adder.can_run_list == [] and adder.tree_cache.protected_size() == 0  # the check's lock is undone
+
+
+def test_a_chunked_request_without_memory_budget_still_takes_a_whole_chunk() -> None:
+    # the running batch's reservation exceeds the pool: the chunk in progress is never stalled
+    # nor slowed to a crawl, it takes its chunk budget (it holds KV only progress releases)
+    adder = _adder(pool_tokens=100)
+    running = _req("r", 10, 1000, adder)
+    chunked_adder = _adder_with_running(adder, [running], 1.0)
+    assert chunked_adder.rem_total_tokens < 0
+    req = _req("c", 100, 4, adder)
+    assert chunked_adder.add_chunked_req(req) is req  # still truncated
+    assert req.extend_input_len == 32 and len(req.fill_ids) == 32

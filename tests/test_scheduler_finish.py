@@ -6,6 +6,8 @@ scheduler idle runs its idle check (available + evictable + protected == total).
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from minisgl import Engine, SamplingParams
@@ -25,7 +27,7 @@ def _assert_no_leak(engine):
     engine.scheduler.check_memory_when_idle()  # raises on a leak
 
 
-def test_stop_string_spanning_a_token_boundary(engine):
+def test_stop_string_spanning_a_token_boundary(engine: Any) -> None:
     tok = engine.tokenizer
     base = engine.generate("Once upon a time", GREEDY)
     pieces = [tok.decode([t]) for t in base["output_ids"]]
@@ -38,7 +40,7 @@ def test_stop_string_spanning_a_token_boundary(engine):
     _assert_no_leak(engine)
 
 
-def test_stop_token_ids_and_max_new_tokens(engine):
+def test_stop_token_ids_and_max_new_tokens(engine: Any) -> None:
     base = engine.generate("Hello there", GREEDY)
     assert base["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
     stop_id = base["output_ids"][3]
@@ -51,7 +53,7 @@ def test_stop_token_ids_and_max_new_tokens(engine):
     assert ignored["output_ids"] == base["output_ids"]
 
 
-def test_eos_finishes_unless_ignore_eos():
+def test_eos_finishes_unless_ignore_eos() -> None:
     params = SamplingParams(max_new_tokens=10)
     params.normalize()
     req = Req("r", None, [5, 6], params, eos_token_ids={7})
@@ -66,7 +68,7 @@ def test_eos_finishes_unless_ignore_eos():
     assert not req.finished()
 
 
-def test_abort_while_waiting(engine):
+def test_abort_while_waiting(engine: Any) -> None:
     rid = engine.add_request("never runs", GREEDY)
     engine.abort(rid)
     out = engine.get_result(rid)
@@ -74,7 +76,7 @@ def test_abort_while_waiting(engine):
     _assert_no_leak(engine)
 
 
-def test_abort_mid_chunk(engine):
+def test_abort_mid_chunk(engine: Any) -> None:
     rid = engine.add_request(input_ids=list(range(10, 110)), sampling_params=GREEDY)
     snap = engine.step()
     assert snap["chunked_req"]["rid"] == rid
@@ -87,7 +89,7 @@ def test_abort_mid_chunk(engine):
     _assert_no_leak(engine)
 
 
-def test_abort_while_decoding(engine):
+def test_abort_while_decoding(engine: Any) -> None:
     rid = engine.add_request("decode then abort", GREEDY)
     for _ in range(3):
         engine.step()
@@ -99,7 +101,7 @@ def test_abort_while_decoding(engine):
     _assert_no_leak(engine)
 
 
-def test_abort_touches_only_the_named_rid(engine):
+def test_abort_touches_only_the_named_rid(engine: Any) -> None:
     from minisgl.managers.io_struct import AbortReq
 
     rids = ["req1", "req10", "req1-0", "req1-1", "req1-x", "other"]
@@ -114,7 +116,7 @@ def test_abort_touches_only_the_named_rid(engine):
     _assert_no_leak(engine)
 
 
-def test_prompt_longer_than_context_is_rejected_and_others_run(engine):
+def test_prompt_longer_than_context_is_rejected_and_others_run(engine: Any) -> None:
     # the front gate (the Engine's and the TokenizerManager's) refuses it with a ValueError (a 400)
     with pytest.raises(ValueError, match=r"The input \(200 tokens\) is longer than the model's context length"):
         engine.add_request(input_ids=list(range(10, 210)), sampling_params=GREEDY)
@@ -132,7 +134,7 @@ def test_prompt_longer_than_context_is_rejected_and_others_run(engine):
     _assert_no_leak(engine)
 
 
-def test_max_new_tokens_is_clamped_to_the_context(engine):
+def test_max_new_tokens_is_clamped_to_the_context(engine: Any) -> None:
     no_limit = {**GREEDY, "max_new_tokens": None}  # "as long as the context allows"
     out = engine.generate(input_ids=list(range(10, 110)), sampling_params=no_limit)
     # max_req_len = context 128 - 1 = 127; 127 - 100 prompt - 1 = 26
@@ -141,7 +143,7 @@ def test_max_new_tokens_is_clamped_to_the_context(engine):
         engine.generate(input_ids=list(range(10, 110)), sampling_params={**GREEDY, "max_new_tokens": 1000})
 
 
-def test_queue_full_is_a_503_abort(tiny_model, caplog):
+def test_queue_full_is_a_503_abort(tiny_model: str, caplog: Any) -> None:
     """...and says so in the log, once a second at most (a 503 left no trace at info level)."""
     import logging
 
@@ -161,7 +163,7 @@ def test_queue_full_is_a_503_abort(tiny_model, caplog):
     assert engine.get_result(first)["meta_info"]["finish_reason"]["type"] == "length"
 
 
-def test_min_new_tokens_holds_back_the_tokenizers_eos_too(tiny_model, tmp_path):
+def test_min_new_tokens_holds_back_the_tokenizers_eos_too(tiny_model: str, tmp_path: Any) -> None:
     """The tokenizer's EOS ends a request even when config.json names another; min_new_tokens
     must hold it back as well (the mask used to cover the config's ids only)."""
     import json
@@ -181,3 +183,26 @@ def test_min_new_tokens_holds_back_the_tokenizers_eos_too(tiny_model, tmp_path):
     assert engine.generate("Once upon a time", params)["output_ids"] == [first]  # it does stop the request
     out = engine.generate("Once upon a time", {**params, "min_new_tokens": 3})["output_ids"]
     assert len(out) >= 3 and first not in out[:3]
+
+
+# Req.check_finished's order (SGLang 0.5.23, sglang-facts §6.3): a stop token that is also the
+# last allowed token is a stop, not a length finish.
+def _finish_req(**params: Any) -> Req:
+    sp = SamplingParams(**params)
+    sp.normalize()
+    return Req("r", None, [5, 6], sp, eos_token_ids={7})
+
+
+def test_eos_as_the_last_allowed_token_is_a_stop() -> None:
+    req = _finish_req(max_new_tokens=2)
+    req.output_ids += [3, 7]
+    req.check_finished()
+    assert req.finished_reason == FINISH_MATCHED_TOKEN(matched=7)
+    assert req.finished_reason.to_json() == {"type": "stop", "matched": 7} and req.finished_len == 2
+
+
+def test_a_stop_token_id_as_the_last_allowed_token_is_a_stop() -> None:
+    req = _finish_req(max_new_tokens=1, stop_token_ids=[4])
+    req.output_ids.append(4)
+    req.check_finished()
+    assert req.finished_reason == FINISH_MATCHED_TOKEN(matched=4)
