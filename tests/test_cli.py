@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 
 from minisgl import Engine
+from minisgl.cli import _build_parser
+from minisgl.server_args import ServerArgs, resolve_server_args
 
 
 def test_generate_prints_the_engines_greedy_completion(tiny_model: str) -> None:
@@ -58,8 +60,6 @@ def test_settings_that_cannot_work_are_one_line_errors_not_tracebacks() -> None:
 
 def test_the_triton_backend_without_triton_installed_is_a_clear_refusal(monkeypatch: Any) -> None:
     # triton is no dependency of minisgl (~1 GB the CPU path never imports); CUDA torch brings it
-    from minisgl.server_args import ServerArgs, resolve_server_args
-
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setitem(sys.modules, "triton", None)  # find_spec("triton") is None: not installed
     with pytest.raises(ValueError, match="needs the triton package .* pip install triton"):
@@ -113,3 +113,16 @@ def test_a_checkout_run_in_place_finds_its_kernels_and_web_folders() -> None:
     proc = subprocess.run([sys.executable, "-S", "-c", code, repo], capture_output=True, text=True, timeout=60, cwd="/")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == [os.path.join(repo, "kernels", "cpu_build.py"), os.path.join(repo, "web", "__init__.py")]
+
+
+def test_the_builtin_model_is_served_as_minisgl_builtin_and_a_path_as_itself(tiny_model: str) -> None:
+    """The name /v1/models lists and clients must send as `model`."""
+    assert resolve_server_args(ServerArgs(device="cpu")).served_model_name == "minisgl-builtin"
+    assert resolve_server_args(ServerArgs(model_path=tiny_model, device="cpu")).served_model_name == tiny_model
+
+
+def test_generate_defaults_to_32_greedy_tokens() -> None:
+    """What `minisgl generate --help` promises: 32 tokens, temperature 0."""
+    _, commands = _build_parser()
+    args = commands["generate"].parse_args(["--prompt", "hi"])
+    assert (args.max_new_tokens, args.temperature) == (32, 0.0)

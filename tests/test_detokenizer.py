@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from minisgl.managers import detokenizer_manager
 from minisgl.managers.detokenizer_manager import DetokenizerManager, find_printable_text, stop_str_safe_len
 from minisgl.managers.io_struct import BatchStrOutput, BatchTokenIDOutput, ClearDecodeStatusReq, FlushCacheReqInput
 from minisgl.managers.watchdog import SoftWatchdog
@@ -370,3 +371,11 @@ def test_freeze_gc_freezes_and_answers_nothing(mgr: DetokenizerManager) -> None:
         assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
+
+
+def test_the_oldest_decode_state_is_dropped_past_the_bound(mgr: DetokenizerManager, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rid that never finishes (its abort lost) must not grow the table for ever: a server runs for days."""
+    monkeypatch.setattr(detokenizer_manager, "DETOKENIZER_MAX_STATES", 2)
+    for rid in ("a", "b", "c"):
+        mgr.handle_batch_token_id_out(token_msg([dict(rid=rid, decode_ids=[40, 41])]))
+    assert list(mgr.decode_status) == ["b", "c"]

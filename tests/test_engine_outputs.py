@@ -256,6 +256,9 @@ def test_ctrl_c_inside_a_forward_lands_after_the_step(engine, monkeypatch, strea
 
     monkeypatch.setattr(engine.scheduler, "run_batch", forward_hit_by_ctrl_c)
     alarm = signal.signal(signal.SIGALRM, lambda *a: (_ for _ in ()).throw(TimeoutError("generate() hangs")))
+    # Python's Ctrl-C handler, as in a notebook or a terminal: a pytest started in the background
+    # (`cmd &`, nohup) inherits SIGINT ignored, which the Engine rightly keeps
+    interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.alarm(60)
     try:
         with pytest.raises(KeyboardInterrupt):
@@ -265,6 +268,7 @@ def test_ctrl_c_inside_a_forward_lands_after_the_step(engine, monkeypatch, strea
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, alarm)
+        signal.signal(signal.SIGINT, interrupt)
     monkeypatch.undo()
     _assert_idle_and_nothing_leaked(engine)
     assert len(engine.generate(input_ids=PROMPT, sampling_params={**LONG, "max_new_tokens": 5})["output_ids"]) == 5

@@ -437,12 +437,18 @@ def test_one_bad_entry_fails_a_batch_before_any_prompt_is_sent(tiny_model: str, 
         ({"text": ["hi", "yo"], "rid": ["a", "r" * 257]}, "`rid` takes at most 256 characters, got 257"),
         ({"text": "hi", "return_logprob": [True]}, "A single prompt takes one `sampling_params` dict"),
         ({"text": ["hi", "yo"], "return_logprob": [True]}, "`return_logprob` must have 2 entries"),
+        ({"text": ["a", "b"], "rid": ["x"]}, "`rid` must be a list of 2 ids"),
     ],
 )
 def test_native_generate_shape_errors_are_400(guarded_client: TestClient, body: Dict[str, Any], needle: str) -> None:
     r = guarded_client.post("/generate", json={**body, "sampling_params": {"max_new_tokens": 2}})
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]["message"]
+
+
+def test_abort_request_with_a_non_string_rid_is_400(guarded_client: TestClient) -> None:
+    r = guarded_client.post("/abort_request", json={"rid": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "rid"
 
 
 def test_native_generate_mid_stream_error_is_an_error_event_then_done(tiny_model: str, tmp_path: Any) -> None:

@@ -1,0 +1,162 @@
+"""What a user of the OpenAI routes reads in each field, fed scripted outputs (no model
+processes): matched_stop, usage with n and cached tokens, ids, echo, logprobs=0, choice order,
+abort events, the pass-through sampling fields (each test fails on a one-line change of the
+serving code that the other tests let through)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List
+
+import pytest
+from fastapi.testclient import TestClient
+
+from test_openai_protocol import _chat, _out, _scripted_client
+
+LENGTH = {"type": "length", "length": 1}
+
+
+def _events(r: Any) -> List[Any]:
+    """The SSE events of a response: parsed JSON, and "[DONE]" as is."""
+    raw = [e[len("data: ") :] for e in r.text.strip().split("\n\n")]
+    return [e if e == "[DONE]" else json.loads(e) for e in raw]
+
+
+def _post(client: TestClient, route: str, **body: Any) -> Any:
+    payload: Dict[str, Any] = {"model": client.model}
+    payload.update({"messages": [{"role": "user", "content": "hi"}]} if route == "chat" else {"prompt": "hi"})
+    payload.update(body)
+    return client.post("/v1/chat/completions" if route == "chat" else "/v1/completions", json=payload)
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+@pytest.mark.parametrize("matched", ["END", 7])
+def test_a_stop_says_which_stop_matched(tiny_model: str, tmp_path: Any, route: str, matched: Any) -> None:
+    """SGLang's matched_stop (the stop string or stop token id that ended the answer), streamed or not."""
+    outs = [_out("r", "ok", 1, {"type": "stop", "matched": matched})]
+    client, _ = _scripted_client(tiny_model, tmp_path, outs)
+    with client:
+        whole = _post(client, route).json()["choices"][0]
+        streamed = _events(_post(client, route, stream=True))
+    assert whole["finish_reason"] == "stop" and whole["matched_stop"] == matched
+    last = [e for e in streamed if e != "[DONE]" and e["choices"] and e["choices"][0]["finish_reason"]][-1]
+    assert last["choices"][0]["finish_reason"] == "stop" and last["choices"][0]["matched_stop"] == matched
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_usage_reports_the_cached_prompt_tokens(tiny_model: str, tmp_path: Any, route: str) -> None:
+    out = _out("r", "ok", 1, LENGTH)
+    out["meta_info"]["cached_tokens"] = 2
+    client, _ = _scripted_client(tiny_model, tmp_path, [out])
+    with client:
+        usage = _post(client, route).json()["usage"]
+        streamed = _events(_post(client, route, stream=True, stream_options={"include_usage": True}))
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 2}
+    assert streamed[-2]["usage"]["prompt_tokens_details"] == {"cached_tokens": 2}
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_n_samples_count_the_prompt_once_and_answer_under_the_clients_rid(tiny_model: str, tmp_path: Any, route: str) -> None:
+    outs = [_out("job-0", "a", 1, LENGTH, index=0), _out("job-1", "b", 1, LENGTH, index=1)]
+    client, _ = _scripted_client(tiny_model, tmp_path, outs)
+    with client:
+        body = _post(client, route, n=2, rid="job").json()
+    assert body["id"] == "job"  # the rid the client chose, not its first sample's "job-0"
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5, "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_an_abort_with_a_status_mid_stream_is_an_error_event_then_done(tiny_model: str, tmp_path: Any, route: str) -> None:
+    """A 503 abort (queue full, a dead child) after the headers: OpenAI's error envelope with its
+    code, then [DONE], and never a chunk that presents the abort as a finish_reason."""
+    reason = {"type": "abort", "message": "The request queue is full.", "status_code": 503}
+    client, _ = _scripted_client(tiny_model, tmp_path, [_out("r", "Hel", 1), _out("r", "", 1, reason)])
+    with client:
+        events = _events(_post(client, route, stream=True))
+    assert events[-1] == "[DONE]"
+    assert events[-2] == {"error": {"message": "The request queue is full.", "type": "ServiceUnavailable", "param": None, "code": 503}}
+    assert not any(c != "[DONE]" and "choices" in c and c["choices"][0]["finish_reason"] for c in events)
+
+
+def test_a_stream_without_include_usage_has_no_usage_chunk(tiny_model: str, tmp_path: Any) -> None:
+    client, _ = _scripted_client(tiny_model, tmp_path, [_out("r", "Hel", 1), _out("r", "lo", 2, LENGTH)])
+    with client:
+        for route in ("chat", "completions"):
+            for options in ({}, {"stream_options": {"include_usage": False}}):
+                chunks = _events(_post(client, route, stream=True, **options))[:-1]
+                assert all(c["choices"] and c["usage"] is None for c in chunks), (route, options, chunks)
+
+
+def test_a_completions_stream_ends_with_its_finish_reason_even_with_no_text_left(tiny_model: str, tmp_path: Any) -> None:
+    client, _ = _scripted_client(tiny_model, tmp_path, [_out("r", "Hel", 1), _out("r", "", 1, LENGTH)])
+    with client:
+        chunks = _events(_post(client, "completions", stream=True))[:-1]
+    assert [c["choices"][0]["text"] for c in chunks] == ["Hel", ""]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_echo_prepends_each_choices_own_prompt_once(tiny_model: str, tmp_path: Any) -> None:
+    """A batch of prompts with n = 2: choice i * n + j echoes prompt i; a stream echoes it in its first chunk only."""
+    outs = [_out(f"r{k}", f"<{k}>", 1, LENGTH, index=k) for k in range(4)]
+    client, _ = _scripted_client(tiny_model, tmp_path, outs)
+    with client:
+        choices = _post(client, "completions", prompt=["P", "Q"], n=2, echo=True).json()["choices"]
+    assert [c["text"] for c in choices] == ["P<0>", "P<1>", "Q<2>", "Q<3>"]
+    client, _ = _scripted_client(tiny_model, tmp_path, [_out("r", "Hel", 1), _out("r", "lo", 2, LENGTH)])
+    with client:
+        chunks = _events(_post(client, "completions", prompt="Say: ", echo=True, stream=True))[:-1]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "Say: Hello"
+
+
+def test_completions_logprobs_zero_returns_the_chosen_tokens_logprobs(tiny_model: str, tmp_path: Any) -> None:
+    """OpenAI's logprobs=0: each chosen token's logprob, no alternatives (top_logprobs entries null, as SGLang's)."""
+    out = _out("r", "x", 1, LENGTH)
+    out["meta_info"].update(output_token_logprobs=[(-0.5, 5)], output_top_logprobs=[])
+    client, seen = _scripted_client(tiny_model, tmp_path, [out])
+    with client:
+        lp = _post(client, "completions", logprobs=0).json()["choices"][0]["logprobs"]
+    assert seen[0].return_logprob is True and seen[0].top_logprobs_num == 0
+    assert lp["token_logprobs"] == [-0.5] and lp["top_logprobs"] == [None] and lp["text_offset"] == [0]
+
+
+def test_chat_logprobs_carry_the_top_alternatives_asked_for(tiny_model: str, tmp_path: Any) -> None:
+    out = _out("r", "x", 1, LENGTH)
+    out["meta_info"].update(output_token_logprobs=[(-0.5, 5)], output_top_logprobs=[[(-0.5, 5), (-1.5, 6)]])
+    client, seen = _scripted_client(tiny_model, tmp_path, [out])
+    with client:
+        content = _post(client, "chat", logprobs=True, top_logprobs=2).json()["choices"][0]["logprobs"]["content"]
+    assert seen[0].return_logprob is True and seen[0].top_logprobs_num == 2
+    assert [t["logprob"] for t in content[0]["top_logprobs"]] == [-0.5, -1.5]
+
+
+def test_chat_passes_the_trim_spacing_min_tokens_and_rid_fields_on(tiny_model: str, tmp_path: Any) -> None:
+    client, seen = _scripted_client(tiny_model, tmp_path, [_out("mine", "x", 1, LENGTH)])
+    with client:
+        r = _chat(client, no_stop_trim=True, spaces_between_special_tokens=False, min_tokens=2, rid="mine")
+    assert r.status_code == 200, r.text
+    params = seen[0].sampling_params
+    assert (params["no_stop_trim"], params["spaces_between_special_tokens"], params["min_new_tokens"]) == (True, False, 2)
+    assert seen[0].rid == "mine"
+
+
+def test_continue_final_message_continues_the_assistants_text(tiny_model: str, tmp_path: Any) -> None:
+    """No generation prompt after it; and a last message that is not the assistant's is a 400."""
+    client, seen = _scripted_client(tiny_model, tmp_path, [_out("r", "x", 1, LENGTH)])
+    msgs = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "one, two,"}]
+    with client:
+        r = _chat(client, messages=msgs, continue_final_message=True)
+        assert r.status_code == 200, r.text
+        bad = _chat(client, messages=msgs[:1], continue_final_message=True)
+    assert seen[0].text.endswith("one, two,")
+    assert bad.status_code == 400 and "continue_final_message" in bad.json()["error"]["message"]
+    assert len(seen) == 1
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_choices_are_in_index_order_whichever_finishes_first(tiny_model: str, tmp_path: Any, route: str) -> None:
+    outs = [_out("r-1", "second", 1, LENGTH, index=1), _out("r-0", "first", 1, LENGTH, index=0)]
+    client, _ = _scripted_client(tiny_model, tmp_path, outs)
+    with client:
+        choices = _post(client, route, n=2).json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    assert [c["message"]["content"] if route == "chat" else c["text"] for c in choices] == ["first", "second"]
