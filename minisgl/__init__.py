@@ -21,13 +21,26 @@ __all__ = ["Engine", "SamplingParams", "ServerArgs"]
 # kernels/ and web/ sit beside minisgl/ in the repository (DESIGN.md) and install as
 # minisgl.kernels and minisgl.web through pyproject's package-dir map. Run from a checkout
 # that map is not in play: from the repo root after a plain `pip install .` this folder
-# shadows the installed copy, and a `.pth` editable install maps nothing. Then the checkout
-# itself is searched for them (it holds no other package).
-_checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if not os.path.isdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels")) and os.path.isfile(
-    os.path.join(_checkout, "kernels", "cpu_build.py")
-):
-    __path__.append(_checkout)
+# shadows the installed copy, and a `.pth` editable install maps nothing. Then a finder maps
+# those two names (and only those) onto the checkout's folders.
+_here = os.path.dirname(os.path.abspath(__file__))
+_checkout = os.path.dirname(_here)
+if not os.path.isdir(os.path.join(_here, "kernels")) and os.path.isfile(os.path.join(_checkout, "kernels", "cpu_build.py")):
+    import importlib.abc
+    import importlib.util
+    import sys
+
+    class _CheckoutFolders(importlib.abc.MetaPathFinder):
+        folders = {f"minisgl.{name}": os.path.join(_checkout, name) for name in ("kernels", "web")}
+
+        def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+            folder = self.folders.get(fullname)
+            if folder is None:
+                return None
+            init = os.path.join(folder, "__init__.py")
+            return importlib.util.spec_from_file_location(fullname, init, submodule_search_locations=[folder])
+
+    sys.meta_path.append(_CheckoutFolders())
 
 
 def __getattr__(name: str) -> Any:

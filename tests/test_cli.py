@@ -109,10 +109,12 @@ def test_a_checkout_run_in_place_finds_its_kernels_and_web_folders() -> None:
     # so no editable-install finder either, only the checkout.
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import importlib.util as u, minisgl.web; "
-            "print(u.find_spec('minisgl.kernels.cpu_build').origin); print(minisgl.web.__file__)")  # fmt: skip
+            "print(u.find_spec('minisgl.kernels.cpu_build').origin); print(minisgl.web.__file__); "
+            "print(*minisgl.__path__)")  # fmt: skip
     proc = subprocess.run([sys.executable, "-S", "-c", code, repo], capture_output=True, text=True, timeout=60, cwd="/")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == [os.path.join(repo, "kernels", "cpu_build.py"), os.path.join(repo, "web", "__init__.py")]
+    assert proc.stdout.split() == [os.path.join(repo, "kernels", "cpu_build.py"), os.path.join(repo, "web", "__init__.py"),
+                                   os.path.join(repo, "minisgl")]  # only those two names: no minisgl.minisgl.minisgl...
 
 
 def test_the_builtin_model_is_served_as_minisgl_builtin_and_a_path_as_itself(tiny_model: str) -> None:

@@ -39,6 +39,8 @@ def test_a_sampling_params_list_of_the_wrong_length_is_refused(engine: Any) -> N
     """Not zipped down to the shorter list, which silently drops prompts."""
     with pytest.raises(ValueError, match="must have 2 entries"):
         engine.generate(["one", "two"], [{**SAMPLED, "temperature": 0}])
+    with pytest.raises(ValueError, match="parallel_sample_num should be the same"):  # SGLang's rule
+        engine.generate(["one", "two"], [{**SAMPLED, "n": 2}, SAMPLED])
     assert engine.rid_to_state == {}
 
 

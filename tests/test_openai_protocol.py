@@ -438,10 +438,12 @@ def test_one_bad_entry_fails_a_batch_before_any_prompt_is_sent(tiny_model: str, 
         ({"text": "hi", "return_logprob": [True]}, "A single prompt takes one `sampling_params` dict"),
         ({"text": ["hi", "yo"], "return_logprob": [True]}, "`return_logprob` must have 2 entries"),
         ({"text": ["a", "b"], "rid": ["x"]}, "`rid` must be a list of 2 ids"),
+        # SGLang's rule: result i*n + j is sample j of prompt i, so every prompt has the same n
+        ({"text": ["a", "b"], "sampling_params": [{"n": 2}, {}]}, "parallel_sample_num should be the same"),
     ],
 )
 def test_native_generate_shape_errors_are_400(guarded_client: TestClient, body: Dict[str, Any], needle: str) -> None:
-    r = guarded_client.post("/generate", json={**body, "sampling_params": {"max_new_tokens": 2}})
+    r = guarded_client.post("/generate", json={"sampling_params": {"max_new_tokens": 2}, **body})
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]["message"]
 

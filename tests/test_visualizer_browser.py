@@ -299,7 +299,12 @@ def test_the_page_reconnects_after_an_http_error_and_pause_while_down_stays_live
         browser_page.click("#btn-pause")  # /visualizer/history answers 502: the page stays live
         browser_page.wait_for_function("document.getElementById('demo-status').textContent.includes('502')", timeout=5000)
         assert browser_page.inner_text("#view-status") == "LIVE" and browser_page.inner_text("#btn-pause") == "Pause"
-        time.sleep(1)  # the page has seen the 502 on its event stream too
+        # EventSource's own retry got one 502 and closed for good; a second request on the
+        # stream can only come from the page opening a new one
+        deadline = time.monotonic() + 15
+        while proxy.hits.count("visualizer/events") < 2:
+            assert time.monotonic() < deadline, f"the page did not reopen its event stream: {proxy.hits}"
+            time.sleep(0.1)
     finally:
         proxy.stop()
     new_hub = SnapshotHub()
@@ -308,6 +313,46 @@ def test_the_page_reconnects_after_an_http_error_and_pause_while_down_stays_live
     try:
         browser_page.wait_for_selector('#conn-status[data-state="open"]', timeout=15000)
         _wait_step(browser_page, 3)
+        assert browser_page.errors == []
+    finally:
+        app.stop()
+
+
+def test_a_page_reopening_its_stream_to_the_same_server_keeps_its_timeline(browser_page: Any) -> None:
+    # A proxy's 502 for a moment while the server stays up: the reopened stream starts with the
+    # hub's latest update again, which is no reason to wipe the timeline and finished list.
+    from test_visualizer_sse import LiveApp, _finished, make_snapshot
+
+    from minisgl.visualizer.sse import SnapshotHub
+
+    hub = SnapshotHub()
+    hub.close = lambda: None  # type: ignore[method-assign]  # the server stays up: its hub lives on
+    hub.add(make_snapshot(3))
+    app = LiveApp(hub)
+    port = app.port
+    try:
+        browser_page.goto(app.url + "/visualizer")
+        _wait_step(browser_page, 3)
+        hub.add(make_snapshot(4, finished=[_finished("done")]))
+        hub.add(make_snapshot(5))
+        _wait_step(browser_page, 5)
+    finally:
+        app.stop()
+    proxy = LiveApp(None, port=port)
+    try:
+        deadline = time.monotonic() + 20
+        while proxy.hits.count("visualizer/events") < 2:  # the page has opened a stream of its own
+            assert time.monotonic() < deadline, f"the page did not reopen its event stream: {proxy.hits}"
+            time.sleep(0.1)
+    finally:
+        proxy.stop()
+    app = LiveApp(hub, port=port)
+    try:
+        browser_page.wait_for_selector('#conn-status[data-state="open"]', timeout=15000)
+        hub.add(make_snapshot(6))
+        _wait_step(browser_page, 6)
+        assert _bars(browser_page) == [3, 4, 5, 6]
+        assert browser_page.locator('#finished .finished-req[data-rid="done"]').count() == 1
         assert browser_page.errors == []
     finally:
         app.stop()

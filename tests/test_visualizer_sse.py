@@ -107,8 +107,14 @@ class LiveApp:
         from fastapi.responses import PlainTextResponse
 
         app = FastAPI()
+        self.hits: List[str] = []  # the paths the 502 proxy answered
+
+        def bad_gateway(path: str) -> PlainTextResponse:
+            self.hits.append(path)
+            return PlainTextResponse("Bad Gateway", status_code=502)
+
         if hub is None:
-            app.add_api_route("/{path:path}", lambda path: PlainTextResponse("Bad Gateway", status_code=502))
+            app.add_api_route("/{path:path}", bad_gateway)
         else:
             args = ServerArgs(visualize=True, chunked_prefill_size=64, model_path="tiny")
             register_visualizer_routes(app, args, port_args=None, hub=hub)
@@ -218,6 +224,9 @@ def test_the_ring_is_bounded_by_bytes_too_and_keeps_the_newest_snapshot() -> Non
     for step in range(21, 41):
         hub.add(make_snapshot(step))
     assert [snap["step"] for _, snap in hub.entries_after(0)] == list(range(33, 41))
+    # /history's body is joined from the JSON the snapshots came as: the same as encoding them
+    history = json.loads(hub.history_json(35, limit=3))
+    assert history == {"last_seq": 40, "entries": [{**make_snapshot(s), "seq": s} for s in (36, 37, 38)]}
     huge = make_snapshot(41, finished=[_finished("x" * 200) for _ in range(400)])
     hub.history_bytes = size
     hub.add(huge)  # bigger than the whole budget: still the latest, alone in the ring

@@ -30,7 +30,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
-from minisgl.managers.io_struct import AbortReq, BatchStrOutput, GenerateReqInput, TokenizedGenerateReqInput, logprobs_of, new_rid
+from minisgl.managers.io_struct import (
+    AbortReq, BatchStrOutput, GenerateReqInput, TokenizedGenerateReqInput, check_same_n, logprobs_of, new_rid,
+)  # fmt: skip
 from minisgl.managers.tokenization import tokenize_one_request, validate_context_length
 from minisgl.sampling.sampling_params import SamplingParams
 from minisgl.server_args import ServerArgs, resolve_server_args
@@ -182,6 +184,7 @@ class Engine:
         params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"`sampling_params` must have {len(prompts)} entries for {len(prompts)} prompts")
+        check_same_n(params_list)
         requests: List[TokenizedGenerateReqInput] = []
         for p, params in zip(prompts, params_list):
             n = SamplingParams.from_dict(params).n  # types (and unknown keys) checked before anything is queued

@@ -28,6 +28,14 @@ def new_rid() -> str:
 
 
 # --------------------------------------------------------------------------- requests
+def check_same_n(param_dicts: List[Any]) -> None:
+    """SGLang's rule for a batch: every prompt asks for the same number of samples, so that
+    result i*n + j is sample j of prompt i."""
+    ns = {d.get("n", 1) if isinstance(d, dict) else 1 for d in param_dicts}
+    if len(ns) > 1:
+        raise ValueError("The parallel_sample_num should be the same for all samples in sample params.")
+
+
 @dataclass
 class GenerateReqInput:
     """The unified runtime request: it no longer knows whether it came from chat or completions."""
@@ -75,6 +83,7 @@ class GenerateReqInput:
             self.sampling_params = [dict(self.sampling_params or {}) for _ in range(n)]
         elif len(self.sampling_params) != n:
             raise ValueError(f"`sampling_params` must have {n} entries for a batch of {n} prompts")
+        check_same_n(self.sampling_params)
         if not isinstance(self.return_logprob, list):
             self.return_logprob = [self.return_logprob] * n
         elif len(self.return_logprob) != n:

@@ -36,10 +36,9 @@ from collections import deque
 from typing import Any, AsyncIterator, Deque, Dict, List, Optional, Tuple
 
 from fastapi import Query, Request
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
-from starlette.concurrency import run_in_threadpool
 from sse_starlette.sse import EventSourceResponse, ServerSentEvent
 
 from minisgl.visualizer.render import web_dir
@@ -74,7 +73,7 @@ class SnapshotHub:
         self.history_bytes = history_bytes
         self.min_interval = 1.0 / max_rate_hz
         self._entries: Deque[Tuple[int, Dict[str, Any]]] = deque(maxlen=history_size)
-        self._sizes: Deque[int] = deque(maxlen=history_size)  # each entry's JSON length, beside it
+        self._texts: Deque[str] = deque(maxlen=history_size)  # each entry's JSON, beside it (/history)
         self._total_bytes = 0
         self._seq = 0
         self.instance = secrets.token_hex(4)
@@ -83,26 +82,27 @@ class SnapshotHub:
         self._thread: Optional[threading.Thread] = None
 
     # ------------------------------------------------------------------ feeding
-    def add(self, snap: Dict[str, Any], nbytes: Optional[int] = None) -> int:
-        """Record one snapshot of `nbytes` JSON bytes (measured if not given); returns its
+    def add(self, snap: Dict[str, Any], text: Optional[str] = None) -> int:
+        """Record one snapshot and its JSON `text` (encoded here if not given); returns its
         sequence number (0 if it was rejected). The oldest entries leave the ring when it
-        holds more than `history_size` of them or `history_bytes` in all; the newest stays."""
+        holds more than `history_size` of them or `history_bytes` of JSON in all; the newest
+        stays."""
         problems = validate_snapshot(snap)
         if problems:
             logger.warning("dropping an invalid scheduler snapshot: %s", "; ".join(problems[:3]))
             return 0
-        if nbytes is None:
-            nbytes = len(json.dumps(snap))
+        if text is None:
+            text = json.dumps(snap)
         with self._lock:
             if len(self._entries) == self.history_size:
-                self._total_bytes -= self._sizes[0]  # append() below drops it
+                self._total_bytes -= len(self._texts[0])  # append() below drops it
             self._seq += 1
             self._entries.append((self._seq, snap))
-            self._sizes.append(nbytes)
-            self._total_bytes += nbytes
+            self._texts.append(text)
+            self._total_bytes += len(text)
             while self._total_bytes > self.history_bytes and len(self._entries) > 1:
                 self._entries.popleft()
-                self._total_bytes -= self._sizes.popleft()
+                self._total_bytes -= len(self._texts.popleft())
             return self._seq
 
     def start(self) -> None:
@@ -129,7 +129,7 @@ class SnapshotHub:
                     continue
                 msg = decode(sock.recv())
                 if isinstance(msg, SchedulerSnapshotOut):
-                    self.add(json.loads(msg.snapshot_json), len(msg.snapshot_json))
+                    self.add(json.loads(msg.snapshot_json), msg.snapshot_json)
         finally:
             sock.close()
 
@@ -155,6 +155,17 @@ class SnapshotHub:
     def latest(self) -> Optional[Dict[str, Any]]:
         with self._lock:
             return self._entries[-1][1] if self._entries else None
+
+    def history_json(self, after: int, limit: Optional[int] = None) -> str:
+        """/history's body, `{"last_seq", "entries": [snapshot + "seq", ...]}`, joined from the
+        JSON each snapshot arrived as: a 32 MiB answer re-encoded held the GIL (and so every
+        other request, worker thread or not) for over half a second."""
+        with self._lock:
+            picked = [(seq, text) for (seq, _), text in zip(self._entries, self._texts) if seq > after]
+            last_seq = self._seq
+        picked = picked[:limit] if limit is not None else picked
+        entries = ",".join(f'{{"seq": {seq}, {text[1:]}' if text != "{}" else f'{{"seq": {seq}}}' for seq, text in picked)
+        return f'{{"last_seq": {last_seq}, "entries": [{entries}]}}'
 
     def entries_after(self, seq: int, limit: Optional[int] = None) -> List[Tuple[int, Dict[str, Any]]]:
         """Ring-buffer entries with sequence number > seq, oldest first (at most `limit`, the oldest)."""
@@ -227,10 +238,7 @@ def register_visualizer_routes(app: Any, server_args: Any, port_args: Any, hub: 
 
     @app.get("/visualizer/history")
     async def visualizer_history(after: int = 0, limit: int = Query(DEFAULT_HISTORY_SIZE, ge=0)) -> Any:
-        entries = hub.entries_after(after, limit)
-        body = {"last_seq": hub.last_seq, "entries": [{**snap, "seq": seq} for seq, snap in entries]}
-        # tens of MB at a large batch: encoded in a worker thread, not on the loop every request shares
-        return await run_in_threadpool(JSONResponse, body)
+        return Response(hub.history_json(after, limit), media_type="application/json")
 
     @app.get("/visualizer/events")
     async def visualizer_events(request: Request) -> Any:

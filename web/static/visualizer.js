@@ -17,6 +17,7 @@ const state = {
   timeline: [],    // step summaries, oldest first, one per step
   finished: [],    // finished records, newest first
   lastSeq: null,   // hub sequence number of the last update (the SSE id)
+  instance: null,  // the hub instance of the last update (the SSE id's prefix)
   drawPending: false,  // a live drawing is booked for the next animation frame
 };
 
@@ -192,30 +193,35 @@ function addStep(s) {
   }
 }
 
-// A restarted server counts seq (and step) from 1 again: the page starts over, or every
-// new step would look older than what it has and the view would freeze.
-function isFromNewServer(update) {
+// A restarted server is another hub instance (the SSE id's prefix) and counts seq (and
+// step) from 1 again: the page starts over, or every new step would look older than what it
+// has and the view would freeze. (seq/step going backwards covers updates fed without an id.)
+function isFromNewServer(update, instance) {
+  if (instance && state.instance && instance !== state.instance) return true;
   const prev = state.timeline[state.timeline.length - 1];
   const first = update.steps && update.steps.length ? update.steps[0].step : update.step;
   return (state.lastSeq != null && update.seq <= state.lastSeq) || (prev != null && first < prev.step);
 }
 
-function absorb(update) {
+function absorb(update, instance) {
   // Timeline and finished list accumulate across updates, whatever is on screen.
-  if (isFromNewServer(update)) {
+  if (isFromNewServer(update, instance)) {
     state.timeline = [];
     state.finished = [];
     if (state.live) { state.frames = []; state.cursor = -1; }
   }
   state.lastSeq = update.seq;
+  if (instance) state.instance = instance;
   for (const s of update.steps || []) addStep(s);
   state.timeline.splice(0, Math.max(0, state.timeline.length - MAX_TIMELINE));
   for (const f of update.finished || []) state.finished.unshift(f);
   state.finished.length = Math.min(state.finished.length, MAX_FINISHED);
 }
 
-function onUpdate(update) {
-  absorb(update);
+function onUpdate(update, instance) {
+  // a fresh stream from the same hub (reopened after an HTTP error) repeats its latest update
+  if (instance && instance === state.instance && state.lastSeq != null && update.seq <= state.lastSeq) return;
+  absorb(update, instance);
   if (!state.live) return;  // paused: keep accumulating, do not move the view
   // Draw at most once per animation frame: at a few hundred requests a drawing costs more
   // than the 50 ms between updates, and drawing each one queued a backlog that left the
@@ -250,7 +256,7 @@ function connect() {
     // while the server restarts, a 404) closes it for good: open a new one
     if (es.readyState === EventSource.CLOSED) setTimeout(connect, 3000);
   });
-  es.addEventListener("snapshot", (e) => onUpdate(JSON.parse(e.data)));
+  es.addEventListener("snapshot", (e) => onUpdate(JSON.parse(e.data), e.lastEventId.split("-")[0]));
 }
 
 async function loadHistory() {
