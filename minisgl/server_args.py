@@ -271,8 +271,9 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
             "kernels in Triton's slow interpreter); on the CPU use --attention-backend cpu or torch"
         )
     if backend == "triton" and importlib.util.find_spec("triton") is None:  # not a dependency: ~1 GB the CPU never uses
+        chosen = "--attention-backend triton" if args.attention_backend == "triton" else "the triton backend (auto on CUDA)"
         raise ValueError(
-            "--attention-backend triton needs the triton package (CUDA builds of torch on Linux bring it): "
+            f"{chosen} needs the triton package (CUDA builds of torch on Linux bring it): "
             "pip install triton, or use --attention-backend torch"
         )
     kv_dtype = _resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, backend)
