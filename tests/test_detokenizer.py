@@ -342,6 +342,10 @@ def test_soft_watchdog_reports_a_slow_iteration_once(caplog: pytest.LogCaptureFi
             assert wd.num_timeouts == 0
             time.sleep(0.4)  # one slow iteration
             wd.feed()
+            deadline = time.monotonic() + 5  # the watchdog thread counts, then logs
+            while "Unit watchdog timeout" not in caplog.text:
+                assert time.monotonic() < deadline, "the watchdog never logged the slow iteration"
+                time.sleep(0.01)
         assert wd.num_timeouts == 1
         assert "Unit watchdog timeout" in caplog.text and "slow-1" in caplog.text
         assert "--soft-watchdog-timeout" in caplog.text

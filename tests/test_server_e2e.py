@@ -586,8 +586,11 @@ def test_visualizer_shows_arrivals_and_an_abort_while_waiting(server_viz: Server
 
     threads = [threading.Thread(target=generate, args=("viz-A", 1500)), threading.Thread(target=generate, args=("viz-B", 4))]
     threads[0].start()
-    time.sleep(0.3)
-    threads[1].start()
+    deadline = time.monotonic() + 30
+    while not any(r["rid"] == "viz-A" for r in httpx.get(server_viz.url + "/visualizer/snapshot", params={"api_key": "vk"}).json()["running_batch"]):
+        assert time.monotonic() < deadline, "viz-A never ran"
+        time.sleep(0.05)
+    threads[1].start()  # after A runs: with max_running_requests=1, B must wait
     deadline = time.monotonic() + 30
     while not any(w["rid"] == "viz-B" for w in httpx.get(server_viz.url + "/visualizer/snapshot", params={"api_key": "vk"}).json()["waiting_queue"]):
         assert time.monotonic() < deadline, "viz-B never waited (max_running_requests=1)"

@@ -344,11 +344,12 @@ def test_a_page_reopening_its_stream_to_the_same_server_keeps_its_timeline(brows
         while proxy.hits.count("visualizer/events") < 2:  # the page has opened a stream of its own
             assert time.monotonic() < deadline, f"the page did not reopen its event stream: {proxy.hits}"
             time.sleep(0.1)
+        time.sleep(0.5)  # that 502 reaches the page (it is counted before it is sent)
     finally:
         proxy.stop()
     app = LiveApp(hub, port=port)
     try:
-        browser_page.wait_for_selector('#conn-status[data-state="open"]', timeout=15000)
+        browser_page.wait_for_selector('#conn-status[data-state="open"]', timeout=30000)
         hub.add(make_snapshot(6))
         _wait_step(browser_page, 6)
         assert _bars(browser_page) == [3, 4, 5, 6]

@@ -79,14 +79,11 @@ class Publisher:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(endpoint)
         self.send_times: List[float] = []
-        self.num_dropped = 0
 
     def send(self, snap: Dict[str, Any]) -> None:
         t0 = time.perf_counter()
-        try:
-            self.sock.send(encode(SchedulerSnapshotOut(snap["step"], json.dumps(snap))), zmq.NOBLOCK)
-        except zmq.Again:
-            self.num_dropped += 1
+        # (a PUB socket drops silently past its high-water mark: tests check the ring is whole)
+        self.sock.send(encode(SchedulerSnapshotOut(snap["step"], json.dumps(snap))), zmq.NOBLOCK)
         self.send_times.append(time.perf_counter() - t0)
 
     def wait_subscribed(self, hub: SnapshotHub) -> None:
@@ -152,8 +149,8 @@ def hub_pub(tmp_path: Any) -> Iterator[tuple]:
     pub.sock.close()
 
 
-def read_sse(url: str, until_step: int, timeout: float = 20.0) -> List[Dict[str, Any]]:
-    """Read /visualizer/events until an update for `until_step` arrives."""
+def read_sse(url: str, until_step: int, timeout: float = 20.0, connected: Optional[threading.Event] = None) -> List[Dict[str, Any]]:
+    """Read /visualizer/events until an update for `until_step` arrives (`connected` is set at the first)."""
     updates: List[Dict[str, Any]] = []
     with httpx.stream("GET", url + "/visualizer/events", timeout=timeout) as resp:
         assert resp.status_code == 200
@@ -164,6 +161,8 @@ def read_sse(url: str, until_step: int, timeout: float = 20.0) -> List[Dict[str,
                 event_id = line[3:].strip()
             elif line.startswith("data:"):
                 update = json.loads(line[5:].strip())
+                if connected is not None:
+                    connected.set()
                 assert event_id == f"{event_id.split('-')[0]}-{update['seq']}"  # "<hub instance>-<seq>"
                 updates.append(update)
                 if update["step"] >= until_step:
@@ -207,7 +206,6 @@ def test_hub_receives_every_published_step_in_order_and_keeps_a_bounded_ring(hub
     while (hub.latest() or {}).get("step") != 600:
         assert time.monotonic() < deadline, f"hub stuck at {hub.latest()['step']}"
         time.sleep(0.02)
-    assert pub.num_dropped == 0
     steps = [snap["step"] for _, snap in hub.entries_after(0)]
     assert len(steps) == hub.history_size == 512  # the oldest fell out of the ring
     assert steps == list(range(600 - 511, 601))
@@ -241,9 +239,10 @@ def test_sse_stream_is_in_step_order_coalesced_and_keeps_retract_finish_abort(hu
         assert page.status_code == 200 and 'id="waiting-queue"' in page.text and '"chunked_prefill_size": 64' in page.text
         assert httpx.get(app.url + "/visualizer/static/visualizer.js").status_code == 200
         result: Dict[str, Any] = {}
-        reader = threading.Thread(target=lambda: result.update(updates=read_sse(app.url, until_step=200)))
+        connected = threading.Event()
+        reader = threading.Thread(target=lambda: result.update(updates=read_sse(app.url, 200, connected=connected)))
         reader.start()
-        time.sleep(0.3)  # the client is connected and has the latest (probe) snapshot
+        assert connected.wait(20), "the SSE client never got its first update"  # the latest (probe) snapshot
         for snap in scenario(200):
             pub.send(snap)
             time.sleep(0.0005)  # ~2000 steps/s: far faster than the 20 updates/s a browser gets
@@ -284,7 +283,8 @@ def test_a_slow_sse_client_does_not_slow_the_publisher_or_the_hub(hub_pub: tuple
         while (hub.latest() or {}).get("step") != 1500:
             assert time.monotonic() < deadline, "the hub fell behind the publisher"
             time.sleep(0.02)
-        assert pub.num_dropped == 0, "the PUB side had to drop snapshots"
+        steps = [snap["step"] for _, snap in hub.entries_after(0)]
+        assert steps == list(range(steps[0], 1501)), "a snapshot was dropped on the way"
         # A NOBLOCK send never waits for readers; the median (not the max, which the OS
         # scheduler of a loaded 2-core machine can inflate) shows sends stayed cheap.
         median_send = sorted(pub.send_times)[len(pub.send_times) // 2]
