@@ -179,6 +179,15 @@ def _wait_step(page: Any, step: int) -> None:
     page.wait_for_function(f"document.getElementById('step-num').textContent === '{step}'", timeout=15000)
 
 
+def _wait_for_a_reopened_stream(proxy: Any) -> None:
+    """EventSource's own retry gets one 502 and closes for good; a second request on the
+    stream can only come from the page opening a new one."""
+    deadline = time.monotonic() + 20
+    while proxy.hits.count("visualizer/events") < 2:
+        assert time.monotonic() < deadline, f"the page did not reopen its event stream: {proxy.hits}"
+        time.sleep(0.1)
+
+
 def test_page_starts_over_when_the_server_restarts(browser_page: Any) -> None:
     from test_visualizer_sse import LiveApp, make_snapshot
 
@@ -299,12 +308,7 @@ def test_the_page_reconnects_after_an_http_error_and_pause_while_down_stays_live
         browser_page.click("#btn-pause")  # /visualizer/history answers 502: the page stays live
         browser_page.wait_for_function("document.getElementById('demo-status').textContent.includes('502')", timeout=5000)
         assert browser_page.inner_text("#view-status") == "LIVE" and browser_page.inner_text("#btn-pause") == "Pause"
-        # EventSource's own retry got one 502 and closed for good; a second request on the
-        # stream can only come from the page opening a new one
-        deadline = time.monotonic() + 15
-        while proxy.hits.count("visualizer/events") < 2:
-            assert time.monotonic() < deadline, f"the page did not reopen its event stream: {proxy.hits}"
-            time.sleep(0.1)
+        _wait_for_a_reopened_stream(proxy)
     finally:
         proxy.stop()
     new_hub = SnapshotHub()
@@ -340,10 +344,7 @@ def test_a_page_reopening_its_stream_to_the_same_server_keeps_its_timeline(brows
         app.stop()
     proxy = LiveApp(None, port=port)
     try:
-        deadline = time.monotonic() + 20
-        while proxy.hits.count("visualizer/events") < 2:  # the page has opened a stream of its own
-            assert time.monotonic() < deadline, f"the page did not reopen its event stream: {proxy.hits}"
-            time.sleep(0.1)
+        _wait_for_a_reopened_stream(proxy)
         time.sleep(0.5)  # that 502 reaches the page (it is counted before it is sent)
     finally:
         proxy.stop()
