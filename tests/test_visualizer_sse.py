@@ -229,6 +229,8 @@ def test_the_ring_is_bounded_by_bytes_too_and_keeps_the_newest_snapshot() -> Non
     hub.history_bytes = size
     hub.add(huge)  # bigger than the whole budget: still the latest, alone in the ring
     assert [snap["step"] for _, snap in hub.entries_after(0)] == [41] and hub.latest() is huge
+    with pytest.raises(ValueError, match="history_size must be >= 1"):
+        SnapshotHub(history_size=0)  # (its first add() was an IndexError)
 
 
 def test_sse_stream_is_in_step_order_coalesced_and_keeps_retract_finish_abort(hub_pub: tuple) -> None:

@@ -68,6 +68,8 @@ class SnapshotHub:
 
     def __init__(self, ipc_name: Optional[str] = None, history_size: int = DEFAULT_HISTORY_SIZE,
                  max_rate_hz: float = DEFAULT_MAX_RATE_HZ, history_bytes: int = DEFAULT_HISTORY_BYTES) -> None:  # fmt: skip
+        if history_size < 1:
+            raise ValueError(f"history_size must be >= 1 (the latest snapshot is always kept), got {history_size}")
         self.ipc_name = ipc_name
         self.history_size = history_size
         self.history_bytes = history_bytes
