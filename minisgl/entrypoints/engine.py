@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 from minisgl.managers.io_struct import (
-    AbortReq, BatchStrOutput, GenerateReqInput, TokenizedGenerateReqInput, check_same_n, logprobs_of, new_rid,
+    AbortReq, BatchStrOutput, GenerateReqInput, TokenizedGenerateReqInput, expand_samples, logprobs_of, new_rid,
 )  # fmt: skip
 from minisgl.managers.tokenization import tokenize_one_request, validate_context_length
 from minisgl.sampling.sampling_params import SamplingParams
@@ -111,21 +111,6 @@ class Engine:
         self._check_open()
         if SamplingParams.from_dict(sampling_params).n != 1:  # (types checked here first)
             raise ValueError("add_request takes one request; use generate(..., sampling_params={'n': k}) for n > 1")
-        tokenized = self._tokenize(prompt, input_ids, sampling_params, stream, rid, return_logprob, top_logprobs_num)
-        self._enqueue([tokenized])
-        return tokenized.rid
-
-    def _tokenize(
-        self,
-        prompt: Optional[str] = None,
-        input_ids: Optional[List[int]] = None,
-        sampling_params: Optional[Dict[str, Any]] = None,
-        stream: bool = False,
-        rid: Optional[str] = None,
-        return_logprob: bool = False,
-        top_logprobs_num: int = 0,
-    ) -> TokenizedGenerateReqInput:
-        """Every check the server makes on one request, nothing registered yet (ValueError on bad input)."""
         if top_logprobs_num and not return_logprob:
             raise ValueError("top_logprobs_num needs return_logprob to be true")  # the server's check
         obj = GenerateReqInput(
@@ -135,6 +120,12 @@ class Engine:
         obj.normalize_batch_and_arguments()
         if not obj.is_single:
             raise ValueError("add_request takes a single prompt; pass a list to generate()")
+        tokenized = self._tokenize(obj)
+        self._enqueue([tokenized])
+        return tokenized.rid
+
+    def _tokenize(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
+        """Every check the server makes on one single request, nothing registered yet (ValueError on bad input)."""
         if obj.rid in self.rid_to_state:
             if self.rid_to_state[obj.rid].finished:
                 raise ValueError(
@@ -157,7 +148,8 @@ class Engine:
 
     @_locked
     def _submit(
-        self, prompt: Prompt, sampling_params: Any, input_ids: InputIds, stream: bool, **kwargs: Any
+        self, prompt: Prompt, sampling_params: Any, input_ids: InputIds, stream: bool, return_logprob: bool,
+        top_logprobs_num: int,
     ) -> tuple[List[str], bool]:
         """Fan a generate() call out into single requests (n copies each). Returns (rids, single).
 
@@ -165,39 +157,32 @@ class Engine:
         does: a bad entry in a batch raises and leaves nothing behind.
         """
         self._check_open()
+        # (the server's pydantic model checks these types; here they get a message of their own)
         if (prompt is None) == (input_ids is None):
             raise ValueError("Exactly one of `prompt` and `input_ids` must be given")
         if prompt is not None:
-            single = isinstance(prompt, str)
-            if not single and not (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
+            if not isinstance(prompt, str) and not (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
                 raise ValueError(f"`prompt` must be a string or a non-empty list of strings, got {_describe(prompt)}")
-            prompts: List[Any] = [prompt] if single else list(prompt)
-            key = "prompt"
         else:
             if not isinstance(input_ids, list):
                 raise ValueError(f"`input_ids` must be a list of ints or a list of such lists, got {_describe(input_ids)}")
-            single = len(input_ids) == 0 or not isinstance(input_ids[0], list)
-            if not single and not all(isinstance(ids, list) for ids in input_ids):
+            if input_ids and isinstance(input_ids[0], list) and not all(isinstance(ids, list) for ids in input_ids):
                 raise ValueError("`input_ids` mixes lists and ints: pass one list of ints, or a list of such lists")
-            prompts = [input_ids] if single else list(input_ids)
-            key = "input_ids"
-        params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"`sampling_params` must have {len(prompts)} entries for {len(prompts)} prompts")
-        check_same_n(params_list)
-        requests: List[TokenizedGenerateReqInput] = []
-        for p, params in zip(prompts, params_list):
-            n = SamplingParams.from_dict(params).n  # types (and unknown keys) checked before anything is queued
-            params = {k: v for k, v in (params or {}).items() if k != "n"}
+        if top_logprobs_num and not return_logprob:
+            raise ValueError("top_logprobs_num needs return_logprob to be true")  # the server's check
+        obj = GenerateReqInput(
+            text=prompt, input_ids=input_ids, sampling_params=sampling_params,
+            return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,
+        )  # fmt: skip
+        obj.normalize_batch_and_arguments()  # single or batch, lists per prompt, the same n for all
+        for single in obj.singles():
+            n = SamplingParams.from_dict(single.sampling_params).n  # types and unknown keys, before anything is queued
             if n < 1:
                 raise ValueError(f"n must be >= 1, got {n}")
-            for j in range(n):
-                # as the server does: sample j of a seeded request uses seed + j, so the n
-                # samples differ yet are reproducible
-                sample_params = dict(params, seed=params["seed"] + j) if n > 1 and params.get("seed") is not None else params
-                requests.append(self._tokenize(**{key: p}, sampling_params=sample_params, stream=stream, rid=None, **kwargs))
+        # the server's fan-out: n copies of each prompt, sample j with seed + j
+        requests = [self._tokenize(sample.req) for sample in expand_samples(obj)]
         self._enqueue(requests)
-        return [r.rid for r in requests], single and len(requests) == 1
+        return [r.rid for r in requests], obj.is_single and len(requests) == 1
 
     def generate(
         self,

@@ -18,7 +18,7 @@ import dataclasses
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
 from minisgl.sampling.sampling_params import SamplingParams
 
@@ -104,6 +104,40 @@ class GenerateReqInput:
             priority=self.priority,
             log_metrics=self.log_metrics,
         )
+
+    def singles(self) -> List["GenerateReqInput"]:
+        """One single request per prompt of a normalized input (itself when single)."""
+        return [self] if self.is_single else [self[i] for i in range(self.batch_size)]
+
+
+class Sample(NamedTuple):
+    """One sub-request of `expand_samples`: what the scheduler gets, and where it came from."""
+
+    req: GenerateReqInput  # a single request with n = 1
+    prompt_index: int  # the prompt of the client's batch it samples
+    parent_rid: str  # the rid the client gave that prompt (req.rid is `<parent_rid>-<j>` when n > 1)
+
+
+def expand_samples(obj: GenerateReqInput) -> List[Sample]:
+    """A normalized request fanned out into single n = 1 requests, one per (prompt i, sample
+    j) at index i * n + j: SGLang sends n copies of a prompt to the scheduler.
+
+    Samples of one prompt get rids `<rid>-<j>` (aborting `<rid>` aborts them all) and seed + j,
+    so that a seeded n > 1 request returns n different yet reproducible samples. The server's
+    TokenizerManager and the in-process Engine both fan out here, so their answers agree.
+    """
+    out: List[Sample] = []
+    for i, single in enumerate(obj.singles()):
+        params = dict(single.sampling_params or {})
+        n = int(params.get("n", 1))
+        for j in range(n):
+            sub_params = dict(params, n=1)
+            if n > 1 and params.get("seed") is not None:
+                sub_params["seed"] = int(params["seed"]) + j
+            sub = dataclasses.replace(single, sampling_params=sub_params, is_single=True, batch_size=1)
+            sub.rid = f"{single.rid}-{j}" if n > 1 else single.rid
+            out.append(Sample(sub, i, single.rid))
+    return out
 
 
 @dataclass

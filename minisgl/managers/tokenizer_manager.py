@@ -42,9 +42,11 @@ from minisgl.managers.io_struct import (
     GenerateReqInput,
     GetLoadReqInput,
     GetLoadReqOutput,
+    Sample,
     TokenizedGenerateReqInput,
     decode,
     encode,
+    expand_samples,
     logprobs_of,
     new_rid,
 )
@@ -504,44 +506,23 @@ class TokenizerManager:
                 raise ReqAbortedError(reason.get("message") or "Aborted", int(reason["status_code"]))
 
     # ------------------------------------------------------------------ batches and n > 1
-    def _expand_batch(self, obj: GenerateReqInput) -> List[GenerateReqInput]:
-        """One single request per (prompt i, sample j), at index i * n + j.
-
-        Samples of one prompt get rids `<rid>-<j>` (`abort_request(<rid>)` aborts them
-        all), n = 1, and seed + j so that a seeded
-        n > 1 request returns n different yet reproducible samples.
-        """
-        singles = [obj] if obj.is_single else [obj[i] for i in range(obj.batch_size)]
-        subs: List[GenerateReqInput] = []
-        for single in singles:
-            params = dict(single.sampling_params or {})
-            n = int(params.get("n", 1))
-            for j in range(n):
-                sub_params = dict(params, n=1)
-                if n > 1 and params.get("seed") is not None:
-                    sub_params["seed"] = int(params["seed"]) + j
-                sub = dataclasses.replace(single, sampling_params=sub_params, is_single=True, batch_size=1)
-                sub.rid = f"{single.rid}-{j}" if n > 1 else single.rid
-                sub.priority = obj.priority
-                subs.append(sub)
-        return subs
-
     async def _handle_batch_request(self, obj: GenerateReqInput, request: Any) -> AsyncIterator[Dict[str, Any]]:
         """Fan out into several rids and merge their outputs, each tagged with its "index"."""
-        subs = self._expand_batch(obj)
+        samples = expand_samples(obj)
+        subs = [s.req for s in samples]
         # Every rid is registered first (a duplicate fails the batch; an abort that comes while the
         # batch is tokenized finds its rids), then every prompt is tokenized and checked before any
         # is sent: one bad prompt (an id out of the vocabulary, too long) fails the batch with
         # nothing of it prefilled, as a bad field does.
         states: List[ReqState] = []
         # the samples of an n > 1 request, by the rid its client chose: what /abort_request(<rid>) aborts
-        parents = {sub.rid: single_rid for sub, single_rid in zip(subs, self._parent_rids(obj)) if sub.rid != single_rid}
+        parents = {s.req.rid: s.parent_rid for s in samples if s.req.rid != s.parent_rid}
         try:
             for sub in subs:
                 states.append(self._init_req_state(sub))
                 if sub.rid in parents:
                     self.samples_of.setdefault(parents[sub.rid], {})[sub.rid] = sub
-            tokenized = await self._tokenize_batch(obj, subs)
+            tokenized = await self._tokenize_batch(samples)
         except BaseException:
             for sub, state in zip(subs, states):
                 if self.rid_to_state.get(sub.rid) is state:
@@ -577,11 +558,12 @@ class TokenizerManager:
                 task.cancel()  # each sub-generator's finally aborts its rid if still running
             self._forget_samples(parents, subs)
 
-    async def _tokenize_batch(self, obj: GenerateReqInput, subs: List[GenerateReqInput]) -> List[TokenizedGenerateReqInput]:
+    async def _tokenize_batch(self, samples: List[Sample]) -> List[TokenizedGenerateReqInput]:
         """Each prompt tokenized and checked once, its n samples copies of it that differ in rid
         and seed only (as SGLang sends n copies): per sample, a long prompt was tokenized n times,
         and went on being tokenized in worker threads after the first copy's 400 had gone back."""
-        prompt_of = self._prompt_indices(obj)  # sub index -> its prompt
+        subs = [s.req for s in samples]
+        prompt_of = [s.prompt_index for s in samples]
         firsts = [k for k in range(len(subs)) if k == 0 or prompt_of[k] != prompt_of[k - 1]]
         bases = await asyncio.gather(*(self._tokenize_one_request(subs[k]) for k in firsts))
         base_of = {prompt_of[k]: base for k, base in zip(firsts, bases)}
@@ -593,14 +575,9 @@ class TokenizerManager:
                 out.append(base)
                 continue
             params = base.sampling_params.copy()
-            params.seed = (sub.sampling_params or {}).get("seed")  # seed + j (_expand_batch)
+            params.seed = (sub.sampling_params or {}).get("seed")  # seed + j (expand_samples)
             out.append(dataclasses.replace(base, rid=sub.rid, sampling_params=params))
         return out
-
-    def _prompt_indices(self, obj: GenerateReqInput) -> List[int]:
-        """The prompt behind each sub-request of _expand_batch, in the same order."""
-        singles = [obj] if obj.is_single else [obj[i] for i in range(obj.batch_size)]
-        return [i for i, single in enumerate(singles) for _ in range(int(dict(single.sampling_params or {}).get("n", 1)))]
 
     def _forget_samples(self, parents: Dict[str, str], subs: List[GenerateReqInput]) -> None:
         """Drop this request's own sample entries: another request of the same parent rid may
@@ -612,11 +589,6 @@ class TokenizerManager:
                 del samples[sub.rid]
                 if not samples:
                     del self.samples_of[parent]
-
-    def _parent_rids(self, obj: GenerateReqInput) -> List[str]:
-        """The client's rid behind each sub-request of _expand_batch, in the same order."""
-        singles = [obj] if obj.is_single else [obj[i] for i in range(obj.batch_size)]
-        return [singles[i].rid for i in self._prompt_indices(obj)]
 
     # ------------------------------------------------------------------ abort and control
     def abort_request(self, rid: str = "", abort_all: bool = False, with_samples: bool = True) -> None:
