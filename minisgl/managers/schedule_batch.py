@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set
 
 import torch
 
+from minisgl.mem_cache.allocator import decode_starts_page, new_page_slots
 from minisgl.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from minisgl.sampling.sampling_params import SamplingParams, stop_token_set
 
@@ -436,10 +437,7 @@ class ScheduleBatch:
 
     def _pages_needed_for_extend(self) -> int:
         """Slots the allocator must hand out: extend tokens, rounded to whole new pages."""
-        P = self.page_size
-        if P == 1:
-            return sum(self.extend_lens)
-        return sum(((s + P - 1) // P - (p + P - 1) // P) * P for p, s in zip(self.prefix_lens, self.seq_lens))
+        return sum(new_page_slots(p, s, self.page_size) for p, s in zip(self.prefix_lens, self.seq_lens))
 
     def _alloc_req_rows(self) -> None:
         """A new request takes a row; the chunked request keeps the row it already holds."""
@@ -504,7 +502,7 @@ class ScheduleBatch:
         reqs = self.reqs if reqs is None else reqs
         if self.page_size == 1:
             return len(reqs)
-        return sum(self.page_size for r in reqs if r.kv_committed_len % self.page_size == 0)
+        return sum(self.page_size for r in reqs if decode_starts_page(r.kv_committed_len, self.page_size))
 
     def check_decode_mem(self, selected_indices: Optional[List[int]] = None) -> bool:
         """Evict from the tree if needed, then: is there room for one more token each?"""

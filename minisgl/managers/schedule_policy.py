@@ -25,6 +25,7 @@ from collections import defaultdict
 from typing import Any, Dict, Iterator, List, Optional
 
 from minisgl.managers.schedule_batch import CLIP_MAX_NEW_TOKENS, Req, ScheduleBatch
+from minisgl.mem_cache.allocator import ceil_paged_tokens
 
 # lpm degrades to fcfs above this many waiting requests (matching them all costs too much)
 LPM_FALLBACK_QUEUE_LEN = 128
@@ -37,10 +38,6 @@ class AddReqResult(enum.Enum):
     CONTINUE = enum.auto()  # admitted (or nothing hit a limit): keep scanning the queue
     NO_TOKEN = enum.auto()  # out of KV memory: the running batch is full
     OTHER = enum.auto()  # any other limit: stop this pass
-
-
-def ceil_paged_tokens(tokens: int, page_size: int) -> int:
-    return -(-tokens // page_size) * page_size
 
 
 class PrefillAdder:

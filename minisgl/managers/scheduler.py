@@ -37,6 +37,7 @@ from minisgl.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
 from minisgl.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
 from minisgl.managers.scheduler_metrics_mixin import SchedulerMetricsMixin
 from minisgl.managers.scheduler_output_processor_mixin import SchedulerOutputProcessorMixin
+from minisgl.mem_cache.allocator import ceil_paged_tokens, new_page_slots
 from minisgl.server_args import ServerArgs, chunked_prefill_enabled
 from minisgl.utils import freeze_gc
 
@@ -257,11 +258,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             req.finished_reason = FINISH_ABORT()
             self._release_finished(req, "aborted mid-chunk")
             self.stream_output([req])
-        running = list(self.running_batch.reqs)
-        if self.last_batch is not None and self.last_batch.forward_mode.is_extend():
-            running += self.last_batch.reqs  # just prefilled, not yet merged into running_batch
-        for req in running:
-            if matches(req) and not req.finished():
+        for req in self._unfinished_reqs():
+            if matches(req):
                 # finished by the normal path after one more forward (SGLang's method 3)
                 req.to_finish = FINISH_ABORT()
 
@@ -281,7 +279,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
     def get_load(self) -> GetLoadReqOutput:
         available = self.token_to_kv_pool_allocator.available_size()
         evictable = self.tree_cache.evictable_size()
-        used = self.max_total_num_tokens - (available + evictable)
+        used, usage = self._token_usage()
         total = self.total_hit_tokens + self.total_input_tokens
         return GetLoadReqOutput(
             # the running batch, the just-prefilled requests not yet merged into it, and the one
@@ -294,7 +292,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             evictable_tokens=evictable,
             protected_tokens=self.tree_cache.protected_size(),
             max_total_num_tokens=self.max_total_num_tokens,
-            token_usage=used / self.max_total_num_tokens,
+            token_usage=usage,
             cache_hit_rate=self.total_hit_tokens / total if total else 0.0,
             new_token_ratio=self.new_token_ratio,
             num_retracted_reqs_total=self.num_retracted_reqs_total,
@@ -306,14 +304,17 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
 
     def is_idle(self) -> bool:
         """Nothing waiting, running, mid-chunk, or just prefilled and not yet merged."""
-        just_prefilled = (
-            self.last_batch is not None
-            and self.last_batch.forward_mode.is_extend()
-            and any(not r.finished() for r in self.last_batch.reqs)
-        )
-        # finished requests linger in running_batch until the next filter_batch; they hold nothing
-        running = any(not r.finished() for r in self.running_batch.reqs)
-        return not self.waiting_queue and not running and self.chunked_req is None and not just_prefilled
+        return not self.waiting_queue and self.chunked_req is None and not self._unfinished_reqs()
+
+    def _unfinished_reqs(self) -> List[Req]:
+        """Requests with a forward still to come: the running batch and the just-prefilled ones
+        not yet merged into it (finished requests linger in running_batch until the next
+        filter_batch, and hold nothing). A chunked request mid-prompt is among the latter."""
+        reqs = [r for r in self.running_batch.reqs if not r.finished()]
+        if self.last_batch is not None and self.last_batch.forward_mode.is_extend():
+            known = {id(r) for r in reqs}
+            reqs += [r for r in self.last_batch.reqs if not r.finished() and id(r) not in known]
+        return reqs
 
     # ------------------------------------------------------------------ one iteration
     def run_step(self) -> Optional[ScheduleBatch]:
@@ -501,7 +502,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         need = self.running_batch.new_tokens_required_next_decode()
         req = self.chunked_req
         if req is not None:  # pages its remaining prompt will still take
-            need += (-(-req.seqlen // P) - (-(-req.kv_committed_len // P))) * P
+            need += new_page_slots(req.kv_committed_len, req.seqlen, P)
         free = self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size()
         return free >= need
 
@@ -577,7 +578,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         tree (their own pages past cache_protected_len) count as used."""
         P = self.page_size
         held = sum(
-            -(-r.kv_committed_len // P) * P - r.cache_protected_len for r in self._reqs_holding_rows()
+            ceil_paged_tokens(r.kv_committed_len, P) - r.cache_protected_len for r in self._reqs_holding_rows()
         )
         available = self.token_to_kv_pool_allocator.available_size() + held
         self.tree_cache.check_integrity(available_size=available, total=self.max_total_num_tokens)

@@ -149,12 +149,5 @@ class SchedulerMetricsMixin:
 
     def _decoding_reqs(self) -> List[Req]:
         """Requests that will decode next: the running batch plus the just-prefilled ones."""
-        reqs = [r for r in self.running_batch.reqs if not r.finished()]
-        if self.last_batch is not None and self.last_batch.forward_mode.is_extend():
-            known = {id(r) for r in reqs}
-            reqs += [
-                r for r in self.last_batch.reqs
-                if not r.finished() and r is not self.chunked_req and id(r) not in known
-                and r.sampling_params.max_new_tokens > 0
-            ]  # fmt: skip
-        return reqs
+        # (the chunked request prefills next; a max_new_tokens=0 request never decodes)
+        return [r for r in self._unfinished_reqs() if r is not self.chunked_req and r.sampling_params.max_new_tokens > 0]

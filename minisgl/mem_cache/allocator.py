@@ -20,6 +20,24 @@ from typing import List, Optional
 import torch
 
 
+# The page arithmetic, in one place: the scheduler sizes evictions and budgets with the same
+# functions the allocator hands out slots by, so the two cannot disagree on what a step takes.
+def ceil_paged_tokens(tokens: int, page_size: int) -> int:
+    """`tokens` rounded up to whole pages."""
+    return -(-tokens // page_size) * page_size
+
+
+def new_page_slots(prefix_len: int, seq_len: int, page_size: int) -> int:
+    """Slots an extend from prefix_len to seq_len takes from the free list: its new whole pages
+    (the partial page that holds position prefix_len-1 is already the request's)."""
+    return ceil_paged_tokens(seq_len, page_size) - ceil_paged_tokens(prefix_len, page_size)
+
+
+def decode_starts_page(committed_len: int, page_size: int) -> bool:
+    """Does the next decode token (at position committed_len) open a new page?"""
+    return committed_len % page_size == 0
+
+
 class TokenToKVPoolAllocator:
     """page_size == 1: a free list of slot ids, lowest first after a sort."""
 
@@ -149,7 +167,7 @@ class PagedTokenToKVPoolAllocator(TokenToKVPoolAllocator):
         `last_loc[i]` is the slot of position prefix_lens[i]-1, or -1 for an empty prefix.
         """
         P = self.page_size
-        num_new_pages = sum((s + P - 1) // P - (p + P - 1) // P for p, s in zip(prefix_lens, seq_lens))
+        num_new_pages = sum(new_page_slots(p, s, P) for p, s in zip(prefix_lens, seq_lens)) // P
         pages = self._take_pages(num_new_pages)
         if pages is None:
             return None
@@ -158,7 +176,7 @@ class PagedTokenToKVPoolAllocator(TokenToKVPoolAllocator):
         cursor = 0
         for prefix, seq, last in zip(prefix_lens, seq_lens, last_loc):
             # 1) the rest of the partial page that holds position prefix-1
-            in_partial = min(seq, (prefix + P - 1) // P * P) - prefix
+            in_partial = min(seq, ceil_paged_tokens(prefix, P)) - prefix
             out.extend(range(last + 1, last + 1 + in_partial))
             # 2) and 3) whole and partial new pages for the remaining tokens
             remaining = seq - prefix - in_partial
@@ -174,7 +192,7 @@ class PagedTokenToKVPoolAllocator(TokenToKVPoolAllocator):
     def alloc_decode(self, seq_lens: List[int], last_loc: List[int]) -> Optional[torch.Tensor]:
         """A request whose new token starts a page takes a fresh page; others use last_loc+1."""
         P = self.page_size
-        needs_page = [(s - 1) % P == 0 for s in seq_lens]
+        needs_page = [decode_starts_page(s - 1, P) for s in seq_lens]  # (s counts the new token)
         pages = self._take_pages(sum(needs_page))
         if pages is None:
             return None
