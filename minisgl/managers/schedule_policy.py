@@ -26,6 +26,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 from minisgl.managers.schedule_batch import CLIP_MAX_NEW_TOKENS, Req, ScheduleBatch
 from minisgl.mem_cache.allocator import ceil_paged_tokens
+from minisgl.server_args import SCHEDULE_POLICIES
 
 # lpm degrades to fcfs above this many waiting requests (matching them all costs too much)
 LPM_FALLBACK_QUEUE_LEN = 128
@@ -217,7 +218,7 @@ class SchedulePolicy:
     """Orders the waiting queue before each prefill pass (§3)."""
 
     def __init__(self, policy: str, tree_cache: Any) -> None:
-        if policy not in ("fcfs", "lpm", "dfs-weight", "lof", "random"):
+        if policy not in SCHEDULE_POLICIES:
             raise ValueError(f"unknown schedule policy {policy!r}")
         # a cache-aware policy without a cache is fcfs
         if policy in ("lpm", "dfs-weight") and getattr(tree_cache, "disable", False):

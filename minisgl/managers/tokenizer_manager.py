@@ -50,7 +50,7 @@ from minisgl.managers.io_struct import (
     logprobs_of,
     new_rid,
 )
-from minisgl.sampling.sampling_params import SamplingParams
+from minisgl.sampling.sampling_params import MAX_TOP_LOGPROBS_NUM, SamplingParams
 from minisgl.server_args import PortArgs, ServerArgs
 from minisgl.utils import freeze_gc, get_zmq_socket, lone_surrogate_at
 
@@ -60,8 +60,6 @@ logger = logging.getLogger("minisgl.tokenizer_manager")
 REQUEST_STATE_WAIT_TIMEOUT = float(os.environ.get("MINISGL_REQUEST_STATE_WAIT_TIMEOUT", "4"))
 # --log-requests: how much of a prompt or an answer one log line shows (SGLang's partial logging)
 LOG_REQUEST_CHARS = 2048
-# The server's cap on top_logprobs_num (OpenAI's top_logprobs bound).
-MAX_TOP_LOGPROBS_NUM = 20
 # The server's caps on one request's size (the in-process Engine, one user's, has none).
 MAX_SUB_REQUESTS = 4096  # prompts x n
 MAX_STOP_STRINGS = 64  # OpenAI takes 4

@@ -18,6 +18,7 @@ from typing import Any, Dict, Optional, Set, Tuple
 
 from minisgl.layers.rotary_embedding import SUPPORTED_ROPE_TYPES
 from minisgl.models.registry import get_arch_spec
+from minisgl.sampling.sampling_params import GENERATION_CONFIG_SAMPLING_KEYS
 
 logger = logging.getLogger("minisgl")
 
@@ -105,7 +106,7 @@ def default_sampling_params(gen_cfg: Dict[str, Any]) -> Dict[str, Any]:
     a number is left out (the built-in default applies) rather than failing every request.
     """
     defaults: Dict[str, Any] = {}
-    for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+    for key in GENERATION_CONFIG_SAMPLING_KEYS:
         value = gen_cfg.get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             continue

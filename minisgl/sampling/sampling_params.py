@@ -26,6 +26,9 @@ _GREEDY_EPS = 1e-6
 
 FLOAT32_MAX = 3.4028234663852886e38
 MAX_N = 128  # samples per prompt: each is a whole request, and one client must not fill the server
+MAX_TOP_LOGPROBS_NUM = 20  # OpenAI's bound on top_logprobs; the server holds /generate to it too
+# the knobs a model's generation_config.json may set (SGLang's get_default_sampling_params)
+GENERATION_CONFIG_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 @dataclass

@@ -17,6 +17,8 @@ from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
+from minisgl.sampling.sampling_params import GENERATION_CONFIG_SAMPLING_KEYS, MAX_N, MAX_TOP_LOGPROBS_NUM, SamplingParams
+
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
 # Fields of the OpenAI API that minisgl does not implement. Naming them lets the error
@@ -77,9 +79,8 @@ class ModelList(BaseModel):
 # null (the openai SDK sends one for `n=None`) means the default, as leaving the field out does.
 NULL_MEANS_DEFAULT = frozenset({"frequency_penalty", "presence_penalty", "n", "logprobs", "stream", "echo"})
 
-# generation_config.json keys a chat request falls back to (SGLang's get_default_sampling_params)
-GENERATION_CONFIG_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-_BUILTIN_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+# what a knob neither the request nor generation_config.json sets takes: SamplingParams' default
+_BUILTIN_DEFAULTS = {key: getattr(SamplingParams(), key) for key in GENERATION_CONFIG_SAMPLING_KEYS}
 
 
 class _SamplingFields(BaseModel):
@@ -106,7 +107,7 @@ class _SamplingFields(BaseModel):
     stop: Optional[Union[str, List[str]]] = None
     stop_token_ids: Optional[List[int]] = None
     seed: Optional[int] = None
-    n: int = Field(default=1, ge=1, le=128)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -168,7 +169,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: Optional[int] = Field(default=None, ge=0)
     max_completion_tokens: Optional[int] = Field(default=None, ge=0)
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS_NUM)
     continue_final_message: bool = False
 
     def to_sampling_params(self, defaults: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
@@ -250,7 +251,7 @@ class CompletionRequest(_SamplingFields):
     rid: Optional[Union[str, List[str]]] = None  # a list: one per prompt of a batch, as SGLang's
     max_tokens: Optional[int] = Field(default=16, ge=0)
     echo: bool = False
-    logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS_NUM)
 
     def to_sampling_params(self) -> Dict[str, Any]:
         return self._common_sampling_params(self.max_tokens)
