@@ -222,6 +222,23 @@ def test_wrong_prompt_types_say_what_to_pass(engine, kwargs, needle):
         engine.generate(**kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"prompt": ["a", "b"]}, "add_request takes a single prompt; pass a list to generate()"),
+        ({"input_ids": [PROMPT, PROMPT]}, "add_request takes a single prompt; pass a list to generate()"),
+        ({"sampling_params": LONG}, "Exactly one of `prompt` and `input_ids` must be given"),
+        ({"input_ids": PROMPT, "rid": 1}, "`rid` must be a string, got int"),
+    ],
+)
+def test_add_request_mistakes_say_what_to_change(engine, kwargs, needle):
+    """A batch handed to add_request was told about a `rid` list the caller never passed; an
+    int rid was a bare AssertionError deep in tokenization."""
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        engine.add_request(**kwargs)
+    _assert_idle_and_nothing_leaked(engine)
+
+
 def test_an_interrupted_generate_aborts_its_requests(engine, monkeypatch):
     """Ctrl-C in a notebook raises KeyboardInterrupt inside step(): nothing may keep decoding unseen."""
     run_step, calls = engine.scheduler.run_step, []
@@ -310,3 +327,17 @@ def test_shutdown_is_final(tiny_model):
         with pytest.raises(RuntimeError, match=r"shut down; create a new Engine"):
             call()
     eng.shutdown()  # a second shutdown is harmless
+
+
+def test_has_unfinished_requests_takes_turns_with_other_calls(engine):
+    """It walks the request table, which another thread's generate() or get_result() changes
+    ("dictionary changed size during iteration" under a widget's run loop): it holds the lock."""
+    import threading
+
+    answered = threading.Event()
+    with engine._lock:  # a call in flight on this thread; the check runs on another
+        checker = threading.Thread(target=lambda: (engine.has_unfinished_requests(), answered.set()))
+        checker.start()
+        assert not answered.wait(0.2), "has_unfinished_requests() ran while another call held the Engine"
+    assert answered.wait(10)
+    checker.join()

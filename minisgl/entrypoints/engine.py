@@ -109,6 +109,10 @@ class Engine:
     ) -> str:
         """Tokenize one request and queue it in the scheduler; returns its rid."""
         self._check_open()
+        if not _check_prompt(prompt, input_ids):
+            raise ValueError("add_request takes a single prompt; pass a list to generate()")
+        if rid is not None and not isinstance(rid, str):
+            raise ValueError(f"`rid` must be a string, got {type(rid).__name__}")
         if SamplingParams.from_dict(sampling_params).n != 1:  # (types checked here first)
             raise ValueError("add_request takes one request; use generate(..., sampling_params={'n': k}) for n > 1")
         if top_logprobs_num and not return_logprob:
@@ -118,8 +122,6 @@ class Engine:
             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,
         )  # fmt: skip
         obj.normalize_batch_and_arguments()
-        if not obj.is_single:
-            raise ValueError("add_request takes a single prompt; pass a list to generate()")
         tokenized = self._tokenize(obj)
         self._enqueue([tokenized])
         return tokenized.rid
@@ -157,17 +159,7 @@ class Engine:
         does: a bad entry in a batch raises and leaves nothing behind.
         """
         self._check_open()
-        # (the server's pydantic model checks these types; here they get a message of their own)
-        if (prompt is None) == (input_ids is None):
-            raise ValueError("Exactly one of `prompt` and `input_ids` must be given")
-        if prompt is not None:
-            if not isinstance(prompt, str) and not (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
-                raise ValueError(f"`prompt` must be a string or a non-empty list of strings, got {_describe(prompt)}")
-        else:
-            if not isinstance(input_ids, list):
-                raise ValueError(f"`input_ids` must be a list of ints or a list of such lists, got {_describe(input_ids)}")
-            if input_ids and isinstance(input_ids[0], list) and not all(isinstance(ids, list) for ids in input_ids):
-                raise ValueError("`input_ids` mixes lists and ints: pass one list of ints, or a list of such lists")
+        _check_prompt(prompt, input_ids)
         if top_logprobs_num and not return_logprob:
             raise ValueError("top_logprobs_num needs return_logprob to be true")  # the server's check
         obj = GenerateReqInput(
@@ -296,6 +288,7 @@ class Engine:
         self._check_open()
         return self.scheduler.snapshot()
 
+    @_locked  # (another thread's call may add or collect a request meanwhile)
     def has_unfinished_requests(self) -> bool:
         return any(not s.finished for s in self.rid_to_state.values())
 
@@ -443,6 +436,22 @@ def _sigint_held_until_the_end() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
         if arrived:
             signal.raise_signal(signal.SIGINT)  # the restored handler: KeyboardInterrupt by default
+
+
+def _check_prompt(prompt: Prompt, input_ids: InputIds) -> bool:
+    """The shape of a prompt argument, with a message per mistake (the server's pydantic model
+    checks these types). Returns whether it is a single prompt."""
+    if (prompt is None) == (input_ids is None):
+        raise ValueError("Exactly one of `prompt` and `input_ids` must be given")
+    if prompt is not None:
+        if not isinstance(prompt, str) and not (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
+            raise ValueError(f"`prompt` must be a string or a non-empty list of strings, got {_describe(prompt)}")
+        return isinstance(prompt, str)
+    if not isinstance(input_ids, list):
+        raise ValueError(f"`input_ids` must be a list of ints or a list of such lists, got {_describe(input_ids)}")
+    if input_ids and isinstance(input_ids[0], list) and not all(isinstance(ids, list) for ids in input_ids):
+        raise ValueError("`input_ids` mixes lists and ints: pass one list of ints, or a list of such lists")
+    return not (input_ids and isinstance(input_ids[0], list))
 
 
 def _describe(value: Any) -> str:
