@@ -55,6 +55,20 @@ def test_n_fans_out_into_n_requests(engine):
     assert outs[0]["meta_info"]["id"] != outs[1]["meta_info"]["id"]
 
 
+@pytest.mark.parametrize("chunk", [64, 24, 20], ids=["room-left", "prompt-fills-the-chunk", "prompt-split"])
+def test_the_adder_record_says_why_requests_waited(tiny_model, chunk):
+    """A 24-token prompt that exactly fills the chunk budget is admitted whole with nothing left
+    waiting: the record said OTHER "rem_chunk_tokens exhausted", as if a request had been held back."""
+    engine = Engine(tiny_model, device="cpu", chunked_prefill_size=chunk, max_total_tokens=1024)
+    try:
+        engine.add_request(input_ids=list(range(3, 27)), sampling_params=GREEDY, rid="R")
+        adder = engine.step()["adder"]
+        expected = "OTHER" if chunk < 24 else "QUEUE_EMPTY"  # split: the rest of R waits for the next chunk
+        assert (adder["stop_reason"], adder["admitted"]) == (expected, ["R"]), adder["stop_detail"]
+    finally:
+        engine.shutdown()
+
+
 def test_step_and_snapshot_follow_the_documented_schema(engine):
     rid = engine.add_request("step by step", GREEDY)
     snap = engine.step()

@@ -127,9 +127,9 @@ class PrefillAdder:
         self.record_stop(result.name, detail)
         return result
 
-    def record_stop(self, reason: str, detail: str) -> None:
+    def record_stop(self, reason: str, detail: str, replace: bool = False) -> None:
         """Remember the first limit hit this pass (and the budgets at that moment)."""
-        if self.stop_reason is None:
+        if self.stop_reason is None or replace:
             self.stop_reason, self.stop_detail, self.budgets_at_stop = reason, detail, self.budgets()
 
     def record(self) -> Dict[str, Any]:

@@ -425,6 +425,10 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
                 if res == AddReqResult.NO_TOKEN:
                     # only "full" if something holds memory that will come back (0.5.23)
                     self.running_batch.batch_is_full = len(adder.can_run_list) > 0 or not self.running_batch.is_empty()
+                elif req is self.waiting_queue[-1] and adder.can_run_list and adder.can_run_list[-1] is req and adder.new_chunked_req is not req:
+                    # the last request, admitted whole, used up a budget (SGLang's OTHER): no one was
+                    # held back, which is what the record is read for
+                    adder.record_stop("QUEUE_EMPTY", "every waiting request was admitted (the last one used up a budget)", replace=True)
                 return
         adder.record_stop("QUEUE_EMPTY", "every waiting request was admitted")
 
