@@ -104,3 +104,19 @@ def test_a_button_error_is_shown_in_the_widget(engine: Any) -> None:
     widget.buttons["Add request"].click()
     assert "error" in widget._header.value and "context length" in widget._header.value
     assert not engine.has_unfinished_requests()
+
+
+def test_the_widget_styles_only_itself(engine: Any) -> None:
+    """The page's stylesheet, pasted into a notebook as it was, restyled the whole notebook
+    (`body` font and background, every `pre`, Bootstrap's `.row` turned into a grid)."""
+    widget = SchedulerWidget(engine)
+    style = widget._style.value
+    css = re.sub(r"/\*.*?\*/", "", style.removeprefix("<style>").removesuffix("</style>"), flags=re.S)
+    heads = [h.strip() for h in re.findall(r"([^{}]+)\{[^{}]*\}", css)]
+    assert len(heads) > 50  # every rule of the page is there
+    for head in heads:
+        for selector in head.split(","):
+            assert selector.strip().startswith(".minisgl-viz"), f"{selector.strip()!r} reaches outside the widget"
+    assert "minisgl-viz" in widget.widget._dom_classes
+    # the colour variables the panels use are defined on the widget itself
+    assert re.search(r"(^|\})\s*\.minisgl-viz \{[^}]*--extend:", css)

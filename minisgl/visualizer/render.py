@@ -9,6 +9,7 @@ assert on the text it would show.
 
 from __future__ import annotations
 
+import re
 from html import escape
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
@@ -22,6 +23,26 @@ def web_dir() -> Path:
     from importlib.resources import files
 
     return Path(str(files("minisgl.web")))
+
+
+_CSS_RULE = re.compile(r"([^{}]+)\{([^{}]*)\}")  # selectors { declarations }, inside an @media block too
+_PAGE_SELECTORS = (":root", "html", "body")
+
+
+def scope_css(css: str, scope: str) -> str:
+    """The page's stylesheet with every rule confined to `scope` (a selector), for embedding in
+    someone else's page: in a notebook, its `body`, `*`, `code` and `.row` rules restyled the
+    whole notebook. `:root`/`body` rules (the colour variables, the font) apply to `scope` itself."""
+
+    def scoped(rule: re.Match) -> str:
+        head = rule.group(1)
+        selectors = [s.strip() for s in head.split(",")]
+        if selectors[0].startswith("@"):  # (no bare @-rule here; an @media's inner rules match alone)
+            return rule.group(0)
+        out = [scope if s in _PAGE_SELECTORS else f"{scope} {s}" for s in selectors]
+        return f"{head[: len(head) - len(head.lstrip())]}{', '.join(out)} {{{rule.group(2)}}}"
+
+    return _CSS_RULE.sub(scoped, re.sub(r"/\*.*?\*/", "", css, flags=re.S))
 
 
 PANEL_NAMES = ("waiting", "batch", "running", "adder", "memory", "events", "timeline", "finished")

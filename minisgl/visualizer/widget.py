@@ -21,7 +21,7 @@ from __future__ import annotations
 import html
 from typing import Any, Dict, List, Optional
 
-from minisgl.visualizer.render import PANEL_NAMES, render_panels, web_dir
+from minisgl.visualizer.render import PANEL_NAMES, render_panels, scope_css, web_dir
 from minisgl.visualizer.snapshot import merge_step_summaries, step_summary
 
 # Token ids for generated prompts: 10..249 exist in every byte-level vocabulary.
@@ -64,7 +64,8 @@ class SchedulerWidget:
             button = w.Button(description=label)
             button.on_click(lambda _b, act=action: self._press(act))
             self.buttons[label] = button
-        style = (web_dir() / "static" / "visualizer.css").read_text()
+        # the page's own stylesheet, confined to this widget (it styles `body`, `*`, `.row`, ...)
+        style = scope_css((web_dir() / "static" / "visualizer.css").read_text(), ".minisgl-viz")
         self._style = w.HTML(f"<style>{style}</style>")
         self._header = w.HTML()
         self._panel_widgets = {name: w.HTML() for name in PANEL_NAMES}
