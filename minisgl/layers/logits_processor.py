@@ -6,8 +6,8 @@ In: hidden [N, H] for every token of the pass; out: LogitsProcessorOutput with
 
 In an extend only the last token of each request needs logits (`last_token_indices()`),
 so only bs rows go through the [H, V] matmul, not all N; a 2000-token prompt then costs
-one LM-head row, not 2000. With `return_all_logits` (prompt logprobs, parity tests) every
-position is kept in `full_logits [N, V]` as well.
+one LM-head row, not 2000. With `return_all_logits` (set only by the transformers parity
+tests: minisgl computes no prompt logprobs) every position is kept in `full_logits [N, V]` as well.
 """
 
 from __future__ import annotations

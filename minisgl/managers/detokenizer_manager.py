@@ -23,8 +23,8 @@ and the offsets stay, so the next step retries with more bytes. On finish everyt
 is flushed and the request's state is dropped.
 
 Stop strings are handled on the text side: the matched stop string (and whatever
-follows it) is trimmed from the final text, the stop token is trimmed from the ids
-unless `no_stop_trim`, and while streaming any tail that could be the start of one
+follows it) is trimmed from the final text, the stop token is left out of the ids
+decoded to text unless `no_stop_trim` (`output_ids` still end with it), and while streaming any tail that could be the start of one
 of the request's `stop_strs` is held back until a later step decides it.
 """
 

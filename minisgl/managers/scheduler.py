@@ -31,13 +31,17 @@ from minisgl.managers.io_struct import (
     FreezeGCReq,
     GetLoadReqInput,
     GetLoadReqOutput,
+    SchedulerSnapshotOut,
     TokenizedGenerateReqInput,
+    decode,
+    encode,
 )
 from minisgl.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
 from minisgl.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
 from minisgl.managers.scheduler_metrics_mixin import SchedulerMetricsMixin
 from minisgl.managers.scheduler_output_processor_mixin import SchedulerOutputProcessorMixin
 from minisgl.mem_cache.allocator import ceil_paged_tokens, new_page_slots
+from minisgl.mem_cache.radix_cache import RadixCache
 from minisgl.server_args import ServerArgs, chunked_prefill_enabled
 from minisgl.utils import freeze_gc
 
@@ -49,7 +53,6 @@ MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
 class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
     def __init__(self, server_args: ServerArgs, model_runner: Any, tokenizer: Any = None) -> None:
-        from minisgl.mem_cache.radix_cache import RadixCache
 
         self.server_args = server_args
         self.model_runner = model_runner
@@ -611,8 +614,6 @@ def recv_requests(recv_from_tokenizer: Any, block: bool) -> List[Any]:
     """
     import zmq
 
-    from minisgl.managers.io_struct import decode
-
     recv_reqs = [decode(recv_from_tokenizer.recv())] if block else []
     while True:
         try:
@@ -631,7 +632,6 @@ def event_loop_normal(scheduler: Scheduler, recv_from_tokenizer: Any, send_to_de
     """
     import zmq
 
-    from minisgl.managers.io_struct import SchedulerSnapshotOut, encode
     from minisgl.managers.watchdog import HardWatchdog, SoftWatchdog
 
     def describe() -> str:

@@ -49,7 +49,7 @@ class SoftWatchdog:
         self.debug_name = debug_name
         self.timeout = timeout
         self.describe = describe
-        self.num_timeouts = 0  # how many stalled iterations were reported (tests, metrics)
+        self.num_timeouts = 0  # how many stalled iterations were reported (read by the tests)
         self._lock = threading.Lock()
         # One "iteration" = from the end of the wait (or the previous feed) to the next feed.
         self._iteration = 0

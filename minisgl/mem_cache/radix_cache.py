@@ -138,7 +138,7 @@ class RadixCache:
         return self.protected_size_
 
     def total_size(self) -> int:
-        """Tokens held by the tree, counted by walking it (check_integrity compares)."""
+        """Tokens held by the tree, counted by walking it (tests compare it with the kept counters)."""
         return sum(len(node.value) for node in self._all_nodes())
 
     def _all_nodes(self) -> List[TreeNode]:

@@ -62,7 +62,7 @@ class ForwardBatch:
     extend_seq_lens: Optional[torch.Tensor] = None
     extend_prefix_lens_cpu: Optional[List[int]] = None
     extend_seq_lens_cpu: Optional[List[int]] = None
-    # logits for every position (e.g. prompt logprobs, parity tests), not only the last
+    # logits for every position, not only the last (the transformers parity tests; no request sets it)
     return_all_logits: bool = False
 
     @property

@@ -1,4 +1,4 @@
-"""ModelRunner: owns the model, the KV memory and the sampler; runs one ForwardBatch.
+"""ModelRunner (stage 4): owns the model, the KV memory and the sampler; runs one ForwardBatch.
 
 Where it sits: Scheduler -> ScheduleBatch -> ForwardBatch -> ModelRunner.forward ->
 LogitsProcessorOutput -> ModelRunner.sample -> SampleOutput -> Scheduler.
