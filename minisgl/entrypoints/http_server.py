@@ -97,9 +97,20 @@ def create_app(
 ) -> FastAPI:
     """The FastAPI app: OpenAI routes, SGLang's native /generate, and the ops routes."""
     app = FastAPI(title="minisgl")
-    serving_chat = OpenAIServingChat(tokenizer_manager)
-    serving_completions = OpenAIServingCompletions(tokenizer_manager)
-    tm = tokenizer_manager
+    _add_error_handlers(app)
+    if server_args.api_key:
+        _add_api_key_check(app, server_args.api_key)
+    _add_generate_routes(app, tokenizer_manager)
+    _add_ops_routes(app, tokenizer_manager, is_healthy)
+    if server_args.visualize:
+        from minisgl.visualizer.sse import register_visualizer_routes
+
+        register_visualizer_routes(app, server_args, port_args)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error leaves as OpenAI's error body (docs/server.md)."""
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -115,29 +126,37 @@ def create_app(
         logger.exception("Internal server error on %s", request.url.path)
         return create_error_response(f"Internal server error: {exc}", 500, err_type="InternalServerError")
 
-    if server_args.api_key:
-        key_bytes = server_args.api_key.encode()
 
-        def _authorized(request: Request) -> bool:
-            # (starlette decodes header bytes as latin-1: encoding back gives the bytes sent)
-            if bearer_matches(request.headers.get("authorization", "").encode("latin-1"), server_args.api_key):
-                return True
-            # A browser's EventSource cannot send headers: the visualizer page passes the
-            # key as ?api_key=KEY, accepted for the /visualizer routes only.
-            key = request.query_params.get("api_key", "").encode()
-            return request.url.path.startswith("/visualizer") and secrets.compare_digest(key, key_bytes)
+def _add_api_key_check(app: FastAPI, api_key: str) -> None:
+    """--api-key: every route but the public ones needs `Authorization: Bearer <key>`."""
+    key_bytes = api_key.encode()
 
-        def _public(path: str) -> bool:
-            # The page's JS and CSS are the same for everyone (nothing secret in them), and a
-            # <script src> / <link href> cannot carry the key: without this the page is dead.
-            # The health routes are for load balancers and probes, which carry no key (SGLang's rule).
-            return path in ("/health", "/health_generate") or path.startswith("/visualizer/static/")
+    def _authorized(request: Request) -> bool:
+        # (starlette decodes header bytes as latin-1: encoding back gives the bytes sent)
+        if bearer_matches(request.headers.get("authorization", "").encode("latin-1"), api_key):
+            return True
+        # A browser's EventSource cannot send headers: the visualizer page passes the
+        # key as ?api_key=KEY, accepted for the /visualizer routes only.
+        key = request.query_params.get("api_key", "").encode()
+        return request.url.path.startswith("/visualizer") and secrets.compare_digest(key, key_bytes)
 
-        @app.middleware("http")
-        async def _check_api_key(request: Request, call_next: Any) -> Response:
-            if not _public(request.url.path) and not _authorized(request):
-                return create_error_response("Invalid or missing API key", 401, err_type="AuthenticationError")
-            return await call_next(request)
+    def _public(path: str) -> bool:
+        # The page's JS and CSS are the same for everyone (nothing secret in them), and a
+        # <script src> / <link href> cannot carry the key: without this the page is dead.
+        # The health routes are for load balancers and probes, which carry no key (SGLang's rule).
+        return path in ("/health", "/health_generate") or path.startswith("/visualizer/static/")
+
+    @app.middleware("http")
+    async def _check_api_key(request: Request, call_next: Any) -> Response:
+        if not _public(request.url.path) and not _authorized(request):
+            return create_error_response("Invalid or missing API key", 401, err_type="AuthenticationError")
+        return await call_next(request)
+
+
+def _add_generate_routes(app: FastAPI, tm: TokenizerManager) -> None:
+    """The OpenAI routes and SGLang's native /generate."""
+    serving_chat = OpenAIServingChat(tm)
+    serving_completions = OpenAIServingCompletions(tm)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
@@ -164,6 +183,10 @@ def create_app(
     @app.post("/generate")
     async def generate(request: GenerateRequest, raw_request: Request) -> Response:
         return await _native_generate(tm, request, raw_request)
+
+
+def _add_ops_routes(app: FastAPI, tm: TokenizerManager, is_healthy: Callable[[], bool]) -> None:
+    """Health, load, metrics and cache control (SGLang's ops routes)."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -214,12 +237,6 @@ def create_app(
             return create_error_response("`abort_all` must be true or false", param="abort_all")
         tm.abort_request(rid=body.get("rid", ""), abort_all=body.get("abort_all", False))
         return Response(status_code=200)
-
-    if server_args.visualize:
-        from minisgl.visualizer.sse import register_visualizer_routes
-
-        register_visualizer_routes(app, server_args, port_args)
-    return app
 
 
 async def _native_generate(tm: TokenizerManager, request: GenerateRequest, raw_request: Request) -> Response:
