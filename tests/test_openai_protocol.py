@@ -88,6 +88,11 @@ def test_sampling_fields_map_onto_sglang_keys() -> None:
 
 def test_completion_max_tokens_defaults_to_16() -> None:
     assert CompletionRequest(model="m", prompt="hi").to_sampling_params()["max_new_tokens"] == 16
+    # OpenAI: "integer or null, defaults to 16" (the SDK sends the null for max_tokens=None): it
+    # ran to the end of the context, minutes on a CPU. Chat's null stays "no limit".
+    assert CompletionRequest(model="m", prompt="hi", max_tokens=None).to_sampling_params()["max_new_tokens"] == 16
+    msgs = [{"role": "user", "content": "hi"}]
+    assert ChatCompletionRequest(model="m", messages=msgs, max_tokens=None).to_sampling_params()["max_new_tokens"] is None
 
 
 def test_chat_falls_back_to_the_generation_config_then_the_builtin_default() -> None:

@@ -13,7 +13,7 @@ coerced, as JSON has a single number type.
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Any, ClassVar, Dict, FrozenSet, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
@@ -87,12 +87,13 @@ class _SamplingFields(BaseModel):
     """Sampling fields shared by chat and completions (sglang-facts.md §10.3)."""
 
     model_config = _STRICT
+    null_means_default: ClassVar[FrozenSet[str]] = NULL_MEANS_DEFAULT
 
     @model_validator(mode="before")
     @classmethod
     def _drop_nulls_that_mean_default(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            return {k: v for k, v in data.items() if not (v is None and k in NULL_MEANS_DEFAULT)}
+            return {k: v for k, v in data.items() if not (v is None and k in cls.null_means_default)}
         return data
 
     model: str
@@ -249,7 +250,10 @@ class CompletionRequest(_SamplingFields):
     # a string, a list of strings, a list of token ids, or a list of lists of token ids
     prompt: Union[str, List[str], List[int], List[List[int]]]
     rid: Optional[Union[str, List[str]]] = None  # a list: one per prompt of a batch, as SGLang's
-    max_tokens: Optional[int] = Field(default=16, ge=0)
+    # OpenAI: "integer or null, defaults to 16": a null is the 16 too, not "up to the context"
+    # (chat's null max_tokens does mean no limit)
+    null_means_default: ClassVar[FrozenSet[str]] = NULL_MEANS_DEFAULT | {"max_tokens"}
+    max_tokens: int = Field(default=16, ge=0)
     echo: bool = False
     logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS_NUM)
 
