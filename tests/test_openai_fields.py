@@ -74,7 +74,7 @@ def test_an_abort_with_a_status_mid_stream_is_an_error_event_then_done(tiny_mode
     with client:
         events = _events(_post(client, route, stream=True))
     assert events[-1] == "[DONE]"
-    assert events[-2] == {"error": {"message": "The request queue is full.", "type": "ServiceUnavailable", "param": None, "code": 503}}
+    assert events[-2] == {"error": {"message": "The request queue is full.", "type": "ServiceUnavailableError", "param": None, "code": 503}}
     assert not any(c != "[DONE]" and "choices" in c and c["choices"][0]["finish_reason"] for c in events)
 
 

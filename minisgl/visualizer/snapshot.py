@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Mapping, Sequence
 
 FORWARD_MODES = ("EXTEND", "DECODE", "MIXED", "IDLE")
-STOP_REASONS = ("NO_TOKEN", "OTHER", "BATCH_FULL", "QUEUE_EMPTY", "CONTINUE", None)
+STOP_REASONS = ("NO_TOKEN", "OTHER", "BATCH_FULL", "QUEUE_EMPTY", None)
 EVENT_TYPES = ("arrive", "chunk", "prefill_done", "retract", "finish", "abort")
 
 # Top-level keys and the Python types their values must have (docs/snapshot.md).

@@ -31,7 +31,9 @@ logger = logging.getLogger("minisgl.serving")
 def error_body(message: str, status_code: int = 400, err_type: Optional[str] = None, param: Optional[str] = None) -> Dict[str, Any]:
     """OpenAI's envelope: the openai SDKs read `error.message` / `.type` / `.param` / `.code` from it."""
     if err_type is None:
-        err_type = "BadRequestError" if status_code == 400 else HTTPStatus(status_code).phrase.replace(" ", "")
+        # (as OpenAI's and SGLang's names: BadRequestError, ServiceUnavailableError, ...)
+        phrase = HTTPStatus(status_code).phrase.replace(" ", "")
+        err_type = "BadRequestError" if status_code == 400 else phrase if phrase.endswith("Error") else phrase + "Error"
     return ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param, code=status_code)).model_dump()
 
 
