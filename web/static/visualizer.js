@@ -354,7 +354,8 @@ async function sendDemo() {
   // a server with a small pool may still refuse a prompt: say so, do not claim success
   const refused = results.filter((r) => !r.ok);
   // B is 2.5 chunks only where the context holds that many (the default: chunk = context)
-  const hint = Math.round(chunk * 2.5) > limit ? " (B fits in one chunk here: start the server with --chunked-prefill-size 256 to watch it split)" : "";
+  // (B alone fits one chunk then; it still splits if it shares a step's chunk budget with others)
+  const hint = Math.round(chunk * 2.5) > limit ? " (B is at most one chunk long here: start the server with --chunked-prefill-size 256 to watch it split into three)" : "";
   $("demo-status").textContent = refused.length === 0 ? "demo done" + hint
     : `demo done; ${refused.length} of 7 refused: ${refused[0].rid}: ${(refused[0].body.error || {}).message}`;
 }
