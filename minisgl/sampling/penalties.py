@@ -11,6 +11,12 @@ As in SGLang, penalties look at **generated output tokens only** (never the prom
 - min_new_tokens: while len(output_ids) < min_new_tokens, the request's stop ids
   (stop_token_ids and EOS, see `stop_token_set`) get -inf, so it cannot stop early.
 The orchestrator exists only when some request in the batch needs one of these.
+
+Unlike SGLang's orchestrator of the same name (long-lived penalizer objects that
+`cumulate_output_tokens` updates after every step, and `filter`/`merge` keep in step with
+the batch), this one is rebuilt from the requests' `output_ids` for every forward: one
+[bs, V] count per pass, which at minisgl's batch and vocabulary sizes costs less than
+keeping state in step with every filter, merge and retraction would be to get right.
 """
 
 from __future__ import annotations

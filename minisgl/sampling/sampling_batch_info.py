@@ -2,6 +2,8 @@
 
 Where it sits: Scheduler (ScheduleBatch) -> SamplingBatchInfo.from_reqs(reqs, ...) ->
 ModelRunner.sample(logits_output, sampling_info) -> apply_logits_bias + Sampler.
+Built afresh for every forward from the batch's requests (SGLang's `from_schedule_batch`
+is kept and filtered/merged with the batch instead; see penalties.py for why not here).
 In: the batch's Reqs (reads `sampling_params`, `output_ids`, `origin_input_ids`,
 `return_logprob`, `top_logprobs_num`); out: tensors the sampler reads.
 
