@@ -246,36 +246,9 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
     Values that need the model config (context length, KV pool size) are resolved by
     the ModelRunner, which owns the model; they stay None here.
     """
-    device = args.device
-    if device == "auto":
-        device = "cuda" if _cuda_available() else "cpu"
-    elif device == "cuda" and not _cuda_available():
-        raise ValueError("--device cuda was requested but torch sees no CUDA device; use --device cpu")
-    dtype = args.dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if device == "cuda" else "float32"
-    if device == "cpu" and dtype == "float16":
-        raise ValueError("float16 is not supported on CPU (matmuls are ~100x slower); use float32 or bfloat16")
-    backend = args.attention_backend
-    if backend == "auto":
-        backend = "triton" if device == "cuda" else _auto_cpu_backend(dtype)
-    if backend == "cpu" and (device != "cpu" or dtype != "float32"):
-        raise ValueError(
-            f"--attention-backend cpu runs float32 on the CPU only (got --device {device} --dtype {dtype}); "
-            f"use --attention-backend {'torch' if device == 'cpu' else 'torch or triton'}"
-        )
-    if backend == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        # Triton compiles for GPUs; on a CPU only its interpreter runs (slowly: tests, teaching)
-        raise ValueError(
-            "--attention-backend triton needs a GPU (or TRITON_INTERPRET=1 set before start, to run the "
-            "kernels in Triton's slow interpreter); on the CPU use --attention-backend cpu or torch"
-        )
-    if backend == "triton" and importlib.util.find_spec("triton") is None:  # not a dependency: ~1 GB the CPU never uses
-        chosen = "--attention-backend triton" if args.attention_backend == "triton" else "the triton backend (auto on CUDA)"
-        raise ValueError(
-            f"{chosen} needs the triton package (CUDA builds of torch on Linux bring it): "
-            "pip install triton, or use --attention-backend torch"
-        )
+    device = _resolve_device(args.device)
+    dtype = _resolve_dtype(args.dtype, device)
+    backend = _resolve_attention_backend(args.attention_backend, device, dtype)
     kv_dtype = _resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, backend)
     chunk = args.chunked_prefill_size
     if chunk is None:
@@ -298,6 +271,47 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
         tokenizer_path=args.tokenizer_path or model_path,
         served_model_name=args.served_model_name or ("minisgl-builtin" if args.model_path is None else model_path),
     )
+
+
+def _resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if _cuda_available() else "cpu"
+    if device == "cuda" and not _cuda_available():
+        raise ValueError("--device cuda was requested but torch sees no CUDA device; use --device cpu")
+    return device
+
+
+def _resolve_dtype(dtype: str, device: str) -> str:
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    if device == "cpu" and dtype == "float16":
+        raise ValueError("float16 is not supported on CPU (matmuls are ~100x slower); use float32 or bfloat16")
+    return dtype
+
+
+def _resolve_attention_backend(requested: str, device: str, dtype: str) -> str:
+    """auto -> triton on CUDA, the C kernel on a CPU where it builds; a backend that cannot run here is refused."""
+    backend = requested
+    if backend == "auto":
+        backend = "triton" if device == "cuda" else _auto_cpu_backend(dtype)
+    if backend == "cpu" and (device != "cpu" or dtype != "float32"):
+        raise ValueError(
+            f"--attention-backend cpu runs float32 on the CPU only (got --device {device} --dtype {dtype}); "
+            f"use --attention-backend {'torch' if device == 'cpu' else 'torch or triton'}"
+        )
+    if backend == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        # Triton compiles for GPUs; on a CPU only its interpreter runs (slowly: tests, teaching)
+        raise ValueError(
+            "--attention-backend triton needs a GPU (or TRITON_INTERPRET=1 set before start, to run the "
+            "kernels in Triton's slow interpreter); on the CPU use --attention-backend cpu or torch"
+        )
+    if backend == "triton" and importlib.util.find_spec("triton") is None:  # not a dependency: ~1 GB the CPU never uses
+        chosen = "--attention-backend triton" if requested == "triton" else "the triton backend (auto on CUDA)"
+        raise ValueError(
+            f"{chosen} needs the triton package (CUDA builds of torch on Linux bring it): "
+            "pip install triton, or use --attention-backend torch"
+        )
+    return backend
 
 
 def is_missing_local_dir(model_path: str) -> bool:
