@@ -50,7 +50,10 @@ def find_compiler() -> Optional[List[str]]:
     """The compiler command: $CC if set (split like a shell would: "ccache gcc"), else the first
     of cc, gcc, clang on PATH. None if there is none."""
     if os.environ.get("CC"):
-        words = shlex.split(os.environ["CC"])
+        try:
+            words = shlex.split(os.environ["CC"])
+        except ValueError as e:  # an unbalanced quote
+            raise CpuKernelUnavailable(f"$CC={os.environ['CC']!r} cannot be read as a command: {e}") from e
         path = shutil.which(words[0]) if words else None
         return [path, *words[1:]] if path else None
     for name in ("cc", "gcc", "clang"):

@@ -62,6 +62,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _generate(args)
     except ValueError as e:
         commands["generate"].error(str(e))
+    except KeyboardInterrupt:  # Ctrl-C: the Engine aborted and shut down; no traceback
+        return 130
 
 
 if __name__ == "__main__":

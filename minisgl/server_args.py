@@ -299,6 +299,13 @@ def _resolve_attention_backend(requested: str, device: str, dtype: str) -> str:
             f"--attention-backend cpu runs float32 on the CPU only (got --device {device} --dtype {dtype}); "
             f"use --attention-backend {'torch' if device == 'cpu' else 'torch or triton'}"
         )
+    if requested == "cpu":  # chosen by hand: refused now if its C kernels cannot be built, not after the model loaded
+        from minisgl.kernels.cpu_build import CpuKernelUnavailable, load_all_cpu_kernels
+
+        try:
+            load_all_cpu_kernels()
+        except CpuKernelUnavailable as e:
+            raise ValueError(f"--attention-backend cpu needs minisgl's C kernels, which cannot be built here: {e}") from e
     if backend == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         # Triton compiles for GPUs; on a CPU only its interpreter runs (slowly: tests, teaching)
         raise ValueError(
@@ -351,7 +358,17 @@ class PortArgs:
     def init_new(cls, ipc_dir: Optional[str] = None) -> "PortArgs":
         import tempfile
 
+        import zmq
+
         d = ipc_dir or tempfile.mkdtemp(prefix="minisgl-")
+        longest = f"{d}/scheduler_input"
+        if len(longest.encode()) > zmq.IPC_PATH_MAX_LEN:  # (107 bytes on Linux, 103 on macOS)
+            if ipc_dir is None:
+                os.rmdir(d)
+            raise ValueError(
+                f"The socket path {longest!r} is longer than the {zmq.IPC_PATH_MAX_LEN} bytes a Unix socket "
+                "takes: set TMPDIR to a shorter folder (e.g. TMPDIR=/tmp)"
+            )
         return cls(
             ipc_dir=d,
             scheduler_input_ipc_name=f"ipc://{d}/scheduler_input",

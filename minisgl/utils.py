@@ -6,6 +6,7 @@ Used by every stage; holds no state of its own.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import signal
 import socket
@@ -26,12 +27,20 @@ def get_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except OSError as e:
         raise ValueError(
             f"Cannot load the tokenizer from {path!r}: {e}. Pass a local directory with tokenizer files, "
             "or a hub id while online."
         ) from e
+    if len(tokenizer) <= 1:
+        # transformers 5 builds an empty tokenizer from a folder with a config.json and no
+        # tokenizer files: every text prompt would then be "empty"
+        raise ValueError(
+            f"No tokenizer in {path!r} (no tokenizer.json, tokenizer.model or vocab.json): pass "
+            "--tokenizer-path with the model's tokenizer"
+        )
+    return tokenizer
 
 
 def get_zmq_socket(context: Any, socket_type: int, endpoint: str, bind: bool) -> Any:
@@ -65,10 +74,12 @@ def lone_surrogate_at(text: str) -> Optional[int]:
 
 
 def leave_ctrl_c_to_the_parent() -> None:
-    """A child ignores SIGINT: a terminal's Ctrl-C reaches the whole process group, and the
-    HTTP process shuts the children down in order (aborts, then terminate) instead of each
-    dying mid-send with a KeyboardInterrupt traceback."""
+    """A child ignores SIGINT (and SIGHUP): a terminal's Ctrl-C (or its closing) reaches the
+    whole process group, and the HTTP process shuts the children down in order (aborts, then
+    terminate) instead of each dying mid-send with a KeyboardInterrupt traceback."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "SIGHUP"):
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 
 def kill_itself_when_parent_died() -> None:
@@ -81,6 +92,10 @@ def kill_itself_when_parent_died() -> None:
         libc = ctypes.CDLL("libc.so.6")
         PR_SET_PDEATHSIG = 1
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        # a parent that died before this line (while the child imported torch) sends no signal
+        parent = multiprocessing.parent_process()
+        if parent is not None and os.getppid() != parent.pid:
+            os._exit(1)
     except OSError:
         # Not Linux: fall back to polling the parent pid.
         parent = os.getppid()

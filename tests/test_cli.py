@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import textwrap
 from typing import Any
 
 import pytest
@@ -128,3 +129,131 @@ def test_generate_defaults_to_32_greedy_tokens() -> None:
     _, commands = _build_parser()
     args = commands["generate"].parse_args(["--prompt", "hi"])
     assert (args.max_new_tokens, args.temperature) == (32, 0.0)
+
+
+# --------------------------------------------------------------------------- laptops and their terminals
+def test_a_model_folder_without_tokenizer_files_is_refused(tiny_model: str, tmp_path: Any) -> None:
+    """transformers 5 builds a one-token tokenizer from a config.json alone: the server started,
+    and every text prompt was then a 400 "The prompt is empty"."""
+    import shutil
+
+    from minisgl.utils import get_tokenizer
+
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(os.path.join(tiny_model, name), tmp_path / name)
+    with pytest.raises(ValueError, match="No tokenizer in .* pass --tokenizer-path"):
+        get_tokenizer(str(tmp_path))
+    assert len(get_tokenizer(tiny_model)) > 1
+
+
+def test_the_cpu_backend_asked_for_where_its_kernels_cannot_build_is_refused_at_once(monkeypatch: Any, tmp_path: Any) -> None:
+    """It was refused only in the scheduler, after the model loaded, as a traceback."""
+    from minisgl.kernels import cpu_build
+
+    monkeypatch.setenv("CC", "/no/such/cc")
+    monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path))  # nothing built yet
+    cpu_build.load_cpu_library.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="--attention-backend cpu needs minisgl's C kernels"):
+            resolve_server_args(ServerArgs(device="cpu", attention_backend="cpu"))
+        assert resolve_server_args(ServerArgs(device="cpu")).attention_backend == "torch"  # auto falls back
+        monkeypatch.setenv("CC", '"/usr/bin/gcc')  # a quote left open: a message, not "No closing quotation"
+        with pytest.raises(cpu_build.CpuKernelUnavailable, match="cannot be read as a command"):
+            cpu_build.find_compiler()
+    finally:
+        cpu_build.load_cpu_library.cache_clear()
+
+
+def test_a_tmpdir_too_long_for_a_socket_path_is_named(tmp_path: Any, monkeypatch: Any) -> None:
+    """An 87-character TMPDIR (CI sandboxes, HPC job folders) failed in both children after the
+    model loaded, as two ZMQError tracebacks."""
+    from minisgl.server_args import PortArgs
+
+    long_dir = tmp_path / ("d" * (110 - len(str(tmp_path))))
+    long_dir.mkdir()
+    monkeypatch.setenv("TMPDIR", str(long_dir))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # (it caches TMPDIR on first use)
+    with pytest.raises(ValueError, match="set TMPDIR to a shorter folder"):
+        PortArgs.init_new()
+    assert os.listdir(long_dir) == []  # its folder is not left behind
+    proc = subprocess.run([sys.executable, "-m", "minisgl", "serve", "--port", "0"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "TMPDIR": str(long_dir)})  # fmt: skip
+    assert proc.returncode == 1 and "set TMPDIR to a shorter folder" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "minisgl scheduler pid=" not in proc.stdout
+
+
+def test_an_unknown_host_is_named_as_the_host(tiny_model: str) -> None:
+    argv = [sys.executable, "-m", "minisgl", "serve", "--model-path", tiny_model, "--host", "no.such.host.invalid"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "cannot resolve --host no.such.host.invalid" in proc.stderr, proc.stderr[-2000:]
+    assert "--port" not in proc.stderr  # (it said "choose another --port")
+
+
+def test_closing_the_terminal_shuts_the_server_down_cleanly(tiny_model: str, tmp_path: Any) -> None:
+    """SIGHUP killed the HTTP process with no cleanup: its socket folder stayed in TMPDIR, and the
+    children died on their own."""
+    import signal
+    import time
+    import urllib.request
+
+    from minisgl.utils import free_port
+
+    port = free_port()
+    argv = [sys.executable, "-m", "minisgl", "serve", "--model-path", tiny_model, "--port", str(port)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "TMPDIR": str(tmp_path)})  # fmt: skip
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+            break
+        except OSError:
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.25)
+    os.killpg(proc.pid, signal.SIGHUP)  # what a closing terminal sends its foreground job
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out[-2000:]
+    assert "Shutdown requested" in out and "died" not in out, out[-2000:]
+    assert [p for p in os.listdir(tmp_path) if p.startswith("minisgl-")] == []
+
+
+def test_ctrl_c_in_generate_ends_without_a_traceback(monkeypatch: Any, capsys: Any) -> None:
+    from minisgl import cli
+
+    def interrupted(args: Any) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_generate", interrupted)
+    assert cli.main(["generate", "--prompt", "hello"]) == 130
+
+
+def test_a_child_whose_parent_died_while_it_started_exits(tmp_path: Any) -> None:
+    """PR_SET_PDEATHSIG is armed only once a child has imported torch: a server killed (-9) in
+    those seconds left its scheduler loading the model for minutes, parentless."""
+    import time
+
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent(f"""
+        import multiprocessing as mp, os, time
+
+        def child():
+            time.sleep(1.5)  # (importing torch and the scheduler module)
+            from minisgl.utils import kill_itself_when_parent_died
+            kill_itself_when_parent_died()
+            open({str(tmp_path / "survived")!r}, "w").close()
+
+        if __name__ == "__main__":
+            p = mp.get_context("spawn").Process(target=child)
+            p.start()
+            print(p.pid, flush=True)
+            time.sleep(0.5)
+            os._exit(0)  # as a SIGKILL: no cleanup, no join
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60).stdout
+    child = int(out.split()[0])
+    deadline = time.monotonic() + 15
+    while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not (tmp_path / "survived").exists(), "the orphan went on past kill_itself_when_parent_died"

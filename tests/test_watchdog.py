@@ -34,3 +34,21 @@ def test_hard_watchdog_exits_the_process_when_an_iteration_hangs() -> None:
     assert "Scheduler watchdog timeout" in proc.stderr and "rids: [hung]" in proc.stderr
     assert "(> --watchdog-timeout 0.2s)" in proc.stderr  # its own flag (it named the soft one)
     assert "still alive" not in proc.stdout
+
+
+def test_a_timeout_past_what_a_thread_can_wait_still_watches() -> None:
+    """--watchdog-timeout 1e11 ("never") passed the checks, then every watchdog thread died
+    with OverflowError: timestamp out of range for platform time_t."""
+    import threading
+
+    from minisgl.managers.watchdog import SoftWatchdog
+
+    errors: list = []
+    previous, threading.excepthook = threading.excepthook, lambda args: errors.append(args.exc_value)
+    try:
+        dog = SoftWatchdog("test", timeout=1e11, describe=lambda: "")
+        time.sleep(0.3)
+        assert dog._thread is not None and dog._thread.is_alive() and errors == []
+        dog.stop()
+    finally:
+        threading.excepthook = previous

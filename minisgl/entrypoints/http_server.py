@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import logging
 import multiprocessing as mp
+import os
 import shutil
 import secrets
 import signal
@@ -341,6 +342,9 @@ def _bind_socket(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+    except socket.gaierror as e:
+        sock.close()
+        raise OSError(f"cannot resolve --host {host}: {e.strerror}") from e
     except OSError as e:
         sock.close()
         raise OSError(f"cannot listen on {host}:{port}: {e.strerror}; choose another --port (0 picks a free one)") from e
@@ -429,7 +433,7 @@ async def _serve(
 
 
 class _ShutdownRequested(Exception):
-    """SIGINT or SIGTERM: a clean, requested shutdown (exit code 0)."""
+    """SIGINT or SIGTERM (SIGHUP arrives as one): a clean, requested shutdown (exit code 0)."""
 
 
 def _raise_shutdown(signum: int, frame: Any) -> None:
@@ -454,11 +458,18 @@ def launch_server(server_args: ServerArgs) -> None:
     """Start the three processes and serve until stopped; exits non-zero if a process dies."""
     server_args = server_args if server_args.is_resolved else resolve_server_args(server_args)
     configure_logging(server_args.log_level, prefix="HTTP")
-    port_args = PortArgs.init_new()
+    try:
+        port_args = PortArgs.init_new()
+    except ValueError as e:  # TMPDIR too long for a socket path
+        print(f"minisgl server failed: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
     # SIGINT / SIGTERM unwind through the finally below (uvicorn captures them while it
-    # serves, shuts down gracefully, then re-raises them into these handlers).
+    # serves, shuts down gracefully, then re-raises them into these handlers). SIGHUP (the
+    # terminal closed) becomes a SIGTERM, which uvicorn knows: the same graceful way out.
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _raise_shutdown)
+    if hasattr(signal, "SIGHUP"):
+        signal.signal(signal.SIGHUP, lambda signum, frame: os.kill(os.getpid(), signal.SIGTERM))
     try:
         sock = _bind_socket(server_args.host, server_args.port)
     except OSError as e:

@@ -718,7 +718,10 @@ def run_scheduler_process(server_args: ServerArgs, port_args: Any, pipe_writer: 
             logger.error("Scheduler failed to start: %s", e)
         else:
             logger.exception("Scheduler failed to start")
-        pipe_writer.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
+        try:
+            pipe_writer.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
+        except OSError:  # the parent is gone (BrokenPipeError): nobody to tell
+            pass
         sys.exit(1)
     try:
         event_loop_normal(scheduler, recv_from_tokenizer, send_to_detokenizer, send_to_tokenizer, publish)

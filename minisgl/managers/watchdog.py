@@ -96,7 +96,7 @@ class SoftWatchdog:
     # ------------------------------------------------------------------ watchdog thread
     def _watch(self) -> None:
         assert self.timeout is not None
-        period = self.timeout / 2
+        period = min(self.timeout / 2, threading.TIMEOUT_MAX)  # (a wait past TIMEOUT_MAX is an OverflowError)
         while not self._stop.wait(period):
             with self._lock:
                 elapsed = time.monotonic() - self._iteration_start
