@@ -205,15 +205,21 @@ class Req:
         """
         self.fill_ids = self.origin_input_ids + self.output_ids
         if tree_cache is not None:
-            max_prefix_len = len(self.fill_ids) - 1
-            if self.return_logprob and self.logprob_start_len >= 0:
-                max_prefix_len = min(max_prefix_len, self.logprob_start_len)
-            max_prefix_len = max(max_prefix_len, 0)
-            match = tree_cache.match_prefix(self.fill_ids[:max_prefix_len])
+            match = tree_cache.match_prefix(self.max_prefix_ids())
             self.prefix_indices = match.device_indices
             self.last_node = match.last_device_node
             self.cache_protected_len = len(self.prefix_indices)
         self.set_extend_input_len(len(self.fill_ids) - len(self.prefix_indices))
+
+    def max_prefix_ids(self) -> List[int]:
+        """What a prefix match may cover (SGLang's adjust_max_prefix_ids, used by the policy's
+        matches too): all of origin + output but the last token, whose logits are needed, and
+        nothing past logprob_start_len."""
+        fill_ids = self.origin_input_ids + self.output_ids
+        max_prefix_len = len(fill_ids) - 1
+        if self.return_logprob and self.logprob_start_len >= 0:
+            max_prefix_len = min(max_prefix_len, self.logprob_start_len)
+        return fill_ids[: max(max_prefix_len, 0)]
 
     # ------------------------------------------------------------------ finishing
     def set_finish_with_abort(self, error_msg: str) -> None:

@@ -257,7 +257,7 @@ class SchedulePolicy:
         in_queue: List[List[int]] = []  # prompts that will populate the cache first
         for r in waiting_queue:
             fill_ids = r.origin_input_ids + r.output_ids
-            match = self.tree_cache.match_prefix(fill_ids[: len(fill_ids) - 1])
+            match = self.tree_cache.match_prefix(r.max_prefix_ids())
             r.prefix_indices, r.last_node = match.device_indices, match.last_device_node
             if len(r.prefix_indices) > IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD:
                 continue
