@@ -469,6 +469,42 @@ def test_cpu_float32_weights_are_packed_once(tiny_model_factory: Callable[..., s
     assert all(m.packed_weight is None for m in bf16.model.modules() if isinstance(m, ReplicatedLinear))
 
 
+def test_packed_multiplies_meet_a_bounded_set_of_row_counts() -> None:
+    """oneDNN keeps a primitive per distinct row count: a server fed every prompt length grew by
+    GBs (12.6 GB over the benchmark model's shapes at 1..2,048 rows). Above decode sizes the
+    rows are padded to a coarse grid, with the same results for the real rows."""
+    import subprocess
+    import sys
+
+    import torch.nn.functional as F
+
+    from minisgl.layers.linear import linear, pack_weight_for_cpu, packed_rows
+
+    w = torch.randn(96, 40)
+    packed = pack_weight_for_cpu(w)
+    if packed is None:
+        pytest.skip("this torch build has no oneDNN linear: weights stay dense")
+    sizes = range(1, 8193)
+    assert all(n <= packed_rows(n) < n + 64 for n in sizes) and all(packed_rows(n) == n for n in range(1, 65))
+    assert len({packed_rows(n) for n in sizes}) <= 220
+    for n in (1, 64, 65, 71, 256, 257, 300):
+        x = torch.randn(n, 40)
+        out = linear(x, w, packed=packed)
+        assert out.shape == (n, 96)
+        torch.testing.assert_close(out, F.linear(x, w), atol=1e-5, rtol=1e-4)
+    # the memory itself, in a fresh process (this one's malloc settings are the ModelRunner's)
+    probe = (
+        "import torch\n"
+        "from minisgl.layers.linear import linear, pack_weight_for_cpu\n"
+        "rss = lambda: int([l for l in open('/proc/self/status') if l.startswith('VmRSS')][0].split()[1]) // 1024\n"
+        "w = torch.randn(1024, 256); p = pack_weight_for_cpu(w); start = rss()\n"
+        "for m in range(1, 1025, 2): linear(torch.randn(m, 256), w, packed=p)\n"
+        "print(rss() - start)\n"
+    )
+    growth_mb = int(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout)
+    assert growth_mb < 150, f"512 row counts through one packed weight kept {growth_mb} MB"  # (unbucketed: ~310 MB)
+
+
 def test_cpu_runner_keeps_freed_memory_in_the_heap() -> None:
     """glibc: large activations come from the heap, so a second identical allocation is not page-faulted."""
     from minisgl.utils import keep_freed_memory_in_heap
