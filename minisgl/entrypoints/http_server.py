@@ -41,7 +41,9 @@ from minisgl.entrypoints.openai.protocol import (
     ModelCard,
     ModelList,
 )
-from minisgl.entrypoints.openai.serving_base import create_error_response, error_body, prepend, sse_data, sse_response
+from minisgl.entrypoints.openai.serving_base import (
+    create_error_response, error_body, prepend, sse_data, sse_response, unknown_model_response,
+)  # fmt: skip
 from minisgl.entrypoints.openai.serving_chat import OpenAIServingChat
 from minisgl.entrypoints.openai.serving_completions import OpenAIServingCompletions
 from minisgl.managers.io_struct import GenerateReqInput
@@ -174,11 +176,9 @@ def _add_generate_routes(app: FastAPI, tm: TokenizerManager) -> None:
 
     @app.get("/v1/models/{model:path}")  # `:path`: served names may hold a slash (org/name)
     async def retrieve_model(model: str) -> Response:
-        if model not in (tm.model_name, "default"):
-            return create_error_response(
-                f"The model `{model}` does not exist. Served model: `{tm.model_name}`.",
-                status_code=404, err_type="NotFoundError", param="model",
-            )  # fmt: skip
+        unknown = unknown_model_response(model, tm.model_name)
+        if unknown is not None:
+            return unknown
         return JSONResponse(ModelCard(id=tm.model_name, max_model_len=tm.context_len).model_dump())
 
     @app.post("/generate")

@@ -44,6 +44,16 @@ def create_error_response(message: str, status_code: int = 400, err_type: Option
     return JSONResponse(error_body(message, status_code, err_type, param), status_code=status_code)
 
 
+def unknown_model_response(model: str, served: str) -> Optional[JSONResponse]:
+    """The 404 for a model this server does not serve; None for its name or "default" (which
+    names whatever this server serves: handy for clients written for any model)."""
+    if model in (served, "default"):
+        return None
+    return create_error_response(
+        f"The model `{model}` does not exist. Served model: `{served}`.", status_code=404, err_type="NotFoundError", param="model"
+    )
+
+
 def sse_data(obj: Any) -> str:
     """One SSE event, framed: `data: <json>` and a blank line. `obj`: a pydantic model, a dict or "[DONE]"."""
     if isinstance(obj, BaseModel):
@@ -157,12 +167,9 @@ class OpenAIServingBase(ABC):
     # --- the shared path
     async def handle_request(self, request: Any, raw_request: Request) -> Response:
         received_time = time.time()
-        # "default" names whatever this server serves (handy for clients written for any model)
-        if request.model not in (self.tokenizer_manager.model_name, "default"):
-            return create_error_response(
-                f"The model `{request.model}` does not exist. Served model: `{self.tokenizer_manager.model_name}`.",
-                status_code=404, err_type="NotFoundError", param="model",
-            )  # fmt: skip
+        unknown = unknown_model_response(request.model, self.tokenizer_manager.model_name)
+        if unknown is not None:
+            return unknown
         if request.stream_options is not None and not request.stream:
             # OpenAI's rule: stream_options only shapes a stream, so without one it is an error, not ignored
             return create_error_response("stream_options is only allowed when stream is true", param="stream_options")
