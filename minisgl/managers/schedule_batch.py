@@ -285,9 +285,10 @@ class Req:
         if self.tokenizer is None:
             raise ValueError("stop strings need the scheduler to hold a tokenizer")
         skip = self.sampling_params.skip_special_tokens
+        spaces = self.sampling_params.spaces_between_special_tokens  # (read by slow tokenizers only)
 
         def decode(ids: List[int]) -> str:
-            return self.tokenizer.decode(ids, skip_special_tokens=skip)
+            return self.tokenizer.decode(ids, skip_special_tokens=skip, spaces_between_special_tokens=spaces)
 
         # the tail starts on a character boundary: back over at most 3 ids (an unfinished
         # UTF-8 character has at most 3 more bytes), output ids only
