@@ -86,20 +86,16 @@ def kill_itself_when_parent_died() -> None:
     """Child processes die with their parent (DESIGN.md: never an orphaned scheduler)."""
     if os.name != "posix":
         return
+    spawner = multiprocessing.parent_process()  # (None outside a multiprocessing child)
+    parent = spawner.pid if spawner is not None else os.getppid()
     try:
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6")
         PR_SET_PDEATHSIG = 1
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        # a parent that died before this line (while the child imported torch) sends no signal
-        parent = multiprocessing.parent_process()
-        if parent is not None and os.getppid() != parent.pid:
-            os._exit(1)
     except OSError:
         # Not Linux: fall back to polling the parent pid.
-        parent = os.getppid()
-
         def _watch() -> None:
             while True:
                 if os.getppid() != parent:
@@ -107,6 +103,10 @@ def kill_itself_when_parent_died() -> None:
                 time.sleep(1.0)
 
         threading.Thread(target=_watch, daemon=True).start()
+    # A parent that died before this point (while the child imported torch) sends no signal,
+    # and the child, adopted already, would poll an unchanging pid.
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -191,28 +191,36 @@ def test_an_unknown_host_is_named_as_the_host(tiny_model: str) -> None:
     assert "--port" not in proc.stderr  # (it said "choose another --port")
 
 
-def test_closing_the_terminal_shuts_the_server_down_cleanly(tiny_model: str, tmp_path: Any) -> None:
+@pytest.mark.parametrize("nohup", [False, True])
+def test_closing_the_terminal_shuts_the_server_down_cleanly(tiny_model: str, tmp_path: Any, nohup: bool) -> None:
     """SIGHUP killed the HTTP process with no cleanup: its socket folder stayed in TMPDIR, and the
-    children died on their own."""
+    children died on their own. Under nohup (SIGHUP ignored) the server outlives its terminal."""
     import signal
     import time
     import urllib.request
 
     from minisgl.utils import free_port
 
+    def healthy() -> bool:
+        try:
+            return urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).status == 200
+        except OSError:
+            return False
+
     port = free_port()
     argv = [sys.executable, "-m", "minisgl", "serve", "--model-path", tiny_model, "--port", str(port)]
+    ignore_hup = (lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if nohup else None
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env={**os.environ, "TMPDIR": str(tmp_path)})  # fmt: skip
+                            env={**os.environ, "TMPDIR": str(tmp_path)}, preexec_fn=ignore_hup)  # fmt: skip
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-            break
-        except OSError:
-            assert proc.poll() is None, proc.stdout.read()
-            time.sleep(0.25)
+    while not healthy() and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.25)
     os.killpg(proc.pid, signal.SIGHUP)  # what a closing terminal sends its foreground job
+    if nohup:
+        time.sleep(1.5)
+        assert proc.poll() is None and healthy(), "a server started under nohup stopped on SIGHUP"
+        proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, out[-2000:]
     assert "Shutdown requested" in out and "died" not in out, out[-2000:]
@@ -229,9 +237,11 @@ def test_ctrl_c_in_generate_ends_without_a_traceback(monkeypatch: Any, capsys: A
     assert cli.main(["generate", "--prompt", "hello"]) == 130
 
 
-def test_a_child_whose_parent_died_while_it_started_exits(tmp_path: Any) -> None:
+@pytest.mark.parametrize("arming", ["prctl", "polling"])
+def test_a_child_whose_parent_died_while_it_started_exits(tmp_path: Any, arming: str) -> None:
     """PR_SET_PDEATHSIG is armed only once a child has imported torch: a server killed (-9) in
-    those seconds left its scheduler loading the model for minutes, parentless."""
+    those seconds left its scheduler loading the model for minutes, parentless. (Where there is
+    no prctl, the child polls its parent's pid, which must not be the adopter's from the start.)"""
     import time
 
     script = tmp_path / "parent.py"
@@ -240,6 +250,11 @@ def test_a_child_whose_parent_died_while_it_started_exits(tmp_path: Any) -> None
 
         def child():
             time.sleep(1.5)  # (importing torch and the scheduler module)
+            if {arming == "polling"}:  # as on macOS: no libc.so.6
+                import ctypes
+                def no_libc(*args, **kwargs):
+                    raise OSError("no libc.so.6 here")
+                ctypes.CDLL = no_libc
             from minisgl.utils import kill_itself_when_parent_died
             kill_itself_when_parent_died()
             open({str(tmp_path / "survived")!r}, "w").close()

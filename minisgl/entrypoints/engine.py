@@ -162,6 +162,8 @@ class Engine:
         _check_prompt(prompt, input_ids)
         if top_logprobs_num and not return_logprob:
             raise ValueError("top_logprobs_num needs return_logprob to be true")  # the server's check
+        if not isinstance(sampling_params, list):  # its type, before a batch copies it per prompt
+            SamplingParams.from_dict(sampling_params)
         obj = GenerateReqInput(
             text=prompt, input_ids=input_ids, sampling_params=sampling_params,
             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,

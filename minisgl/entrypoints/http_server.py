@@ -468,7 +468,8 @@ def launch_server(server_args: ServerArgs) -> None:
     # terminal closed) becomes a SIGTERM, which uvicorn knows: the same graceful way out.
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _raise_shutdown)
-    if hasattr(signal, "SIGHUP"):
+    # (not under nohup, whose ignored SIGHUP is the point: the server outlives its terminal)
+    if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
         signal.signal(signal.SIGHUP, lambda signum, frame: os.kill(os.getpid(), signal.SIGTERM))
     try:
         sock = _bind_socket(server_args.host, server_args.port)
