@@ -184,10 +184,15 @@ def test_a_tmpdir_too_long_for_a_socket_path_is_named(tmp_path: Any, monkeypatch
     assert "Traceback" not in proc.stderr and "minisgl scheduler pid=" not in proc.stdout
 
 
-def test_an_unknown_host_is_named_as_the_host(tiny_model: str) -> None:
-    argv = [sys.executable, "-m", "minisgl", "serve", "--model-path", tiny_model, "--host", "no.such.host.invalid"]
+@pytest.mark.parametrize(
+    "host, message",
+    [("no.such.host.invalid", "cannot resolve --host no.such.host.invalid"),
+     ("192.0.2.1", "--host must be an address of this machine")],  # (TEST-NET-1: never this machine's)
+)  # fmt: skip
+def test_an_unknown_host_is_named_as_the_host(tiny_model: str, host: str, message: str) -> None:
+    argv = [sys.executable, "-m", "minisgl", "serve", "--model-path", tiny_model, "--host", host]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1 and "cannot resolve --host no.such.host.invalid" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 1 and message in proc.stderr, proc.stderr[-2000:]
     assert "--port" not in proc.stderr  # (it said "choose another --port")
 
 

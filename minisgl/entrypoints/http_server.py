@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import logging
 import multiprocessing as mp
 import os
@@ -347,6 +348,9 @@ def _bind_socket(host: str, port: int) -> socket.socket:
         raise OSError(f"cannot resolve --host {host}: {e.strerror}") from e
     except OSError as e:
         sock.close()
+        if e.errno == errno.EADDRNOTAVAIL:  # an address of another machine
+            raise OSError(f"cannot listen on {host}:{port}: {e.strerror}; --host must be an address of this "
+                          "machine (0.0.0.0 for all of them)") from e  # fmt: skip
         raise OSError(f"cannot listen on {host}:{port}: {e.strerror}; choose another --port (0 picks a free one)") from e
     sock.set_inheritable(True)
     return sock
