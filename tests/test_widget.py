@@ -120,3 +120,31 @@ def test_the_widget_styles_only_itself(engine: Any) -> None:
     assert "minisgl-viz" in widget.widget._dom_classes
     # the colour variables the panels use are defined on the widget itself
     assert re.search(r"(^|\})\s*\.minisgl-viz \{[^}]*--extend:", css)
+
+
+def test_ctrl_c_in_run_still_shows_the_step_it_interrupted(engine: Any, monkeypatch: Any) -> None:
+    """Ctrl-C is delivered after the step it lands in: the widget lost that step (its finished
+    requests never reached .finished, its bar never reached the timeline)."""
+    import os
+    import signal
+
+    widget = SchedulerWidget(engine)
+    widget.add_request(prompt_len=12, max_new_tokens=2)
+    run_step, calls = engine.scheduler.run_step, []
+
+    def hit_by_ctrl_c() -> Any:
+        calls.append(1)
+        if len(calls) == 2:  # the step that finishes the request (prefill: token 1, decode: token 2)
+            os.kill(os.getpid(), signal.SIGINT)
+        return run_step()
+
+    monkeypatch.setattr(engine.scheduler, "run_step", hit_by_ctrl_c)
+    interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)  # (a backgrounded pytest ignores it)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            widget.run(10)
+    finally:
+        signal.signal(signal.SIGINT, interrupt)
+    assert widget.step_count == 2 and widget.last_snapshot["step"] == engine.snapshot()["step"]
+    assert [f["rid"] for f in widget.finished] == ["r1"]
+    widget.reset()

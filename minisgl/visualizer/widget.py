@@ -91,7 +91,16 @@ class SchedulerWidget:
 
     def step(self) -> Dict[str, Any]:
         """One scheduler iteration; returns the snapshot now shown."""
-        snap = self.engine.step()
+        try:
+            snap = self.engine.step()
+        except KeyboardInterrupt:
+            # Ctrl-C lands once the step has run (Engine.step): show that step, then stop
+            snap = self.engine.snapshot()
+            if snap["step"] != self.last_snapshot.get("step"):
+                self.step_count += 1
+                self._record(snap)
+                self._show(snap)
+            raise
         self.step_count += 1
         self._record(snap)
         self._show(snap)
