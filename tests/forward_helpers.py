@@ -63,6 +63,7 @@ class BatchDriver:
 
     def extend(self, reqs: Sequence[DriverReq], new_ids: Sequence[Sequence[int]], return_all_logits: bool = False) -> LogitsProcessorOutput:
         r = self.runner
+        dev = r.device  # (on a GPU every input must be on the model's device)
         prefix_lens = [q.seq_len for q in reqs]
         extend_lens = [len(ids) for ids in new_ids]
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
@@ -78,17 +79,17 @@ class BatchDriver:
         fb = ForwardBatch(
             forward_mode=ForwardMode.EXTEND,
             batch_size=len(reqs),
-            input_ids=torch.tensor([t for ids in new_ids for t in ids], dtype=torch.int64),
-            positions=torch.cat([torch.arange(p, s) for p, s in zip(prefix_lens, seq_lens)]),
+            input_ids=torch.tensor([t for ids in new_ids for t in ids], dtype=torch.int64, device=dev),
+            positions=torch.cat([torch.arange(p, s, device=dev) for p, s in zip(prefix_lens, seq_lens)]),
             out_cache_loc=out_cache_loc,
-            req_pool_indices=torch.tensor([q.row for q in reqs], dtype=torch.int64),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+            req_pool_indices=torch.tensor([q.row for q in reqs], dtype=torch.int64, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
             seq_lens_cpu=seq_lens,
             req_to_token_pool=r.req_to_token_pool,
             token_to_kv_pool=r.token_to_kv_pool,
             attn_backend=r.attn_backend,
-            extend_prefix_lens=torch.tensor(prefix_lens, dtype=torch.int64),
-            extend_seq_lens=torch.tensor(extend_lens, dtype=torch.int64),
+            extend_prefix_lens=torch.tensor(prefix_lens, dtype=torch.int64, device=dev),
+            extend_seq_lens=torch.tensor(extend_lens, dtype=torch.int64, device=dev),
             extend_prefix_lens_cpu=prefix_lens,
             extend_seq_lens_cpu=extend_lens,
             return_all_logits=return_all_logits,
@@ -97,6 +98,7 @@ class BatchDriver:
 
     def decode(self, reqs: Sequence[DriverReq], next_ids: Sequence[int]) -> LogitsProcessorOutput:
         r = self.runner
+        dev = r.device
         old_lens = [q.seq_len for q in reqs]
         seq_lens = [n + 1 for n in old_lens]
         out_cache_loc = r.token_to_kv_pool_allocator.alloc_decode(seq_lens, [q.slots[-1] for q in reqs])
@@ -107,11 +109,11 @@ class BatchDriver:
         fb = ForwardBatch(
             forward_mode=ForwardMode.DECODE,
             batch_size=len(reqs),
-            input_ids=torch.tensor(list(next_ids), dtype=torch.int64),
-            positions=torch.tensor(old_lens, dtype=torch.int64),
+            input_ids=torch.tensor(list(next_ids), dtype=torch.int64, device=dev),
+            positions=torch.tensor(old_lens, dtype=torch.int64, device=dev),
             out_cache_loc=out_cache_loc,
-            req_pool_indices=torch.tensor([q.row for q in reqs], dtype=torch.int64),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+            req_pool_indices=torch.tensor([q.row for q in reqs], dtype=torch.int64, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
             seq_lens_cpu=seq_lens,
             req_to_token_pool=r.req_to_token_pool,
             token_to_kv_pool=r.token_to_kv_pool,
@@ -120,7 +122,7 @@ class BatchDriver:
         return r.forward(fb)
 
     def release(self, req: DriverReq) -> None:
-        self.runner.token_to_kv_pool_allocator.free(torch.tensor(req.slots, dtype=torch.int64))
+        self.runner.token_to_kv_pool_allocator.free(torch.tensor(req.slots, dtype=torch.int64, device=self.runner.device))
         self.runner.req_to_token_pool.free(req.row)
         req.slots = []
 

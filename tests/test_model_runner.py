@@ -505,6 +505,21 @@ def test_packed_multiplies_meet_a_bounded_set_of_row_counts() -> None:
     assert growth_mb < 150, f"512 row counts through one packed weight kept {growth_mb} MB"  # (unbucketed: ~310 MB)
 
 
+def test_the_cuda_kv_pool_is_a_fraction_of_what_was_free_before_the_weights(tiny_model: str, monkeypatch: Any) -> None:
+    """SGLang's total_gpu_memory is the memory free before the weights load, not the device's
+    size: on a GPU another process holds half of, the pool was a third smaller than SGLang's,
+    and with more held the server refused to start where SGLang runs."""
+    import dataclasses
+
+    r = make_runner(tiny_model)
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (38 * gib, 80 * gib))  # after the weights
+    r.device, r.free_memory_before_load = "cuda", 40 * gib  # 40 of 80 GiB held by someone else
+    r.server_args = dataclasses.replace(r.server_args, max_total_tokens=None, mem_fraction_static=0.85)
+    assert r._profile_max_num_token() == int(38 * gib - 40 * gib * 0.15) // r.cell_size
+
+
 def test_cpu_runner_keeps_freed_memory_in_the_heap() -> None:
     """glibc: large activations come from the heap, so a second identical allocation is not page-faulted."""
     from minisgl.utils import keep_freed_memory_in_heap

@@ -8,7 +8,9 @@ token_to_kv_pool_allocator, token_to_kv_pool, attn_backend, sampler.
 Sizing (SGLang's formulas, sglang-facts.md §4.1; docs/model_execution.md):
 - context_len: --context-length, else the model's max_position_embeddings.
 - max_total_num_tokens (KV pool size in tokens): --max-total-tokens if given; on CUDA
-  (free memory after loading weights - total * (1 - mem_fraction_static)) / cell_size;
+  (free memory after loading weights - free memory before * (1 - mem_fraction_static)) / cell_size
+  (SGLang's total_gpu_memory is what was free before the weights: a GPU shared with another
+  process gives this server its fraction of what is left, not of the whole device);
   on CPU cpu_kv_cache_gb GiB / cell_size, capped at CPU_POOL_CONTEXTS * context_len
   (a CPU never runs more than a few full contexts at once, and torch.zeros would touch
   every byte of a big pool). Floored to a multiple of page_size.
@@ -59,6 +61,7 @@ class ModelRunner:
         self.model_config = ModelConfig.from_pretrained(model_dir, server_args.context_length)
         # the triton and cpu backends also route RMSNorm and RoPE through their kernels
         self.kernels = server_args.attention_backend if server_args.attention_backend in ("triton", "cpu") else "torch"
+        self.free_memory_before_load = self._free_cuda_memory() if self.device == "cuda" else 0
         self.model = load_model(self.model_config, self.device, self.dtype, self.kernels, show_progress)
         if self.device == "cpu" and self.dtype == torch.float32:
             n = self.model.pack_linear_weights_for_cpu()  # oneDNN layout: ~2x matmul rate at decode sizes
@@ -96,16 +99,13 @@ class ModelRunner:
         if args.max_total_tokens is not None:
             tokens = args.max_total_tokens
         elif self.device == "cuda":
-            # memory a previous Engine freed sits in torch's caching allocator, where mem_get_info
-            # counts it as used: hand it back first, as SGLang's get_available_gpu_memory does
-            torch.cuda.empty_cache()
-            free, total = torch.cuda.mem_get_info()
+            free, total = self._free_cuda_memory(), self.free_memory_before_load
             rest = free - total * (1 - args.mem_fraction_static)  # resolved: 0.85 unless set
             tokens = int(rest) // self.cell_size
             if tokens <= 0:
                 raise RuntimeError(
-                    f"No GPU memory left for the KV cache (free {free / 2**30:.2f} GiB of {total / 2**30:.2f} GiB); "
-                    "raise --mem-fraction-static or use a smaller model"
+                    f"No GPU memory left for the KV cache (free {free / 2**30:.2f} GiB of the {total / 2**30:.2f} GiB "
+                    "free before the weights loaded); raise --mem-fraction-static or use a smaller model"
                 )
         else:
             budget = int(args.cpu_kv_cache_gb * 2**30) // self.cell_size
@@ -115,6 +115,13 @@ class ModelRunner:
             raise ValueError(f"KV pool of {tokens} tokens is too small; raise --max-total-tokens / --cpu-kv-cache-gb")
         logger.info("KV cache: %d tokens, %.3f GiB (%d bytes per token)", tokens, tokens * self.cell_size / 2**30, self.cell_size)
         return tokens
+
+    @staticmethod
+    def _free_cuda_memory() -> int:
+        # memory a previous Engine freed sits in torch's caching allocator, where mem_get_info
+        # counts it as used: hand it back first, as SGLang's get_available_gpu_memory does
+        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info()[0]
 
     def _max_running_requests(self) -> int:
         requested = self.server_args.max_running_requests

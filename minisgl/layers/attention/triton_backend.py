@@ -17,6 +17,7 @@ The grid of extend_attention needs the longest extend; it comes from the host-si
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -37,7 +38,10 @@ GPU_NUM_KV_SPLITS = 8
 
 @dataclass
 class TritonAttnMetadata:
-    forward_batch: ForwardBatch  # the batch these were built for (checked in forward)
+    # the batch these were built for (checked in forward). A weak reference: the batch holds
+    # this backend, and a strong one made a cycle that kept the KV pool alive after
+    # Engine.shutdown() until the cycle collector ran (a second Engine on a GPU saw no memory)
+    forward_batch: "weakref.ReferenceType[ForwardBatch]"
     max_extend_len: int  # longest extend in the batch: sizes the extend grid (0 for decode)
     extend_start_loc: Optional[torch.Tensor]  # [bs] first row of each request in q (extend only)
 
@@ -54,12 +58,12 @@ class TritonAttnBackend(AttentionBackend):
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         if forward_batch.forward_mode.is_decode():
-            self.metadata = TritonAttnMetadata(forward_batch, 0, None)
+            self.metadata = TritonAttnMetadata(weakref.ref(forward_batch), 0, None)
             return
         assert forward_batch.extend_seq_lens is not None and forward_batch.extend_seq_lens_cpu is not None
         extend_lens = forward_batch.extend_seq_lens  # [bs]
         start_loc = torch.cumsum(extend_lens, dim=0) - extend_lens  # [bs] exclusive prefix sum
-        self.metadata = TritonAttnMetadata(forward_batch, max(forward_batch.extend_seq_lens_cpu, default=0), start_loc)
+        self.metadata = TritonAttnMetadata(weakref.ref(forward_batch), max(forward_batch.extend_seq_lens_cpu, default=0), start_loc)
 
     def forward(
         self,
@@ -70,7 +74,7 @@ class TritonAttnBackend(AttentionBackend):
         scaling: float,
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:  # [N, Hq, D]
-        if self.metadata is None or self.metadata.forward_batch is not forward_batch:
+        if self.metadata is None or self.metadata.forward_batch() is not forward_batch:
             self.init_forward_metadata(forward_batch)  # called directly, without the ModelRunner
         md = self.metadata
         assert md is not None
