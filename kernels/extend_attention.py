@@ -27,6 +27,7 @@ bandwidth-bound like decode_attention.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -177,13 +178,39 @@ def extend_attention(
     check_tensor("extend_start_loc", extend_start_loc, 1, INDEX_DTYPES, q.device, (B,))
     Hkv = k_buffer.shape[1]
     block_m = 32 if is_interpreter() else 64
+    block_n = 32 if is_interpreter() else 64
     grid = (B, Hq, triton.cdiv(max_extend_len, block_m))
     _extend_attention_kernel[grid](
         q, k_buffer, v_buffer, o, req_to_token, req_pool_indices, prefix_lens, extend_lens,
         extend_start_loc, scaling,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         req_to_token.stride(0),
-        GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=32 if is_interpreter() else 64,
+        GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n,
         UPCAST=is_interpreter(),
+        num_stages=pipeline_stages(block_m, block_n, D, k_buffer.element_size(), shared_memory_bytes(q.device)),
     )  # fmt: skip
     return o
+
+
+SMEM_HEADROOM_BYTES = 8 * 1024  # left to the compiler's own use (reductions, barriers)
+
+
+@functools.lru_cache(maxsize=None)
+def shared_memory_bytes(device: torch.device) -> int:
+    """Shared memory one program may take on `device` (~99 KB on consumer GPUs, 163 KB on an
+    A100, 227 KB on an H100/H200); a consumer part's where torch cannot say."""
+    if device.type != "cuda":
+        return 99 * 1024  # (the interpreter ignores num_stages)
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "shared_memory_per_block_optin", 99 * 1024))
+
+
+def pipeline_stages(block_m: int, block_n: int, head_dim: int, elem_bytes: int, smem_bytes: int) -> int:
+    """How many K/V tiles the loop may prefetch. Triton's default of 3 takes 3 K and 3 V tiles
+    besides Q: 112 KB for 64x128 bf16 tiles (over a consumer GPU's 99 KB), 224 KB for 64x256
+    bf16 or 64x128 float32 (over an A100's 163 KB): a launch error, "out of resources". SGLang
+    runs its extend kernel with fewer stages for the same reason. The most of 3, 2, 1 that fit."""
+    q_tile = block_m * head_dim * elem_bytes
+    kv_tiles = 2 * block_n * head_dim * elem_bytes  # one K and one V tile per stage
+    budget = smem_bytes - SMEM_HEADROOM_BYTES
+    return next((s for s in (3, 2) if q_tile + s * kv_tiles <= budget), 1)

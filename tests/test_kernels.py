@@ -207,3 +207,21 @@ def test_wrappers_reject_bad_arguments() -> None:
         fused_add_rmsnorm(torch.randn(3, 64), None, torch.ones(32), 1e-6)
     with pytest.raises(ValueError, match="only full rotary"):
         rotary_embedding_inplace(q, q[:, :2], torch.tensor([0, 1]), cos_sin_cache(8, 32))
+
+
+def test_extend_attention_prefetches_only_what_shared_memory_holds() -> None:
+    """Triton's default 3 stages of 64x128 bf16 K/V tiles need 112 KB of shared memory (a consumer
+    GPU has 99), 64x256 bf16 or 64x128 float32 224 KB (an A100 has 163): "out of resources" at
+    the first prefill. (Found by reading; the CUDA run is issue 6's.)"""
+    from minisgl.kernels.extend_attention import SMEM_HEADROOM_BYTES, pipeline_stages
+
+    kb = 1024
+    assert pipeline_stages(64, 64, 128, 2, 227 * kb) == 3  # H100, bf16, head 128: the default
+    assert pipeline_stages(64, 64, 128, 2, 99 * kb) == 2  # a consumer GPU
+    assert pipeline_stages(64, 64, 256, 2, 163 * kb) == 1  # A100, head 256
+    for d in (64, 128, 256):
+        for elem in (2, 4):
+            for smem in (99 * kb, 163 * kb, 227 * kb):
+                stages = pipeline_stages(64, 64, d, elem, smem)
+                used = 64 * d * elem + stages * 2 * 64 * d * elem
+                assert stages == 1 or used <= smem - SMEM_HEADROOM_BYTES
