@@ -9,8 +9,8 @@
 #   5. each kernel's benchmark (benchmarks/bench_kernels.py: GB/s, vs torch, vs device copy),
 #   6. the offline throughput benchmark (benchmarks/bench_offline.py) when it exists.
 # Each step has its own time limit (470 s in all, 5 s more each to kill one) so the whole script
-# ends in about 8 minutes; a step
-# that fails does not stop the others. The summary table is printed last.
+# ends in about 8 minutes; a step that fails does not stop the others. The summary table is
+# printed last.
 #   usage: bash benchmarks/gpu_check.sh [LOG_DIR]     (LOG_DIR defaults to a temp dir)
 set -u
 cd "$(dirname "$0")/.."
