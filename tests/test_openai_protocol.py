@@ -170,6 +170,9 @@ def test_bad_chat_requests_are_400_with_an_openai_error_body(client: TestClient,
 def test_unsupported_field_names_the_param(client: TestClient) -> None:
     err = _chat(client, tools=[]).json()["error"]
     assert err["param"] == "tools" and "not supported" in err["message"]
+    # SGLang's /generate fields minisgl does not build say so too (prompt logprobs among them)
+    r = client.post("/generate", json={"text": "hi", "return_logprob": True, "logprob_start_len": 0})
+    assert r.status_code == 400 and "'logprob_start_len': it is not supported by minisgl" in r.json()["error"]["message"]
 
 
 def test_bad_json_is_400_not_422(client: TestClient) -> None:

@@ -21,13 +21,16 @@ from minisgl.sampling.sampling_params import GENERATION_CONFIG_SAMPLING_KEYS, MA
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
-# Fields of the OpenAI API that minisgl does not implement. Naming them lets the error
-# say "not supported" rather than "unknown" (the 400 is the same either way).
+# Fields of the OpenAI API, and of SGLang's /generate, that minisgl does not implement. Naming
+# them lets the error say "not supported" rather than "unknown" (the 400 is the same either way).
+# (logprob_start_len and the like ask for prompt logprobs, which minisgl does not compute.)
 UNSUPPORTED_FIELDS = frozenset(
     {
         "tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias",
         "parallel_tool_calls", "audio", "modalities", "prediction", "reasoning_effort", "store",
         "metadata", "service_tier", "web_search_options", "suffix", "best_of", "user",
+        "logprob_start_len", "token_ids_logprob", "return_text_in_logprobs", "priority", "lora_path",
+        "image_data", "return_hidden_states", "custom_logit_processor",
     }
 )  # fmt: skip
 
