@@ -394,46 +394,50 @@ async def _serve(
         raise OSError(f"cannot listen on {host}:{port}: {e.strerror}; choose another --port (0 picks a free one)") from e
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, access_log=False)
     server = uvicorn.Server(config)
-    exit_code = 0
-
-    async def monitor() -> None:
-        nonlocal exit_code
-        announced = False
-        while not server.should_exit:
-            if not announced and server.started:
-                announced = True
-                print(f"minisgl server ready at {server_url(host, port)}", flush=True)
-                logger.info("The server is fired up and ready to roll! (max_total_num_tokens=%s)", sched_info.get("max_total_num_tokens"))
-            dead = [p for p in procs if not p.is_alive()]
-            if dead or handle_loop.done():
-                what = ", ".join(f"{p.name} (exit code {p.exitcode})" for p in dead) or "the TokenizerManager loop"
-                logger.error("%s died; shutting the server down", what)
-                exit_code = 1
-                # nothing will answer the requests in flight: end them here, so that each
-                # handler answers its client within uvicorn's grace period
-                tm.fail_all_requests(f"The server is shutting down: {what} died")
-                server.should_exit = True
-            await asyncio.sleep(0.2)
-        if exit_code == 0:
-            # A requested shutdown (SIGTERM, Ctrl-C): the scheduler is still up, so abort what
-            # is in flight and let each request end as an abort (streams with their last chunk
-            # and [DONE]) within uvicorn's grace period, rather than be cancelled into a 500.
-            tm.abort_request(abort_all=True)
-            # A step can outlast that grace period (a long prefill on a CPU): what the scheduler
-            # has not ended by then ends here.
-            deadline = time.monotonic() + SHUTDOWN_ABORT_WAIT_S
-            while tm.rid_to_state and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            tm.fail_all_requests("The server is shutting down")
-
-    monitor_task = asyncio.get_running_loop().create_task(monitor())
+    ready_line = f"minisgl server ready at {server_url(host, port)}"
+    monitor = asyncio.get_running_loop().create_task(_monitor(server, procs, handle_loop, tm, ready_line, sched_info))
     try:
         await server.serve(sockets=[sock])
     finally:
-        monitor_task.cancel()
+        monitor.cancel()
         handle_loop.cancel()
         tm.close()
-    return exit_code
+    return monitor.result() if monitor.done() and not monitor.cancelled() else 0
+
+
+async def _monitor(
+    server: Any, procs: List[mp.Process], handle_loop: "asyncio.Task[None]", tm: TokenizerManager, ready_line: str,
+    sched_info: Dict[str, Any],
+) -> int:  # fmt: skip
+    """Announce readiness, watch the children every 0.2 s, and end what is in flight when the
+    server stops. Returns the exit code: 1 if a child (or the handle loop) died, else 0."""
+    announced = False
+    while not server.should_exit:
+        if not announced and server.started:
+            announced = True
+            print(ready_line, flush=True)
+            logger.info("The server is fired up and ready to roll! (max_total_num_tokens=%s)", sched_info.get("max_total_num_tokens"))
+        dead = [p for p in procs if not p.is_alive()]
+        if dead or handle_loop.done():
+            what = ", ".join(f"{p.name} (exit code {p.exitcode})" for p in dead) or "the TokenizerManager loop"
+            logger.error("%s died; shutting the server down", what)
+            # nothing will answer the requests in flight: end them here, so that each
+            # handler answers its client within uvicorn's grace period
+            tm.fail_all_requests(f"The server is shutting down: {what} died")
+            server.should_exit = True
+            return 1
+        await asyncio.sleep(0.2)
+    # A requested shutdown (SIGTERM, Ctrl-C): the scheduler is still up, so abort what is in
+    # flight and let each request end as an abort (streams with their last chunk and [DONE])
+    # within uvicorn's grace period, rather than be cancelled into a 500.
+    tm.abort_request(abort_all=True)
+    # A step can outlast that grace period (a long prefill on a CPU): what the scheduler has
+    # not ended by then ends here.
+    deadline = time.monotonic() + SHUTDOWN_ABORT_WAIT_S
+    while tm.rid_to_state and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    tm.fail_all_requests("The server is shutting down")
+    return 0
 
 
 class _ShutdownRequested(Exception):
