@@ -217,6 +217,7 @@ def test_a_bad_entry_in_a_batch_queues_none_of_it(engine, kwargs):
         ({"input_ids": [[5, 6], 7]}, "mixes lists and ints"),
         ({"prompt": ["a", "b"], "sampling_params": "greedy"}, "sampling_params must be an object .a dict., got str"),
         ({"prompt": ["a", "b"], "sampling_params": 5}, "sampling_params must be an object .a dict., got int"),
+        ({"prompt": ["a", "b"], "sampling_params": [{"n": [1]}, {"n": 1}]}, "n must be an integer"),
     ],
 )
 def test_wrong_prompt_types_say_what_to_pass(engine, kwargs, needle):

@@ -170,6 +170,10 @@ def test_bad_chat_requests_are_400_with_an_openai_error_body(client: TestClient,
 def test_unsupported_field_names_the_param(client: TestClient) -> None:
     err = _chat(client, tools=[]).json()["error"]
     assert err["param"] == "tools" and "not supported" in err["message"]
+    # a batch whose n is not an int: a 400 naming it (check_same_n hashed it first: a 500)
+    for params in ({"n": [1], "max_new_tokens": 1}, [{"n": {}}, {"n": 1}]):
+        r = client.post("/generate", json={"text": ["a", "b"], "sampling_params": params})
+        assert r.status_code == 400 and "n must be an integer" in r.json()["error"]["message"], r.text
     # SGLang's /generate fields minisgl does not build say so too (prompt logprobs among them)
     r = client.post("/generate", json={"text": "hi", "return_logprob": True, "logprob_start_len": 0})
     assert r.status_code == 400 and "'logprob_start_len': it is not supported by minisgl" in r.json()["error"]["message"]

@@ -31,7 +31,9 @@ def new_rid() -> str:
 def check_same_n(param_dicts: List[Any]) -> None:
     """SGLang's rule for a batch: every prompt asks for the same number of samples, so that
     result i*n + j is sample j of prompt i."""
-    ns = {d.get("n", 1) if isinstance(d, dict) else 1 for d in param_dicts}
+    # (only well-typed n compared: this runs before the types are checked, and a list n was a
+    # TypeError, a 500; SamplingParams.from_dict refuses it with a message after this)
+    ns = {n for n in (d.get("n", 1) if isinstance(d, dict) else 1 for d in param_dicts) if type(n) is int}
     if len(ns) > 1:
         raise ValueError("The parallel_sample_num should be the same for all samples in sample params.")
 
