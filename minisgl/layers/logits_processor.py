@@ -7,13 +7,19 @@ In: hidden [N, H] for every token of the pass; out: LogitsProcessorOutput with
 In an extend only the last token of each request needs logits (`last_token_indices()`),
 so only bs rows go through the [H, V] matmul, not all N; a 2000-token prompt then costs
 one LM-head row, not 2000. With `return_all_logits` (set only by the transformers parity
-tests: minisgl computes no prompt logprobs) every position is kept in `full_logits [N, V]` as well.
+tests) every position is kept in `full_logits [N, V]` as well.
+
+Prompt logprobs (a request with `logprob_start_len` >= 0): the rows the ForwardBatch names in
+`input_logprob_indices` also go through the LM head, and `input_logprobs` holds log p(the next
+prompt token) at each, with the top-k. The distribution is the model's own: no temperature, no
+penalties (they shape sampling; SGLang's default). The rows run in slices, so a long prompt
+never holds all its [M, V] logits at once (a 4,000-token prompt at a 152k vocabulary: 2.4 GB).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -22,10 +28,23 @@ from minisgl.layers.linear import linear
 from minisgl.model_executor.forward_batch_info import ForwardBatch
 
 
+# float32 logits one slice of prompt-logprob rows may hold (64 MB): 4,096 rows at a 4k vocabulary
+INPUT_LOGPROB_SLICE_ELEMENTS = 1 << 24
+
+
+class InputLogprobs(NamedTuple):
+    """Prompt logprobs of the rows a ForwardBatch names in `input_logprob_indices`."""
+
+    token_logprobs: torch.Tensor  # [M] float32: log p(target id | the tokens before it)
+    top_val: Optional[torch.Tensor]  # [M, k] float32, None when k == 0
+    top_idx: Optional[torch.Tensor]  # [M, k] int64
+
+
 @dataclass
 class LogitsProcessorOutput:
     next_token_logits: torch.Tensor  # [bs, V] float32: logits that pick each request's next token
     full_logits: Optional[torch.Tensor] = None  # [N, V] float32, only with return_all_logits
+    input_logprobs: Optional[InputLogprobs] = None  # only when the batch asks for prompt logprobs
 
 
 class LogitsProcessor(nn.Module):
@@ -41,8 +60,44 @@ class LogitsProcessor(nn.Module):
         lm_head_packed: Optional[torch.Tensor] = None,  # the oneDNN-packed head on CPU (linear.py)
     ) -> LogitsProcessorOutput:
         last = forward_batch.last_token_indices()  # [bs]
+        input_logprobs = None
+        if forward_batch.input_logprob_indices is not None:
+            assert forward_batch.input_logprob_target_ids is not None
+            input_logprobs = self.input_logprobs(
+                hidden_states[forward_batch.input_logprob_indices],
+                forward_batch.input_logprob_target_ids,
+                forward_batch.input_logprob_top_k,
+                lm_head_weight,
+                lm_head_packed,
+            )
         if forward_batch.return_all_logits:
             full = linear(hidden_states, lm_head_weight, packed=lm_head_packed).float()  # [N, V]
-            return LogitsProcessorOutput(next_token_logits=full[last], full_logits=full)
+            return LogitsProcessorOutput(next_token_logits=full[last], full_logits=full, input_logprobs=input_logprobs)
         pruned = hidden_states[last]  # [bs, H]
-        return LogitsProcessorOutput(next_token_logits=linear(pruned, lm_head_weight, packed=lm_head_packed).float())
+        next_token_logits = linear(pruned, lm_head_weight, packed=lm_head_packed).float()  # [bs, V]
+        return LogitsProcessorOutput(next_token_logits=next_token_logits, input_logprobs=input_logprobs)
+
+    def input_logprobs(
+        self,
+        hidden: torch.Tensor,  # [M, H]: the rows whose next token is scored
+        target_ids: torch.Tensor,  # [M] int64
+        top_k: int,
+        lm_head_weight: torch.Tensor,
+        lm_head_packed: Optional[torch.Tensor],
+    ) -> InputLogprobs:
+        """log_softmax over the vocabulary at each row, read at its target id (+ top-k), in slices."""
+        rows_per_slice = max(1, INPUT_LOGPROB_SLICE_ELEMENTS // self.vocab_size)
+        token_parts, val_parts, idx_parts = [], [], []
+        for start in range(0, hidden.shape[0], rows_per_slice):
+            logits = linear(hidden[start : start + rows_per_slice], lm_head_weight, packed=lm_head_packed).float()
+            # clamped as the sampler's output logprobs: JSON has no -inf
+            logprobs = torch.log_softmax(logits, dim=-1).clamp_(min=torch.finfo(torch.float32).min)  # [m, V]
+            token_parts.append(logprobs.gather(-1, target_ids[start : start + rows_per_slice, None]).squeeze(-1))
+            if top_k > 0:
+                values, indices = logprobs.topk(min(top_k, logprobs.shape[-1]), dim=-1)  # [m, k] each
+                val_parts.append(values)
+                idx_parts.append(indices)
+        token_logprobs = torch.cat(token_parts) if token_parts else hidden.new_empty(0, dtype=torch.float32)
+        if top_k == 0 or not val_parts:
+            return InputLogprobs(token_logprobs, None, None)
+        return InputLogprobs(token_logprobs, torch.cat(val_parts), torch.cat(idx_parts))

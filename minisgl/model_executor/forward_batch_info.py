@@ -64,6 +64,11 @@ class ForwardBatch:
     extend_seq_lens_cpu: Optional[List[int]] = None
     # logits for every position, not only the last (the transformers parity tests; no request sets it)
     return_all_logits: bool = False
+    # prompt logprobs (extend only; None when no request of the pass asks for them): the rows of
+    # input_ids whose logits score the next prompt token, and that token
+    input_logprob_indices: Optional[torch.Tensor] = None  # [M] int64, rows of input_ids
+    input_logprob_target_ids: Optional[torch.Tensor] = None  # [M] int64, the prompt token each row predicts
+    input_logprob_top_k: int = 0  # the largest top_logprobs_num of those requests
 
     @property
     def num_tokens(self) -> int:
