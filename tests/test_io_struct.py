@@ -79,6 +79,10 @@ SAMPLES: Dict[str, Any] = {
         output_token_logprobs_idx=[[12], [13]],
         output_top_logprobs_val=[[[-0.1, NEG_INF]], [[-0.25, -3.0]]],
         output_top_logprobs_idx=[[[12, 7]], [[13, 9]]],
+        input_token_logprobs_val=[[None, -1.5], []],  # the prompt's first token has no logprob
+        input_token_logprobs_idx=[[3, 4], []],
+        input_top_logprobs_val=[[None, [-0.5]], []],
+        input_top_logprobs_idx=[[None, [8]], []],
         time_stats=[{"queue": 0.01}, {"queue": 0.02, "e2e": 0.5}],
     ),
     "BatchStrOutput": BatchStrOutput(
@@ -93,6 +97,10 @@ SAMPLES: Dict[str, Any] = {
         output_token_logprobs_idx=[[12], [13]],
         output_top_logprobs_val=[[[NEG_INF, NEG_INF]], [[-0.25, -3.0]]],
         output_top_logprobs_idx=[[[12, 7]], [[13, 9]]],
+        input_token_logprobs_val=[[], [None, NEG_INF]],
+        input_token_logprobs_idx=[[], [3, 4]],
+        input_top_logprobs_val=[[], [None, [NEG_INF]]],
+        input_top_logprobs_idx=[[], [None, [8]]],
         time_stats=[{"ttft": 0.1}, {}],
     ),
 }

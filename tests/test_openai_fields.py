@@ -119,6 +119,33 @@ def test_completions_logprobs_zero_returns_the_chosen_tokens_logprobs(tiny_model
     assert lp["token_logprobs"] == [-0.5] and lp["top_logprobs"] == [None] and lp["text_offset"] == [0]
 
 
+def test_completions_echo_with_logprobs_puts_the_prompt_tokens_first(tiny_model: str, tmp_path: Any) -> None:
+    """OpenAI's echo + logprobs (lm-eval-harness scores continuations with it): the prompt's
+    tokens come first, the very first with null logprob and top_logprobs, then the completion's;
+    text offsets run over the echoed text. Streamed, the first chunk carries the prompt's."""
+    from minisgl.utils import get_tokenizer
+
+    tok = get_tokenizer(tiny_model)
+    out = _out("r", "ok", 1, LENGTH)
+    out["meta_info"].update(
+        input_token_logprobs=[(None, 5), (-2.0, 6)], input_top_logprobs=[None, [(-1.0, 7)]],
+        output_token_logprobs=[(-0.5, 8)], output_top_logprobs=[[(-0.5, 8)]],
+    )  # fmt: skip
+    client, seen = _scripted_client(tiny_model, tmp_path, [out])
+    with client:
+        whole = _post(client, "completions", echo=True, logprobs=1).json()["choices"][0]
+        streamed = _events(_post(client, "completions", echo=True, logprobs=1, stream=True))
+        _post(client, "completions", logprobs=1)
+    assert [(obj.return_logprob, obj.logprob_start_len) for obj in seen] == [(True, 0), (True, 0), (True, -1)]
+    t5, t6, t7, t8 = (tok.decode([i]) for i in (5, 6, 7, 8))
+    lp = whole["logprobs"]
+    assert whole["text"] == "hiok" and lp["tokens"] == [t5, t6, t8]
+    assert lp["token_logprobs"] == [None, -2.0, -0.5]
+    assert lp["top_logprobs"] == [None, {t7: -1.0}, {t8: -0.5}]
+    assert lp["text_offset"] == [0, len(t5), len("hi")]  # the completion starts after the echoed prompt
+    assert streamed[0]["choices"][0]["logprobs"] == lp
+
+
 def test_chat_logprobs_carry_the_top_alternatives_asked_for(tiny_model: str, tmp_path: Any) -> None:
     out = _out("r", "x", 1, LENGTH)
     out["meta_info"].update(output_token_logprobs=[(-0.5, 5)], output_top_logprobs=[[(-0.5, 5), (-1.5, 6)]])

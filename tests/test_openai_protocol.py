@@ -174,9 +174,25 @@ def test_unsupported_field_names_the_param(client: TestClient) -> None:
     for params in ({"n": [1], "max_new_tokens": 1}, [{"n": {}}, {"n": 1}]):
         r = client.post("/generate", json={"text": ["a", "b"], "sampling_params": params})
         assert r.status_code == 400 and "n must be an integer" in r.json()["error"]["message"], r.text
-    # SGLang's /generate fields minisgl does not build say so too (prompt logprobs among them)
-    r = client.post("/generate", json={"text": "hi", "return_logprob": True, "logprob_start_len": 0})
-    assert r.status_code == 400 and "'logprob_start_len': it is not supported by minisgl" in r.json()["error"]["message"]
+    # SGLang's /generate fields minisgl does not build say so too
+    r = client.post("/generate", json={"text": "hi", "return_logprob": True, "token_ids_logprob": [3]})
+    assert r.status_code == 400 and "'token_ids_logprob': it is not supported by minisgl" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ({"logprob_start_len": 0}, "logprob_start_len needs return_logprob to be true"),
+        ({"logprob_start_len": -2, "return_logprob": True}, "logprob_start_len"),
+        ({"logprob_start_len": 1.5, "return_logprob": True}, "logprob_start_len"),
+        ({"logprob_start_len": 50, "return_logprob": True}, "logprob_start_len=50 is higher than the number of input tokens"),
+        ({"logprob_start_len": 0, "return_logprob": [True, False], "text": ["a", "b"]}, "needs return_logprob to be true"),
+    ],
+)
+def test_a_bad_logprob_start_len_is_a_400_that_names_it(client: TestClient, body: Dict[str, Any], needle: str) -> None:
+    """Prompt logprobs need return_logprob (SGLang drops the field silently) and a position inside the prompt."""
+    r = client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1}, **body})
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
 
 
 def test_bad_json_is_400_not_422(client: TestClient) -> None:
@@ -325,11 +341,16 @@ def test_duplicate_rid_in_flight_is_rejected(tiny_model: str, tmp_path: Any) -> 
 
 
 def test_coalesce_concatenates_logprobs() -> None:
-    a = {"text": "a", "output_ids": [1], "meta_info": {"output_token_logprobs": [(-1.0, 1)], "output_top_logprobs": [[(-1.0, 1)]], "x": 1}}
-    b = {"text": "b", "output_ids": [2], "meta_info": {"output_token_logprobs": [(-2.0, 2)], "output_top_logprobs": [[(-2.0, 2)]], "x": 2}}
+    prompt = {"input_token_logprobs": [(None, 7), (-3.0, 8)], "input_top_logprobs": [None, [(-0.1, 9)]]}
+    no_prompt = {"input_token_logprobs": [], "input_top_logprobs": []}
+    a = {"text": "a", "output_ids": [1], "meta_info": {"output_token_logprobs": [(-1.0, 1)], "output_top_logprobs": [[(-1.0, 1)]], "x": 1, **prompt}}
+    b = {"text": "b", "output_ids": [2], "meta_info": {"output_token_logprobs": [(-2.0, 2)], "output_top_logprobs": [[(-2.0, 2)]], "x": 2, **no_prompt}}
     out = coalesce_streaming_chunks([a, b])
     assert out["text"] == "ab" and out["output_ids"] == [1, 2]
     assert out["meta_info"]["output_token_logprobs"] == [(-1.0, 1), (-2.0, 2)] and out["meta_info"]["x"] == 2
+    # the prompt's logprobs come once, in the first chunk: the coalesced chunk keeps them
+    assert out["meta_info"]["input_token_logprobs"] == prompt["input_token_logprobs"]
+    assert out["meta_info"]["input_top_logprobs"] == prompt["input_top_logprobs"]
 
 
 def test_dynamic_batch_tokenizer_batches_concurrent_texts(tokenizer: Any) -> None:
@@ -546,13 +567,6 @@ def test_too_large_max_tokens_names_the_field_sent(guarded_client: TestClient) -
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("max_tokens is too large")
     r = _chat(guarded_client, max_tokens=None, max_completion_tokens=CONTEXT_LEN + 1)
     assert r.json()["error"]["message"].startswith("max_completion_tokens is too large")
-
-
-def test_echo_with_logprobs_is_refused_for_every_prompt_form(guarded_client: TestClient) -> None:
-    """A string prompt got 200 with completion-only logprobs (OpenAI returns the prompt's too)."""
-    for prompt in ("hello", ["hello"], [5, 6]):
-        r = guarded_client.post("/v1/completions", json={"model": guarded_client.model, "prompt": prompt, "echo": True, "logprobs": 1})
-        assert r.status_code == 400 and "echo together with logprobs" in r.json()["error"]["message"], (prompt, r.text)
 
 
 @pytest.mark.parametrize(

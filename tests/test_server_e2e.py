@@ -257,6 +257,21 @@ def test_logprobs_shape(server: Server) -> None:
     assert lp.text_offset == [sum(len(x) for x in lp.tokens[:k]) + lp.text_offset[0] for k in range(len(lp.tokens))]
 
 
+def test_completions_echo_logprobs_score_the_prompt_as_the_engine_does(server: Server, engine: Any) -> None:
+    """lm-eval-harness's loglikelihood request: max_tokens 0, echo, logprobs. Each prompt token's
+    logprob, the first null, equal to the Engine's prompt logprobs on the same model."""
+    c = _client(server).completions.create(model=server.model, prompt=PROMPTS[0], max_tokens=0, echo=True, logprobs=1)
+    lp = c.choices[0].logprobs
+    assert c.choices[0].text == PROMPTS[0] and c.usage.completion_tokens == 0
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == c.usage.prompt_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    ref = engine.generate(PROMPTS[0], {"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0)["meta_info"]
+    assert lp.token_logprobs[1:] == pytest.approx([v for v, _ in ref["input_token_logprobs"][1:]], abs=1e-4)
+    for top, logprob in zip(lp.top_logprobs[1:], lp.token_logprobs[1:]):
+        assert len(top) == 1 and max(top.values()) >= logprob - 1e-5  # the best alternative, at least as likely
+    assert "".join(lp.tokens) == PROMPTS[0]
+
+
 def test_models_endpoint(server: Server) -> None:
     assert [m.id for m in _client(server).models.list().data] == [server.model]
 
@@ -289,15 +304,18 @@ def test_native_generate(server: Server, reference: Dict[str, Any]) -> None:
 def test_native_generate_stream_is_cumulative_in_every_field(server: Server) -> None:
     """Each event holds everything so far (SGLang's shape): ids and logprobs grow together."""
     body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
-            "return_logprob": True, "top_logprobs_num": 2}  # fmt: skip
+            "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 1}  # fmt: skip
     whole = httpx.post(server.url + "/generate", json=body, timeout=60).json()
+    prompt_len = whole["meta_info"]["prompt_tokens"]
+    assert len(whole["meta_info"]["input_token_logprobs"]) == len(whole["meta_info"]["input_top_logprobs"]) == prompt_len - 1
     with httpx.stream("POST", server.url + "/generate", json={**body, "stream": True}, timeout=60) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert len(events) > 1
     for e in events:
         n = len(e["output_ids"])
         assert len(e["meta_info"]["output_token_logprobs"]) == len(e["meta_info"]["output_top_logprobs"]) == n
-    for key in ("output_token_logprobs", "output_top_logprobs"):
+        assert len(e["meta_info"]["input_token_logprobs"]) == prompt_len - 1  # from the first event on
+    for key in ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs", "input_top_logprobs"):
         assert events[-1]["meta_info"][key] == whole["meta_info"][key], key
 
 

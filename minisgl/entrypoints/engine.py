@@ -15,8 +15,9 @@ Owns: the ModelRunner, the Scheduler, the DetokenizerManager, one tokenizer, and
 thread; calls from several threads take turns (one lock: a step, or a call, at a time).
 
 Results have the TokenizerManager's shape (docs/engine.md): `meta_info` always carries
-`output_token_logprobs` [(logprob, id)] and `output_top_logprobs` [[(logprob, id)] * k],
-empty unless asked for; a streamed chunk carries the deltas, a final result the whole lists.
+`output_token_logprobs` [(logprob, id)] and `output_top_logprobs` [[(logprob, id)] * k], and
+the prompt's `input_token_logprobs` [(logprob | None, id)] and `input_top_logprobs`, empty
+unless asked for; a streamed chunk carries the deltas, a final result the whole lists.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 from minisgl.managers.io_struct import (
-    AbortReq, BatchStrOutput, GenerateReqInput, TokenizedGenerateReqInput, expand_samples, logprobs_of, new_rid,
+    AbortReq, BatchStrOutput, GenerateReqInput, TokenizedGenerateReqInput, check_logprob_args, expand_samples,
+    input_logprobs_of, logprobs_of, new_rid,
 )  # fmt: skip
 from minisgl.managers.tokenization import tokenize_one_request, validate_context_length
 from minisgl.sampling.sampling_params import SamplingParams
@@ -69,6 +71,8 @@ class _ReqState:
     # for a non-streaming request, so one message holds only part of the answer
     output_token_logprobs: List[Tuple[float, int]] = field(default_factory=list)
     output_top_logprobs: List[List[Tuple[float, int]]] = field(default_factory=list)
+    input_token_logprobs: List[Tuple[Optional[float], int]] = field(default_factory=list)
+    input_top_logprobs: List[Optional[List[Tuple[float, int]]]] = field(default_factory=list)
     # incremental chunks not yet handed to a streaming caller
     pending: List[Dict[str, Any]] = field(default_factory=list)
 
@@ -106,8 +110,12 @@ class Engine:
         rid: Optional[str] = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
     ) -> str:
-        """Tokenize one request and queue it in the scheduler; returns its rid."""
+        """Tokenize one request and queue it in the scheduler; returns its rid.
+
+        With return_logprob, logprob_start_len >= 0 asks for the prompt's logprobs from that
+        position on too (meta_info["input_token_logprobs"]); -1 for output logprobs only."""
         self._check_open()
         if not _check_prompt(prompt, input_ids):
             raise ValueError("add_request takes a single prompt; pass a list to generate()")
@@ -115,11 +123,10 @@ class Engine:
             raise ValueError(f"`rid` must be a string, got {type(rid).__name__}")
         if SamplingParams.from_dict(sampling_params).n != 1:  # (types checked here first)
             raise ValueError("add_request takes one request; use generate(..., sampling_params={'n': k}) for n > 1")
-        if top_logprobs_num and not return_logprob:
-            raise ValueError("top_logprobs_num needs return_logprob to be true")  # the server's check
         obj = GenerateReqInput(
             text=prompt, input_ids=input_ids, sampling_params=dict(sampling_params or {}), rid=rid or new_rid(),
-            return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,
+            return_logprob=return_logprob, logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+            stream=stream,
         )  # fmt: skip
         obj.normalize_batch_and_arguments()
         tokenized = self._tokenize(obj)
@@ -151,7 +158,7 @@ class Engine:
     @_locked
     def _submit(
         self, prompt: Prompt, sampling_params: Any, input_ids: InputIds, stream: bool, return_logprob: bool,
-        top_logprobs_num: int,
+        top_logprobs_num: int, logprob_start_len: int,
     ) -> tuple[List[str], bool]:
         """Fan a generate() call out into single requests (n copies each). Returns (rids, single).
 
@@ -160,13 +167,12 @@ class Engine:
         """
         self._check_open()
         _check_prompt(prompt, input_ids)
-        if top_logprobs_num and not return_logprob:
-            raise ValueError("top_logprobs_num needs return_logprob to be true")  # the server's check
+        check_logprob_args(return_logprob, logprob_start_len, top_logprobs_num)  # before a batch is tokenized
         if not isinstance(sampling_params, list):  # its type, before a batch copies it per prompt
             SamplingParams.from_dict(sampling_params)
         obj = GenerateReqInput(
-            text=prompt, input_ids=input_ids, sampling_params=sampling_params,
-            return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,
+            text=prompt, input_ids=input_ids, sampling_params=sampling_params, return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, stream=stream,
         )  # fmt: skip
         obj.normalize_batch_and_arguments()  # single or batch, lists per prompt, the same n for all
         for single in obj.singles():
@@ -186,11 +192,16 @@ class Engine:
         stream: bool = False,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
     ) -> Any:
-        """SGLang's shapes: one prompt -> dict; a list (or n > 1) -> list; stream -> iterator."""
+        """SGLang's shapes: one prompt -> dict; a list (or n > 1) -> list; stream -> iterator.
+
+        logprob_start_len (with return_logprob): prompt logprobs from that position on, as
+        add_request's."""
         rids, single = self._submit(
-            prompt, sampling_params, input_ids, stream, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num
-        )
+            prompt, sampling_params, input_ids, stream, return_logprob=return_logprob,
+            top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
+        )  # fmt: skip
         if stream:
             chunks = self._stream(rids, single)
             next(chunks)  # enter its try: from here, even an iterator dropped unread releases its requests
@@ -319,10 +330,13 @@ class Engine:
             if state is None:
                 continue  # collected already (e.g. aborted by the caller)
             token_logprobs, top_logprobs = logprobs_of(out, i)
+            input_token_logprobs, input_top_logprobs = input_logprobs_of(out, i)
             state.text += out.output_strs[i]
             state.output_ids.extend(out.output_ids[i])
             state.output_token_logprobs.extend(token_logprobs)
             state.output_top_logprobs.extend(top_logprobs)
+            state.input_token_logprobs.extend(input_token_logprobs)
+            state.input_top_logprobs.extend(input_top_logprobs)
             finish = out.finished_reasons[i]
             state.meta_info = {
                 "id": rid,
@@ -341,7 +355,13 @@ class Engine:
             ttft_ms = state.meta_info.get("ttft_ms")
             state.meta_info["ttft"] = ttft_ms / 1e3 if ttft_ms is not None else None
             # a streamed chunk carries this message's logprobs only (deltas, as the server's do)
-            delta_meta = dict(state.meta_info, output_token_logprobs=token_logprobs, output_top_logprobs=top_logprobs)
+            delta_meta = dict(
+                state.meta_info,
+                output_token_logprobs=token_logprobs,
+                output_top_logprobs=top_logprobs,
+                input_token_logprobs=input_token_logprobs,
+                input_top_logprobs=input_top_logprobs,
+            )
             chunk = {"text": out.output_strs[i], "output_ids": list(out.output_ids[i]), "meta_info": delta_meta}
             state.pending.append(chunk)
 
@@ -353,6 +373,8 @@ class Engine:
             **state.meta_info,
             "output_token_logprobs": list(state.output_token_logprobs),
             "output_top_logprobs": list(state.output_top_logprobs),
+            "input_token_logprobs": list(state.input_token_logprobs),
+            "input_top_logprobs": list(state.input_top_logprobs),
         }
         return {"text": state.text, "output_ids": state.output_ids, "meta_info": meta}
 

@@ -47,7 +47,7 @@ from minisgl.entrypoints.openai.serving_base import (
 )  # fmt: skip
 from minisgl.entrypoints.openai.serving_chat import OpenAIServingChat
 from minisgl.entrypoints.openai.serving_completions import OpenAIServingCompletions
-from minisgl.managers.io_struct import GenerateReqInput
+from minisgl.managers.io_struct import LOGPROB_META_KEYS, GenerateReqInput
 from minisgl.managers.tokenizer_manager import ReqAbortedError, TokenizerManager
 from minisgl.server_args import PortArgs, ServerArgs, resolve_server_args
 from minisgl.utils import configure_logging, get_tokenizer
@@ -253,6 +253,7 @@ async def _native_generate(tm: TokenizerManager, request: GenerateRequest, raw_r
         sampling_params=request.sampling_params,
         rid=request.rid,
         return_logprob=request.return_logprob,
+        logprob_start_len=request.logprob_start_len,
         top_logprobs_num=request.top_logprobs_num,
         stream=request.stream,
     )
@@ -270,17 +271,17 @@ async def _native_generate(tm: TokenizerManager, request: GenerateRequest, raw_r
     async def events() -> AsyncIterator[str]:
         texts: Dict[int, str] = {}
         ids: Dict[int, List[int]] = {}
-        logprobs: Dict[int, Tuple[List[Any], List[Any]]] = {}
+        logprobs: Dict[int, Dict[str, List[Any]]] = {}
         try:
             async for out in prepend(first, gen):
                 index = out.get("index", 0)
                 texts[index] = texts.get(index, "") + out["text"]
                 ids.setdefault(index, []).extend(out["output_ids"])
-                token_lps, top_lps = logprobs.setdefault(index, ([], []))
-                meta = out["meta_info"]
-                token_lps.extend(meta.get("output_token_logprobs", ()))
-                top_lps.extend(meta.get("output_top_logprobs", ()))
-                meta = {**meta, "output_token_logprobs": list(token_lps), "output_top_logprobs": list(top_lps)}
+                so_far = logprobs.setdefault(index, {key: [] for key in LOGPROB_META_KEYS})
+                meta = dict(out["meta_info"])
+                for key in LOGPROB_META_KEYS:
+                    so_far[key].extend(meta.get(key, ()))
+                    meta[key] = list(so_far[key])
                 yield sse_data({**out, "text": texts[index], "output_ids": ids[index], "meta_info": meta})
         except ValueError as e:  # after the headers: an error event, then [DONE] as usual (SGLang)
             yield sse_data(error_body(str(e)))

@@ -38,6 +38,24 @@ def check_same_n(param_dicts: List[Any]) -> None:
         raise ValueError("The parallel_sample_num should be the same for all samples in sample params.")
 
 
+def check_logprob_args(return_logprob: Union[bool, List[bool]], logprob_start_len: Any, top_logprobs_num: Any) -> None:
+    """The logprob fields of a request (the server's and the Engine's): each needs
+    return_logprob, none is ignored."""
+    if type(logprob_start_len) is not int or logprob_start_len < -1:
+        raise ValueError(
+            "logprob_start_len must be -1 (output logprobs only) or the prompt position where prompt "
+            f"logprobs start (0 for all of them), got {logprob_start_len!r}"
+        )
+    if type(top_logprobs_num) is not int or top_logprobs_num < 0:
+        raise ValueError(f"top_logprobs_num must be an integer >= 0, got {top_logprobs_num!r}")
+    if all(return_logprob) if isinstance(return_logprob, list) else return_logprob:
+        return
+    if top_logprobs_num:
+        raise ValueError("top_logprobs_num needs return_logprob to be true")
+    if logprob_start_len != -1:
+        raise ValueError("logprob_start_len needs return_logprob to be true")
+
+
 @dataclass
 class GenerateReqInput:
     """The unified runtime request: it no longer knows whether it came from chat or completions."""
@@ -47,7 +65,7 @@ class GenerateReqInput:
     sampling_params: Optional[Union[Dict[str, Any], List[Dict[str, Any]]]] = None
     rid: Optional[Union[str, List[str]]] = None
     return_logprob: Union[bool, List[bool]] = False
-    logprob_start_len: int = -1
+    logprob_start_len: int = -1  # prompt logprobs from this position (-1: none, output logprobs only)
     top_logprobs_num: int = 0
     stream: bool = False
     priority: Optional[int] = None
@@ -252,6 +270,11 @@ class BatchTokenIDOutput:
     output_token_logprobs_idx: List[List[int]] = field(default_factory=list)
     output_top_logprobs_val: List[List[List[float]]] = field(default_factory=list)
     output_top_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
+    # prompt logprobs, once per request (Req.finish_input_logprobs's layout; empty lists otherwise)
+    input_token_logprobs_val: List[List[Optional[float]]] = field(default_factory=list)
+    input_token_logprobs_idx: List[List[int]] = field(default_factory=list)
+    input_top_logprobs_val: List[List[Optional[List[float]]]] = field(default_factory=list)
+    input_top_logprobs_idx: List[List[Optional[List[int]]]] = field(default_factory=list)
     # per-request timing in milliseconds (ReqTimeStats.to_ms_dict): queue_ms / schedule_ms / forward_ms / ttft_ms / e2e_ms
     time_stats: List[Dict[str, Optional[float]]] = field(default_factory=list)  # None = not reached
 
@@ -271,6 +294,10 @@ class BatchStrOutput:
     output_token_logprobs_idx: List[List[int]] = field(default_factory=list)
     output_top_logprobs_val: List[List[List[float]]] = field(default_factory=list)
     output_top_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
+    input_token_logprobs_val: List[List[Optional[float]]] = field(default_factory=list)
+    input_token_logprobs_idx: List[List[int]] = field(default_factory=list)
+    input_top_logprobs_val: List[List[Optional[List[float]]]] = field(default_factory=list)
+    input_top_logprobs_idx: List[List[Optional[List[int]]]] = field(default_factory=list)
     time_stats: List[Dict[str, Optional[float]]] = field(default_factory=list)  # to_ms_dict: None = not reached
 
 
@@ -285,6 +312,29 @@ def logprobs_of(recv: BatchStrOutput, i: int) -> Tuple[List[Tuple[float, int]], 
         token = list(zip(recv.output_token_logprobs_val[i], recv.output_token_logprobs_idx[i]))
     if i < len(recv.output_top_logprobs_val) and recv.output_top_logprobs_val[i]:
         top = [list(zip(vals, idxs)) for vals, idxs in zip(recv.output_top_logprobs_val[i], recv.output_top_logprobs_idx[i])]
+    return token, top
+
+
+# the meta_info keys of a response dict that hold per-token lists: a streamed dict carries the
+# new entries only (prompt logprobs come once), a non-streaming answer all of them
+LOGPROB_META_KEYS = ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs", "input_top_logprobs")
+
+InputLogprobPairs = Tuple[List[Tuple[Optional[float], int]], List[Optional[List[Tuple[float, int]]]]]
+
+
+def input_logprobs_of(recv: BatchStrOutput, i: int) -> InputLogprobPairs:
+    """Request i's prompt logprobs, when this message carries them: (logprob or None, token id)
+    pairs for origin_input_ids[logprob_start_len:], and their top-k lists (None first)."""
+    token: List[Tuple[Optional[float], int]] = []
+    top: List[Optional[List[Tuple[float, int]]]] = []
+    # (strict: the values and the ids are built apart, by the chunks and from the prompt)
+    if i < len(recv.input_token_logprobs_val) and recv.input_token_logprobs_idx[i]:
+        token = list(zip(recv.input_token_logprobs_val[i], recv.input_token_logprobs_idx[i], strict=True))
+    if i < len(recv.input_top_logprobs_val) and recv.input_top_logprobs_val[i]:
+        top = [
+            None if vals is None else list(zip(vals, idxs, strict=True))
+            for vals, idxs in zip(recv.input_top_logprobs_val[i], recv.input_top_logprobs_idx[i], strict=True)
+        ]
     return token, top
 
 

@@ -179,6 +179,17 @@ class Req:
         self.send_token_offset = 0
         self.send_decode_id_offset = 0
 
+        # prompt logprobs (SGLang's layout): for origin_input_ids[logprob_start_len:], the first
+        # entry None (the token before it is not scored), then log p(token | the tokens before
+        # it). Gathered chunk by chunk while the prompt is prefilled (None first once complete),
+        # then sent with the request's first output.
+        self.input_token_logprobs_val: List[Optional[float]] = []
+        self.input_token_logprobs_idx: List[int] = []
+        self.input_top_logprobs_val: List[Optional[List[float]]] = []
+        self.input_top_logprobs_idx: List[Optional[List[int]]] = []
+        self.input_logprobs_done = False  # the prompt's last chunk was processed (any request)
+        self.input_logprobs_sent = False
+
         # logprobs of output tokens, aligned with output_ids
         self.output_token_logprobs_val: List[float] = []
         self.output_token_logprobs_idx: List[int] = []
@@ -213,13 +224,45 @@ class Req:
 
     def max_prefix_ids(self) -> List[int]:
         """What a prefix match may cover (SGLang's adjust_max_prefix_ids, used by the policy's
-        matches too): all of origin + output but the last token, whose logits are needed, and
-        nothing past logprob_start_len."""
+        matches too): all of origin + output but the last token, whose logits are needed, and,
+        while prompt logprobs are still to compute, nothing past logprob_start_len (a cached
+        token's logits are gone). A retracted request's re-prefill needs them no more."""
         fill_ids = self.origin_input_ids + self.output_ids
         max_prefix_len = len(fill_ids) - 1
-        if self.return_logprob and self.logprob_start_len >= 0:
+        if self.return_logprob and self.logprob_start_len >= 0 and not self.input_logprobs_done:
             max_prefix_len = min(max_prefix_len, self.logprob_start_len)
         return fill_ids[: max(max_prefix_len, 0)]
+
+    # ------------------------------------------------------------------ prompt logprobs
+    def input_logprob_positions(self, prefix_len: int, end: int) -> range:
+        """The positions of this extend, [prefix_len, end), whose logits score a prompt token:
+        from logprob_start_len to the prompt's second-to-last token (the last one's logits pick
+        the first output token, and are not a prompt logprob)."""
+        if not self.return_logprob or self.input_logprobs_done or self.logprob_start_len < 0:
+            return range(0)
+        return range(max(self.logprob_start_len, prefix_len), min(len(self.origin_input_ids) - 1, end))
+
+    def add_input_logprobs(self, values: List[float], top_vals: Optional[List[List[float]]], top_idxs: Optional[List[List[int]]]) -> None:
+        """One extend's prompt logprobs, in position order (input_logprob_positions)."""
+        self.input_token_logprobs_val.extend(values)
+        if self.top_logprobs_num > 0 and top_vals is not None and top_idxs is not None:
+            self.input_top_logprobs_val.extend(row[: self.top_logprobs_num] for row in top_vals)
+            self.input_top_logprobs_idx.extend(row[: self.top_logprobs_num] for row in top_idxs)
+
+    def finish_input_logprobs(self) -> None:
+        """The prompt's last chunk is done: SGLang's layout, origin_input_ids[logprob_start_len:]
+        with None first (nothing scored the token at logprob_start_len)."""
+        if self.input_logprobs_done:
+            return
+        self.input_logprobs_done = True
+        start = self.logprob_start_len
+        if not self.return_logprob or not 0 <= start < len(self.origin_input_ids):
+            return
+        self.input_token_logprobs_val.insert(0, None)
+        self.input_token_logprobs_idx = self.origin_input_ids[start:]
+        if self.top_logprobs_num > 0:
+            self.input_top_logprobs_val.insert(0, None)
+            self.input_top_logprobs_idx.insert(0, None)
 
     # ------------------------------------------------------------------ finishing
     def set_finish_with_abort(self, error_msg: str) -> None:
@@ -416,6 +459,11 @@ class ScheduleBatch:
         self.prefix_lens: List[int] = []
         self.extend_lens: List[int] = []
         self.out_cache_loc: torch.Tensor = _empty_indices()
+        # prompt logprobs of this extend: rows of input_ids, the prompt token each row scores,
+        # and how many rows each request has (in request order)
+        self.input_logprob_rows: List[int] = []
+        self.input_logprob_targets: List[int] = []
+        self.input_logprob_counts: List[int] = []
 
     def is_empty(self) -> bool:
         return len(self.reqs) == 0
@@ -462,6 +510,11 @@ class ScheduleBatch:
         for req in self.reqs:
             prefix_len = len(req.prefix_indices)
             assert len(req.fill_ids) - prefix_len == req.extend_input_len
+            positions = req.input_logprob_positions(prefix_len, len(req.fill_ids))
+            row0 = len(self.input_ids) - prefix_len  # the row of position p is row0 + p
+            self.input_logprob_rows.extend(row0 + p for p in positions)
+            self.input_logprob_targets.extend(req.origin_input_ids[p + 1] for p in positions)
+            self.input_logprob_counts.append(len(positions))
             self.input_ids.extend(req.fill_ids[prefix_len:])
             self.positions.extend(range(prefix_len, len(req.fill_ids)))
             self.prefix_lens.append(prefix_len)
@@ -500,6 +553,7 @@ class ScheduleBatch:
         self.prefix_lens.extend(s - 1 for s in running_batch.seq_lens)
         self.seq_lens.extend(running_batch.seq_lens)
         self.extend_lens.extend([1] * running_batch.batch_size())
+        self.input_logprob_counts.extend([0] * running_batch.batch_size())  # prompts long done
         self.out_cache_loc = torch.cat([self.out_cache_loc, running_batch.out_cache_loc])  # [num_tokens]
         self.decoding_reqs = list(running_batch.reqs)
         self.reqs = self.reqs + running_batch.reqs
@@ -603,6 +657,7 @@ class ScheduleBatch:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
         is_extend = self.forward_mode.is_extend()
+        scored = [r for r, n in zip(self.reqs, self.input_logprob_counts) if n > 0]
         return ForwardBatch(
             forward_mode=self.forward_mode,
             batch_size=len(self.reqs),
@@ -619,6 +674,9 @@ class ScheduleBatch:
             extend_seq_lens=as_tensor(self.extend_lens) if is_extend else None,  # [bs]
             extend_prefix_lens_cpu=list(self.prefix_lens) if is_extend else None,
             extend_seq_lens_cpu=list(self.extend_lens) if is_extend else None,
+            input_logprob_indices=as_tensor(self.input_logprob_rows) if scored else None,  # [M]
+            input_logprob_target_ids=as_tensor(self.input_logprob_targets) if scored else None,  # [M]
+            input_logprob_top_k=max((r.top_logprobs_num for r in scored), default=0),
         )
 
     def get_sampling_info(self, vocab_size: int, device: str, eos_token_ids: Set[int]) -> Any:

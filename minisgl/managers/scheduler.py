@@ -39,7 +39,7 @@ from minisgl.managers.io_struct import (
 from minisgl.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
 from minisgl.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
 from minisgl.managers.scheduler_metrics_mixin import SchedulerMetricsMixin
-from minisgl.managers.scheduler_output_processor_mixin import SchedulerOutputProcessorMixin
+from minisgl.managers.scheduler_output_processor_mixin import GenerationBatchResult, SchedulerOutputProcessorMixin
 from minisgl.mem_cache.allocator import ceil_paged_tokens, new_page_slots
 from minisgl.mem_cache.radix_cache import RadixCache
 from minisgl.server_args import ServerArgs, chunked_prefill_enabled
@@ -178,11 +178,12 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             req.set_finish_with_abort(error_msg)
             self._add_request_to_queue(req)
             return req
-        # logprob_start_len fix-ups (only output logprobs are computed in minisgl)
+        # logprob_start_len fix-ups (SGLang 0.5.23's): -1 asks for output logprobs only, i.e.
+        # prompt logprobs from the end of the prompt, which is none of them
         if not req.return_logprob:
             req.logprob_start_len = -1
         elif req.logprob_start_len == -1:
-            req.logprob_start_len = len(req.origin_input_ids) - 1
+            req.logprob_start_len = len(req.origin_input_ids)
         if req.logprob_start_len > len(req.origin_input_ids):
             req.set_finish_with_abort(
                 f"logprob_start_len={req.logprob_start_len} is higher than the number of input tokens "
@@ -548,15 +549,16 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         batch.prepare_for_decode()
         return batch
 
-    def run_batch(self, batch: ScheduleBatch) -> Any:
-        """Forward + sample. Returns the ModelRunner's SampleOutput."""
+    def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
+        """Forward + sample: the sampled tokens (and logprobs), and the pass's prompt logprobs."""
         self.forward_ct += 1
         forward_batch = batch.get_forward_batch(self.model_runner)
         logits_output = self.model_runner.forward(forward_batch)
         sampling_info = batch.get_sampling_info(
             self.model_config.vocab_size, self.model_runner.device, self.eos_token_ids
         )
-        return self.model_runner.sample(logits_output, sampling_info)
+        sampled = self.model_runner.sample(logits_output, sampling_info)
+        return GenerationBatchResult(*sampled, input_logprobs=logits_output.input_logprobs)
 
     def self_check_during_idle(self) -> None:
         """Idle: reset the ratio and check that no KV slot leaked (§12.1), once per idle period.

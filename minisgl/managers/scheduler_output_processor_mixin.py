@@ -1,5 +1,6 @@
-"""SchedulerOutputProcessorMixin (stage 3, after the forward). In: a ScheduleBatch and the
-ModelRunner's SampleOutput. Out: BatchTokenIDOutput for the detokenizer.
+"""SchedulerOutputProcessorMixin (stage 3, after the forward). In: a ScheduleBatch and its
+GenerationBatchResult (the sampler's output, the prompt logprobs). Out: BatchTokenIDOutput for
+the detokenizer.
 
 Mixed into `Scheduler` (as in SGLang's scheduler_output_processor_mixin.py): it reads and
 writes the scheduler's state (tree_cache, req_to_token_pool, chunked_req, _outputs, ...).
@@ -13,15 +14,27 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
 
+from minisgl.layers.logits_processor import InputLogprobs
 from minisgl.managers.io_struct import BatchTokenIDOutput
 from minisgl.managers.schedule_batch import Req, ScheduleBatch, release_kv_cache
 
 # a non-streaming request still emits every 50 tokens, keeping the detokenizer incremental
 DEFAULT_FORCE_STREAM_INTERVAL = 50
+
+
+class GenerationBatchResult(NamedTuple):
+    """Scheduler.run_batch's result (SGLang's name): the Sampler's SampleOutput fields, then
+    the pass's prompt logprobs (LogitsProcessorOutput.input_logprobs)."""
+
+    next_token_ids: torch.Tensor  # [bs] int64
+    next_token_logprobs: Optional[torch.Tensor]  # [bs] float32, None when no request asked
+    top_logprobs_val: Optional[List[List[float]]]
+    top_logprobs_idx: Optional[List[List[int]]]
+    input_logprobs: Optional[InputLogprobs] = None  # rows in ScheduleBatch.input_logprob_rows order
 
 
 class SchedulerOutputProcessorMixin:
@@ -36,6 +49,7 @@ class SchedulerOutputProcessorMixin:
         """Append the first token (unless mid-chunk), finish or cache the prompt, stream (§6.8)."""
         next_token_ids = result.next_token_ids.tolist()
         logprobs = _logprob_lists(result)
+        input_logprobs = _input_logprob_rows(batch, result.input_logprobs)
         decoding = {id(r) for r in batch.decoding_reqs or []}
         skip_stream_req: Optional[Req] = None
         for i, (req, token) in enumerate(zip(batch.reqs, next_token_ids)):
@@ -43,6 +57,8 @@ class SchedulerOutputProcessorMixin:
             # retracted while its forward ran). Here a retracted request has left the batch.
             if req.finished() or req.is_retracted:
                 continue
+            if input_logprobs[i] is not None:
+                req.add_input_logprobs(*input_logprobs[i])
             if req.is_chunked > 0:
                 # a non-final chunk: its sampled token is meaningless, nothing streams
                 req.is_chunked -= 1
@@ -52,6 +68,7 @@ class SchedulerOutputProcessorMixin:
                 req.time_stats.prefill_finished_time = time.perf_counter()
                 if id(req) not in decoding:
                     self._event("prefill_done", req, f"cached_tokens={req.cached_tokens}")
+            req.finish_input_logprobs()
             req.output_ids.append(int(token))
             self._append_logprobs(req, logprobs, i)
             req.check_finished()
@@ -158,6 +175,13 @@ class SchedulerOutputProcessorMixin:
             out.output_token_logprobs_idx.append(req.output_token_logprobs_idx[start:end])
             out.output_top_logprobs_val.append(req.output_top_logprobs_val[start:end])
             out.output_top_logprobs_idx.append(req.output_top_logprobs_idx[start:end])
+            # the prompt logprobs once, with the first output after the prompt was prefilled
+            send_input = req.input_logprobs_done and not req.input_logprobs_sent
+            req.input_logprobs_sent = req.input_logprobs_sent or send_input
+            out.input_token_logprobs_val.append(req.input_token_logprobs_val if send_input else [])
+            out.input_token_logprobs_idx.append(req.input_token_logprobs_idx if send_input else [])
+            out.input_top_logprobs_val.append(req.input_top_logprobs_val if send_input else [])
+            out.input_top_logprobs_idx.append(req.input_top_logprobs_idx if send_input else [])
             out.time_stats.append(req.time_stats.to_ms_dict())
             req.send_decode_id_offset = len(decode_ids)
             req.send_token_offset = end
@@ -176,3 +200,21 @@ def _logprob_lists(result: Any) -> Tuple[Any, Any, Any]:
         return [v.tolist() if torch.is_tensor(v) else v for v in x]
 
     return as_list(result.next_token_logprobs), as_list(result.top_logprobs_val), as_list(result.top_logprobs_idx)
+
+
+def _input_logprob_rows(batch: ScheduleBatch, input_logprobs: Optional[InputLogprobs]) -> List[Optional[Tuple[Any, Any, Any]]]:
+    """Per request of the batch: its rows of the pass's prompt logprobs as Python lists
+    (token logprobs, top-k values, top-k ids), or None when it has none."""
+    out: List[Optional[Tuple[Any, Any, Any]]] = [None] * len(batch.reqs)
+    if input_logprobs is None:
+        return out
+    values = input_logprobs.token_logprobs.tolist()  # one transfer each, as _logprob_lists
+    top_vals = input_logprobs.top_val.tolist() if input_logprobs.top_val is not None else None
+    top_idxs = input_logprobs.top_idx.tolist() if input_logprobs.top_idx is not None else None
+    start = 0
+    for i, count in enumerate(batch.input_logprob_counts):
+        if count > 0:
+            end = start + count
+            out[i] = (values[start:end], top_vals[start:end] if top_vals else None, top_idxs[start:end] if top_idxs else None)
+            start = end
+    return out

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from typing import Any, List, Optional
 
-from minisgl.managers.io_struct import GenerateReqInput, TokenizedGenerateReqInput
+from minisgl.managers.io_struct import GenerateReqInput, TokenizedGenerateReqInput, check_logprob_args
 from minisgl.sampling.sampling_params import SamplingParams
 from minisgl.utils import lone_surrogate_at
 
@@ -65,8 +65,12 @@ def create_tokenized_object(
     params = SamplingParams.from_dict(obj.sampling_params)
     params.normalize(tokenizer)
     params.verify(vocab_size)
-    if obj.top_logprobs_num < 0:
-        raise ValueError(f"top_logprobs_num must be >= 0, got {obj.top_logprobs_num}")
+    check_logprob_args(obj.return_logprob, obj.logprob_start_len, obj.top_logprobs_num)
+    if obj.logprob_start_len > len(input_ids):  # (the scheduler checks again after any truncation)
+        raise ValueError(
+            f"logprob_start_len={obj.logprob_start_len} is higher than the number of input tokens "
+            f"{len(input_ids)}. Request with a lower logprob_start_len."
+        )
     return TokenizedGenerateReqInput(
         rid=obj.rid,
         input_text=input_text,

@@ -9,10 +9,12 @@ stream of dicts the serving layer renders:
 
     {"text": str, "output_ids": [int], "meta_info": {"id", "finish_reason", "prompt_tokens",
      "completion_tokens", "cached_tokens", "output_token_logprobs": [(logprob, id)],
-     "output_top_logprobs": [[(logprob, id), ...]], "e2e_latency"?}}  (+ "index" for batches)
+     "output_top_logprobs": [[(logprob, id), ...]], "input_token_logprobs": [(logprob | None, id)],
+     "input_top_logprobs": [None | [(logprob, id), ...]], "e2e_latency"?}}  (+ "index" for batches)
 
 Streaming dicts carry deltas (SGLang's incremental streaming); the final dict of a
-non-streaming request carries the whole text, ids and logprobs.
+non-streaming request carries the whole text, ids and logprobs. Prompt logprobs (asked for by
+`logprob_start_len`) come once, in the first dict after the prompt was prefilled.
 Owns: rid_to_state, the request-side Prometheus metrics, the dynamic batch tokenizer.
 """
 
@@ -34,6 +36,7 @@ import zmq.asyncio
 
 from minisgl.managers import tokenization
 from minisgl.managers.io_struct import (
+    LOGPROB_META_KEYS,
     AbortReq,
     BatchStrOutput,
     FlushCacheReqInput,
@@ -44,9 +47,11 @@ from minisgl.managers.io_struct import (
     GetLoadReqOutput,
     Sample,
     TokenizedGenerateReqInput,
+    check_logprob_args,
     decode,
     encode,
     expand_samples,
+    input_logprobs_of,
     logprobs_of,
     new_rid,
 )
@@ -107,6 +112,8 @@ class ReqState:
     output_ids: List[int] = field(default_factory=list)
     output_token_logprobs: List[Tuple[float, int]] = field(default_factory=list)
     output_top_logprobs: List[List[Tuple[float, int]]] = field(default_factory=list)
+    input_token_logprobs: List[Tuple[Optional[float], int]] = field(default_factory=list)
+    input_top_logprobs: List[Optional[List[Tuple[float, int]]]] = field(default_factory=list)
     prompt_tokens: int = 0
 
 
@@ -326,14 +333,12 @@ class TokenizerManager:
         for p in params:
             p.verify()  # ranges, n >= 1 among them
         TokenizerManager._check_request_size(obj, param_dicts)
+        check_logprob_args(obj.return_logprob, obj.logprob_start_len, obj.top_logprobs_num)
         if obj.top_logprobs_num > MAX_TOP_LOGPROBS_NUM:
             # OpenAI's bound (top_logprobs <= 20) on /generate too: a top-k over the whole vocabulary
             # per token made one answer hundreds of MB, and its encoding stalled every other stream.
             # (The in-process Engine, one user's, takes any k.)
             raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS_NUM}], got {obj.top_logprobs_num}")
-        return_logprob = obj.return_logprob if isinstance(obj.return_logprob, list) else [obj.return_logprob]
-        if obj.top_logprobs_num and not all(return_logprob):
-            raise ValueError("top_logprobs_num needs return_logprob to be true")
         return params
 
     @staticmethod
@@ -493,6 +498,8 @@ class TokenizerManager:
         meta = dict(last["meta_info"])
         meta["output_token_logprobs"] = list(state.output_token_logprobs)
         meta["output_top_logprobs"] = list(state.output_top_logprobs)
+        meta["input_token_logprobs"] = list(state.input_token_logprobs)
+        meta["input_top_logprobs"] = list(state.input_top_logprobs)
         return {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
 
     @staticmethod
@@ -685,10 +692,13 @@ class TokenizerManager:
                         self.metrics.observe_finished(state, recv.prompt_tokens[i], recv.completion_tokens[i], recv.cached_tokens[i])
                 continue
             token_logprobs, top_logprobs = logprobs_of(recv, i)
+            input_token_logprobs, input_top_logprobs = input_logprobs_of(recv, i)
             state.text += recv.output_strs[i]
             state.output_ids.extend(recv.output_ids[i])
             state.output_token_logprobs.extend(token_logprobs)
             state.output_top_logprobs.extend(top_logprobs)
+            state.input_token_logprobs.extend(input_token_logprobs)
+            state.input_top_logprobs.extend(input_top_logprobs)
             finish_reason = recv.finished_reasons[i]
             meta_info: Dict[str, Any] = {
                 "id": rid,
@@ -698,6 +708,8 @@ class TokenizerManager:
                 "cached_tokens": recv.cached_tokens[i],
                 "output_token_logprobs": token_logprobs,
                 "output_top_logprobs": top_logprobs,
+                "input_token_logprobs": input_token_logprobs,
+                "input_top_logprobs": input_top_logprobs,
             }
             out = {"text": recv.output_strs[i], "output_ids": list(recv.output_ids[i]), "meta_info": meta_info}
             is_abort = isinstance(finish_reason, dict) and finish_reason.get("type") == "abort"
@@ -811,8 +823,8 @@ def coalesce_streaming_chunks(out_list: List[Dict[str, Any]]) -> Dict[str, Any]:
     if len(out_list) == 1:
         return out_list[0]
     meta = copy.copy(out_list[-1]["meta_info"])
-    meta["output_token_logprobs"] = [lp for out in out_list for lp in out["meta_info"]["output_token_logprobs"]]
-    meta["output_top_logprobs"] = [tl for out in out_list for tl in out["meta_info"]["output_top_logprobs"]]
+    for key in LOGPROB_META_KEYS:
+        meta[key] = [lp for out in out_list for lp in out["meta_info"][key]]
     return {
         "text": "".join(out["text"] for out in out_list),
         "output_ids": [t for out in out_list for t in out["output_ids"]],

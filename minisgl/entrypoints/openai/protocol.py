@@ -23,13 +23,12 @@ _STRICT = ConfigDict(extra="forbid", strict=True)
 
 # Fields of the OpenAI API, and of SGLang's /generate, that minisgl does not implement. Naming
 # them lets the error say "not supported" rather than "unknown" (the 400 is the same either way).
-# (logprob_start_len and the like ask for prompt logprobs, which minisgl does not compute.)
 UNSUPPORTED_FIELDS = frozenset(
     {
         "tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias",
         "parallel_tool_calls", "audio", "modalities", "prediction", "reasoning_effort", "store",
         "metadata", "service_tier", "web_search_options", "suffix", "best_of", "user",
-        "logprob_start_len", "token_ids_logprob", "return_text_in_logprobs", "priority", "lora_path",
+        "token_ids_logprob", "return_text_in_logprobs", "priority", "lora_path",
         "image_data", "return_hidden_states", "custom_logit_processor",
     }
 )  # fmt: skip
@@ -308,5 +307,6 @@ class GenerateRequest(BaseModel):
     sampling_params: Optional[Union[Dict[str, Any], List[Dict[str, Any]]]] = None
     rid: Optional[Union[str, List[str]]] = None
     return_logprob: Union[bool, List[bool]] = False
+    logprob_start_len: int = Field(default=-1, ge=-1)  # prompt logprobs from this position; -1: none
     top_logprobs_num: int = Field(default=0, ge=0)
     stream: bool = False

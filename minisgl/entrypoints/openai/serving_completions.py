@@ -2,7 +2,10 @@
 
 A prompt is a string, a list of strings, a list of token ids or a list of lists of ids;
 lists become a batch GenerateReqInput (one choice per prompt and sample, index = i * n + j).
-`echo` prepends the prompt text; `logprobs=k` returns OpenAI's legacy logprobs shape.
+`echo` prepends the prompt text; `logprobs=k` returns OpenAI's legacy logprobs shape, and
+with `echo` the prompt's tokens come first in it (their logprobs computed from position 0, the
+first one null: nothing comes before it), as OpenAI's and SGLang's do. That is the request
+lm-eval-harness scores a continuation with (`max_tokens: 0`, `echo`, `logprobs`).
 """
 
 from __future__ import annotations
@@ -36,8 +39,6 @@ from minisgl.managers.io_struct import GenerateReqInput
 class OpenAIServingCompletions(OpenAIServingBase):
     def _validate_request(self, request: CompletionRequest) -> Optional[str]:
         prompt = request.prompt
-        if request.echo and request.logprobs is not None:  # (checked first: it holds for every prompt form)
-            return "echo together with logprobs needs prompt logprobs, which minisgl does not compute."
         if isinstance(prompt, str):
             return None if prompt else "The prompt cannot be empty."
         if len(prompt) == 0:
@@ -55,6 +56,7 @@ class OpenAIServingCompletions(OpenAIServingBase):
             sampling_params=request.to_sampling_params(),
             rid=request.rid,
             return_logprob=request.logprobs is not None,
+            logprob_start_len=0 if request.echo and request.logprobs is not None else -1,
             top_logprobs_num=request.logprobs or 0,
             stream=request.stream,
         )
@@ -68,19 +70,28 @@ class OpenAIServingCompletions(OpenAIServingBase):
         return item if isinstance(item, str) else self.tokenizer.decode(item)
 
     def _logprobs(self, meta_info: Dict[str, Any], request: CompletionRequest, text_offset: int) -> Optional[CompletionLogprobs]:
+        """OpenAI's legacy logprobs of this output's tokens; with echo, the prompt's first (in the
+        message that carries them: the first of a stream), their text offsets from 0."""
         if request.logprobs is None:
             return None
         result = CompletionLogprobs()
-        tops = meta_info.get("output_top_logprobs") or []
-        for k, (logprob, token_id) in enumerate(meta_info.get("output_token_logprobs") or []):
+        if request.echo:
+            self._add_logprobs(result, request, meta_info.get("input_token_logprobs") or [], meta_info.get("input_top_logprobs") or [], 0)
+        self._add_logprobs(result, request, meta_info.get("output_token_logprobs") or [], meta_info.get("output_top_logprobs") or [], text_offset)
+        return result
+
+    def _add_logprobs(
+        self, result: CompletionLogprobs, request: CompletionRequest, token_logprobs: List[Any], top_logprobs: List[Any],
+        text_offset: int,
+    ) -> None:  # fmt: skip
+        for k, (logprob, token_id) in enumerate(token_logprobs):
             token = self.token_str(token_id)
             result.tokens.append(token)
             result.token_logprobs.append(logprob)
             result.text_offset.append(text_offset)
             text_offset += len(token)
-            top = tops[k] if k < len(tops) else []
-            result.top_logprobs.append({self.token_str(tid): lp for lp, tid in top} if request.logprobs else None)
-        return result
+            top = top_logprobs[k] if k < len(top_logprobs) else None  # None: the prompt's first token
+            result.top_logprobs.append({self.token_str(tid): lp for lp, tid in top} if request.logprobs and top else None)
 
     async def _handle_non_streaming_request(self, adapted: GenerateReqInput, request: CompletionRequest, raw_request: Request) -> Response:
         outs = await self._collect(adapted, raw_request)

@@ -1,0 +1,183 @@
+"""Prompt logprobs (`logprob_start_len`), through the whole chain: the LM head rows, chunked
+and prefix-cached prefills, retraction, streaming, the Engine's checks. The oracle is
+transformers' own forward on the same weights (float32, eager attention).
+
+Layout (SGLang's): for prompt[s:], the first entry is None, then log p(prompt[j] | prompt[:j])
+for j = s + 1 .. len - 1; top-k lists likewise, None first.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, List, Optional
+
+import pytest
+import torch
+
+from minisgl import Engine
+from minisgl.layers import logits_processor
+from minisgl.layers.linear import linear, pack_weight_for_cpu
+from minisgl.layers.logits_processor import LogitsProcessor
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+PROMPT = list(range(40, 90))  # 50 tokens: through 16-token chunks, four passes
+TOL = 1e-4
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def hf_logprobs(tiny_model: str) -> torch.Tensor:
+    """[len(PROMPT) - 1]: transformers' log p(PROMPT[j] | PROMPT[:j]) for j = 1.."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([PROMPT])).logits[0].float()  # [L, V]
+    return torch.log_softmax(logits[:-1], dim=-1).gather(-1, torch.tensor(PROMPT[1:])[:, None]).squeeze(-1)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model: str) -> Iterator[Any]:
+    eng = Engine(tiny_model, device="cpu", max_total_tokens=2048, chunked_prefill_size=16, context_length=256)
+    yield eng
+    eng.shutdown()
+
+
+def _values(meta: dict) -> List[Optional[float]]:
+    return [lp for lp, _ in meta["input_token_logprobs"]]
+
+
+# --------------------------------------------------------------------------- the LM head rows
+@pytest.mark.parametrize("packed", [False, True])
+def test_input_logprobs_equal_a_whole_log_softmax_in_any_slicing(monkeypatch: pytest.MonkeyPatch, packed: bool) -> None:
+    """The torch reference: log_softmax over all logits at once, read at the targets; the
+    processor's slices (3 rows each here) and the oneDNN-packed head give the same numbers."""
+    g = torch.Generator().manual_seed(0)
+    vocab, hidden_size, rows = 97, 16, 10
+    weight = torch.randn(vocab, hidden_size, generator=g)
+    hidden = torch.randn(rows, hidden_size, generator=g)
+    targets = torch.randint(0, vocab, (rows,), generator=g)
+    packed_weight = pack_weight_for_cpu(weight) if packed else None
+    if packed and packed_weight is None:
+        pytest.skip("this torch build has no oneDNN packing")
+    monkeypatch.setattr(logits_processor, "INPUT_LOGPROB_SLICE_ELEMENTS", 3 * vocab)
+    out = LogitsProcessor(vocab).input_logprobs(hidden, targets, 4, weight, packed_weight)
+    ref = torch.log_softmax(hidden @ weight.T, dim=-1)  # [rows, V]
+    torch.testing.assert_close(out.token_logprobs, ref.gather(-1, targets[:, None]).squeeze(-1), rtol=TOL, atol=TOL)
+    values, indices = ref.topk(4, dim=-1)
+    assert out.top_val is not None and out.top_idx is not None
+    torch.testing.assert_close(out.top_val, values, rtol=TOL, atol=TOL)
+    assert torch.equal(out.top_idx, indices)
+    no_top = LogitsProcessor(vocab).input_logprobs(hidden, targets, 0, weight, packed_weight)
+    assert no_top.top_val is None and no_top.top_idx is None
+    # (the reference itself: linear() is the head every other row goes through)
+    torch.testing.assert_close(linear(hidden, weight, packed=packed_weight), hidden @ weight.T, rtol=TOL, atol=TOL)
+
+
+# --------------------------------------------------------------------------- through the Engine
+@pytest.mark.parametrize("start", [0, 7, 16, 49, 50])
+def test_prompt_logprobs_match_transformers_through_chunks_and_the_cache(engine: Any, hf_logprobs: torch.Tensor, start: int) -> None:
+    engine.flush_cache()
+    params = {**GREEDY, "max_new_tokens": 3}
+    first = engine.generate(input_ids=PROMPT, sampling_params=params, return_logprob=True, top_logprobs_num=2, logprob_start_len=start)
+    meta = first["meta_info"]
+    assert [t for _, t in meta["input_token_logprobs"]] == PROMPT[start:]
+    values = _values(meta)
+    if start < len(PROMPT):
+        assert values[0] is None and meta["input_top_logprobs"][0] is None  # nothing scores the first token
+        torch.testing.assert_close(torch.tensor(values[1:]), hf_logprobs[start:], rtol=TOL, atol=TOL)
+        best = [top[0][1] for top in meta["input_top_logprobs"][1:]]
+        assert len(meta["input_top_logprobs"]) == len(values)
+        assert all(len(top) == 2 for top in meta["input_top_logprobs"][1:])
+        # (the top-1 of position j - 1 is what greedy would have said instead of PROMPT[j])
+        assert all(b == t for b, t, (lp, _) in zip(best, PROMPT[start + 1 :], meta["input_top_logprobs"][1:]) if lp == values[1])
+    else:
+        assert values == [] and meta["input_top_logprobs"] == []  # output logprobs only
+    assert len(meta["output_token_logprobs"]) == 3
+    # Again, with the prompt in the radix cache: only what lies before `start` may be reused (a
+    # cached token's logits are gone), and the numbers are the same.
+    again = engine.generate(input_ids=PROMPT, sampling_params=params, return_logprob=True, top_logprobs_num=2, logprob_start_len=start)
+    assert again["meta_info"]["cached_tokens"] == min(start, len(PROMPT) - 1)
+    torch.testing.assert_close(
+        torch.tensor([v for v in _values(again["meta_info"]) if v is not None]),
+        torch.tensor([v for v in values if v is not None]),
+        rtol=TOL, atol=TOL,
+    )  # fmt: skip
+    assert again["output_ids"] == first["output_ids"]
+
+
+def test_requests_with_and_without_prompt_logprobs_share_a_batch(engine: Any, hf_logprobs: torch.Tensor) -> None:
+    """Each request gets its own rows of the pass, and asking changes no generated token."""
+    engine.flush_cache()
+    plain = engine.generate(input_ids=PROMPT, sampling_params={**GREEDY, "max_new_tokens": 4})
+    engine.flush_cache()
+    starts = {"a": 0, "b": None, "c": 30, "d": 3}
+    for rid, start in starts.items():
+        kwargs = {} if start is None else {"return_logprob": True, "logprob_start_len": start, "top_logprobs_num": 1}
+        engine.add_request(input_ids=PROMPT, sampling_params={**GREEDY, "max_new_tokens": 4}, rid=rid, **kwargs)
+    engine.run_until_idle()
+    for rid, start in starts.items():
+        out = engine.get_result(rid)
+        assert out["output_ids"] == plain["output_ids"], rid
+        if start is None:
+            assert out["meta_info"]["input_token_logprobs"] == [] and out["meta_info"]["output_token_logprobs"] == []
+            continue
+        torch.testing.assert_close(torch.tensor(_values(out["meta_info"])[1:]), hf_logprobs[start:], rtol=TOL, atol=TOL)
+
+
+def test_prompt_logprobs_stream_once_in_the_first_chunk(engine: Any) -> None:
+    params = {**GREEDY, "max_new_tokens": 5}
+    whole = engine.generate(input_ids=PROMPT, sampling_params=params, return_logprob=True, logprob_start_len=0)
+    chunks = list(engine.generate(input_ids=PROMPT, sampling_params=params, return_logprob=True, logprob_start_len=0, stream=True))
+    assert len(chunks) > 1
+    assert chunks[0]["meta_info"]["input_token_logprobs"] == whole["meta_info"]["input_token_logprobs"]
+    assert all(c["meta_info"]["input_token_logprobs"] == [] for c in chunks[1:])
+
+
+def test_max_new_tokens_zero_scores_the_prompt_alone(engine: Any, hf_logprobs: torch.Tensor) -> None:
+    """lm-eval-harness's loglikelihood request: score a prompt, generate nothing."""
+    out = engine.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0)
+    assert out["output_ids"] == [] and out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    torch.testing.assert_close(torch.tensor(_values(out["meta_info"])[1:]), hf_logprobs, rtol=TOL, atol=TOL)
+
+
+def test_a_retracted_request_reports_its_prompt_logprobs_once(tiny_model: str, hf_logprobs: torch.Tensor) -> None:
+    # A pool too small for both outputs (10 + 60 + 50 + 40 > 120): the request that asked for
+    # prompt logprobs, having the fewer outputs, is retracted and prefilled again (prompt + its
+    # output). Its prompt logprobs were complete before: not recomputed, not doubled. (No radix
+    # cache: the re-prefill then starts at position 0, where the prompt logprobs start.)
+    engine = Engine(tiny_model, device="cpu", max_total_tokens=120, chunked_prefill_size=-1, schedule_conservativeness=0.01,
+                    disable_radix_cache=True)  # fmt: skip
+    try:
+        other = engine.add_request(input_ids=list(range(200, 210)), sampling_params={**GREEDY, "max_new_tokens": 60})
+        engine.step(snapshot=False)
+        params = {**GREEDY, "max_new_tokens": 40}
+        rid = engine.add_request(input_ids=PROMPT, sampling_params=params, return_logprob=True, logprob_start_len=0)
+        retracted = []
+        while engine.has_unfinished_requests():
+            retracted += [e["rid"] for e in engine.step()["events"] if e["type"] == "retract"]
+        assert rid in retracted
+        out = engine.get_result(rid)
+        engine.get_result(other)
+        meta = out["meta_info"]
+        assert len(meta["input_token_logprobs"]) == len(PROMPT) and len(meta["output_token_logprobs"]) == 40
+        torch.testing.assert_close(torch.tensor(_values(meta)[1:]), hf_logprobs, rtol=TOL, atol=TOL)
+        assert out["output_ids"] == engine.generate(input_ids=PROMPT, sampling_params=params)["output_ids"]
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"logprob_start_len": 0}, "logprob_start_len needs return_logprob to be true"),
+        ({"logprob_start_len": -2, "return_logprob": True}, "logprob_start_len must be -1"),
+        ({"logprob_start_len": "0", "return_logprob": True}, "logprob_start_len must be -1"),
+        ({"logprob_start_len": 51, "return_logprob": True}, "logprob_start_len=51 is higher than the number of input tokens 50"),
+    ],
+)
+def test_a_bad_logprob_start_len_says_what_to_change(engine: Any, kwargs: dict, needle: str) -> None:
+    for call in (engine.generate, engine.add_request):
+        with pytest.raises(ValueError, match=needle):
+            call(input_ids=PROMPT, sampling_params={"max_new_tokens": 1}, **kwargs)
+    assert not engine.has_unfinished_requests()
