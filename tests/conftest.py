@@ -6,6 +6,9 @@
   session and shared: `tiny_model` (Qwen3) and `tiny_model_factory(arch, **overrides)`.
 - `one_thread`: torch on one thread for a module of tiny-model tests
   (`pytestmark = pytest.mark.usefixtures("one_thread")`).
+- Hypothesis: with $CI set (.ci/run sets it) the property tests draw the same examples on
+  every run, so whether a change lands never depends on the draw; a developer's run draws
+  new ones each time (and replays its failures from .hypothesis/).
 """
 
 from __future__ import annotations
@@ -22,6 +25,11 @@ if not torch.cuda.is_available():
 from typing import Any, Callable, Dict, Iterator, Tuple
 
 import pytest
+from hypothesis import settings
+
+settings.register_profile("ci", derandomize=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 @pytest.fixture(scope="session")
