@@ -84,9 +84,10 @@ def test_long_request_keeps_every_logprob_and_matches_the_server(engine, monkeyp
     meta = out["meta_info"]
     token_lps, top_lps = meta["output_token_logprobs"], meta["output_top_logprobs"]
     assert len(out["output_ids"]) == len(token_lps) == len(top_lps) == 60
-    assert [tok for _, tok in token_lps] == out["output_ids"]
-    for (lp, tok), top in zip(token_lps, top_lps):
+    assert [tok for _, tok, _ in token_lps] == out["output_ids"]
+    for (lp, tok, text), top in zip(token_lps, top_lps):
         assert len(top) == TOP_K and lp <= 0
+        assert text is None  # SGLang's triple: no text unless return_text_in_logprobs
         assert top[0][1] == tok and top[0][0] == pytest.approx(lp, abs=1e-5)  # greedy picks the top
 
     (server,) = _server_result(engine, tmp_path, messages, stream=False)
@@ -120,7 +121,7 @@ def test_logprobs_of_masked_tokens_are_finite_numbers(engine):
     json.dumps(meta, allow_nan=False)  # what the server has to send
     first_step = meta["output_top_logprobs"][0]
     assert len(first_step) == engine.vocab_size
-    assert min(lp for lp, _ in first_step) < -1e30  # the masked EOS: as low as float32 goes
+    assert min(lp for lp, _, _ in first_step) < -1e30  # the masked EOS: as low as float32 goes
 
 
 def test_logprob_lists_are_present_and_empty_when_not_asked_for(engine):

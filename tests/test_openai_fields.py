@@ -111,7 +111,7 @@ def test_echo_prepends_each_choices_own_prompt_once(tiny_model: str, tmp_path: A
 def test_completions_logprobs_zero_returns_the_chosen_tokens_logprobs(tiny_model: str, tmp_path: Any) -> None:
     """OpenAI's logprobs=0: each chosen token's logprob, no alternatives (top_logprobs entries null, as SGLang's)."""
     out = _out("r", "x", 1, LENGTH)
-    out["meta_info"].update(output_token_logprobs=[(-0.5, 5)], output_top_logprobs=[])
+    out["meta_info"].update(output_token_logprobs=[(-0.5, 5, None)], output_top_logprobs=[])
     client, seen = _scripted_client(tiny_model, tmp_path, [out])
     with client:
         lp = _post(client, "completions", logprobs=0).json()["choices"][0]["logprobs"]
@@ -128,8 +128,8 @@ def test_completions_echo_with_logprobs_puts_the_prompt_tokens_first(tiny_model:
     tok = get_tokenizer(tiny_model)
     out = _out("r", "ok", 1, LENGTH)
     out["meta_info"].update(
-        input_token_logprobs=[(None, 5), (-2.0, 6)], input_top_logprobs=[None, [(-1.0, 7)]],
-        output_token_logprobs=[(-0.5, 8)], output_top_logprobs=[[(-0.5, 8)]],
+        input_token_logprobs=[(None, 5, None), (-2.0, 6, None)], input_top_logprobs=[None, [(-1.0, 7, None)]],
+        output_token_logprobs=[(-0.5, 8, None)], output_top_logprobs=[[(-0.5, 8, None)]],
     )  # fmt: skip
     client, seen = _scripted_client(tiny_model, tmp_path, [out])
     with client:
@@ -148,7 +148,7 @@ def test_completions_echo_with_logprobs_puts_the_prompt_tokens_first(tiny_model:
 
 def test_chat_logprobs_carry_the_top_alternatives_asked_for(tiny_model: str, tmp_path: Any) -> None:
     out = _out("r", "x", 1, LENGTH)
-    out["meta_info"].update(output_token_logprobs=[(-0.5, 5)], output_top_logprobs=[[(-0.5, 5), (-1.5, 6)]])
+    out["meta_info"].update(output_token_logprobs=[(-0.5, 5, None)], output_top_logprobs=[[(-0.5, 5, None), (-1.5, 6, None)]])
     client, seen = _scripted_client(tiny_model, tmp_path, [out])
     with client:
         content = _post(client, "chat", logprobs=True, top_logprobs=2).json()["choices"][0]["logprobs"]["content"]

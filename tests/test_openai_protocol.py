@@ -341,13 +341,13 @@ def test_duplicate_rid_in_flight_is_rejected(tiny_model: str, tmp_path: Any) -> 
 
 
 def test_coalesce_concatenates_logprobs() -> None:
-    prompt = {"input_token_logprobs": [(None, 7), (-3.0, 8)], "input_top_logprobs": [None, [(-0.1, 9)]]}
+    prompt = {"input_token_logprobs": [(None, 7, None), (-3.0, 8, None)], "input_top_logprobs": [None, [(-0.1, 9, None)]]}
     no_prompt = {"input_token_logprobs": [], "input_top_logprobs": []}
-    a = {"text": "a", "output_ids": [1], "meta_info": {"output_token_logprobs": [(-1.0, 1)], "output_top_logprobs": [[(-1.0, 1)]], "x": 1, **prompt}}
-    b = {"text": "b", "output_ids": [2], "meta_info": {"output_token_logprobs": [(-2.0, 2)], "output_top_logprobs": [[(-2.0, 2)]], "x": 2, **no_prompt}}
+    a = {"text": "a", "output_ids": [1], "meta_info": {"output_token_logprobs": [(-1.0, 1, None)], "output_top_logprobs": [[(-1.0, 1, None)]], "x": 1, **prompt}}
+    b = {"text": "b", "output_ids": [2], "meta_info": {"output_token_logprobs": [(-2.0, 2, None)], "output_top_logprobs": [[(-2.0, 2, None)]], "x": 2, **no_prompt}}
     out = coalesce_streaming_chunks([a, b])
     assert out["text"] == "ab" and out["output_ids"] == [1, 2]
-    assert out["meta_info"]["output_token_logprobs"] == [(-1.0, 1), (-2.0, 2)] and out["meta_info"]["x"] == 2
+    assert out["meta_info"]["output_token_logprobs"] == [(-1.0, 1, None), (-2.0, 2, None)] and out["meta_info"]["x"] == 2
     # the prompt's logprobs come once, in the first chunk: the coalesced chunk keeps them
     assert out["meta_info"]["input_token_logprobs"] == prompt["input_token_logprobs"]
     assert out["meta_info"]["input_top_logprobs"] == prompt["input_top_logprobs"]

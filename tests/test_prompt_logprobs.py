@@ -50,7 +50,7 @@ def engine(tiny_model: str) -> Iterator[Any]:
 
 
 def _values(meta: dict) -> List[Optional[float]]:
-    return [lp for lp, _ in meta["input_token_logprobs"]]
+    return [lp for lp, _, _ in meta["input_token_logprobs"]]
 
 
 # --------------------------------------------------------------------------- the LM head rows
@@ -89,7 +89,7 @@ def test_prompt_logprobs_match_transformers_through_chunks_and_the_cache(
     params = {**GREEDY, "max_new_tokens": 3}
     first = engine.generate(input_ids=PROMPT, sampling_params=params, return_logprob=True, top_logprobs_num=2, logprob_start_len=start)
     meta = first["meta_info"]
-    assert [t for _, t in meta["input_token_logprobs"]] == PROMPT[start:]
+    assert [t for _, t, _ in meta["input_token_logprobs"]] == PROMPT[start:]
     values = _values(meta)
     if start < len(PROMPT):
         assert values[0] is None and meta["input_top_logprobs"][0] is None  # nothing scores the first token
@@ -97,8 +97,8 @@ def test_prompt_logprobs_match_transformers_through_chunks_and_the_cache(
         assert len(meta["input_top_logprobs"]) == len(values)
         top_values, top_ids = hf_all_logprobs[start:].topk(2, dim=-1)  # [len - 1 - start, 2] each
         ours = meta["input_top_logprobs"][1:]
-        assert [[t for _, t in top] for top in ours] == top_ids.tolist()
-        torch.testing.assert_close(torch.tensor([[v for v, _ in top] for top in ours]).reshape(-1, 2), top_values, rtol=TOL, atol=TOL)
+        assert [[t for _, t, _ in top] for top in ours] == top_ids.tolist()
+        torch.testing.assert_close(torch.tensor([[v for v, _, _ in top] for top in ours]).reshape(-1, 2), top_values, rtol=TOL, atol=TOL)
     else:
         assert values == [] and meta["input_top_logprobs"] == []  # output logprobs only
     assert len(meta["output_token_logprobs"]) == 3

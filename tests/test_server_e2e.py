@@ -266,7 +266,7 @@ def test_completions_echo_logprobs_score_the_prompt_as_the_engine_does(server: S
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == c.usage.prompt_tokens
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     ref = engine.generate(PROMPTS[0], {"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0)["meta_info"]
-    assert lp.token_logprobs[1:] == pytest.approx([v for v, _ in ref["input_token_logprobs"][1:]], abs=1e-4)
+    assert lp.token_logprobs[1:] == pytest.approx([v for v, _, _ in ref["input_token_logprobs"][1:]], abs=1e-4)
     for top, logprob in zip(lp.top_logprobs[1:], lp.token_logprobs[1:]):
         assert len(top) == 1 and max(top.values()) >= logprob - 1e-5  # the best alternative, at least as likely
     assert "".join(lp.tokens) == PROMPTS[0]
@@ -317,6 +317,24 @@ def test_native_generate_stream_is_cumulative_in_every_field(server: Server) -> 
         assert len(e["meta_info"]["input_token_logprobs"]) == prompt_len - 1  # from the first event on
     for key in ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs", "input_top_logprobs"):
         assert events[-1]["meta_info"][key] == whole["meta_info"][key], key
+
+
+def test_native_generate_return_text_in_logprobs_names_each_token(server: Server, engine: Any) -> None:
+    """SGLang's (logprob, id, text) entries: the text only with return_text_in_logprobs."""
+    body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 3, "temperature": 0}, "return_logprob": True,
+            "top_logprobs_num": 2, "logprob_start_len": 0}  # fmt: skip
+    plain = httpx.post(server.url + "/generate", json=body, timeout=60).json()["meta_info"]
+    named = httpx.post(server.url + "/generate", json={**body, "return_text_in_logprobs": True}, timeout=60).json()["meta_info"]
+
+    def entries(meta: Dict[str, Any]) -> List[Any]:
+        tops = [e for key in ("output_top_logprobs", "input_top_logprobs") for top in meta[key] if top for e in top]
+        return meta["output_token_logprobs"] + meta["input_token_logprobs"] + tops
+
+    assert len(entries(named)) == len(entries(plain)) > 0
+    assert all(text is None for _, _, text in entries(plain))
+    assert all(text == engine.tokenizer.decode([t]) for _, t, text in entries(named))
+    r = httpx.post(server.url + "/generate", json={"text": "hi", "return_text_in_logprobs": True}, timeout=60)
+    assert r.status_code == 400 and "return_text_in_logprobs needs return_logprob" in r.json()["error"]["message"]
 
 
 def test_native_generate_wrong_types_are_400_and_the_server_survives(server: Server, engine: Any) -> None:

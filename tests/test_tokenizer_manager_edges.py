@@ -45,8 +45,8 @@ def test_a_non_streaming_answer_sent_in_several_messages_is_returned_whole(tiny_
             tm._handle_batch_output(_with_logprobs(_str_out("w", "lo", [6], 2, LENGTH), -1.5, 6))
             out = await asyncio.wait_for(result, 5)
             assert out["text"] == "Hello" and out["output_ids"] == [5, 6]
-            assert out["meta_info"]["output_token_logprobs"] == [(-0.5, 5), (-1.5, 6)]
-            assert out["meta_info"]["output_top_logprobs"] == [[(-0.5, 5)], [(-1.5, 6)]]
+            assert out["meta_info"]["output_token_logprobs"] == [(-0.5, 5, None), (-1.5, 6, None)]
+            assert out["meta_info"]["output_top_logprobs"] == [[(-0.5, 5, None)], [(-1.5, 6, None)]]
             assert out["meta_info"]["e2e_latency"] > 0  # SGLang's meta_info field
         finally:
             tm.close()

@@ -15,9 +15,10 @@ Owns: the ModelRunner, the Scheduler, the DetokenizerManager, one tokenizer, and
 thread; calls from several threads take turns (one lock: a step, or a call, at a time).
 
 Results have the TokenizerManager's shape (docs/engine.md): `meta_info` always carries
-`output_token_logprobs` [(logprob, id)] and `output_top_logprobs` [[(logprob, id)] * k], and
-the prompt's `input_token_logprobs` [(logprob | None, id)] and `input_top_logprobs`, empty
-unless asked for; a streamed chunk carries the deltas, a final result the whole lists.
+`output_token_logprobs` [(logprob, id, None)] and `output_top_logprobs` [[(logprob, id,
+None)] * k], and the prompt's `input_token_logprobs` [(logprob | None, id, None)] and
+`input_top_logprobs`, empty unless asked for (SGLang's triples; the server fills the text
+with return_text_in_logprobs); a streamed chunk carries the deltas, a final result the whole lists.
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 
 from minisgl.managers.io_struct import (
-    AbortReq, BatchStrOutput, GenerateReqInput, TokenizedGenerateReqInput, check_logprob_args, expand_samples,
-    input_logprobs_of, logprobs_of, new_rid,
+    LOGPROB_META_KEYS, AbortReq, BatchStrOutput, GenerateReqInput, TokenizedGenerateReqInput, check_logprob_args,
+    expand_samples, logprobs_of, new_rid,
 )  # fmt: skip
 from minisgl.managers.tokenization import tokenize_one_request, validate_context_length
 from minisgl.sampling.sampling_params import SamplingParams
@@ -69,10 +70,7 @@ class _ReqState:
     finished_time: float = 0.0
     # accumulated over every message: the scheduler emits at least every 50 tokens even
     # for a non-streaming request, so one message holds only part of the answer
-    output_token_logprobs: List[Tuple[float, int]] = field(default_factory=list)
-    output_top_logprobs: List[List[Tuple[float, int]]] = field(default_factory=list)
-    input_token_logprobs: List[Tuple[Optional[float], int]] = field(default_factory=list)
-    input_top_logprobs: List[Optional[List[Tuple[float, int]]]] = field(default_factory=list)
+    logprobs: Dict[str, List[Any]] = field(default_factory=lambda: {key: [] for key in LOGPROB_META_KEYS})
     # incremental chunks not yet handed to a streaming caller
     pending: List[Dict[str, Any]] = field(default_factory=list)
 
@@ -329,14 +327,11 @@ class Engine:
             state = self.rid_to_state.get(rid)
             if state is None:
                 continue  # collected already (e.g. aborted by the caller)
-            token_logprobs, top_logprobs = logprobs_of(out, i)
-            input_token_logprobs, input_top_logprobs = input_logprobs_of(out, i)
+            logprobs = logprobs_of(out, i)
             state.text += out.output_strs[i]
             state.output_ids.extend(out.output_ids[i])
-            state.output_token_logprobs.extend(token_logprobs)
-            state.output_top_logprobs.extend(top_logprobs)
-            state.input_token_logprobs.extend(input_token_logprobs)
-            state.input_top_logprobs.extend(input_top_logprobs)
+            for key, entries in logprobs.items():
+                state.logprobs[key].extend(entries)
             finish = out.finished_reasons[i]
             state.meta_info = {
                 "id": rid,
@@ -355,13 +350,7 @@ class Engine:
             ttft_ms = state.meta_info.get("ttft_ms")
             state.meta_info["ttft"] = ttft_ms / 1e3 if ttft_ms is not None else None
             # a streamed chunk carries this message's logprobs only (deltas, as the server's do)
-            delta_meta = dict(
-                state.meta_info,
-                output_token_logprobs=token_logprobs,
-                output_top_logprobs=top_logprobs,
-                input_token_logprobs=input_token_logprobs,
-                input_top_logprobs=input_top_logprobs,
-            )
+            delta_meta = {**state.meta_info, **logprobs}
             chunk = {"text": out.output_strs[i], "output_ids": list(out.output_ids[i]), "meta_info": delta_meta}
             state.pending.append(chunk)
 
@@ -371,10 +360,7 @@ class Engine:
         del self.rid_to_state[rid]
         meta = {
             **state.meta_info,
-            "output_token_logprobs": list(state.output_token_logprobs),
-            "output_top_logprobs": list(state.output_top_logprobs),
-            "input_token_logprobs": list(state.input_token_logprobs),
-            "input_top_logprobs": list(state.input_top_logprobs),
+            **{key: list(entries) for key, entries in state.logprobs.items()},
         }
         return {"text": state.text, "output_ids": state.output_ids, "meta_info": meta}
 

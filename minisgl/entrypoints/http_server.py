@@ -255,6 +255,7 @@ async def _native_generate(tm: TokenizerManager, request: GenerateRequest, raw_r
         return_logprob=request.return_logprob,
         logprob_start_len=request.logprob_start_len,
         top_logprobs_num=request.top_logprobs_num,
+        return_text_in_logprobs=request.return_text_in_logprobs,
         stream=request.stream,
     )
     try:

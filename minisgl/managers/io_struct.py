@@ -18,7 +18,7 @@ import dataclasses
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 from minisgl.sampling.sampling_params import SamplingParams
 
@@ -38,7 +38,9 @@ def check_same_n(param_dicts: List[Any]) -> None:
         raise ValueError("The parallel_sample_num should be the same for all samples in sample params.")
 
 
-def check_logprob_args(return_logprob: Union[bool, List[bool]], logprob_start_len: Any, top_logprobs_num: Any) -> None:
+def check_logprob_args(
+    return_logprob: Union[bool, List[bool]], logprob_start_len: Any, top_logprobs_num: Any, return_text_in_logprobs: bool = False
+) -> None:
     """The logprob fields of a request (the server's and the Engine's): each needs
     return_logprob, none is ignored."""
     if type(logprob_start_len) is not int or logprob_start_len < -1:
@@ -54,6 +56,8 @@ def check_logprob_args(return_logprob: Union[bool, List[bool]], logprob_start_le
         raise ValueError("top_logprobs_num needs return_logprob to be true")
     if logprob_start_len != -1:
         raise ValueError("logprob_start_len needs return_logprob to be true")
+    if return_text_in_logprobs:
+        raise ValueError("return_text_in_logprobs needs return_logprob to be true")
 
 
 @dataclass
@@ -67,6 +71,7 @@ class GenerateReqInput:
     return_logprob: Union[bool, List[bool]] = False
     logprob_start_len: int = -1  # prompt logprobs from this position (-1: none, output logprobs only)
     top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False  # each logprob entry's third element: the token's text
     stream: bool = False
     priority: Optional[int] = None
     log_metrics: bool = True  # False for /health_generate's probe (SGLang's field)
@@ -120,6 +125,7 @@ class GenerateReqInput:
             return_logprob=self.return_logprob[i],
             logprob_start_len=self.logprob_start_len,
             top_logprobs_num=self.top_logprobs_num,
+            return_text_in_logprobs=self.return_text_in_logprobs,
             stream=self.stream,
             priority=self.priority,
             log_metrics=self.log_metrics,
@@ -301,41 +307,42 @@ class BatchStrOutput:
     time_stats: List[Dict[str, Optional[float]]] = field(default_factory=list)  # to_ms_dict: None = not reached
 
 
-def logprobs_of(recv: BatchStrOutput, i: int) -> Tuple[List[Tuple[float, int]], List[List[Tuple[float, int]]]]:
-    """Request i's new (logprob, token id) pairs and top-k lists; empty when not requested.
-
-    Here, next to the message, so the Engine reads outputs as the TokenizerManager does
-    without importing it (and pyzmq with it)."""
-    token: List[Tuple[float, int]] = []
-    top: List[List[Tuple[float, int]]] = []
-    if i < len(recv.output_token_logprobs_val) and recv.output_token_logprobs_val[i]:
-        token = list(zip(recv.output_token_logprobs_val[i], recv.output_token_logprobs_idx[i]))
-    if i < len(recv.output_top_logprobs_val) and recv.output_top_logprobs_val[i]:
-        top = [list(zip(vals, idxs)) for vals, idxs in zip(recv.output_top_logprobs_val[i], recv.output_top_logprobs_idx[i])]
-    return token, top
-
-
 # the meta_info keys of a response dict that hold per-token lists: a streamed dict carries the
 # new entries only (prompt logprobs come once), a non-streaming answer all of them
 LOGPROB_META_KEYS = ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs", "input_top_logprobs")
 
-InputLogprobPairs = Tuple[List[Tuple[Optional[float], int]], List[Optional[List[Tuple[float, int]]]]]
+# SGLang's entry: (logprob, token id, token text); the text is None unless return_text_in_logprobs,
+# the logprob None for the prompt's first token (nothing scores it)
+LogprobEntry = Tuple[Optional[float], int, Optional[str]]
 
 
-def input_logprobs_of(recv: BatchStrOutput, i: int) -> InputLogprobPairs:
-    """Request i's prompt logprobs, when this message carries them: (logprob or None, token id)
-    pairs for origin_input_ids[logprob_start_len:], and their top-k lists (None first)."""
-    token: List[Tuple[Optional[float], int]] = []
-    top: List[Optional[List[Tuple[float, int]]]] = []
-    # (strict: the values and the ids are built apart, by the chunks and from the prompt)
-    if i < len(recv.input_token_logprobs_val) and recv.input_token_logprobs_idx[i]:
-        token = list(zip(recv.input_token_logprobs_val[i], recv.input_token_logprobs_idx[i], strict=True))
-    if i < len(recv.input_top_logprobs_val) and recv.input_top_logprobs_val[i]:
-        top = [
-            None if vals is None else list(zip(vals, idxs, strict=True))
-            for vals, idxs in zip(recv.input_top_logprobs_val[i], recv.input_top_logprobs_idx[i], strict=True)
-        ]
-    return token, top
+def logprobs_of(recv: BatchStrOutput, i: int, decode: Optional[Callable[[List[List[int]]], List[str]]] = None) -> Dict[str, List[Any]]:
+    """Request i's logprobs in this message, by meta_info key (LOGPROB_META_KEYS): lists of
+    LogprobEntry, and of top-k lists of them (None where no token is scored: the prompt's
+    first). Empty when not requested. `decode` (a tokenizer's batch_decode) fills the texts.
+
+    Here, next to the message, so the Engine reads outputs as the TokenizerManager does
+    without importing it (and pyzmq with it)."""
+
+    def row(name: str) -> List[Any]:
+        rows = getattr(recv, name)
+        return rows[i] if i < len(rows) else []
+
+    def entries(values: List[Any], ids: List[int]) -> List[LogprobEntry]:
+        texts: List[Any] = decode([[t] for t in ids]) if decode is not None and ids else [None] * len(ids)
+        # (strict: values and ids are built apart, e.g. the prompt's chunk by chunk and from the prompt)
+        return list(zip(values, ids, texts, strict=True))
+
+    def top_entries(prefix: str) -> List[Optional[List[LogprobEntry]]]:
+        pairs = zip(row(f"{prefix}_top_logprobs_val"), row(f"{prefix}_top_logprobs_idx"), strict=True)
+        return [None if values is None else entries(values, ids) for values, ids in pairs]
+
+    return {
+        "output_token_logprobs": entries(row("output_token_logprobs_val"), row("output_token_logprobs_idx")),
+        "output_top_logprobs": top_entries("output"),
+        "input_token_logprobs": entries(row("input_token_logprobs_val"), row("input_token_logprobs_idx")),
+        "input_top_logprobs": top_entries("input"),
+    }
 
 
 # --------------------------------------------------------------------------- codec

@@ -8,9 +8,10 @@ tokenizes, sends `TokenizedGenerateReqInput` to the Scheduler (ZMQ PUSH), and
 stream of dicts the serving layer renders:
 
     {"text": str, "output_ids": [int], "meta_info": {"id", "finish_reason", "prompt_tokens",
-     "completion_tokens", "cached_tokens", "output_token_logprobs": [(logprob, id)],
-     "output_top_logprobs": [[(logprob, id), ...]], "input_token_logprobs": [(logprob | None, id)],
-     "input_top_logprobs": [None | [(logprob, id), ...]], "e2e_latency"?}}  (+ "index" for batches)
+     "completion_tokens", "cached_tokens", "output_token_logprobs": [(logprob, id, text)],
+     "output_top_logprobs": [[(logprob, id, text), ...]], "input_token_logprobs": [(logprob | None,
+     id, text)], "input_top_logprobs": [None | [(logprob, id, text), ...]], "e2e_latency"?}}
+    (+ "index" for batches; text is None unless return_text_in_logprobs, as SGLang's)
 
 Streaming dicts carry deltas (SGLang's incremental streaming); the final dict of a
 non-streaming request carries the whole text, ids and logprobs. Prompt logprobs (asked for by
@@ -51,7 +52,6 @@ from minisgl.managers.io_struct import (
     decode,
     encode,
     expand_samples,
-    input_logprobs_of,
     logprobs_of,
     new_rid,
 )
@@ -110,10 +110,7 @@ class ReqState:
     # accumulated output
     text: str = ""
     output_ids: List[int] = field(default_factory=list)
-    output_token_logprobs: List[Tuple[float, int]] = field(default_factory=list)
-    output_top_logprobs: List[List[Tuple[float, int]]] = field(default_factory=list)
-    input_token_logprobs: List[Tuple[Optional[float], int]] = field(default_factory=list)
-    input_top_logprobs: List[Optional[List[Tuple[float, int]]]] = field(default_factory=list)
+    logprobs: Dict[str, List[Any]] = field(default_factory=lambda: {key: [] for key in LOGPROB_META_KEYS})
     prompt_tokens: int = 0
 
 
@@ -333,7 +330,7 @@ class TokenizerManager:
         for p in params:
             p.verify()  # ranges, n >= 1 among them
         TokenizerManager._check_request_size(obj, param_dicts)
-        check_logprob_args(obj.return_logprob, obj.logprob_start_len, obj.top_logprobs_num)
+        check_logprob_args(obj.return_logprob, obj.logprob_start_len, obj.top_logprobs_num, obj.return_text_in_logprobs)
         if obj.top_logprobs_num > MAX_TOP_LOGPROBS_NUM:
             # OpenAI's bound (top_logprobs <= 20) on /generate too: a top-k over the whole vocabulary
             # per token made one answer hundreds of MB, and its encoding stalled every other stream.
@@ -496,10 +493,7 @@ class TokenizerManager:
     @staticmethod
     def _full_output(state: ReqState, last: Dict[str, Any]) -> Dict[str, Any]:
         meta = dict(last["meta_info"])
-        meta["output_token_logprobs"] = list(state.output_token_logprobs)
-        meta["output_top_logprobs"] = list(state.output_top_logprobs)
-        meta["input_token_logprobs"] = list(state.input_token_logprobs)
-        meta["input_top_logprobs"] = list(state.input_top_logprobs)
+        meta.update({key: list(entries) for key, entries in state.logprobs.items()})
         return {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
 
     @staticmethod
@@ -691,14 +685,11 @@ class TokenizerManager:
                     if state.obj.log_metrics and recv.completion_tokens[i] > 0:  # it ran: a request served
                         self.metrics.observe_finished(state, recv.prompt_tokens[i], recv.completion_tokens[i], recv.cached_tokens[i])
                 continue
-            token_logprobs, top_logprobs = logprobs_of(recv, i)
-            input_token_logprobs, input_top_logprobs = input_logprobs_of(recv, i)
+            logprobs = logprobs_of(recv, i, self.tokenizer.batch_decode if state.obj.return_text_in_logprobs else None)
             state.text += recv.output_strs[i]
             state.output_ids.extend(recv.output_ids[i])
-            state.output_token_logprobs.extend(token_logprobs)
-            state.output_top_logprobs.extend(top_logprobs)
-            state.input_token_logprobs.extend(input_token_logprobs)
-            state.input_top_logprobs.extend(input_top_logprobs)
+            for key, entries in logprobs.items():
+                state.logprobs[key].extend(entries)
             finish_reason = recv.finished_reasons[i]
             meta_info: Dict[str, Any] = {
                 "id": rid,
@@ -706,10 +697,7 @@ class TokenizerManager:
                 "prompt_tokens": recv.prompt_tokens[i],
                 "completion_tokens": recv.completion_tokens[i],
                 "cached_tokens": recv.cached_tokens[i],
-                "output_token_logprobs": token_logprobs,
-                "output_top_logprobs": top_logprobs,
-                "input_token_logprobs": input_token_logprobs,
-                "input_top_logprobs": input_top_logprobs,
+                **logprobs,
             }
             out = {"text": recv.output_strs[i], "output_ids": list(recv.output_ids[i]), "meta_info": meta_info}
             is_abort = isinstance(finish_reason, dict) and finish_reason.get("type") == "abort"

@@ -100,7 +100,7 @@ class OpenAIServingChat(OpenAIServingBase):
             return None
         tops = meta_info.get("output_top_logprobs") or []
         content: List[ChatTokenLogprob] = []
-        for k, (logprob, token_id) in enumerate(meta_info.get("output_token_logprobs") or []):
+        for k, (logprob, token_id, _) in enumerate(meta_info.get("output_token_logprobs") or []):
             token = self.token_str(token_id)
             top = tops[k] if k < len(tops) and request.top_logprobs else []
             content.append(
@@ -110,7 +110,7 @@ class OpenAIServingChat(OpenAIServingBase):
                     bytes=list(token.encode("utf-8")),
                     top_logprobs=[
                         TopLogprob(token=self.token_str(tid), logprob=lp, bytes=list(self.token_str(tid).encode("utf-8")))
-                        for lp, tid in top
+                        for lp, tid, _ in top
                     ],
                 )
             )

@@ -84,14 +84,14 @@ class OpenAIServingCompletions(OpenAIServingBase):
         self, result: CompletionLogprobs, request: CompletionRequest, token_logprobs: List[Any], top_logprobs: List[Any],
         text_offset: int,
     ) -> None:  # fmt: skip
-        for k, (logprob, token_id) in enumerate(token_logprobs):
+        for k, (logprob, token_id, _) in enumerate(token_logprobs):
             token = self.token_str(token_id)
             result.tokens.append(token)
             result.token_logprobs.append(logprob)
             result.text_offset.append(text_offset)
             text_offset += len(token)
             top = top_logprobs[k] if k < len(top_logprobs) else None  # None: the prompt's first token
-            result.top_logprobs.append({self.token_str(tid): lp for lp, tid in top} if request.logprobs and top else None)
+            result.top_logprobs.append({self.token_str(tid): lp for lp, tid, _ in top} if request.logprobs and top else None)
 
     async def _handle_non_streaming_request(self, adapted: GenerateReqInput, request: CompletionRequest, raw_request: Request) -> Response:
         outs = await self._collect(adapted, raw_request)
