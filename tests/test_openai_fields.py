@@ -126,24 +126,51 @@ def test_completions_echo_with_logprobs_puts_the_prompt_tokens_first(tiny_model:
     from minisgl.utils import get_tokenizer
 
     tok = get_tokenizer(tiny_model)
-    out = _out("r", "ok", 1, LENGTH)
+    t5, t6, t7, t8 = (tok.decode([i]) for i in (5, 6, 7, 8))
+    out = _out("r", t8, 1, LENGTH)
     out["meta_info"].update(
         input_token_logprobs=[(None, 5, None), (-2.0, 6, None)], input_top_logprobs=[None, [(-1.0, 7, None)]],
         output_token_logprobs=[(-0.5, 8, None)], output_top_logprobs=[[(-0.5, 8, None)]],
     )  # fmt: skip
     client, seen = _scripted_client(tiny_model, tmp_path, [out])
     with client:
-        whole = _post(client, "completions", echo=True, logprobs=1).json()["choices"][0]
-        streamed = _events(_post(client, "completions", echo=True, logprobs=1, stream=True))
+        whole = _post(client, "completions", prompt=t5 + t6, echo=True, logprobs=1).json()["choices"][0]
+        streamed = _events(_post(client, "completions", prompt=t5 + t6, echo=True, logprobs=1, stream=True))
         _post(client, "completions", logprobs=1)
     assert [(obj.return_logprob, obj.logprob_start_len) for obj in seen] == [(True, 0), (True, 0), (True, -1)]
-    t5, t6, t7, t8 = (tok.decode([i]) for i in (5, 6, 7, 8))
     lp = whole["logprobs"]
-    assert whole["text"] == "hiok" and lp["tokens"] == [t5, t6, t8]
+    assert whole["text"] == t5 + t6 + t8 and lp["tokens"] == [t5, t6, t8]
     assert lp["token_logprobs"] == [None, -2.0, -0.5]
     assert lp["top_logprobs"] == [None, {t7: -1.0}, {t8: -0.5}]
-    assert lp["text_offset"] == [0, len(t5), len("hi")]  # the completion starts after the echoed prompt
+    assert lp["text_offset"] == [0, len(t5), len(t5 + t6)]  # the completion starts after the echoed prompt
     assert streamed[0]["choices"][0]["logprobs"] == lp
+
+
+def test_text_offsets_point_at_each_token_in_the_text(tiny_model: str) -> None:
+    """A character split over byte tokens (each printed as U+FFFD) begins where the character
+    does, and every later token is found at its offset (summing token_str lengths drifted by
+    3 per emoji, and the echoed prompt's offsets then ran past the completion's)."""
+    from types import SimpleNamespace
+
+    from minisgl.entrypoints.openai.serving_base import OpenAIServingBase
+    from minisgl.utils import get_tokenizer
+
+    tok = get_tokenizer(tiny_model)
+    text = "Emoji \U0001F642 then the end. Caf\u00e9 na\u00efve \u65e5\u672c"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text and any(tok.decode([i]) == "\ufffd" for i in ids)  # the premise: byte tokens
+    offsets = OpenAIServingBase.text_offsets(SimpleNamespace(tokenizer=tok), ids, text, 10)
+    assert offsets == sorted(offsets) and offsets[0] == 10 and offsets[-1] <= 10 + len(text)
+    for token_id, offset in zip(ids, offsets):
+        piece = tok.decode([token_id])
+        if piece != "\ufffd":
+            assert text[offset - 10 : offset - 10 + len(piece)] == piece, (piece, offset)
+    assert offsets[ids.index(tok.encode("\U0001F642", add_special_tokens=False)[0])] == 10 + text.index("\U0001F642")
+    # bytes that never complete a character are each a U+FFFD of the text: one character apiece
+    lone = [i for i in range(len(tok)) if tok.decode([i]) == "\ufffd"][:2] + tok.encode("Gor", add_special_tokens=False)
+    garbled = tok.decode(lone)
+    assert garbled.startswith("\ufffd\ufffdG")
+    assert OpenAIServingBase.text_offsets(SimpleNamespace(tokenizer=tok), lone, garbled)[:3] == [0, 1, 2]
 
 
 def test_chat_logprobs_carry_the_top_alternatives_asked_for(tiny_model: str, tmp_path: Any) -> None:

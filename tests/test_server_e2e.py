@@ -258,8 +258,8 @@ def test_logprobs_shape(server: Server) -> None:
 
 
 def test_completions_echo_logprobs_score_the_prompt_as_the_engine_does(server: Server, engine: Any) -> None:
-    """lm-eval-harness's loglikelihood request: max_tokens 0, echo, logprobs. Each prompt token's
-    logprob, the first null, equal to the Engine's prompt logprobs on the same model."""
+    """echo + logprobs with max_tokens 0: each prompt token's logprob, the first null, equal to
+    the Engine's prompt logprobs on the same model."""
     c = _client(server).completions.create(model=server.model, prompt=PROMPTS[0], max_tokens=0, echo=True, logprobs=1)
     lp = c.choices[0].logprobs
     assert c.choices[0].text == PROMPTS[0] and c.usage.completion_tokens == 0
@@ -270,6 +270,22 @@ def test_completions_echo_logprobs_score_the_prompt_as_the_engine_does(server: S
     for top, logprob in zip(lp.top_logprobs[1:], lp.token_logprobs[1:]):
         assert len(top) == 1 and max(top.values()) >= logprob - 1e-5  # the best alternative, at least as likely
     assert "".join(lp.tokens) == PROMPTS[0]
+
+
+def test_completions_echo_logprobs_as_lm_eval_harness_reads_them(server: Server) -> None:
+    """lm-eval-harness 0.4's loglikelihood request (local-completions): max_tokens 1, echo,
+    logprobs 1, temperature 0; it sums token_logprobs[ctxlen:-1], so the prompt's entries come
+    first and exactly one generated entry after them. Text offsets rise across prompt and answer
+    even where a character is split over byte tokens."""
+    prompt = "Emoji \U0001F642 then the end."
+    c = _client(server).completions.create(model=server.model, prompt=prompt, max_tokens=1, echo=True, logprobs=1,
+                                           temperature=0, seed=1234)  # fmt: skip
+    lp = c.choices[0].logprobs
+    assert len(lp.token_logprobs) == c.usage.prompt_tokens + 1 and lp.token_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    assert lp.text_offset[-1] == len(prompt) and c.choices[0].text.startswith(prompt)  # the answer starts after the echo
+    assert lp.text_offset[lp.tokens.index(" the")] == prompt.index(" the")  # after the emoji's 4 byte tokens
 
 
 def test_models_endpoint(server: Server) -> None:

@@ -228,3 +228,35 @@ class OpenAIServingBase(ABC):
             s = self.tokenizer.decode([token_id])
             self._token_str_cache[token_id] = s
         return s
+
+    def text_offsets(self, token_ids: List[int], text: str, start: int = 0, skip_special_tokens: bool = False) -> List[int]:
+        """Where each token begins in `text` (what the tokens decode to), in characters, plus `start`.
+
+        Not the sum of token_str lengths: a character split over byte tokens prints as one
+        U+FFFD per token but is one character of the text. The tokens are decoded
+        incrementally from the last point where they were in step with the text (the
+        detokenizer's window, kept as left context); a token begins where the decoded text
+        stops agreeing with `text`, so the bytes of one character all begin where it does, and
+        a lone invalid byte, a U+FFFD of the text too, is one character. Never decreasing, at
+        most len(text) (a special token the text skips)."""
+        offsets: List[int] = []
+        synced = 0  # characters of `text` that the tokens before `read` decode to
+        context, read = 0, 0  # left context start; first token past the last point in step
+        head, piece = "", ""  # decode(token_ids[context:read]); what tokens read.. decoded to so far
+        for k, _ in enumerate(token_ids):
+            agreed = synced + _common_prefix_len(piece, text[synced:])
+            offsets.append(start + max(agreed, offsets[-1] - start if offsets else 0))
+            piece = self.tokenizer.decode(token_ids[context : k + 1], skip_special_tokens=skip_special_tokens)[len(head) :]
+            if text.startswith(piece, synced):  # in step again: the text so far, exactly
+                synced += len(piece)
+                context, read = read, k + 1
+                head, piece = self.tokenizer.decode(token_ids[context:read], skip_special_tokens=skip_special_tokens), ""
+        return offsets
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

@@ -5,7 +5,9 @@ lists become a batch GenerateReqInput (one choice per prompt and sample, index =
 `echo` prepends the prompt text; `logprobs=k` returns OpenAI's legacy logprobs shape, and
 with `echo` the prompt's tokens come first in it (their logprobs computed from position 0, the
 first one null: nothing comes before it), as OpenAI's and SGLang's do. That is the request
-lm-eval-harness scores a continuation with (`max_tokens: 0`, `echo`, `logprobs`).
+lm-eval-harness scores a continuation with (`max_tokens: 1`, `echo`, `logprobs: 1`; it sums
+`token_logprobs[ctxlen:-1]`). `text_offset` counts characters of the decoded text
+(`text_offsets`), not token_str lengths.
 """
 
 from __future__ import annotations
@@ -69,27 +71,31 @@ class OpenAIServingCompletions(OpenAIServingBase):
         item = prompt[index // request.n] if isinstance(prompt[0], (str, list)) else prompt
         return item if isinstance(item, str) else self.tokenizer.decode(item)
 
-    def _logprobs(self, meta_info: Dict[str, Any], request: CompletionRequest, text_offset: int) -> Optional[CompletionLogprobs]:
-        """OpenAI's legacy logprobs of this output's tokens; with echo, the prompt's first (in the
-        message that carries them: the first of a stream), their text offsets from 0."""
+    def _logprobs(
+        self, meta_info: Dict[str, Any], request: CompletionRequest, echoed: str, text: str, text_start: int
+    ) -> Optional[CompletionLogprobs]:
+        """OpenAI's legacy logprobs of this message's output tokens, whose `text` begins at
+        character `text_start` of the choice's text; with echo, the prompt's tokens first (in the
+        message that carries them: the first of a stream), over the `echoed` text from 0."""
         if request.logprobs is None:
             return None
         result = CompletionLogprobs()
         if request.echo:
-            self._add_logprobs(result, request, meta_info.get("input_token_logprobs") or [], meta_info.get("input_top_logprobs") or [], 0)
-        self._add_logprobs(result, request, meta_info.get("output_token_logprobs") or [], meta_info.get("output_top_logprobs") or [], text_offset)
+            prompt = (meta_info.get("input_token_logprobs") or [], meta_info.get("input_top_logprobs") or [])
+            self._add_logprobs(result, request, *prompt, echoed, 0, skip_special_tokens=False)
+        output = (meta_info.get("output_token_logprobs") or [], meta_info.get("output_top_logprobs") or [])
+        self._add_logprobs(result, request, *output, text, text_start, request.skip_special_tokens)
         return result
 
     def _add_logprobs(
         self, result: CompletionLogprobs, request: CompletionRequest, token_logprobs: List[Any], top_logprobs: List[Any],
-        text_offset: int,
+        text: str, text_start: int, skip_special_tokens: bool,
     ) -> None:  # fmt: skip
+        ids = [token_id for _, token_id, _ in token_logprobs]
+        result.text_offset.extend(self.text_offsets(ids, text, text_start, skip_special_tokens))
         for k, (logprob, token_id, _) in enumerate(token_logprobs):
-            token = self.token_str(token_id)
-            result.tokens.append(token)
+            result.tokens.append(self.token_str(token_id))
             result.token_logprobs.append(logprob)
-            result.text_offset.append(text_offset)
-            text_offset += len(token)
             top = top_logprobs[k] if k < len(top_logprobs) else None  # None: the prompt's first token
             result.top_logprobs.append({self.token_str(tid): lp for lp, tid, _ in top} if request.logprobs and top else None)
 
@@ -107,7 +113,7 @@ class OpenAIServingCompletions(OpenAIServingBase):
                 CompletionResponseChoice(
                     index=index,
                     text=prefix + out["text"],
-                    logprobs=self._logprobs(meta, request, len(prefix)),
+                    logprobs=self._logprobs(meta, request, prefix, out["text"], len(prefix)),
                     finish_reason=finish_reason,
                     matched_stop=matched,
                 )
@@ -130,10 +136,11 @@ class OpenAIServingCompletions(OpenAIServingBase):
             index = out.get("index", 0)
             meta = out["meta_info"]
             usage.update(index, meta)
-            text = out["text"]
-            if index not in text_offsets:
-                text = (self._prompt_text(request, index) if request.echo else "") + text
-                text_offsets[index] = len(text) - len(out["text"])
+            echoed = ""
+            if index not in text_offsets:  # the choice's first chunk: the echoed prompt comes first
+                echoed = self._prompt_text(request, index) if request.echo else ""
+                text_offsets[index] = len(echoed)
+            text = echoed + out["text"]
             reason = meta["finish_reason"]
             status = abort_status(reason)
             if status is not None:
@@ -141,7 +148,7 @@ class OpenAIServingCompletions(OpenAIServingBase):
                 yield sse_data("[DONE]")
                 return
             finish_reason, matched = openai_finish_reason(reason)
-            logprobs = self._logprobs(meta, request, text_offsets[index])
+            logprobs = self._logprobs(meta, request, echoed, out["text"], text_offsets[index])
             text_offsets[index] += len(out["text"])
             if text or finish_reason is not None or (logprobs is not None and logprobs.tokens):
                 yield chunk(CompletionResponseChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason, matched_stop=matched))
