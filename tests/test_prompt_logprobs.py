@@ -143,7 +143,7 @@ def test_prompt_logprobs_stream_once_in_the_first_chunk(engine: Any) -> None:
 
 
 def test_max_new_tokens_zero_scores_the_prompt_alone(engine: Any, hf_logprobs: torch.Tensor) -> None:
-    """lm-eval-harness's loglikelihood request: score a prompt, generate nothing."""
+    """Score a prompt, generate nothing (echo + logprobs with max_tokens 0)."""
     out = engine.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0)
     assert out["output_ids"] == [] and out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
     torch.testing.assert_close(torch.tensor(_values(out["meta_info"])[1:]), hf_logprobs, rtol=TOL, atol=TOL)
@@ -189,3 +189,24 @@ def test_a_bad_logprob_start_len_says_what_to_change(engine: Any, kwargs: dict, 
         with pytest.raises(ValueError, match=needle):
             call(input_ids=PROMPT, sampling_params={"max_new_tokens": 1}, **kwargs)
     assert not engine.has_unfinished_requests()
+
+
+def test_lpm_does_not_hold_back_a_request_that_can_reuse_no_prefix(tiny_model: str) -> None:
+    """lpm's in-batch prefix check waits for an earlier queued request to fill the cache; a request
+    whose prompt logprobs start at 0 can reuse nothing, so it keeps its turn (SGLang checks
+    max_prefix_ids; the whole prompt sent C behind B)."""
+    engine = Engine(tiny_model, device="cpu", max_total_tokens=2048, context_length=256, schedule_policy="lpm",
+                    prefill_max_requests=1)  # fmt: skip
+    try:
+        shared = list(range(100, 150))
+        params = {**GREEDY, "max_new_tokens": 1}
+        engine.add_request(input_ids=shared + [7], sampling_params=params, rid="A", return_logprob=True, logprob_start_len=0)
+        engine.add_request(input_ids=shared + [8], sampling_params=params, rid="C", return_logprob=True, logprob_start_len=0)
+        engine.add_request(input_ids=list(range(400, 410)), sampling_params=params, rid="B")
+        order: List[str] = []
+        while engine.has_unfinished_requests():
+            order += [e["rid"] for e in engine.step()["events"] if e["type"] == "prefill_done"]
+        assert order == ["A", "C", "B"]
+        assert engine.get_result("C")["meta_info"]["cached_tokens"] == 0
+    finally:
+        engine.shutdown()

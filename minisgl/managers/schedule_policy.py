@@ -256,16 +256,18 @@ class SchedulePolicy:
         deprioritized = set()
         in_queue: List[List[int]] = []  # prompts that will populate the cache first
         for r in waiting_queue:
-            fill_ids = r.origin_input_ids + r.output_ids
-            match = self.tree_cache.match_prefix(r.max_prefix_ids())
+            # what a match may cover, as SGLang's: a request whose prompt logprobs start at 0 can
+            # reuse nothing, so it waits for no other request to fill the cache
+            key = r.max_prefix_ids()
+            match = self.tree_cache.match_prefix(key)
             r.prefix_indices, r.last_node = match.device_indices, match.last_device_node
             if len(r.prefix_indices) > IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD:
                 continue
-            best = max((_common_prefix_len(fill_ids, other) for other in in_queue), default=0)
+            best = max((_common_prefix_len(key, other) for other in in_queue), default=0)
             if best >= IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD:
                 deprioritized.add(r.rid)
             else:
-                in_queue.append(fill_ids)
+                in_queue.append(key)
         return deprioritized
 
     @staticmethod
