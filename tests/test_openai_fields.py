@@ -159,18 +159,21 @@ def test_text_offsets_point_at_each_token_in_the_text(tiny_model: str) -> None:
     text = "Emoji \U0001F642 then the end. Caf\u00e9 na\u00efve \u65e5\u672c"
     ids = tok.encode(text, add_special_tokens=False)
     assert tok.decode(ids) == text and any(tok.decode([i]) == "\ufffd" for i in ids)  # the premise: byte tokens
-    offsets = OpenAIServingBase.text_offsets(SimpleNamespace(tokenizer=tok), ids, text, 10)
+    offsets = OpenAIServingBase.text_offsets(SimpleNamespace(tokenizer=tok, token_str=lambda i: tok.decode([i])), ids, text, 10)
     assert offsets == sorted(offsets) and offsets[0] == 10 and offsets[-1] <= 10 + len(text)
     for token_id, offset in zip(ids, offsets):
         piece = tok.decode([token_id])
         if piece != "\ufffd":
             assert text[offset - 10 : offset - 10 + len(piece)] == piece, (piece, offset)
     assert offsets[ids.index(tok.encode("\U0001F642", add_special_tokens=False)[0])] == 10 + text.index("\U0001F642")
+    # a special token the text leaves out (a BOS the tokenizer added) takes no room
+    with_bos = OpenAIServingBase.text_offsets(SimpleNamespace(tokenizer=tok, token_str=lambda i: tok.decode([i])), [0] + ids, text, 10)
+    assert with_bos == [10] + offsets
     # bytes that never complete a character are each a U+FFFD of the text: one character apiece
     lone = [i for i in range(len(tok)) if tok.decode([i]) == "\ufffd"][:2] + tok.encode("Gor", add_special_tokens=False)
     garbled = tok.decode(lone)
     assert garbled.startswith("\ufffd\ufffdG")
-    assert OpenAIServingBase.text_offsets(SimpleNamespace(tokenizer=tok), lone, garbled)[:3] == [0, 1, 2]
+    assert OpenAIServingBase.text_offsets(SimpleNamespace(tokenizer=tok, token_str=lambda i: tok.decode([i])), lone, garbled)[:3] == [0, 1, 2]
 
 
 def test_chat_logprobs_carry_the_top_alternatives_asked_for(tiny_model: str, tmp_path: Any) -> None:

@@ -7,7 +7,7 @@ the detokenizer would send them."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, List
 
 import pytest
 from fastapi.testclient import TestClient
@@ -175,3 +175,55 @@ def test_the_context_gate_lets_a_request_fill_the_context_exactly() -> None:
     for r, limit in ((req(CONTEXT_LEN, 0), None), (req(10, CONTEXT_LEN - 9), None), (req(CONTEXT_LEN - 6, 1), CONTEXT_LEN - 6)):
         with pytest.raises(ValueError):
             validate_context_length(r, CONTEXT_LEN, allow_auto_truncate=False, max_req_input_len=limit)
+
+
+@pytest.fixture(scope="module")
+def bos_model(tiny_model_factory: Any, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny Llama with a Llama-style tokenizer: it puts a BOS (<|endoftext|>, id 0: the
+    vocabulary is full) before every text it encodes with special tokens, and its chat template
+    writes {{ bos_token }} itself."""
+    import shutil
+
+    from tokenizers import processors
+
+    from minisgl.utils import get_tokenizer
+
+    path = str(tmp_path_factory.mktemp("bos") / "model")
+    shutil.copytree(tiny_model_factory("llama"), path)
+    tok = get_tokenizer(path)
+    tok.bos_token = "<|endoftext|>"
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)]
+    )
+    tok.chat_template = "{{ bos_token }}" + tok.chat_template
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_text_prompt_gets_the_bos_and_a_chat_prompt_only_the_templates(bos_model: str, tmp_path: Any, dynamic: bool) -> None:
+    """SGLang (and vLLM) encode a text prompt with the tokenizer's special tokens: a Llama model
+    sees its <s>. A chat prompt is the rendered template, which writes the BOS itself: one, not two.
+    Token-id prompts are sent as they are."""
+    from minisgl.utils import get_tokenizer
+
+    tm = _make_tm(bos_model, tmp_path, enable_dynamic_batch_tokenizer=dynamic)
+    sent: List[Any] = []
+
+    def send(msg: Any) -> None:  # record what would reach the scheduler, then fail fast (no scheduler)
+        sent.append(msg)
+        raise RuntimeError("recorded")
+
+    tm._send_to_scheduler = send  # type: ignore[method-assign]
+    body = {"model": tm.model_name, "max_tokens": 1}
+    with TestClient(create_app(tm.server_args, tm, is_healthy=lambda: True), raise_server_exceptions=False) as c:
+        c.post("/v1/completions", json={**body, "prompt": "hi there"})
+        c.post("/v1/completions", json={**body, "prompt": [5, 6]})
+        c.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "hi there"}]})
+        c.post("/generate", json={"text": "hi there", "sampling_params": {"max_new_tokens": 1}})
+    tm.close()
+    plain = get_tokenizer(bos_model).encode("hi there", add_special_tokens=False)
+    completion, ids_prompt, chat, native = (msg.input_ids for msg in sent)
+    assert completion == native == [0] + plain
+    assert ids_prompt == [5, 6]
+    assert chat[0] == 0 and chat.count(0) == 1

@@ -75,6 +75,9 @@ class GenerateReqInput:
     stream: bool = False
     priority: Optional[int] = None
     log_metrics: bool = True  # False for /health_generate's probe (SGLang's field)
+    # the tokenizer's special tokens (a BOS) around a text prompt, as SGLang's and vLLM's
+    # completions; False for a rendered chat template, which writes its own
+    add_special_tokens: bool = True
     # filled by normalize_batch_and_arguments()
     is_single: bool = True
     batch_size: int = 1
@@ -129,6 +132,7 @@ class GenerateReqInput:
             stream=self.stream,
             priority=self.priority,
             log_metrics=self.log_metrics,
+            add_special_tokens=self.add_special_tokens,
         )
 
     def singles(self) -> List["GenerateReqInput"]:

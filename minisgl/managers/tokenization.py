@@ -32,15 +32,17 @@ def check_text(text: str) -> None:
         raise ValueError(f"The prompt is not valid Unicode: character {at} is a lone surrogate ({text[at]!r}); send UTF-8 text")
 
 
-def encode_text(tokenizer: Any, text: str) -> List[int]:
-    """Prompt text -> ids. Special tokens in the text (e.g. a rendered chat template) stay special."""
+def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True) -> List[int]:
+    """Prompt text -> ids. Special tokens in the text (e.g. a rendered chat template) stay special;
+    add_special_tokens adds the tokenizer's own around it (a Llama tokenizer's BOS: without it such
+    a model continues a raw prompt noticeably worse), as SGLang's TokenizerManager does."""
     check_text(text)
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-def encode_texts(tokenizer: Any, texts: List[str]) -> List[List[int]]:
+def encode_texts(tokenizer: Any, texts: List[str], add_special_tokens: bool = True) -> List[List[int]]:
     """Several prompts in one batched tokenizer call (the dynamic batch tokenizer's unit of work)."""
-    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
 
 
 def validate_input_ids(input_ids: List[int], vocab_size: int) -> None:
@@ -94,7 +96,7 @@ def tokenize_one_request(tokenizer: Any, obj: GenerateReqInput, vocab_size: int)
     else:
         assert isinstance(obj.text, str)
         input_text = obj.text
-        input_ids = encode_text(tokenizer, input_text)
+        input_ids = encode_text(tokenizer, input_text, obj.add_special_tokens)
     return create_tokenized_object(obj, input_text, input_ids, tokenizer, vocab_size)
 
 

@@ -197,16 +197,16 @@ class AsyncDynamicBatchTokenizer:
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.batch_wait_timeout_s = batch_wait_timeout_s
-        self.pending: List[Tuple[str, asyncio.Future]] = []
+        self.pending: List[Tuple[str, bool, asyncio.Future]] = []  # text, add_special_tokens, its ids
         # the sizes of the last batched tokenizer calls (what tests read); bounded: a server runs for days
         self.batch_sizes: Deque[int] = collections.deque(maxlen=1024)
         self._worker: Optional[asyncio.Task] = None
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dyn-tokenizer")
 
-    async def encode(self, text: str) -> List[int]:
+    async def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
         tokenization.check_text(text)  # bad text fails here, alone, before it joins anyone's batch
         fut = asyncio.get_running_loop().create_future()
-        self.pending.append((text, fut))
+        self.pending.append((text, add_special_tokens, fut))
         if self._worker is None or self._worker.done():
             self._worker = asyncio.get_running_loop().create_task(self._run())
         return await fut
@@ -215,17 +215,21 @@ class AsyncDynamicBatchTokenizer:
         await asyncio.sleep(self.batch_wait_timeout_s)  # let concurrent arrivals join the batch
         loop = asyncio.get_running_loop()
         while self.pending:
-            batch, self.pending = self.pending[: self.max_batch_size], self.pending[self.max_batch_size :]
-            texts = [text for text, _ in batch]
+            # one call per add_special_tokens value (chat prompts take none, completions the BOS)
+            special = self.pending[0][1]
+            same = [item for item in self.pending if item[1] == special]
+            batch = same[: self.max_batch_size]
+            self.pending = [item for item in self.pending if not any(item is b for b in batch)]
+            texts = [text for text, _, _ in batch]
             self.batch_sizes.append(len(texts))
             try:
-                ids = await loop.run_in_executor(self._executor, tokenization.encode_texts, self.tokenizer, texts)
+                ids = await loop.run_in_executor(self._executor, tokenization.encode_texts, self.tokenizer, texts, special)
             except Exception:
                 # the batched call failed: tokenize one by one, so that only the text at
                 # fault fails and the requests that shared its batch go on
-                for text, fut in batch:
+                for text, _, fut in batch:
                     try:
-                        row = await loop.run_in_executor(self._executor, tokenization.encode_text, self.tokenizer, text)
+                        row = await loop.run_in_executor(self._executor, tokenization.encode_text, self.tokenizer, text, special)
                     except Exception as e:
                         if not fut.done():
                             fut.set_exception(e)
@@ -233,7 +237,7 @@ class AsyncDynamicBatchTokenizer:
                         if not fut.done():
                             fut.set_result(list(row))
                 continue
-            for (_, fut), row in zip(batch, ids):
+            for (_, _, fut), row in zip(batch, ids):
                 if not fut.done():
                     fut.set_result(list(row))
 
@@ -418,7 +422,7 @@ class TokenizerManager:
                 )
             obj.text = obj.text[: self.max_prompt_chars]  # still past the context: the gate truncates it
         if obj.input_ids is None and self.dynamic_batch_tokenizer is not None:
-            input_ids = await self._tokenize_texts(obj.text)
+            input_ids = await self._tokenize_texts(obj.text, obj.add_special_tokens)
             tokenized = self._create_tokenized_object(obj, obj.text, input_ids)
         elif _text_chars(obj) > TOKENIZE_OFF_LOOP_CHARS:
             # A big prompt (or stop list) takes seconds to tokenize, and on this event loop every
@@ -432,9 +436,9 @@ class TokenizerManager:
         self._validate_one_request(tokenized)
         return tokenized
 
-    async def _tokenize_texts(self, text: str) -> List[int]:
+    async def _tokenize_texts(self, text: str, add_special_tokens: bool = True) -> List[int]:
         assert self.dynamic_batch_tokenizer is not None
-        return await self.dynamic_batch_tokenizer.encode(text)
+        return await self.dynamic_batch_tokenizer.encode(text, add_special_tokens)
 
     def _create_tokenized_object(self, obj: GenerateReqInput, text: Optional[str], ids: List[int]) -> TokenizedGenerateReqInput:
         return tokenization.create_tokenized_object(obj, text, ids, self.tokenizer, self.vocab_size)

@@ -229,7 +229,7 @@ class OpenAIServingBase(ABC):
             self._token_str_cache[token_id] = s
         return s
 
-    def text_offsets(self, token_ids: List[int], text: str, start: int = 0, skip_special_tokens: bool = False) -> List[int]:
+    def text_offsets(self, token_ids: List[int], text: str, start: int = 0) -> List[int]:
         """Where each token begins in `text` (what the tokens decode to), in characters, plus `start`.
 
         Not the sum of token_str lengths: a character split over byte tokens prints as one
@@ -237,20 +237,26 @@ class OpenAIServingBase(ABC):
         incrementally from the last point where they were in step with the text (the
         detokenizer's window, kept as left context); a token begins where the decoded text
         stops agreeing with `text`, so the bytes of one character all begin where it does, and
-        a lone invalid byte, a U+FFFD of the text too, is one character. Never decreasing, at
-        most len(text) (a special token the text skips)."""
+        a lone invalid byte, a U+FFFD of the text too, is one character. A special token the
+        text leaves out (a BOS the tokenizer added, one skip_special_tokens dropped) takes no
+        room. Never decreasing, at most start + len(text)."""
+        special_ids = set(self.tokenizer.all_special_ids)
         offsets: List[int] = []
-        synced = 0  # characters of `text` that the tokens before `read` decode to
-        context, read = 0, 0  # left context start; first token past the last point in step
-        head, piece = "", ""  # decode(token_ids[context:read]); what tokens read.. decoded to so far
-        for k, _ in enumerate(token_ids):
+        synced = 0  # characters of `text` the tokens up to the last point in step decode to
+        context: List[int] = []  # the last group in step: left context for decoding the next
+        pending: List[int] = []  # the tokens since, not yet in step with the text
+        head, piece = "", ""  # decode(context); what context + pending decode to past it
+        for token_id in token_ids:
             agreed = synced + _common_prefix_len(piece, text[synced:])
             offsets.append(start + max(agreed, offsets[-1] - start if offsets else 0))
-            piece = self.tokenizer.decode(token_ids[context : k + 1], skip_special_tokens=skip_special_tokens)[len(head) :]
+            if token_id in special_ids and not text.startswith(self.token_str(token_id), agreed):
+                continue
+            pending.append(token_id)
+            piece = self.tokenizer.decode(context + pending)[len(head) :]
             if text.startswith(piece, synced):  # in step again: the text so far, exactly
                 synced += len(piece)
-                context, read = read, k + 1
-                head, piece = self.tokenizer.decode(token_ids[context:read], skip_special_tokens=skip_special_tokens), ""
+                context, pending = pending, []
+                head, piece = self.tokenizer.decode(context), ""
         return offsets
 
 

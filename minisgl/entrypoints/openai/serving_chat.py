@@ -87,6 +87,7 @@ class OpenAIServingChat(OpenAIServingBase):
     def _convert_to_internal_request(self, request: ChatCompletionRequest) -> GenerateReqInput:
         return GenerateReqInput(
             text=self._apply_chat_template(request),
+            add_special_tokens=False,  # the template writes the BOS itself where the model wants one
             sampling_params=request.to_sampling_params(self.tokenizer_manager.default_sampling_params),
             rid=request.rid,
             return_logprob=request.logprobs,

@@ -82,17 +82,17 @@ class OpenAIServingCompletions(OpenAIServingBase):
         result = CompletionLogprobs()
         if request.echo:
             prompt = (meta_info.get("input_token_logprobs") or [], meta_info.get("input_top_logprobs") or [])
-            self._add_logprobs(result, request, *prompt, echoed, 0, skip_special_tokens=False)
+            self._add_logprobs(result, request, *prompt, echoed, 0)
         output = (meta_info.get("output_token_logprobs") or [], meta_info.get("output_top_logprobs") or [])
-        self._add_logprobs(result, request, *output, text, text_start, request.skip_special_tokens)
+        self._add_logprobs(result, request, *output, text, text_start)
         return result
 
     def _add_logprobs(
         self, result: CompletionLogprobs, request: CompletionRequest, token_logprobs: List[Any], top_logprobs: List[Any],
-        text: str, text_start: int, skip_special_tokens: bool,
+        text: str, text_start: int,
     ) -> None:  # fmt: skip
         ids = [token_id for _, token_id, _ in token_logprobs]
-        result.text_offset.extend(self.text_offsets(ids, text, text_start, skip_special_tokens))
+        result.text_offset.extend(self.text_offsets(ids, text, text_start))
         for k, (logprob, token_id, _) in enumerate(token_logprobs):
             result.tokens.append(self.token_str(token_id))
             result.token_logprobs.append(logprob)
