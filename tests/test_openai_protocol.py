@@ -195,6 +195,16 @@ def test_a_bad_logprob_start_len_is_a_400_that_names_it(client: TestClient, body
     assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
 
 
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions", "/generate"])
+def test_a_body_without_a_json_content_type_says_to_send_one(client: TestClient, route: str) -> None:
+    """`curl -d '{...}'` without -H sends application/x-www-form-urlencoded: FastAPI then does not
+    parse JSON, and pydantic's message ("Input should be a valid dictionary") hid why."""
+    body = json.dumps({"model": client.model, "prompt": "hi", "text": "hi", "messages": []})
+    r = client.post(route, content=body, headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"], r.text
+    assert "x-www-form-urlencoded" in r.json()["error"]["message"]
+
+
 def test_bad_json_is_400_not_422(client: TestClient) -> None:
     r = client.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400

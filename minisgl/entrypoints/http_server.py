@@ -118,6 +118,12 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        content_type = request.headers.get("content-type", "")
+        if "json" not in content_type and any(tuple(err.get("loc", ())) == ("body",) for err in exc.errors()):
+            # FastAPI reads a body as JSON only when it says so: `curl -d '{...}'` sends a form
+            # type, and pydantic's "Input should be a valid dictionary" said nothing useful
+            message = f"Send the request body as JSON with Content-Type: application/json (got {content_type or 'no Content-Type'!r})"
+            return create_error_response(message, 400)
         message, param = _validation_message(exc)
         return create_error_response(message, 400, param=param)  # 400, never FastAPI's 422
 
