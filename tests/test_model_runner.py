@@ -314,6 +314,27 @@ def test_loader_errors_name_the_checkpoint_tensor(tiny_model_factory: Callable[.
         make_runner(missing)
 
 
+def test_a_checkpoint_with_fused_qkv_and_gate_up_loads_the_same_model(tiny_model_factory: Callable[..., str], tmp_path: Any) -> None:
+    """Some checkpoints store q/k/v (and gate/up) already fused, under the fused names: the
+    loader copies them whole (_ShardedLinear's shard_id None) and counts every shard as filled."""
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_model_factory("llama")
+    fused = _copy_with(src, str(tmp_path / "fused"))
+    weights = load_file(os.path.join(fused, "model.safetensors"))
+    for layer in range(2):
+        attn, mlp = f"model.layers.{layer}.self_attn.", f"model.layers.{layer}.mlp."
+        weights[attn + "qkv_proj.weight"] = torch.cat([weights.pop(f"{attn}{n}_proj.weight") for n in "qkv"])
+        weights[mlp + "gate_up_proj.weight"] = torch.cat([weights.pop(f"{mlp}{n}_proj.weight") for n in ("gate", "up")])
+    save_file(weights, os.path.join(fused, "model.safetensors"), metadata={"format": "pt"})
+    prompt = [[5, 9, 200, 31, 7, 77]]
+    logits = []
+    for path in (src, fused):
+        d = BatchDriver(make_runner(path))
+        logits.append(d.extend([d.new_req()], prompt).next_token_logits)
+    assert torch.equal(logits[0], logits[1])
+
+
 def test_unsupported_architecture_names_the_supported_ones(tiny_model: str, tmp_path: Any) -> None:
     def cfg(d: dict) -> None:
         d["architectures"] = ["GPT2LMHeadModel"]

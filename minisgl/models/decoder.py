@@ -185,7 +185,8 @@ class DecoderForCausalLM(nn.Module):
                     owner.weight_loader(param, tensor, shard_id)
             except ValueError as e:  # name the tensor: a config that disagrees with its weights
                 raise ValueError(f"checkpoint tensor {name!r} does not fit {target!r}: {e}") from None
-            loaded.add(f"{target}:{shard_id}")
+            # a tensor stored fused (qkv_proj, gate_up_proj) fills every shard of its parameter
+            loaded.update(f"{target}:{s}" for s in (_shards_of(target) if shard_id is None else (shard_id,)))
         if tied_head is not None:
             self._load_tied_head(tied_head, params["model.embed_tokens.weight"], loaded)
         expected = {f"{n}:{s}" for n in params for s in _shards_of(n)}
