@@ -124,6 +124,17 @@ def test_logprobs_of_masked_tokens_are_finite_numbers(engine):
     assert min(lp for lp, _, _ in first_step) < -1e30  # the masked EOS: as low as float32 goes
 
 
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_stop_ids_covering_the_vocabulary_are_not_all_masked(engine, temperature):
+    """min_new_tokens masks the stop ids; when they are every token, masking them all left a row
+    of -inf: an arbitrary token with a NaN logprob. Unmasked, the request stops at once."""
+    params = {"temperature": temperature, "max_new_tokens": 3, "min_new_tokens": 2, "stop_token_ids": list(range(engine.vocab_size))}
+    out = engine.generate(input_ids=PROMPT, sampling_params=params, return_logprob=True)
+    meta = out["meta_info"]
+    json.dumps(meta, allow_nan=False)
+    assert meta["finish_reason"]["type"] == "stop" and len(meta["output_token_logprobs"]) == 1
+
+
 def test_logprob_lists_are_present_and_empty_when_not_asked_for(engine):
     meta = engine.generate(input_ids=PROMPT, sampling_params={**LONG, "max_new_tokens": 3})["meta_info"]
     assert meta["output_token_logprobs"] == [] and meta["output_top_logprobs"] == []  # the server's shape

@@ -90,7 +90,10 @@ class BatchedPenalizerOrchestrator:
 
 
 def _blocked_stop_ids(req: Any, eos_token_ids: Set[int], vocab_size: int) -> List[int]:
-    """Stop ids to mask for this request now: only while it is below min_new_tokens."""
+    """Stop ids to mask for this request now: only while it is below min_new_tokens, and never
+    the whole vocabulary (stop_token_ids covering every token: an all -inf row samples an
+    arbitrary token with a NaN logprob; unmasked, the request stops at its first token)."""
     if len(req.output_ids) >= req.sampling_params.min_new_tokens:
         return []
-    return sorted(t for t in stop_token_set(req.sampling_params, eos_token_ids) if 0 <= t < vocab_size)
+    blocked = sorted(t for t in stop_token_set(req.sampling_params, eos_token_ids) if 0 <= t < vocab_size)
+    return [] if len(blocked) == vocab_size else blocked
