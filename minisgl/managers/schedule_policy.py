@@ -28,6 +28,8 @@ from minisgl.managers.schedule_batch import CLIP_MAX_NEW_TOKENS, Req, ScheduleBa
 from minisgl.mem_cache.allocator import ceil_paged_tokens
 from minisgl.server_args import SCHEDULE_POLICIES
 
+# the policies that order by radix-tree matches (SGLang's CacheAwarePolicy); the rest are CacheAgnosticPolicy
+CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")
 # lpm degrades to fcfs above this many waiting requests (matching them all costs too much)
 LPM_FALLBACK_QUEUE_LEN = 128
 # in-batch prefix caching thresholds (SGLang env defaults)
@@ -221,7 +223,7 @@ class SchedulePolicy:
         if policy not in SCHEDULE_POLICIES:
             raise ValueError(f"unknown schedule policy {policy!r}")
         # a cache-aware policy without a cache is fcfs
-        if policy in ("lpm", "dfs-weight") and getattr(tree_cache, "disable", False):
+        if policy in CACHE_AWARE_POLICIES and getattr(tree_cache, "disable", False):
             policy = "fcfs"
         self.policy = policy
         self.tree_cache = tree_cache
