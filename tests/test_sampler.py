@@ -11,7 +11,7 @@ import torch
 
 from minisgl.layers.sampler import Sampler, SampleOutput, gumbel_noise
 from minisgl.sampling.sampling_batch_info import SamplingBatchInfo
-from minisgl.sampling.sampling_params import SamplingParams
+from minisgl.sampling.sampling_params import SamplingParams, check_type
 
 V = 8
 EOS = 7
@@ -259,3 +259,11 @@ def test_unseeded_requests_batched_with_a_seeded_one_still_sample_at_random() ->
     assert len(set(unseeded.tolist())) >= 4
     freq = torch.bincount(unseeded, minlength=V).float() / n
     assert abs(float(freq[0]) - 0.40) < 0.08
+
+
+@pytest.mark.parametrize("key", SamplingParams.KEYS)
+def test_every_sampling_key_refuses_a_value_of_the_wrong_type(key: str) -> None:
+    """check_type lets any value through for a key it has no rule for: a new key in
+    SamplingParams.KEYS must get one, or a wrong type reaches the scheduler."""
+    with pytest.raises(ValueError, match=key):
+        check_type(key, object())
