@@ -6,7 +6,8 @@ and request-row pool small enough to force eviction and retraction, policy,
 max_running_requests, conservativeness, prefill caps) and a workload (shared system
 prefixes, prompts that are prefixes, copies or continuations of earlier ones, n > 1
 copies under several rids, stop token ids / stop strings / min_new_tokens picked so they
-fire, seeded sampling, logprobs, streaming, prompts at the length limit, staggered
+fire, seeded sampling, logprobs (prompt logprobs from a random position too), streaming,
+prompts at the length limit, staggered
 arrivals in waves with idle gaps between them, aborts after a delay or once a request is
 seen waiting, mid-chunk, just prefilled, decoding, retracted or riding a mixed batch, an
 abort of everything at once, flush_cache while idle and refused while busy). About 40% of
@@ -26,7 +27,9 @@ What it checks, and why:
   inside one step hits the test's timeout).
 - Greedy outputs and finish reasons equal the same request run alone on an unchunked,
   cache-less reference engine (seeded sampling too); a request aborted while unfinished
-  ends as an abort, its output a prefix of the solo one.
+  ends as an abort, its output a prefix of the solo one. Prompt logprobs, gathered over
+  chunks, pages and cache hits (a cached token's logits are gone: the prefix cap), equal
+  the reference engine's, once, in SGLang's layout.
 - When idle, `Scheduler.check_memory_when_idle`; at the end `flush_cache` frees every
   page and row and the engine still serves a new request (a stale `batch_is_full` kept
   across a flush once left every later request waiting forever).
@@ -80,6 +83,12 @@ class SoloRuns:
             out = self.engine.generate(input_ids=prompt, sampling_params=dict(params))
             self._cache[key] = (out["output_ids"], out["meta_info"]["finish_reason"])
         return self._cache[key]
+
+    def prompt_logprobs(self, prompt: List[int], start: int) -> List[Any]:
+        """The prompt's (logprob, id, text) entries from `start`, scored alone."""
+        params = {"max_new_tokens": 0}
+        return self.engine.generate(input_ids=prompt, sampling_params=params, return_logprob=True,
+                                    logprob_start_len=start)["meta_info"]["input_token_logprobs"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +145,7 @@ class Job:
     abort_in: Optional[str]  # ... or the first time it is seen in this state (ABORT_STATES)
     return_logprob: bool
     stream: bool
+    logprob_start_len: int = -1  # drawn apart (test body), so the workloads of the seeds stay as they were
 
 
 def _tokens(rng: random.Random, n: int) -> List[int]:
@@ -385,7 +395,7 @@ def run_workload(engine: Engine, jobs: List[Job], rng: random.Random,
             for copy in range(job.copies):
                 rid = engine.add_request(
                     input_ids=job.prompt, sampling_params=job.params, rid=f"r{len(rid_job)}",
-                    return_logprob=job.return_logprob, stream=job.stream,
+                    return_logprob=job.return_logprob, stream=job.stream, logprob_start_len=job.logprob_start_len,
                 )  # fmt: skip
                 rid_job[rid] = job
                 if job.abort_after is not None:
@@ -435,6 +445,10 @@ def test_random_workload_matches_solo_runs_and_never_leaks(tiny_model: str, solo
     rng, pressure, config = draw_case(seed)
     engine = Engine(tiny_model, **config)
     jobs = draw_workload(rng, engine, solo, pressure)
+    lp_rng = random.Random(1_000_003 * (seed + 1))
+    for job in jobs:
+        if job.return_logprob and lp_rng.random() < 0.7:
+            job.logprob_start_len = lp_rng.randrange(0, len(job.prompt) + 1)
     abort_all_at = rng.randrange(1, 80) if rng.random() < 0.2 else None
     rid_job, aborted = run_workload(engine, jobs, rng, abort_all_at)
 
@@ -447,6 +461,15 @@ def test_random_workload_matches_solo_runs_and_never_leaks(tiny_model: str, solo
             assert output == expected_output[: len(output)], f"{rid}: aborted output is not a prefix of the solo run"
         else:
             assert (output, finish) == (expected_output, expected_finish), f"{rid}: differs from the solo run"
+        scored = result["meta_info"]["input_token_logprobs"]
+        if job.logprob_start_len >= 0 and (scored or rid not in aborted):  # (an abort mid-prompt has none)
+            expected = solo.prompt_logprobs(job.prompt, job.logprob_start_len)
+            assert [t for _, t, _ in scored] == [t for _, t, _ in expected] == job.prompt[job.logprob_start_len :], rid
+            assert [lp is None for lp, _, _ in scored] == [lp is None for lp, _, _ in expected], rid
+            ours, theirs = ([lp for lp, _, _ in entries if lp is not None] for entries in (scored, expected))
+            assert ours == pytest.approx(theirs, abs=1e-4), f"{rid}: prompt logprobs differ from the solo run"
+        else:
+            assert scored == [], rid
 
     # flushed at the end, the engine is empty and still serves
     assert engine.flush_cache()
