@@ -1290,3 +1290,40 @@ def test_a_prompt_with_n_samples_is_tokenized_once(tiny_model: str, tmp_path: An
             tm.close()
 
     asyncio.run(run())
+
+
+# --------------------------------------------------------------------------- /tokenize, /detokenize
+@pytest.mark.parametrize("prefix", ["/v1", ""])
+def test_tokenize_and_detokenize_round_trip_with_the_servers_tokenizer(client: TestClient, tokenizer: Any, prefix: str) -> None:
+    """SGLang's routes: the ids a text prompt of /v1/completions would take, and back."""
+    text = "Hello <|im_start|> w\u00f6rld \U0001F642"
+    r = client.post(f"{prefix}/tokenize", json={"model": client.model, "prompt": text})
+    body = r.json()
+    assert r.status_code == 200 and body["tokens"] == tokenizer.encode(text) and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == CONTEXT_LEN
+    batch = client.post(f"{prefix}/tokenize", json={"prompt": [text, "a"]}).json()  # (model is optional)
+    assert batch["tokens"] == [body["tokens"], tokenizer.encode("a")] and batch["count"] == [len(t) for t in batch["tokens"]]
+    back = client.post(f"{prefix}/detokenize", json={"tokens": body["tokens"], "skip_special_tokens": False}).json()
+    assert back == {"text": text}
+    skipped = client.post(f"{prefix}/detokenize", json={"tokens": [body["tokens"], [5]]}).json()["text"]
+    assert skipped == [tokenizer.decode(body["tokens"], skip_special_tokens=True), tokenizer.decode([5])]
+    assert "<|im_start|>" not in skipped[0]
+    big = "many words " * 3000  # past TOKENIZE_OFF_LOOP_CHARS: tokenized in a worker thread
+    assert client.post(f"{prefix}/tokenize", json={"prompt": big}).json()["tokens"] == tokenizer.encode(big)
+
+
+@pytest.mark.parametrize(
+    "route, body, status, needle",
+    [
+        ("/v1/tokenize", {"model": "other", "prompt": "a"}, 404, "other"),
+        ("/v1/tokenize", {"prompt": "a\ud800"}, 400, "lone surrogate"),
+        ("/v1/tokenize", {"prompt": 5}, 400, "prompt"),
+        ("/v1/detokenize", {"tokens": [1, 99999]}, 400, "tokens [99999] are outside the vocabulary"),
+        ("/v1/detokenize", {"tokens": [[1], [-1]]}, 400, "outside the vocabulary"),
+        ("/v1/detokenize", {"tokens": "abc"}, 400, "tokens"),
+        ("/v1/detokenize", {"model": "other", "tokens": [1]}, 404, "other"),
+    ],
+)
+def test_tokenize_routes_refuse_bad_input_by_name(client: TestClient, route: str, body: Dict[str, Any], status: int, needle: str) -> None:
+    r = client.post(route, content=json.dumps(body), headers={"content-type": "application/json"})
+    assert r.status_code == status and needle in r.json()["error"]["message"], r.text

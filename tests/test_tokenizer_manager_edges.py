@@ -221,9 +221,11 @@ def test_a_text_prompt_gets_the_bos_and_a_chat_prompt_only_the_templates(bos_mod
         c.post("/v1/completions", json={**body, "prompt": [5, 6]})
         c.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "hi there"}]})
         c.post("/generate", json={"text": "hi there", "sampling_params": {"max_new_tokens": 1}})
+        counted = c.post("/v1/tokenize", json={"prompt": "hi there"}).json()["tokens"]  # what a completion takes
+        bare = c.post("/v1/tokenize", json={"prompt": "hi there", "add_special_tokens": False}).json()["tokens"]
     tm.close()
     plain = get_tokenizer(bos_model).encode("hi there", add_special_tokens=False)
     completion, ids_prompt, chat, native = (msg.input_ids for msg in sent)
-    assert completion == native == [0] + plain
+    assert completion == native == counted == [0] + plain and bare == plain
     assert ids_prompt == [5, 6]
     assert chat[0] == 0 and chat.count(0) == 1

@@ -38,14 +38,17 @@ from minisgl.entrypoints.openai.protocol import (
     UNSUPPORTED_FIELDS,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     GenerateRequest,
     ModelCard,
     ModelList,
+    TokenizeRequest,
 )
 from minisgl.entrypoints.openai.serving_base import (
     create_error_response, error_body, prepend, sse_data, sse_response, unknown_model_response,
 )  # fmt: skip
 from minisgl.entrypoints.openai.serving_chat import OpenAIServingChat
+from minisgl.entrypoints.openai import serving_tokenize
 from minisgl.entrypoints.openai.serving_completions import OpenAIServingCompletions
 from minisgl.managers.io_struct import LOGPROB_META_KEYS, GenerateReqInput
 from minisgl.managers.tokenizer_manager import ReqAbortedError, TokenizerManager
@@ -191,6 +194,16 @@ def _add_generate_routes(app: FastAPI, tm: TokenizerManager) -> None:
     @app.post("/generate")
     async def generate(request: GenerateRequest, raw_request: Request) -> Response:
         return await _native_generate(tm, request, raw_request)
+
+    @app.post("/v1/tokenize")
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> Response:
+        return await serving_tokenize.tokenize(tm, request)
+
+    @app.post("/v1/detokenize")
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> Response:
+        return await serving_tokenize.detokenize(tm, request)
 
 
 def _add_ops_routes(app: FastAPI, tm: TokenizerManager, is_healthy: Callable[[], bool]) -> None:

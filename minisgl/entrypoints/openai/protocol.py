@@ -296,6 +296,25 @@ class CompletionStreamResponse(BaseModel):
     usage: Optional[UsageInfo] = None
 
 
+# --------------------------------------------------------------------------- /tokenize, /detokenize
+class TokenizeRequest(BaseModel):
+    """SGLang's /v1/tokenize body (also served at /tokenize)."""
+
+    model_config = _STRICT
+    model: Optional[str] = None
+    prompt: Union[str, List[str]]
+    add_special_tokens: bool = True  # as a text prompt of /v1/completions is encoded
+
+
+class DetokenizeRequest(BaseModel):
+    """SGLang's /v1/detokenize body (also served at /detokenize)."""
+
+    model_config = _STRICT
+    model: Optional[str] = None
+    tokens: Union[List[int], List[List[int]]]
+    skip_special_tokens: bool = True
+
+
 # --------------------------------------------------------------------------- native /generate
 class GenerateRequest(BaseModel):
     """SGLang's native /generate body: text or input_ids (single or batch) + sampling_params
