@@ -83,6 +83,10 @@ SAMPLES: Dict[str, Any] = {
         input_token_logprobs_idx=[[3, 4], []],
         input_top_logprobs_val=[[None, [-0.5]], []],
         input_top_logprobs_idx=[[None, [8]], []],
+        output_token_ids_logprobs_val=[[[-1.0, NEG_INF]], []],
+        output_token_ids_logprobs_idx=[[[3, 4]], []],
+        input_token_ids_logprobs_val=[[None, [-2.0, -3.0]], []],
+        input_token_ids_logprobs_idx=[[None, [3, 4]], []],
         time_stats=[{"queue": 0.01}, {"queue": 0.02, "e2e": 0.5}],
     ),
     "BatchStrOutput": BatchStrOutput(

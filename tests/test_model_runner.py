@@ -394,7 +394,7 @@ def test_forward_then_sample_end_to_end(tiny_model: str) -> None:
             self.origin_input_ids, self.output_ids = ids, []
             self.sampling_params = SamplingParams(**params)
             self.sampling_params.normalize()
-            self.return_logprob, self.top_logprobs_num = True, 2
+            self.return_logprob, self.top_logprobs_num, self.token_ids_logprob = True, 2, [3, 9]
 
     reqs = [Req([4, 8, 15, 16, 23], temperature=0), Req([42, 7], temperature=0.7, seed=3)]
     out = driver.extend([driver.new_req() for _ in reqs], [r.origin_input_ids for r in reqs])
@@ -403,6 +403,10 @@ def test_forward_then_sample_end_to_end(tiny_model: str) -> None:
     assert sampled.next_token_ids.shape == (2,) and sampled.next_token_ids.dtype == torch.int64
     assert int(sampled.next_token_ids[0]) == int(out.next_token_logits[0].argmax())
     assert sampled.top_logprobs_idx is not None and all(len(x) == 2 for x in sampled.top_logprobs_idx)
+    # the named ids' logprobs (token_ids_logprob): the greedy row's distribution is at temperature 1
+    assert sampled.token_ids_logprobs is not None
+    expected = torch.log_softmax(out.next_token_logits[0], dim=-1)[[3, 9]].tolist()
+    assert sampled.token_ids_logprobs[0] == pytest.approx(expected, abs=1e-5)
     again = runner.sample(out, sampling_info(runner, reqs))
     assert int(again.next_token_ids[1]) == int(sampled.next_token_ids[1])  # seeded
 
@@ -416,7 +420,7 @@ def test_penalties_do_not_modify_the_model_logits(tiny_model: str) -> None:
     class Req:
         origin_input_ids, output_ids = [3, 4, 5], [int(before[0].argmax())]
         sampling_params = SamplingParams(temperature=0, frequency_penalty=2.0, presence_penalty=2.0)
-        return_logprob, top_logprobs_num = False, 0
+        return_logprob, top_logprobs_num, token_ids_logprob = False, 0, None
 
     Req.sampling_params.normalize()
     sampled = runner.sample(out, sampling_info(runner, [Req()]))

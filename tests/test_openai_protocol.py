@@ -175,8 +175,8 @@ def test_unsupported_field_names_the_param(client: TestClient) -> None:
         r = client.post("/generate", json={"text": ["a", "b"], "sampling_params": params})
         assert r.status_code == 400 and "n must be an integer" in r.json()["error"]["message"], r.text
     # SGLang's /generate fields minisgl does not build say so too
-    r = client.post("/generate", json={"text": "hi", "return_logprob": True, "token_ids_logprob": [3]})
-    assert r.status_code == 400 and "'token_ids_logprob': it is not supported by minisgl" in r.json()["error"]["message"]
+    r = client.post("/generate", json={"text": "hi", "lora_path": "adapter"})
+    assert r.status_code == 400 and "'lora_path': it is not supported by minisgl" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(
@@ -351,10 +351,12 @@ def test_duplicate_rid_in_flight_is_rejected(tiny_model: str, tmp_path: Any) -> 
 
 
 def test_coalesce_concatenates_logprobs() -> None:
+    from minisgl.managers.io_struct import LOGPROB_META_KEYS
+
+    none = {key: [] for key in LOGPROB_META_KEYS}  # every dict the TokenizerManager makes has all of them
     prompt = {"input_token_logprobs": [(None, 7, None), (-3.0, 8, None)], "input_top_logprobs": [None, [(-0.1, 9, None)]]}
-    no_prompt = {"input_token_logprobs": [], "input_top_logprobs": []}
-    a = {"text": "a", "output_ids": [1], "meta_info": {"output_token_logprobs": [(-1.0, 1, None)], "output_top_logprobs": [[(-1.0, 1, None)]], "x": 1, **prompt}}
-    b = {"text": "b", "output_ids": [2], "meta_info": {"output_token_logprobs": [(-2.0, 2, None)], "output_top_logprobs": [[(-2.0, 2, None)]], "x": 2, **no_prompt}}
+    a = {"text": "a", "output_ids": [1], "meta_info": {**none, "output_token_logprobs": [(-1.0, 1, None)], "output_top_logprobs": [[(-1.0, 1, None)]], "x": 1, **prompt}}
+    b = {"text": "b", "output_ids": [2], "meta_info": {**none, "output_token_logprobs": [(-2.0, 2, None)], "output_top_logprobs": [[(-2.0, 2, None)]], "x": 2}}
     out = coalesce_streaming_chunks([a, b])
     assert out["text"] == "ab" and out["output_ids"] == [1, 2]
     assert out["meta_info"]["output_token_logprobs"] == [(-1.0, 1, None), (-2.0, 2, None)] and out["meta_info"]["x"] == 2

@@ -133,6 +133,30 @@ def test_requests_with_and_without_prompt_logprobs_share_a_batch(engine: Any, hf
         torch.testing.assert_close(torch.tensor(_values(out["meta_info"])[1:]), hf_logprobs[start:], rtol=TOL, atol=TOL)
 
 
+def test_token_ids_logprob_reports_the_named_ids_at_every_position(engine: Any, hf_all_logprobs: torch.Tensor) -> None:
+    """SGLang's token_ids_logprob (scoring class labels): at each output token and each scored
+    prompt position, the logprobs of the ids asked for, in their order."""
+    engine.flush_cache()
+    ids = [100, 3, 7]
+    out = engine.generate(input_ids=PROMPT, sampling_params={**GREEDY, "max_new_tokens": 4}, return_logprob=True,
+                          logprob_start_len=5, token_ids_logprob=ids, top_logprobs_num=engine.vocab_size)  # fmt: skip
+    meta = out["meta_info"]
+    prompt_side = meta["input_token_ids_logprobs"]
+    assert len(prompt_side) == len(PROMPT) - 5 and prompt_side[0] is None
+    for j, entries in enumerate(prompt_side[1:]):
+        assert [t for _, t, _ in entries] == ids
+        expected = hf_all_logprobs[5 + j][ids].tolist()  # the logits at position 5 + j score position 6 + j
+        assert [lp for lp, _, _ in entries] == pytest.approx(expected, abs=TOL)
+    output_side = meta["output_token_ids_logprobs"]
+    assert len(output_side) == len(out["output_ids"]) == 4
+    for entries, everything in zip(output_side, meta["output_top_logprobs"]):
+        by_id = {t: lp for lp, t, _ in everything}  # every token's logprob at that step
+        assert [(lp, t) for lp, t, _ in entries] == [(by_id[t], t) for t in ids]
+    plain = engine.generate(input_ids=PROMPT, sampling_params={**GREEDY, "max_new_tokens": 4}, return_logprob=True)
+    assert plain["meta_info"]["output_token_ids_logprobs"] == plain["meta_info"]["input_token_ids_logprobs"] == []
+    assert plain["output_ids"] == out["output_ids"]
+
+
 def test_prompt_logprobs_stream_once_in_the_first_chunk(engine: Any) -> None:
     params = {**GREEDY, "max_new_tokens": 5}
     whole = engine.generate(input_ids=PROMPT, sampling_params=params, return_logprob=True, logprob_start_len=0)
@@ -182,6 +206,9 @@ def test_a_retracted_request_reports_its_prompt_logprobs_once(tiny_model: str, h
         ({"logprob_start_len": -2, "return_logprob": True}, "logprob_start_len must be -1"),
         ({"logprob_start_len": "0", "return_logprob": True}, "logprob_start_len must be -1"),
         ({"logprob_start_len": 51, "return_logprob": True}, "logprob_start_len=51 is higher than the number of input tokens 50"),
+        ({"token_ids_logprob": [3]}, "token_ids_logprob needs return_logprob to be true"),
+        ({"token_ids_logprob": [3, 10_000], "return_logprob": True}, r"token_ids_logprob \[10000\] are outside the vocabulary"),
+        ({"token_ids_logprob": "3", "return_logprob": True}, "token_ids_logprob must be a list of token ids"),
     ],
 )
 def test_a_bad_logprob_start_len_says_what_to_change(engine: Any, kwargs: dict, needle: str) -> None:

@@ -26,6 +26,7 @@ class FakeReq:
     output_ids: List[int] = field(default_factory=list)
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    token_ids_logprob: Optional[List[int]] = None
 
 
 def req(output_ids: Optional[List[int]] = None, **params: Any) -> FakeReq:

@@ -353,6 +353,27 @@ def test_native_generate_return_text_in_logprobs_names_each_token(server: Server
     assert r.status_code == 400 and "return_text_in_logprobs needs return_logprob" in r.json()["error"]["message"]
 
 
+def test_native_generate_token_ids_logprob_scores_the_named_ids(server: Server, engine: Any) -> None:
+    """SGLang's token_ids_logprob over HTTP: the named ids at every output token and scored prompt
+    position, equal to the Engine's; streamed cumulatively; a list past the bound is a 400."""
+    body = {"text": PROMPTS[1], "sampling_params": {"max_new_tokens": 3, "temperature": 0}, "return_logprob": True,
+            "logprob_start_len": 0, "token_ids_logprob": [5, 6]}  # fmt: skip
+    meta = httpx.post(server.url + "/generate", json=body, timeout=60).json()["meta_info"]
+    ref = engine.generate(PROMPTS[1], body["sampling_params"], return_logprob=True, logprob_start_len=0, token_ids_logprob=[5, 6])
+    assert meta["input_token_ids_logprobs"][0] is None  # nothing scores the prompt's first token
+    for key in ("output_token_ids_logprobs", "input_token_ids_logprobs"):
+        ours, theirs = meta[key], ref["meta_info"][key]
+        assert len(ours) == len(theirs) > 0
+        for a, b in zip(ours, theirs):
+            assert (a is None) == (b is None) and (a is None or [e[1] for e in a] == [5, 6])
+            assert a is None or [e[0] for e in a] == pytest.approx([e[0] for e in b], abs=1e-4)
+    with httpx.stream("POST", server.url + "/generate", json={**body, "stream": True}, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert [len(e["meta_info"]["output_token_ids_logprobs"]) for e in events] == [len(e["output_ids"]) for e in events]
+    r = httpx.post(server.url + "/generate", json={**body, "token_ids_logprob": list(range(257))}, timeout=60)
+    assert r.status_code == 400 and "token_ids_logprob takes at most 256 ids" in r.json()["error"]["message"]
+
+
 def test_native_generate_wrong_types_are_400_and_the_server_survives(server: Server, engine: Any) -> None:
     """These bodies used to crash the scheduler (2.5, "x") or run with a silently coerced value."""
     for params in ({"max_new_tokens": 2.5}, {"seed": "x"}, {"ignore_eos": "no"}, {"stop_token_ids": [1.5]}, {"stop": [""]}):

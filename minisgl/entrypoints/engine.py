@@ -16,8 +16,9 @@ thread; calls from several threads take turns (one lock: a step, or a call, at a
 
 Results have the TokenizerManager's shape (docs/engine.md): `meta_info` always carries
 `output_token_logprobs` [(logprob, id, None)] and `output_top_logprobs` [[(logprob, id,
-None)] * k], and the prompt's `input_token_logprobs` [(logprob | None, id, None)] and
-`input_top_logprobs`, empty unless asked for (SGLang's triples; the server fills the text
+None)] * k], the prompt's `input_token_logprobs` [(logprob | None, id, None)] and
+`input_top_logprobs`, and `output_token_ids_logprobs` / `input_token_ids_logprobs` (the ids
+of token_ids_logprob at each position), empty unless asked for (SGLang's triples; the server fills the text
 with return_text_in_logprobs); a streamed chunk carries the deltas, a final result the whole lists.
 """
 
@@ -109,11 +110,14 @@ class Engine:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
+        token_ids_logprob: Optional[List[int]] = None,
     ) -> str:
         """Tokenize one request and queue it in the scheduler; returns its rid.
 
         With return_logprob, logprob_start_len >= 0 asks for the prompt's logprobs from that
-        position on too (meta_info["input_token_logprobs"]); -1 for output logprobs only."""
+        position on too (meta_info["input_token_logprobs"]); -1 for output logprobs only.
+        token_ids_logprob: ids whose logprobs every output token (and scored prompt position)
+        reports, in meta_info["output_token_ids_logprobs"] ("input_token_ids_logprobs")."""
         self._check_open()
         if not _check_prompt(prompt, input_ids):
             raise ValueError("add_request takes a single prompt; pass a list to generate()")
@@ -124,7 +128,7 @@ class Engine:
         obj = GenerateReqInput(
             text=prompt, input_ids=input_ids, sampling_params=dict(sampling_params or {}), rid=rid or new_rid(),
             return_logprob=return_logprob, logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-            stream=stream,
+            token_ids_logprob=token_ids_logprob, stream=stream,
         )  # fmt: skip
         obj.normalize_batch_and_arguments()
         tokenized = self._tokenize(obj)
@@ -156,7 +160,7 @@ class Engine:
     @_locked
     def _submit(
         self, prompt: Prompt, sampling_params: Any, input_ids: InputIds, stream: bool, return_logprob: bool,
-        top_logprobs_num: int, logprob_start_len: int,
+        top_logprobs_num: int, logprob_start_len: int, token_ids_logprob: Optional[List[int]],
     ) -> tuple[List[str], bool]:
         """Fan a generate() call out into single requests (n copies each). Returns (rids, single).
 
@@ -165,12 +169,14 @@ class Engine:
         """
         self._check_open()
         _check_prompt(prompt, input_ids)
-        check_logprob_args(return_logprob, logprob_start_len, top_logprobs_num)  # before a batch is tokenized
+        # before a batch is tokenized
+        check_logprob_args(return_logprob, logprob_start_len, top_logprobs_num, token_ids_logprob=token_ids_logprob)
         if not isinstance(sampling_params, list):  # its type, before a batch copies it per prompt
             SamplingParams.from_dict(sampling_params)
         obj = GenerateReqInput(
             text=prompt, input_ids=input_ids, sampling_params=sampling_params, return_logprob=return_logprob,
-            logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, stream=stream,
+            logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, token_ids_logprob=token_ids_logprob,
+            stream=stream,
         )  # fmt: skip
         obj.normalize_batch_and_arguments()  # single or batch, lists per prompt, the same n for all
         for single in obj.singles():
@@ -191,14 +197,14 @@ class Engine:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
+        token_ids_logprob: Optional[List[int]] = None,
     ) -> Any:
         """SGLang's shapes: one prompt -> dict; a list (or n > 1) -> list; stream -> iterator.
 
-        logprob_start_len (with return_logprob): prompt logprobs from that position on, as
-        add_request's."""
+        logprob_start_len and token_ids_logprob (with return_logprob): as add_request's."""
         rids, single = self._submit(
             prompt, sampling_params, input_ids, stream, return_logprob=return_logprob,
-            top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
+            top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, token_ids_logprob=token_ids_logprob,
         )  # fmt: skip
         if stream:
             chunks = self._stream(rids, single)

@@ -275,6 +275,7 @@ async def _native_generate(tm: TokenizerManager, request: GenerateRequest, raw_r
         logprob_start_len=request.logprob_start_len,
         top_logprobs_num=request.top_logprobs_num,
         return_text_in_logprobs=request.return_text_in_logprobs,
+        token_ids_logprob=request.token_ids_logprob,
         stream=request.stream,
     )
     try:

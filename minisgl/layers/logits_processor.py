@@ -11,7 +11,8 @@ tests) every position is kept in `full_logits [N, V]` as well.
 
 Prompt logprobs (a request with `logprob_start_len` >= 0): the rows the ForwardBatch names in
 `input_logprob_indices` also go through the LM head, and `input_logprobs` holds log p(the next
-prompt token) at each, with the top-k. The distribution is the model's own: no temperature, no
+prompt token) at each, with the top-k and the logprobs of the ids a request names
+(`token_ids_logprob`). The distribution is the model's own: no temperature, no
 penalties (they shape sampling; SGLang's default). The rows run in slices, so a long prompt
 never holds all its [M, V] logits at once (a 4,000-token prompt at a 152k vocabulary: 2.4 GB).
 """
@@ -38,6 +39,7 @@ class InputLogprobs(NamedTuple):
     token_logprobs: torch.Tensor  # [M] float32: log p(target id | the tokens before it)
     top_val: Optional[torch.Tensor]  # [M, k] float32, None when k == 0
     top_idx: Optional[torch.Tensor]  # [M, k] int64
+    token_ids_val: Optional[torch.Tensor] = None  # [M, T] float32 at input_logprob_token_ids (padded rows too)
 
 
 @dataclass
@@ -69,6 +71,7 @@ class LogitsProcessor(nn.Module):
                 forward_batch.input_logprob_top_k,
                 lm_head_weight,
                 lm_head_packed,
+                forward_batch.input_logprob_token_ids,
             )
         if forward_batch.return_all_logits:
             full = linear(hidden_states, lm_head_weight, packed=lm_head_packed).float()  # [N, V]
@@ -84,20 +87,26 @@ class LogitsProcessor(nn.Module):
         top_k: int,
         lm_head_weight: torch.Tensor,
         lm_head_packed: Optional[torch.Tensor],
+        token_ids: Optional[torch.Tensor] = None,  # [M, T]: ids each row also reads (token_ids_logprob)
     ) -> InputLogprobs:
-        """log_softmax over the vocabulary at each row, read at its target id (+ top-k), in slices."""
+        """log_softmax over the vocabulary at each row, read at its target id (+ top-k, + the
+        named ids), in slices."""
         rows_per_slice = max(1, INPUT_LOGPROB_SLICE_ELEMENTS // self.vocab_size)
-        token_parts, val_parts, idx_parts = [], [], []
+        token_parts, val_parts, idx_parts, ids_parts = [], [], [], []
         for start in range(0, hidden.shape[0], rows_per_slice):
-            logits = linear(hidden[start : start + rows_per_slice], lm_head_weight, packed=lm_head_packed).float()
+            rows = slice(start, start + rows_per_slice)
+            logits = linear(hidden[rows], lm_head_weight, packed=lm_head_packed).float()
             # clamped as the sampler's output logprobs: JSON has no -inf
             logprobs = torch.log_softmax(logits, dim=-1).clamp_(min=torch.finfo(torch.float32).min)  # [m, V]
-            token_parts.append(logprobs.gather(-1, target_ids[start : start + rows_per_slice, None]).squeeze(-1))
+            token_parts.append(logprobs.gather(-1, target_ids[rows, None]).squeeze(-1))
             if top_k > 0:
                 values, indices = logprobs.topk(min(top_k, logprobs.shape[-1]), dim=-1)  # [m, k] each
                 val_parts.append(values)
                 idx_parts.append(indices)
+            if token_ids is not None:
+                ids_parts.append(logprobs.gather(-1, token_ids[rows]))  # [m, T]
         token_logprobs = torch.cat(token_parts) if token_parts else hidden.new_empty(0, dtype=torch.float32)
+        named = torch.cat(ids_parts) if ids_parts else None
         if top_k == 0 or not val_parts:
-            return InputLogprobs(token_logprobs, None, None)
-        return InputLogprobs(token_logprobs, torch.cat(val_parts), torch.cat(idx_parts))
+            return InputLogprobs(token_logprobs, None, None, named)
+        return InputLogprobs(token_logprobs, torch.cat(val_parts), torch.cat(idx_parts), named)

@@ -21,7 +21,8 @@ Requests without a seed use the global torch RNG (seeded once from --random-seed
 
 Logprobs (when some request asks): log_softmax of the logits after penalties and
 temperature (greedy rows have temperature 1), i.e. the distribution before top-k/top-p/
-min-p truncation. top_logprobs are the request's `top_logprobs_num` best of those.
+min-p truncation. top_logprobs are the request's `top_logprobs_num` best of those;
+token_ids_logprobs those of the ids the request names (`token_ids_logprob`, SGLang's).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class SampleOutput(NamedTuple):
     next_token_logprobs: Optional[torch.Tensor]  # [bs] float32, None when no request asked
     top_logprobs_val: Optional[List[List[float]]]  # per request, top_logprobs_num values
     top_logprobs_idx: Optional[List[List[int]]]  # per request, their token ids
+    token_ids_logprobs: Optional[List[Optional[List[float]]]] = None  # per request, at its token_ids_logprob
 
 
 class Sampler(nn.Module):
@@ -127,11 +129,15 @@ def _with_logprobs(next_token_ids: torch.Tensor, logprobs: Optional[torch.Tensor
     # a stream sent the invalid literal -Infinity).
     logprobs = logprobs.clamp(min=torch.finfo(logprobs.dtype).min)
     token_logprobs = logprobs.gather(-1, next_token_ids[:, None]).squeeze(-1)  # [bs]
+    # a handful of ids per asking row (class labels): one small gather each
+    token_ids = None
+    if any(ids for ids in info.token_ids_logprobs):
+        token_ids = [logprobs[i, ids].tolist() if ids else None for i, ids in enumerate(info.token_ids_logprobs)]
     k = min(max(info.top_logprobs_nums, default=0), logprobs.shape[-1])
     if k == 0:
-        return SampleOutput(next_token_ids, token_logprobs, None, None)
+        return SampleOutput(next_token_ids, token_logprobs, None, None, token_ids)
     values, indices = logprobs.topk(k, dim=-1)  # [bs, k] each
     values_list, indices_list = values.tolist(), indices.tolist()
     top_val = [row[:n] for row, n in zip(values_list, info.top_logprobs_nums)]
     top_idx = [row[:n] for row, n in zip(indices_list, info.top_logprobs_nums)]
-    return SampleOutput(next_token_ids, token_logprobs, top_val, top_idx)
+    return SampleOutput(next_token_ids, token_logprobs, top_val, top_idx, token_ids)

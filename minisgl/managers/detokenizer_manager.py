@@ -252,6 +252,10 @@ class DetokenizerManager:
             input_token_logprobs_idx=list(recv.input_token_logprobs_idx),
             input_top_logprobs_val=list(recv.input_top_logprobs_val),
             input_top_logprobs_idx=list(recv.input_top_logprobs_idx),
+            output_token_ids_logprobs_val=list(recv.output_token_ids_logprobs_val),
+            output_token_ids_logprobs_idx=list(recv.output_token_ids_logprobs_idx),
+            input_token_ids_logprobs_val=list(recv.input_token_ids_logprobs_val),
+            input_token_ids_logprobs_idx=list(recv.input_token_ids_logprobs_idx),
             time_stats=list(recv.time_stats),
         )
 

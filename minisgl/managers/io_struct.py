@@ -39,8 +39,9 @@ def check_same_n(param_dicts: List[Any]) -> None:
 
 
 def check_logprob_args(
-    return_logprob: Union[bool, List[bool]], logprob_start_len: Any, top_logprobs_num: Any, return_text_in_logprobs: bool = False
-) -> None:
+    return_logprob: Union[bool, List[bool]], logprob_start_len: Any, top_logprobs_num: Any,
+    return_text_in_logprobs: bool = False, token_ids_logprob: Any = None,
+) -> None:  # fmt: skip
     """The logprob fields of a request (the server's and the Engine's): each needs
     return_logprob, none is ignored."""
     if type(logprob_start_len) is not int or logprob_start_len < -1:
@@ -50,6 +51,10 @@ def check_logprob_args(
         )
     if type(top_logprobs_num) is not int or top_logprobs_num < 0:
         raise ValueError(f"top_logprobs_num must be an integer >= 0, got {top_logprobs_num!r}")
+    if token_ids_logprob is not None and (
+        not isinstance(token_ids_logprob, list) or not all(type(t) is int for t in token_ids_logprob)
+    ):
+        raise ValueError(f"token_ids_logprob must be a list of token ids, got {token_ids_logprob!r}")
     if all(return_logprob) if isinstance(return_logprob, list) else return_logprob:
         return
     if top_logprobs_num:
@@ -58,6 +63,8 @@ def check_logprob_args(
         raise ValueError("logprob_start_len needs return_logprob to be true")
     if return_text_in_logprobs:
         raise ValueError("return_text_in_logprobs needs return_logprob to be true")
+    if token_ids_logprob:
+        raise ValueError("token_ids_logprob needs return_logprob to be true")
 
 
 @dataclass
@@ -71,6 +78,7 @@ class GenerateReqInput:
     return_logprob: Union[bool, List[bool]] = False
     logprob_start_len: int = -1  # prompt logprobs from this position (-1: none, output logprobs only)
     top_logprobs_num: int = 0
+    token_ids_logprob: Optional[List[int]] = None  # ids whose logprobs every position reports (one list for a batch)
     return_text_in_logprobs: bool = False  # each logprob entry's third element: the token's text
     stream: bool = False
     priority: Optional[int] = None
@@ -128,6 +136,7 @@ class GenerateReqInput:
             return_logprob=self.return_logprob[i],
             logprob_start_len=self.logprob_start_len,
             top_logprobs_num=self.top_logprobs_num,
+            token_ids_logprob=self.token_ids_logprob,
             return_text_in_logprobs=self.return_text_in_logprobs,
             stream=self.stream,
             priority=self.priority,
@@ -181,6 +190,7 @@ class TokenizedGenerateReqInput:
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    token_ids_logprob: Optional[List[int]] = None
     stream: bool = False
     priority: Optional[int] = None
     created_time: float = 0.0  # time.time() when tokenization finished (nothing reads it yet)
@@ -285,6 +295,11 @@ class BatchTokenIDOutput:
     input_token_logprobs_idx: List[List[int]] = field(default_factory=list)
     input_top_logprobs_val: List[List[Optional[List[float]]]] = field(default_factory=list)
     input_top_logprobs_idx: List[List[Optional[List[int]]]] = field(default_factory=list)
+    # logprobs of the ids a request names (token_ids_logprob): per output token, per prompt position
+    output_token_ids_logprobs_val: List[List[List[float]]] = field(default_factory=list)
+    output_token_ids_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
+    input_token_ids_logprobs_val: List[List[Optional[List[float]]]] = field(default_factory=list)
+    input_token_ids_logprobs_idx: List[List[Optional[List[int]]]] = field(default_factory=list)
     # per-request timing in milliseconds (ReqTimeStats.to_ms_dict): queue_ms / schedule_ms / forward_ms / ttft_ms / e2e_ms
     time_stats: List[Dict[str, Optional[float]]] = field(default_factory=list)  # None = not reached
 
@@ -308,12 +323,19 @@ class BatchStrOutput:
     input_token_logprobs_idx: List[List[int]] = field(default_factory=list)
     input_top_logprobs_val: List[List[Optional[List[float]]]] = field(default_factory=list)
     input_top_logprobs_idx: List[List[Optional[List[int]]]] = field(default_factory=list)
+    output_token_ids_logprobs_val: List[List[List[float]]] = field(default_factory=list)
+    output_token_ids_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
+    input_token_ids_logprobs_val: List[List[Optional[List[float]]]] = field(default_factory=list)
+    input_token_ids_logprobs_idx: List[List[Optional[List[int]]]] = field(default_factory=list)
     time_stats: List[Dict[str, Optional[float]]] = field(default_factory=list)  # to_ms_dict: None = not reached
 
 
 # the meta_info keys of a response dict that hold per-token lists: a streamed dict carries the
 # new entries only (prompt logprobs come once), a non-streaming answer all of them
-LOGPROB_META_KEYS = ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs", "input_top_logprobs")
+LOGPROB_META_KEYS = (
+    "output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs",
+    "input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs",
+)  # fmt: skip
 
 # SGLang's entry: (logprob, token id, token text); the text is None unless return_text_in_logprobs,
 # the logprob None for the prompt's first token (nothing scores it)
@@ -337,15 +359,17 @@ def logprobs_of(recv: BatchStrOutput, i: int, decode: Optional[Callable[[List[Li
         # (strict: values and ids are built apart, e.g. the prompt's chunk by chunk and from the prompt)
         return list(zip(values, ids, texts, strict=True))
 
-    def top_entries(prefix: str) -> List[Optional[List[LogprobEntry]]]:
-        pairs = zip(row(f"{prefix}_top_logprobs_val"), row(f"{prefix}_top_logprobs_idx"), strict=True)
+    def per_position(name: str) -> List[Optional[List[LogprobEntry]]]:  # top-k lists, or the named ids'
+        pairs = zip(row(f"{name}_val"), row(f"{name}_idx"), strict=True)
         return [None if values is None else entries(values, ids) for values, ids in pairs]
 
     return {
         "output_token_logprobs": entries(row("output_token_logprobs_val"), row("output_token_logprobs_idx")),
-        "output_top_logprobs": top_entries("output"),
+        "output_top_logprobs": per_position("output_top_logprobs"),
+        "output_token_ids_logprobs": per_position("output_token_ids_logprobs"),
         "input_token_logprobs": entries(row("input_token_logprobs_val"), row("input_token_logprobs_idx")),
-        "input_top_logprobs": top_entries("input"),
+        "input_top_logprobs": per_position("input_top_logprobs"),
+        "input_token_ids_logprobs": per_position("input_token_ids_logprobs"),
     }
 
 

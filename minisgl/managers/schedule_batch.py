@@ -129,6 +129,7 @@ class Req:
         top_logprobs_num: int = 0,
         stream: bool = False,
         eos_token_ids: Optional[Set[int]] = None,
+        token_ids_logprob: Optional[List[int]] = None,
         vocab_size: Optional[int] = None,
         tokenizer: Any = None,
     ) -> None:
@@ -143,6 +144,7 @@ class Req:
         self.return_logprob = return_logprob
         self.logprob_start_len = logprob_start_len
         self.top_logprobs_num = top_logprobs_num
+        self.token_ids_logprob = list(token_ids_logprob) if token_ids_logprob else None  # SGLang's: ids scored at every position
         self.stream = stream
         self.eos_token_ids: Set[int] = set(eos_token_ids or ())
         self.vocab_size = vocab_size
@@ -187,6 +189,8 @@ class Req:
         self.input_token_logprobs_idx: List[int] = []
         self.input_top_logprobs_val: List[Optional[List[float]]] = []
         self.input_top_logprobs_idx: List[Optional[List[int]]] = []
+        self.input_token_ids_logprobs_val: List[Optional[List[float]]] = []
+        self.input_token_ids_logprobs_idx: List[Optional[List[int]]] = []
         self.input_logprobs_done = False  # the prompt's last chunk was processed (any request)
         self.input_logprobs_sent = False
 
@@ -195,6 +199,8 @@ class Req:
         self.output_token_logprobs_idx: List[int] = []
         self.output_top_logprobs_val: List[List[float]] = []
         self.output_top_logprobs_idx: List[List[int]] = []
+        self.output_token_ids_logprobs_val: List[List[float]] = []
+        self.output_token_ids_logprobs_idx: List[List[int]] = []
 
         self.time_stats = ReqTimeStats(scheduler_recv_time=time.perf_counter())
 
@@ -242,12 +248,23 @@ class Req:
             return range(0)
         return range(max(self.logprob_start_len, prefix_len), min(len(self.origin_input_ids) - 1, end))
 
-    def add_input_logprobs(self, values: List[float], top_vals: Optional[List[List[float]]], top_idxs: Optional[List[List[int]]]) -> None:
-        """One extend's prompt logprobs, in position order (input_logprob_positions)."""
+    def add_input_logprobs(
+        self,
+        values: List[float],
+        top_vals: Optional[List[List[float]]],
+        top_idxs: Optional[List[List[int]]],
+        token_ids_vals: Optional[List[List[float]]],
+    ) -> None:
+        """One extend's prompt logprobs, in position order (input_logprob_positions); rows of
+        the batch's widest top-k and longest token_ids_logprob, cut to this request's."""
         self.input_token_logprobs_val.extend(values)
         if self.top_logprobs_num > 0 and top_vals is not None and top_idxs is not None:
             self.input_top_logprobs_val.extend(row[: self.top_logprobs_num] for row in top_vals)
             self.input_top_logprobs_idx.extend(row[: self.top_logprobs_num] for row in top_idxs)
+        if self.token_ids_logprob and token_ids_vals is not None:
+            n = len(self.token_ids_logprob)
+            self.input_token_ids_logprobs_val.extend(row[:n] for row in token_ids_vals)
+            self.input_token_ids_logprobs_idx.extend(list(self.token_ids_logprob) for _ in token_ids_vals)
 
     def finish_input_logprobs(self) -> None:
         """The prompt's last chunk is done: SGLang's layout, origin_input_ids[logprob_start_len:]
@@ -263,6 +280,9 @@ class Req:
         if self.top_logprobs_num > 0:
             self.input_top_logprobs_val.insert(0, None)
             self.input_top_logprobs_idx.insert(0, None)
+        if self.token_ids_logprob:
+            self.input_token_ids_logprobs_val.insert(0, None)
+            self.input_token_ids_logprobs_idx.insert(0, None)
 
     # ------------------------------------------------------------------ finishing
     def set_finish_with_abort(self, error_msg: str) -> None:
@@ -464,6 +484,7 @@ class ScheduleBatch:
         self.input_logprob_rows: List[int] = []
         self.input_logprob_targets: List[int] = []
         self.input_logprob_counts: List[int] = []
+        self.input_logprob_token_ids: List[List[int]] = []  # per row: its request's token_ids_logprob, or []
 
     def is_empty(self) -> bool:
         return len(self.reqs) == 0
@@ -515,6 +536,7 @@ class ScheduleBatch:
             self.input_logprob_rows.extend(row0 + p for p in positions)
             self.input_logprob_targets.extend(req.origin_input_ids[p + 1] for p in positions)
             self.input_logprob_counts.append(len(positions))
+            self.input_logprob_token_ids.extend([req.token_ids_logprob or []] * len(positions))
             self.input_ids.extend(req.fill_ids[prefix_len:])
             self.positions.extend(range(prefix_len, len(req.fill_ids)))
             self.prefix_lens.append(prefix_len)
@@ -658,6 +680,7 @@ class ScheduleBatch:
 
         is_extend = self.forward_mode.is_extend()
         scored = [r for r, n in zip(self.reqs, self.input_logprob_counts) if n > 0]
+        named = max((len(ids) for ids in self.input_logprob_token_ids), default=0)
         return ForwardBatch(
             forward_mode=self.forward_mode,
             batch_size=len(self.reqs),
@@ -677,6 +700,10 @@ class ScheduleBatch:
             input_logprob_indices=as_tensor(self.input_logprob_rows) if scored else None,  # [M]
             input_logprob_target_ids=as_tensor(self.input_logprob_targets) if scored else None,  # [M]
             input_logprob_top_k=max((r.top_logprobs_num for r in scored), default=0),
+            # [M, T], padded with id 0 (read, then cut off per request)
+            input_logprob_token_ids=as_tensor([ids + [0] * (named - len(ids)) for ids in self.input_logprob_token_ids])
+            if named
+            else None,
         )
 
     def get_sampling_info(self, vocab_size: int, device: str, eos_token_ids: Set[int]) -> Any:

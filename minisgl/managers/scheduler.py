@@ -163,6 +163,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             return_logprob=recv_req.return_logprob,
             logprob_start_len=recv_req.logprob_start_len,
             top_logprobs_num=recv_req.top_logprobs_num,
+            token_ids_logprob=recv_req.token_ids_logprob,
             stream=recv_req.stream,
             eos_token_ids=self.eos_token_ids,
             vocab_size=self.model_config.vocab_size,

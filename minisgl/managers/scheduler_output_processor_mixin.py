@@ -34,6 +34,7 @@ class GenerationBatchResult(NamedTuple):
     next_token_logprobs: Optional[torch.Tensor]  # [bs] float32, None when no request asked
     top_logprobs_val: Optional[List[List[float]]]
     top_logprobs_idx: Optional[List[List[int]]]
+    token_ids_logprobs: Optional[List[Optional[List[float]]]] = None  # per request, at its token_ids_logprob
     input_logprobs: Optional[InputLogprobs] = None  # rows in ScheduleBatch.input_logprob_rows order
 
 
@@ -99,8 +100,8 @@ class SchedulerOutputProcessorMixin:
         if self.forward_ct_decode % self.server_args.decode_log_interval == 0:
             self.log_decode_stats(batch)
 
-    def _append_logprobs(self, req: Req, logprobs: Tuple[Any, Any, Any], i: int) -> None:
-        token_lps, top_vals, top_idxs = logprobs
+    def _append_logprobs(self, req: Req, logprobs: Tuple[Any, Any, Any, Any], i: int) -> None:
+        token_lps, top_vals, top_idxs, token_ids_lps = logprobs
         if not req.return_logprob or token_lps is None:
             return
         req.output_token_logprobs_val.append(float(token_lps[i]))
@@ -108,6 +109,9 @@ class SchedulerOutputProcessorMixin:
         if req.top_logprobs_num > 0 and top_vals is not None:
             req.output_top_logprobs_val.append([float(v) for v in top_vals[i]])
             req.output_top_logprobs_idx.append([int(v) for v in top_idxs[i]])
+        if req.token_ids_logprob and token_ids_lps is not None:
+            req.output_token_ids_logprobs_val.append([float(v) for v in token_ids_lps[i]])
+            req.output_token_ids_logprobs_idx.append(list(req.token_ids_logprob))
 
     def _release_finished(self, req: Req, detail: Optional[str] = None) -> None:
         """Finished: KV of origin + output[:-1] goes into the tree, the row is freed; one
@@ -175,6 +179,8 @@ class SchedulerOutputProcessorMixin:
             out.output_token_logprobs_idx.append(req.output_token_logprobs_idx[start:end])
             out.output_top_logprobs_val.append(req.output_top_logprobs_val[start:end])
             out.output_top_logprobs_idx.append(req.output_top_logprobs_idx[start:end])
+            out.output_token_ids_logprobs_val.append(req.output_token_ids_logprobs_val[start:end])
+            out.output_token_ids_logprobs_idx.append(req.output_token_ids_logprobs_idx[start:end])
             # the prompt logprobs once, with the first output after the prompt was prefilled
             send_input = req.input_logprobs_done and not req.input_logprobs_sent
             req.input_logprobs_sent = req.input_logprobs_sent or send_input
@@ -182,15 +188,18 @@ class SchedulerOutputProcessorMixin:
             out.input_token_logprobs_idx.append(req.input_token_logprobs_idx if send_input else [])
             out.input_top_logprobs_val.append(req.input_top_logprobs_val if send_input else [])
             out.input_top_logprobs_idx.append(req.input_top_logprobs_idx if send_input else [])
+            out.input_token_ids_logprobs_val.append(req.input_token_ids_logprobs_val if send_input else [])
+            out.input_token_ids_logprobs_idx.append(req.input_token_ids_logprobs_idx if send_input else [])
             out.time_stats.append(req.time_stats.to_ms_dict())
             req.send_decode_id_offset = len(decode_ids)
             req.send_token_offset = end
         self._outputs.append(out)
 
 
-def _logprob_lists(result: Any) -> Tuple[Any, Any, Any]:
+def _logprob_lists(result: Any) -> Tuple[Any, Any, Any, Any]:
     """The batch's logprobs as Python lists, one transfer each (read per request, a GPU tensor
-    cost a device sync per element): token logprobs [bs], top-k values and ids [bs][k]."""
+    cost a device sync per element): token logprobs [bs], top-k values and ids [bs][k], the
+    named ids' logprobs [bs][T] (None rows for requests that name none)."""
 
     def as_list(x: Any) -> Any:
         if x is None:
@@ -199,22 +208,29 @@ def _logprob_lists(result: Any) -> Tuple[Any, Any, Any]:
             return x.tolist()
         return [v.tolist() if torch.is_tensor(v) else v for v in x]
 
-    return as_list(result.next_token_logprobs), as_list(result.top_logprobs_val), as_list(result.top_logprobs_idx)
+    return (
+        as_list(result.next_token_logprobs), as_list(result.top_logprobs_val), as_list(result.top_logprobs_idx),
+        result.token_ids_logprobs,  # (already lists: the sampler read a few ids per row)
+    )  # fmt: skip
 
 
-def _input_logprob_rows(batch: ScheduleBatch, input_logprobs: Optional[InputLogprobs]) -> List[Optional[Tuple[Any, Any, Any]]]:
+def _input_logprob_rows(batch: ScheduleBatch, input_logprobs: Optional[InputLogprobs]) -> List[Optional[Tuple[Any, Any, Any, Any]]]:
     """Per request of the batch: its rows of the pass's prompt logprobs as Python lists
-    (token logprobs, top-k values, top-k ids), or None when it has none."""
-    out: List[Optional[Tuple[Any, Any, Any]]] = [None] * len(batch.reqs)
+    (token logprobs, top-k values, top-k ids, named ids' values), or None when it has none."""
+    out: List[Optional[Tuple[Any, Any, Any, Any]]] = [None] * len(batch.reqs)
     if input_logprobs is None:
         return out
-    values = input_logprobs.token_logprobs.tolist()  # one transfer each, as _logprob_lists
-    top_vals = input_logprobs.top_val.tolist() if input_logprobs.top_val is not None else None
-    top_idxs = input_logprobs.top_idx.tolist() if input_logprobs.top_idx is not None else None
+
+    def as_list(x: Optional[torch.Tensor]) -> Optional[List[Any]]:
+        return x.tolist() if x is not None else None  # one transfer each, as _logprob_lists
+
+    values = input_logprobs.token_logprobs.tolist()
+    columns = [as_list(input_logprobs.top_val), as_list(input_logprobs.top_idx), as_list(input_logprobs.token_ids_val)]
     start = 0
     for i, count in enumerate(batch.input_logprob_counts):
         if count > 0:
             end = start + count
-            out[i] = (values[start:end], top_vals[start:end] if top_vals else None, top_idxs[start:end] if top_idxs else None)
+            top_val, top_idx, named = (c[start:end] if c is not None else None for c in columns)
+            out[i] = (values[start:end], top_val, top_idx, named)
             start = end
     return out

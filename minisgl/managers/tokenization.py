@@ -45,12 +45,12 @@ def encode_texts(tokenizer: Any, texts: List[str], add_special_tokens: bool = Tr
     return tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
 
 
-def validate_input_ids(input_ids: List[int], vocab_size: int) -> None:
+def validate_input_ids(input_ids: List[int], vocab_size: int, name: str = "input_ids") -> None:
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
-        raise ValueError("input_ids must be a list of integers")
+        raise ValueError(f"{name} must be a list of integers")
     bad = [t for t in input_ids if not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"input_ids {bad[:8]} are outside the vocabulary [0, {vocab_size})")
+        raise ValueError(f"{name} {bad[:8]} are outside the vocabulary [0, {vocab_size})")
 
 
 def create_tokenized_object(
@@ -67,7 +67,9 @@ def create_tokenized_object(
     params = SamplingParams.from_dict(obj.sampling_params)
     params.normalize(tokenizer)
     params.verify(vocab_size)
-    check_logprob_args(obj.return_logprob, obj.logprob_start_len, obj.top_logprobs_num)
+    check_logprob_args(obj.return_logprob, obj.logprob_start_len, obj.top_logprobs_num, token_ids_logprob=obj.token_ids_logprob)
+    if obj.token_ids_logprob:
+        validate_input_ids(obj.token_ids_logprob, vocab_size, "token_ids_logprob")
     if obj.logprob_start_len > len(input_ids):  # (the scheduler checks again after any truncation)
         raise ValueError(
             f"logprob_start_len={obj.logprob_start_len} is higher than the number of input tokens "
@@ -81,6 +83,7 @@ def create_tokenized_object(
         return_logprob=bool(obj.return_logprob),
         logprob_start_len=obj.logprob_start_len,
         top_logprobs_num=obj.top_logprobs_num,
+        token_ids_logprob=list(obj.token_ids_logprob) if obj.token_ids_logprob else None,
         stream=obj.stream,
         priority=obj.priority,
         created_time=time.time(),

@@ -10,7 +10,9 @@ stream of dicts the serving layer renders:
     {"text": str, "output_ids": [int], "meta_info": {"id", "finish_reason", "prompt_tokens",
      "completion_tokens", "cached_tokens", "output_token_logprobs": [(logprob, id, text)],
      "output_top_logprobs": [[(logprob, id, text), ...]], "input_token_logprobs": [(logprob | None,
-     id, text)], "input_top_logprobs": [None | [(logprob, id, text), ...]], "e2e_latency"?}}
+     id, text)], "input_top_logprobs": [None | [(logprob, id, text), ...]],
+     "output_token_ids_logprobs" / "input_token_ids_logprobs": the same per position for the
+     ids of token_ids_logprob, "e2e_latency"?}}
     (+ "index" for batches; text is None unless return_text_in_logprobs, as SGLang's)
 
 Streaming dicts carry deltas (SGLang's incremental streaming); the final dict of a
@@ -73,6 +75,7 @@ MAX_RID_CHARS = 256  # a rid rides in every step's output message and snapshot: 
 # Requests with more text than this (prompt and stop strings, in characters) are tokenized in
 # a worker thread: ~1 ms per 2,000 characters, so this is where one starts to stall others.
 TOKENIZE_OFF_LOOP_CHARS = 20_000
+MAX_TOKEN_IDS_LOGPROB = 256  # ids of token_ids_logprob (class labels are a handful; each is reported at every position)
 # SGLang's HEALTH_CHECK_TIMEOUT: how long /health_generate waits for the pipeline to answer.
 HEALTH_CHECK_TIMEOUT = 20.0
 # A backlog this long means the client reads slower than the engine writes (seed 004).
@@ -334,7 +337,12 @@ class TokenizerManager:
         for p in params:
             p.verify()  # ranges, n >= 1 among them
         TokenizerManager._check_request_size(obj, param_dicts)
-        check_logprob_args(obj.return_logprob, obj.logprob_start_len, obj.top_logprobs_num, obj.return_text_in_logprobs)
+        check_logprob_args(
+            obj.return_logprob, obj.logprob_start_len, obj.top_logprobs_num, obj.return_text_in_logprobs, obj.token_ids_logprob
+        )
+        if obj.token_ids_logprob and len(obj.token_ids_logprob) > MAX_TOKEN_IDS_LOGPROB:
+            # every position reports each id: a whole-vocabulary list is top_logprobs_num's problem again
+            raise ValueError(f"token_ids_logprob takes at most {MAX_TOKEN_IDS_LOGPROB} ids, got {len(obj.token_ids_logprob)}")
         if obj.top_logprobs_num > MAX_TOP_LOGPROBS_NUM:
             # OpenAI's bound (top_logprobs <= 20) on /generate too: a top-k over the whole vocabulary
             # per token made one answer hundreds of MB, and its encoding stalled every other stream.

@@ -69,6 +69,8 @@ class ForwardBatch:
     input_logprob_indices: Optional[torch.Tensor] = None  # [M] int64, rows of input_ids
     input_logprob_target_ids: Optional[torch.Tensor] = None  # [M] int64, the prompt token each row predicts
     input_logprob_top_k: int = 0  # the largest top_logprobs_num of those requests
+    # [M, T] int64: each row's request's token_ids_logprob, padded with 0 to the longest (None: no one asks)
+    input_logprob_token_ids: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:

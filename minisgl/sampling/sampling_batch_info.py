@@ -39,6 +39,7 @@ class SamplingBatchInfo:
     positions: torch.Tensor  # [bs] int64, position of the token being sampled
     return_logprob: bool  # some request wants logprobs
     top_logprobs_nums: List[int]  # [bs]
+    token_ids_logprobs: List[Optional[List[int]]]  # [bs]: the ids whose logprobs a request asks for, or None
     vocab_size: int
     penalizer_orchestrator: Optional[BatchedPenalizerOrchestrator] = None
 
@@ -70,6 +71,7 @@ class SamplingBatchInfo:
             ),
             return_logprob=any(bool(r.return_logprob) for r in reqs),
             top_logprobs_nums=[int(r.top_logprobs_num or 0) if r.return_logprob else 0 for r in reqs],
+            token_ids_logprobs=[r.token_ids_logprob if r.return_logprob else None for r in reqs],
             vocab_size=vocab_size,
             penalizer_orchestrator=BatchedPenalizerOrchestrator.from_reqs(reqs, vocab_size, device, eos_token_ids or set()),
         )

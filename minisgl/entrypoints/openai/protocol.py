@@ -28,8 +28,7 @@ UNSUPPORTED_FIELDS = frozenset(
         "tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias",
         "parallel_tool_calls", "audio", "modalities", "prediction", "reasoning_effort", "store",
         "metadata", "service_tier", "web_search_options", "suffix", "best_of", "user",
-        "token_ids_logprob", "priority", "lora_path",
-        "image_data", "return_hidden_states", "custom_logit_processor",
+        "priority", "lora_path", "image_data", "return_hidden_states", "custom_logit_processor",
     }
 )  # fmt: skip
 
@@ -329,4 +328,5 @@ class GenerateRequest(BaseModel):
     logprob_start_len: int = Field(default=-1, ge=-1)  # prompt logprobs from this position; -1: none
     top_logprobs_num: int = Field(default=0, ge=0)
     return_text_in_logprobs: bool = False  # each (logprob, id, text) entry with its token's text
+    token_ids_logprob: Optional[List[int]] = None  # ids whose logprobs every position reports (SGLang's)
     stream: bool = False

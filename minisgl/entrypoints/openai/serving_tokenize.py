@@ -53,9 +53,9 @@ async def detokenize(tm: TokenizerManager, request: DetokenizeRequest) -> Respon
     rows: List[List[int]] = [request.tokens] if single else request.tokens  # type: ignore[list-item]
     try:
         for row in rows:
-            tokenization.validate_input_ids(row, tm.vocab_size)
+            tokenization.validate_input_ids(row, tm.vocab_size, "tokens")
     except ValueError as e:
-        return create_error_response(str(e).replace("input_ids", "tokens"), param="tokens")
+        return create_error_response(str(e), param="tokens")
     size = sum(len(row) for row in rows)
     texts = await _off_the_loop_if_big(
         size, lambda: [tm.tokenizer.decode(row, skip_special_tokens=request.skip_special_tokens) for row in rows]
