@@ -146,20 +146,26 @@ def test_completions_echo_with_logprobs_puts_the_prompt_tokens_first(tiny_model:
     assert streamed[0]["choices"][0]["logprobs"] == lp
 
 
+def _serving(tokenizer: Any) -> Any:
+    """The completions layer over a bare tokenizer (text_offsets needs nothing else)."""
+    from types import SimpleNamespace
+
+    from minisgl.entrypoints.openai.serving_completions import OpenAIServingCompletions
+
+    return OpenAIServingCompletions(SimpleNamespace(tokenizer=tokenizer))
+
+
 def test_text_offsets_point_at_each_token_in_the_text(tiny_model: str) -> None:
     """A character split over byte tokens (each printed as U+FFFD) begins where the character
     does, and every later token is found at its offset (summing token_str lengths drifted by
     3 per emoji, and the echoed prompt's offsets then ran past the completion's)."""
-    from types import SimpleNamespace
-
-    from minisgl.entrypoints.openai.serving_base import OpenAIServingBase
     from minisgl.utils import get_tokenizer
 
     tok = get_tokenizer(tiny_model)
     text = "Emoji \U0001F642 then the end. Caf\u00e9 na\u00efve \u65e5\u672c"
     ids = tok.encode(text, add_special_tokens=False)
     assert tok.decode(ids) == text and any(tok.decode([i]) == "\ufffd" for i in ids)  # the premise: byte tokens
-    offsets = OpenAIServingBase.text_offsets(SimpleNamespace(tokenizer=tok, token_str=lambda i: tok.decode([i])), ids, text, 10)
+    offsets = _serving(tok).text_offsets(ids, text, 10)
     assert offsets == sorted(offsets) and offsets[0] == 10 and offsets[-1] <= 10 + len(text)
     for token_id, offset in zip(ids, offsets):
         piece = tok.decode([token_id])
@@ -167,13 +173,34 @@ def test_text_offsets_point_at_each_token_in_the_text(tiny_model: str) -> None:
             assert text[offset - 10 : offset - 10 + len(piece)] == piece, (piece, offset)
     assert offsets[ids.index(tok.encode("\U0001F642", add_special_tokens=False)[0])] == 10 + text.index("\U0001F642")
     # a special token the text leaves out (a BOS the tokenizer added) takes no room
-    with_bos = OpenAIServingBase.text_offsets(SimpleNamespace(tokenizer=tok, token_str=lambda i: tok.decode([i])), [0] + ids, text, 10)
+    with_bos = _serving(tok).text_offsets([0] + ids, text, 10)
     assert with_bos == [10] + offsets
     # bytes that never complete a character are each a U+FFFD of the text: one character apiece
     lone = [i for i in range(len(tok)) if tok.decode([i]) == "\ufffd"][:2] + tok.encode("Gor", add_special_tokens=False)
     garbled = tok.decode(lone)
     assert garbled.startswith("\ufffd\ufffdG")
-    assert OpenAIServingBase.text_offsets(SimpleNamespace(tokenizer=tok, token_str=lambda i: tok.decode([i])), lone, garbled)[:3] == [0, 1, 2]
+    assert _serving(tok).text_offsets(lone, garbled)[:3] == [0, 1, 2]
+
+
+def test_text_offsets_of_an_answer_keep_its_leading_space_with_a_sentencepiece_tokenizer() -> None:
+    """A Llama-2-style (SentencePiece, byte-fallback) decoder drops the leading space of a
+    decode's first token; an answer's text begins with one (the detokenizer decoded it after the
+    prompt). Decoded without left context the first token never matched, and every offset
+    stayed at the first."""
+    from minisgl.test_utils import train_byte_fallback_tokenizer
+
+    tok = train_byte_fallback_tokenizer()
+    prompt = "The function returns"
+    prompt_ids = tok.encode(prompt, add_special_tokens=False)
+    full = tok.encode(prompt + " the value of the object", add_special_tokens=False)
+    assert full[: len(prompt_ids)] == prompt_ids  # the premise: the answer's tokens follow the prompt's
+    answer_ids = full[len(prompt_ids) :]
+    head = tok.decode(prompt_ids[-5:])
+    text = tok.decode(prompt_ids[-5:] + answer_ids)[len(head) :]  # what the detokenizer sends
+    assert text.startswith(" the")
+    expected = [len(tok.decode(prompt_ids[-5:] + answer_ids[:k])) - len(head) for k in range(len(answer_ids))]
+    assert _serving(tok).text_offsets(answer_ids, text, 0, continues=True) == expected
+    assert _serving(tok).text_offsets(prompt_ids, prompt) == [len(tok.decode(prompt_ids[:k])) for k in range(len(prompt_ids))]
 
 
 def test_chat_logprobs_carry_the_top_alternatives_asked_for(tiny_model: str, tmp_path: Any) -> None:

@@ -147,6 +147,7 @@ class OpenAIServingBase(ABC):
         self.tokenizer_manager = tokenizer_manager
         self.tokenizer = tokenizer_manager.tokenizer
         self._token_str_cache: Dict[int, str] = {}
+        self._stand_in: Optional[List[int]] = None  # (text_offsets' left context for an answer)
 
     # --- subclass hooks
     def _validate_request(self, request: Any) -> Optional[str]:
@@ -229,7 +230,7 @@ class OpenAIServingBase(ABC):
             self._token_str_cache[token_id] = s
         return s
 
-    def text_offsets(self, token_ids: List[int], text: str, start: int = 0) -> List[int]:
+    def text_offsets(self, token_ids: List[int], text: str, start: int = 0, continues: bool = False) -> List[int]:
         """Where each token begins in `text` (what the tokens decode to), in characters, plus `start`.
 
         Not the sum of token_str lengths: a character split over byte tokens prints as one
@@ -239,15 +240,19 @@ class OpenAIServingBase(ABC):
         stops agreeing with `text`, so the bytes of one character all begin where it does, and
         a lone invalid byte, a U+FFFD of the text too, is one character. A special token the
         text leaves out (a BOS the tokenizer added, one skip_special_tokens dropped) takes no
-        room. Never decreasing, at most start + len(text)."""
+        room. `continues`: the text goes on from earlier text (an answer after its prompt), so
+        the first tokens are decoded after a stand-in token: a SentencePiece decoder drops the
+        leading space of a decode's first token, which the detokenizer's left context kept.
+        Never decreasing, at most start + len(text)."""
         special_ids = set(self.tokenizer.all_special_ids)
         offsets: List[int] = []
         synced = 0  # characters of `text` the tokens up to the last point in step decode to
-        context: List[int] = []  # the last group in step: left context for decoding the next
+        # the last group in step: left context for decoding the next
+        context: List[int] = self._stand_in_context() if continues else []
         pending: List[int] = []  # the tokens since, not yet in step with the text
-        head, piece = "", ""  # decode(context); what context + pending decode to past it
+        head, piece = self.tokenizer.decode(context), ""  # decode(context); what context + pending decode to past it
         for token_id in token_ids:
-            agreed = synced + _common_prefix_len(piece, text[synced:])
+            agreed = synced + _common_prefix_len(piece, text, synced)
             offsets.append(start + max(agreed, offsets[-1] - start if offsets else 0))
             if token_id in special_ids and not text.startswith(self.token_str(token_id), agreed):
                 continue
@@ -259,10 +264,18 @@ class OpenAIServingBase(ABC):
                 head, piece = self.tokenizer.decode(context), ""
         return offsets
 
+    def _stand_in_context(self) -> List[int]:
+        """One ordinary token to decode after (the last of "a")."""
+        if self._stand_in is None:
+            self._stand_in = self.tokenizer.encode("a", add_special_tokens=False)[-1:]
+        return list(self._stand_in)
 
-def _common_prefix_len(a: str, b: str) -> int:
-    n = min(len(a), len(b))
+
+def _common_prefix_len(a: str, b: str, b_start: int = 0) -> int:
+    """How many leading characters of `a` match `b` from b_start (no slice of b: a long echo
+    compared token by token would copy its tail once per token)."""
+    n = min(len(a), len(b) - b_start)
     for i in range(n):
-        if a[i] != b[i]:
+        if a[i] != b[b_start + i]:
             return i
-    return n
+    return max(n, 0)

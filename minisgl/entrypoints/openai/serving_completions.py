@@ -82,17 +82,17 @@ class OpenAIServingCompletions(OpenAIServingBase):
         result = CompletionLogprobs()
         if request.echo:
             prompt = (meta_info.get("input_token_logprobs") or [], meta_info.get("input_top_logprobs") or [])
-            self._add_logprobs(result, request, *prompt, echoed, 0)
+            self._add_logprobs(result, request, *prompt, echoed, 0, continues=False)
         output = (meta_info.get("output_token_logprobs") or [], meta_info.get("output_top_logprobs") or [])
-        self._add_logprobs(result, request, *output, text, text_start)
+        self._add_logprobs(result, request, *output, text, text_start, continues=True)
         return result
 
     def _add_logprobs(
         self, result: CompletionLogprobs, request: CompletionRequest, token_logprobs: List[Any], top_logprobs: List[Any],
-        text: str, text_start: int,
+        text: str, text_start: int, continues: bool,
     ) -> None:  # fmt: skip
         ids = [token_id for _, token_id, _ in token_logprobs]
-        result.text_offset.extend(self.text_offsets(ids, text, text_start))
+        result.text_offset.extend(self.text_offsets(ids, text, text_start, continues))
         for k, (logprob, token_id, _) in enumerate(token_logprobs):
             result.tokens.append(self.token_str(token_id))
             result.token_logprobs.append(logprob)
