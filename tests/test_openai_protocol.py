@@ -1310,6 +1310,7 @@ def test_tokenize_and_detokenize_round_trip_with_the_servers_tokenizer(client: T
     skipped = client.post(f"{prefix}/detokenize", json={"tokens": [body["tokens"], [5]]}).json()["text"]
     assert skipped == [tokenizer.decode(body["tokens"], skip_special_tokens=True), tokenizer.decode([5])]
     assert "<|im_start|>" not in skipped[0]
+    assert client.post(f"{prefix}/tokenize", json={"prompt": []}).json()["tokens"] == []  # (was a 500)
     big = "many words " * 3000  # past TOKENIZE_OFF_LOOP_CHARS: tokenized in a worker thread
     assert client.post(f"{prefix}/tokenize", json={"prompt": big}).json()["tokens"] == tokenizer.encode(big)
 

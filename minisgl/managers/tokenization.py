@@ -42,6 +42,8 @@ def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True) -> L
 
 def encode_texts(tokenizer: Any, texts: List[str], add_special_tokens: bool = True) -> List[List[int]]:
     """Several prompts in one batched tokenizer call (the dynamic batch tokenizer's unit of work)."""
+    if not texts:  # (a fast tokenizer raises IndexError on an empty batch)
+        return []
     return tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
 
 

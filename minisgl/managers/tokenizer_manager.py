@@ -220,9 +220,11 @@ class AsyncDynamicBatchTokenizer:
         while self.pending:
             # one call per add_special_tokens value (chat prompts take none, completions the BOS)
             special = self.pending[0][1]
-            same = [item for item in self.pending if item[1] == special]
-            batch = same[: self.max_batch_size]
-            self.pending = [item for item in self.pending if not any(item is b for b in batch)]
+            batch: List[Tuple[str, bool, asyncio.Future]] = []
+            rest: List[Tuple[str, bool, asyncio.Future]] = []
+            for item in self.pending:  # (one pass: a burst of thousands waits here, on the event loop)
+                (batch if item[1] == special and len(batch) < self.max_batch_size else rest).append(item)
+            self.pending = rest
             texts = [text for text, _, _ in batch]
             self.batch_sizes.append(len(texts))
             try:
