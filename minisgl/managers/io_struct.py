@@ -354,6 +354,10 @@ def logprobs_of(recv: BatchStrOutput, i: int, decode: Optional[Callable[[List[Li
         rows = getattr(recv, name)
         return rows[i] if i < len(rows) else []
 
+    # the common case, a request that asked for none, on every output of every request: no zips
+    if not row("output_token_logprobs_val") and not row("input_token_logprobs_idx"):
+        return {key: [] for key in LOGPROB_META_KEYS}
+
     def entries(values: List[Any], ids: List[int]) -> List[LogprobEntry]:
         texts: List[Any] = decode([[t] for t in ids]) if decode is not None and ids else [None] * len(ids)
         # (strict: values and ids are built apart, e.g. the prompt's chunk by chunk and from the prompt)

@@ -151,6 +151,9 @@ class SchedulerOutputProcessorMixin:
         emitting = [r for r in reqs if r is not skip_req and self._should_stream(r)]
         if not emitting:
             return
+        # the logprob lists stay empty (not a list of empties per request) when no one asks:
+        # they cross two process boundaries with every token (logprobs_of reads a short list as none)
+        with_logprobs = any(r.return_logprob for r in emitting)
         out = BatchTokenIDOutput(
             rids=[], finished_reasons=[], decode_ids=[], read_offsets=[], output_ids=[], skip_special_tokens=[],
             spaces_between_special_tokens=[], no_stop_trim=[], stop_strs=[], prompt_tokens=[],
@@ -175,25 +178,31 @@ class SchedulerOutputProcessorMixin:
             out.prompt_tokens.append(len(req.origin_input_ids))
             out.completion_tokens.append(len(through_stop))
             out.cached_tokens.append(req.cached_tokens)
-            out.output_token_logprobs_val.append(req.output_token_logprobs_val[start:end])
-            out.output_token_logprobs_idx.append(req.output_token_logprobs_idx[start:end])
-            out.output_top_logprobs_val.append(req.output_top_logprobs_val[start:end])
-            out.output_top_logprobs_idx.append(req.output_top_logprobs_idx[start:end])
-            out.output_token_ids_logprobs_val.append(req.output_token_ids_logprobs_val[start:end])
-            out.output_token_ids_logprobs_idx.append(req.output_token_ids_logprobs_idx[start:end])
-            # the prompt logprobs once, with the first output after the prompt was prefilled
-            send_input = req.input_logprobs_done and not req.input_logprobs_sent
-            req.input_logprobs_sent = req.input_logprobs_sent or send_input
-            out.input_token_logprobs_val.append(req.input_token_logprobs_val if send_input else [])
-            out.input_token_logprobs_idx.append(req.input_token_logprobs_idx if send_input else [])
-            out.input_top_logprobs_val.append(req.input_top_logprobs_val if send_input else [])
-            out.input_top_logprobs_idx.append(req.input_top_logprobs_idx if send_input else [])
-            out.input_token_ids_logprobs_val.append(req.input_token_ids_logprobs_val if send_input else [])
-            out.input_token_ids_logprobs_idx.append(req.input_token_ids_logprobs_idx if send_input else [])
+            if with_logprobs:
+                _add_logprobs(out, req, start, end)
             out.time_stats.append(req.time_stats.to_ms_dict())
             req.send_decode_id_offset = len(decode_ids)
             req.send_token_offset = end
         self._outputs.append(out)
+
+
+def _add_logprobs(out: BatchTokenIDOutput, req: Req, start: int, end: int) -> None:
+    """Request req's logprobs of output tokens [start, end) into out (one entry per list, in
+    request order), and its prompt logprobs once, with its first output after the prefill."""
+    out.output_token_logprobs_val.append(req.output_token_logprobs_val[start:end])
+    out.output_token_logprobs_idx.append(req.output_token_logprobs_idx[start:end])
+    out.output_top_logprobs_val.append(req.output_top_logprobs_val[start:end])
+    out.output_top_logprobs_idx.append(req.output_top_logprobs_idx[start:end])
+    out.output_token_ids_logprobs_val.append(req.output_token_ids_logprobs_val[start:end])
+    out.output_token_ids_logprobs_idx.append(req.output_token_ids_logprobs_idx[start:end])
+    send_input = req.input_logprobs_done and not req.input_logprobs_sent
+    req.input_logprobs_sent = req.input_logprobs_sent or send_input
+    out.input_token_logprobs_val.append(req.input_token_logprobs_val if send_input else [])
+    out.input_token_logprobs_idx.append(req.input_token_logprobs_idx if send_input else [])
+    out.input_top_logprobs_val.append(req.input_top_logprobs_val if send_input else [])
+    out.input_top_logprobs_idx.append(req.input_top_logprobs_idx if send_input else [])
+    out.input_token_ids_logprobs_val.append(req.input_token_ids_logprobs_val if send_input else [])
+    out.input_token_ids_logprobs_idx.append(req.input_token_ids_logprobs_idx if send_input else [])
 
 
 def _logprob_lists(result: Any) -> Tuple[Any, Any, Any, Any]:
