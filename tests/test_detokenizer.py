@@ -147,6 +147,24 @@ def test_left_context_starting_inside_a_byte_spelled_character_spoils_nothing(
     assert mgr.decode_status == {}
 
 
+def test_an_answer_cut_inside_a_byte_spelled_character_keeps_its_whole_ones(tmp_path: Any) -> None:
+    """Byte fallback (Llama-2, Mistral): an answer cut by max_tokens after 2 of the 3 bytes of a
+    CJK character, right after a newline byte. Decoded at once (a non-streaming answer), the
+    decoder turned the whole byte run, the newline and a complete character with it, into
+    U+FFFD; a stream had sent them. Both now give the stream's text."""
+    train_byte_fallback_tokenizer().save_pretrained(str(tmp_path))
+    mgr = DetokenizerManager(ServerArgs(tokenizer_path=str(tmp_path)))
+    tok = mgr.tokenizer
+    byte = lambda b: tok.convert_tokens_to_ids(f"<0x{b:02X}>")  # noqa: E731
+    prompt_ids = tok.encode("Answer:", add_special_tokens=False)
+    out_ids = tok.encode("Hello", add_special_tokens=False) + [byte(0x0A)] + [byte(b) for b in "数".encode()]
+    out_ids += [byte(b) for b in "据".encode()[:2]]  # cut inside 据
+    streamed = "".join(stream(mgr, prompt_ids, out_ids, [1] * len(out_ids)))
+    at_once = "".join(stream(mgr, prompt_ids, out_ids, [len(out_ids)]))
+    assert streamed.startswith(" Hello\n数") and at_once == streamed
+    assert mgr.decode_status == {}
+
+
 def test_cjk_streams_each_character_as_soon_as_complete(mgr: DetokenizerManager) -> None:
     tok = mgr.tokenizer
     text = "你好世界"

@@ -301,6 +301,8 @@ class DetokenizerManager:
         new_text = read_text[len(surr_text) :]
         finished = recv.finished_reasons[i] is not None
         if finished:
+            if new_text.endswith("\ufffd"):  # the answer ends inside a character (cut by max_tokens)
+                new_text = self._commit_whole_characters(recv, i, s)
             # Flush everything, trim the matched stop string, forget the request.
             output_str = trim_matched_stop(s.decoded_text + new_text, recv.finished_reasons[i], recv.no_stop_trim[i])
             del self.decode_status[recv.rids[i]]
@@ -323,6 +325,25 @@ class DetokenizerManager:
         delta = output_str[s.sent_offset : safe]
         s.sent_offset = safe
         return delta
+
+    def _commit_whole_characters(self, recv: BatchTokenIDOutput, i: int, s: DecodeStatus) -> str:
+        """At a finish that ends inside a character: commit, token by token, what a stream would
+        have committed, then return the rest decoded after it.
+
+        A byte-fallback decoder (Llama-2, Mistral: <0xNN> tokens) turns a whole run of byte
+        tokens into one U+FFFD per token when the run ends in an incomplete character, so
+        decoding a non-streaming answer's window at once lost the complete characters of that
+        run (a newline, a CJK character) that a stream had sent. Only this rare finish pays
+        the per-token decodes."""
+        kwargs = dict(skip_special_tokens=recv.skip_special_tokens[i], spaces_between_special_tokens=recv.spaces_between_special_tokens[i])
+        for k in range(s.read_offset + 1, len(s.decode_ids)):
+            surr_text = self.tokenizer.decode(s.decode_ids[s.surr_offset : s.read_offset], **kwargs)
+            new_text = self.tokenizer.decode(s.decode_ids[s.surr_offset : k], **kwargs)[len(surr_text) :]
+            if new_text and not new_text.endswith("\ufffd"):
+                s.decoded_text += new_text
+                s.surr_offset, s.read_offset = s.read_offset, k
+        surr_text = self.tokenizer.decode(s.decode_ids[s.surr_offset : s.read_offset], **kwargs)
+        return self.tokenizer.decode(s.decode_ids[s.surr_offset :], **kwargs)[len(surr_text) :]
 
     def _grouped_batch_decode(
         self,
