@@ -119,6 +119,19 @@ def test_completions_logprobs_zero_returns_the_chosen_tokens_logprobs(tiny_model
     assert lp["token_logprobs"] == [-0.5] and lp["top_logprobs"] == [None] and lp["text_offset"] == [0]
 
 
+def test_echo_of_a_token_id_prompt_leaves_its_special_tokens_out(tiny_model: str, tmp_path: Any) -> None:
+    """A token-id prompt that starts with a BOS echoes the text, not "<bos>text" (SGLang decodes
+    it with skip_special_tokens, as the text of a string prompt would read)."""
+    from minisgl.utils import get_tokenizer
+
+    tok = get_tokenizer(tiny_model)
+    ids = tok.encode("hello there", add_special_tokens=False)
+    client, _ = _scripted_client(tiny_model, tmp_path, [_out("r", "!", 1, LENGTH)])
+    with client:
+        text = _post(client, "completions", prompt=[tok.all_special_ids[0]] + ids, echo=True).json()["choices"][0]["text"]
+    assert text == tok.decode(ids) + "!"
+
+
 def test_completions_echo_with_logprobs_puts_the_prompt_tokens_first(tiny_model: str, tmp_path: Any) -> None:
     """OpenAI's echo + logprobs (lm-eval-harness scores continuations with it): the prompt's
     tokens come first, the very first with null logprob and top_logprobs, then the completion's;

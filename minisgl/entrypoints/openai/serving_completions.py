@@ -64,12 +64,13 @@ class OpenAIServingCompletions(OpenAIServingBase):
         )
 
     def _prompt_text(self, request: CompletionRequest, index: int) -> str:
-        """The text of the prompt behind choice `index` (for echo)."""
+        """The text of the prompt behind choice `index` (for echo); a token-id prompt decoded
+        without its special tokens (a BOS), as SGLang's _get_echo_text."""
         prompt = request.prompt
         if isinstance(prompt, str):
             return prompt
         item = prompt[index // request.n] if isinstance(prompt[0], (str, list)) else prompt
-        return item if isinstance(item, str) else self.tokenizer.decode(item)
+        return item if isinstance(item, str) else self.tokenizer.decode(item, skip_special_tokens=True)
 
     def _logprobs(
         self, meta_info: Dict[str, Any], request: CompletionRequest, echoed: str, text: str, text_start: int
