@@ -17,7 +17,15 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+# short name -> transformers' config and model classes: one entry per supported architecture
+# (models/registry.py has the engine's side; docs/model_execution.md, "Adding an architecture")
+TRANSFORMERS_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+}
+ARCHITECTURES = tuple(TRANSFORMERS_CLASSES)
 
 
 def corpus_texts() -> List[str]:
@@ -96,7 +104,7 @@ def _cached_tokenizer(vocab_size: int) -> Any:
 
 
 def make_config(arch: str, vocab_size: int, **overrides: Any) -> Any:
-    """A tiny config of one of the four supported architectures (float32, random init)."""
+    """A tiny config of a supported architecture (ARCHITECTURES; float32, random init)."""
     import transformers as tf
 
     base: Dict[str, Any] = dict(
@@ -117,13 +125,7 @@ def make_config(arch: str, vocab_size: int, **overrides: Any) -> Any:
         base["head_dim"] = 32
         base["tie_word_embeddings"] = True
     base.update(overrides)
-    cls = {
-        "llama": tf.LlamaConfig,
-        "qwen2": tf.Qwen2Config,
-        "qwen3": tf.Qwen3Config,
-        "mistral": tf.MistralConfig,
-    }[arch]
-    return cls(**base)
+    return getattr(tf, TRANSFORMERS_CLASSES[arch][0])(**base)
 
 
 def make_tiny_model(
@@ -146,12 +148,7 @@ def make_tiny_model(
     os.makedirs(path, exist_ok=True)
     tok = _cached_tokenizer(vocab_size)
     cfg = make_config(arch, vocab_size=len(tok), initializer_range=init_std, **config_overrides)
-    cls = {
-        "llama": tf.LlamaForCausalLM,
-        "qwen2": tf.Qwen2ForCausalLM,
-        "qwen3": tf.Qwen3ForCausalLM,
-        "mistral": tf.MistralForCausalLM,
-    }[arch]
+    cls = getattr(tf, TRANSFORMERS_CLASSES[arch][1])
     torch.manual_seed(seed)
     model = cls(cfg).to(getattr(torch, dtype))
     model.generation_config.eos_token_id = cfg.eos_token_id
