@@ -244,19 +244,8 @@ class DetokenizerManager:
             prompt_tokens=list(recv.prompt_tokens),
             completion_tokens=list(recv.completion_tokens),
             cached_tokens=list(recv.cached_tokens),
-            output_token_logprobs_val=list(recv.output_token_logprobs_val),
-            output_token_logprobs_idx=list(recv.output_token_logprobs_idx),
-            output_top_logprobs_val=list(recv.output_top_logprobs_val),
-            output_top_logprobs_idx=list(recv.output_top_logprobs_idx),
-            input_token_logprobs_val=list(recv.input_token_logprobs_val),
-            input_token_logprobs_idx=list(recv.input_token_logprobs_idx),
-            input_top_logprobs_val=list(recv.input_top_logprobs_val),
-            input_top_logprobs_idx=list(recv.input_top_logprobs_idx),
-            output_token_ids_logprobs_val=list(recv.output_token_ids_logprobs_val),
-            output_token_ids_logprobs_idx=list(recv.output_token_ids_logprobs_idx),
-            input_token_ids_logprobs_val=list(recv.input_token_ids_logprobs_val),
-            input_token_ids_logprobs_idx=list(recv.input_token_ids_logprobs_idx),
             time_stats=list(recv.time_stats),
+            **recv.logprob_lists(),
         )
 
     def _update_status(self, recv: BatchTokenIDOutput, i: int) -> DecodeStatus:

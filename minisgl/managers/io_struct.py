@@ -263,8 +263,36 @@ class SchedulerSnapshotOut:
 
 
 # --------------------------------------------------------------------------- outputs
+@dataclass(kw_only=True)
+class LogprobLists:
+    """The logprob fields of an output message, one entry per request, as SGLang's (_val and
+    _idx lists side by side). Empty lists, not lists of empties, when no request of the message
+    asked. BatchTokenIDOutput and BatchStrOutput both carry them; the detokenizer passes them
+    through (`logprob_lists`), `logprobs_of` reads them."""
+
+    # logprobs of the new tokens
+    output_token_logprobs_val: List[List[float]] = field(default_factory=list)
+    output_token_logprobs_idx: List[List[int]] = field(default_factory=list)
+    output_top_logprobs_val: List[List[List[float]]] = field(default_factory=list)
+    output_top_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
+    # prompt logprobs, once per request (Req.finish_input_logprobs's layout)
+    input_token_logprobs_val: List[List[Optional[float]]] = field(default_factory=list)
+    input_token_logprobs_idx: List[List[int]] = field(default_factory=list)
+    input_top_logprobs_val: List[List[Optional[List[float]]]] = field(default_factory=list)
+    input_top_logprobs_idx: List[List[Optional[List[int]]]] = field(default_factory=list)
+    # logprobs of the ids a request names (token_ids_logprob): per output token, per prompt position
+    output_token_ids_logprobs_val: List[List[List[float]]] = field(default_factory=list)
+    output_token_ids_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
+    input_token_ids_logprobs_val: List[List[Optional[List[float]]]] = field(default_factory=list)
+    input_token_ids_logprobs_idx: List[List[Optional[List[int]]]] = field(default_factory=list)
+
+    def logprob_lists(self) -> Dict[str, List[Any]]:
+        """These fields, by name (shallow copies), to build another message with."""
+        return {f.name: list(getattr(self, f.name)) for f in dataclasses.fields(LogprobLists)}
+
+
 @dataclass
-class BatchTokenIDOutput:
+class BatchTokenIDOutput(LogprobLists):
     """Scheduler -> detokenizer: new token ids of every request that emits this step.
 
     `decode_ids[i]` is the delta of ids to append to the detokenizer's window; on the
@@ -285,27 +313,12 @@ class BatchTokenIDOutput:
     prompt_tokens: List[int]
     completion_tokens: List[int]
     cached_tokens: List[int]
-    # logprobs of the new tokens (empty lists when not requested)
-    output_token_logprobs_val: List[List[float]] = field(default_factory=list)
-    output_token_logprobs_idx: List[List[int]] = field(default_factory=list)
-    output_top_logprobs_val: List[List[List[float]]] = field(default_factory=list)
-    output_top_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
-    # prompt logprobs, once per request (Req.finish_input_logprobs's layout; empty lists otherwise)
-    input_token_logprobs_val: List[List[Optional[float]]] = field(default_factory=list)
-    input_token_logprobs_idx: List[List[int]] = field(default_factory=list)
-    input_top_logprobs_val: List[List[Optional[List[float]]]] = field(default_factory=list)
-    input_top_logprobs_idx: List[List[Optional[List[int]]]] = field(default_factory=list)
-    # logprobs of the ids a request names (token_ids_logprob): per output token, per prompt position
-    output_token_ids_logprobs_val: List[List[List[float]]] = field(default_factory=list)
-    output_token_ids_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
-    input_token_ids_logprobs_val: List[List[Optional[List[float]]]] = field(default_factory=list)
-    input_token_ids_logprobs_idx: List[List[Optional[List[int]]]] = field(default_factory=list)
     # per-request timing in milliseconds (ReqTimeStats.to_ms_dict): queue_ms / schedule_ms / forward_ms / ttft_ms / e2e_ms
     time_stats: List[Dict[str, Optional[float]]] = field(default_factory=list)  # None = not reached
 
 
 @dataclass
-class BatchStrOutput:
+class BatchStrOutput(LogprobLists):
     """Detokenizer -> TokenizerManager: text deltas, ready for the client."""
 
     rids: List[str]
@@ -315,18 +328,6 @@ class BatchStrOutput:
     prompt_tokens: List[int]
     completion_tokens: List[int]
     cached_tokens: List[int]
-    output_token_logprobs_val: List[List[float]] = field(default_factory=list)
-    output_token_logprobs_idx: List[List[int]] = field(default_factory=list)
-    output_top_logprobs_val: List[List[List[float]]] = field(default_factory=list)
-    output_top_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
-    input_token_logprobs_val: List[List[Optional[float]]] = field(default_factory=list)
-    input_token_logprobs_idx: List[List[int]] = field(default_factory=list)
-    input_top_logprobs_val: List[List[Optional[List[float]]]] = field(default_factory=list)
-    input_top_logprobs_idx: List[List[Optional[List[int]]]] = field(default_factory=list)
-    output_token_ids_logprobs_val: List[List[List[float]]] = field(default_factory=list)
-    output_token_ids_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
-    input_token_ids_logprobs_val: List[List[Optional[List[float]]]] = field(default_factory=list)
-    input_token_ids_logprobs_idx: List[List[Optional[List[int]]]] = field(default_factory=list)
     time_stats: List[Dict[str, Optional[float]]] = field(default_factory=list)  # to_ms_dict: None = not reached
 
 
