@@ -185,9 +185,12 @@ def test_text_offsets_point_at_each_token_in_the_text(tiny_model: str) -> None:
         if piece != "\ufffd":
             assert text[offset - 10 : offset - 10 + len(piece)] == piece, (piece, offset)
     assert offsets[ids.index(tok.encode("\U0001F642", add_special_tokens=False)[0])] == 10 + text.index("\U0001F642")
-    # a special token the text leaves out (a BOS the tokenizer added) takes no room
-    with_bos = _serving(tok).text_offsets([0] + ids, text, 10)
-    assert with_bos == [10] + offsets
+    # a special token the text leaves out (a BOS the tokenizer added; <|im_start|>, an added
+    # token marked special that all_special_ids does not name) takes no room
+    im_start = tok.convert_tokens_to_ids("<|im_start|>")
+    assert im_start not in tok.all_special_ids and tok.decode([im_start], skip_special_tokens=True) == ""  # the premise
+    with_specials = _serving(tok).text_offsets([0] + ids[:3] + [im_start] + ids[3:], text, 10)
+    assert with_specials == [10] + offsets[:3] + [offsets[3]] + offsets[3:]
     # bytes that never complete a character are each a U+FFFD of the text: one character apiece
     lone = [i for i in range(len(tok)) if tok.decode([i]) == "\ufffd"][:2] + tok.encode("Gor", add_special_tokens=False)
     garbled = tok.decode(lone)

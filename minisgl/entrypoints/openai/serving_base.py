@@ -148,6 +148,7 @@ class OpenAIServingBase(ABC):
         self.tokenizer = tokenizer_manager.tokenizer
         self._token_str_cache: Dict[int, str] = {}
         self._stand_in: Optional[List[int]] = None  # (text_offsets' left context for an answer)
+        self._special: Optional[set] = None  # (text_offsets' special ids)
 
     # --- subclass hooks
     def _validate_request(self, request: Any) -> Optional[str]:
@@ -244,7 +245,7 @@ class OpenAIServingBase(ABC):
         the first tokens are decoded after a stand-in token: a SentencePiece decoder drops the
         leading space of a decode's first token, which the detokenizer's left context kept.
         Never decreasing, at most start + len(text)."""
-        special_ids = set(self.tokenizer.all_special_ids)
+        special_ids = self._special_ids()
         offsets: List[int] = []
         synced = 0  # characters of `text` the tokens up to the last point in step decode to
         # the last group in step: left context for decoding the next
@@ -263,6 +264,14 @@ class OpenAIServingBase(ABC):
                 context, pending = pending, []
                 head, piece = self.tokenizer.decode(context), ""
         return offsets
+
+    def _special_ids(self) -> set:
+        """Every special token: the named ones (all_special_ids: bos, eos, pad...) and the added
+        tokens marked special (a chat template's <|im_start|>), which skip_special_tokens drops too."""
+        if self._special is None:
+            added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
+            self._special = set(self.tokenizer.all_special_ids) | {i for i, t in added.items() if getattr(t, "special", False)}
+        return self._special
 
     def _stand_in_context(self) -> List[int]:
         """One ordinary token to decode after (the last of "a")."""
