@@ -80,6 +80,29 @@ def test_input_logprobs_equal_a_whole_log_softmax_in_any_slicing(monkeypatch: py
     torch.testing.assert_close(linear(hidden, weight, packed=packed_weight), hidden @ weight.T, rtol=TOL, atol=TOL)
 
 
+def test_the_packed_lm_head_meets_few_row_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN keeps a primitive per row count: prompt-logprob slices of every length (65..600
+    rows here) run at a power of two, so the scheduler's memory stops growing with the lengths
+    it meets (+230 MB over a sweep of prompt lengths on the built-in model, before)."""
+    g = torch.Generator().manual_seed(0)
+    vocab, hidden_size = 64, 16
+    weight = torch.randn(vocab, hidden_size, generator=g)
+    packed = pack_weight_for_cpu(weight)
+    if packed is None:
+        pytest.skip("this torch build has no oneDNN packing")
+    seen: List[int] = []
+    real = logits_processor.linear
+    monkeypatch.setattr(logits_processor, "linear", lambda x, *a, **k: seen.append(x.shape[0]) or real(x, *a, **k))
+    processor = LogitsProcessor(vocab)
+    for rows in range(65, 600, 13):
+        hidden = torch.randn(rows, hidden_size, generator=g)
+        targets = torch.randint(0, vocab, (rows,), generator=g)
+        out = processor.input_logprobs(hidden, targets, 0, weight, packed)
+        ref = torch.log_softmax(hidden @ weight.T, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+        torch.testing.assert_close(out.token_logprobs, ref, rtol=TOL, atol=TOL)  # the padding is cut off again
+    assert set(seen) == {128, 256, 512, 1024}
+
+
 # --------------------------------------------------------------------------- through the Engine
 @pytest.mark.parametrize("start", [0, 7, 16, 49, 50])
 def test_prompt_logprobs_match_transformers_through_chunks_and_the_cache(

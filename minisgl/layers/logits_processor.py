@@ -25,7 +25,9 @@ from typing import NamedTuple, Optional
 import torch
 from torch import nn
 
-from minisgl.layers.linear import linear
+import torch.nn.functional as F
+
+from minisgl.layers.linear import EXACT_PACKED_ROWS, linear
 from minisgl.model_executor.forward_batch_info import ForwardBatch
 
 
@@ -95,7 +97,14 @@ class LogitsProcessor(nn.Module):
         token_parts, val_parts, idx_parts, ids_parts = [], [], [], []
         for start in range(0, hidden.shape[0], rows_per_slice):
             rows = slice(start, start + rows_per_slice)
-            logits = linear(hidden[rows], lm_head_weight, packed=lm_head_packed).float()
+            x = hidden[rows]  # [m, H]
+            n = x.shape[0]
+            if lm_head_packed is not None and n > EXACT_PACKED_ROWS:
+                # oneDNN keeps a primitive per row count it meets (layers.linear.packed_rows):
+                # slices of every length made the scheduler grow by ~230 MB on the built-in
+                # model. A power of two (at most a whole slice) leaves a handful of counts.
+                x = F.pad(x, (0, 0, 0, min(1 << (n - 1).bit_length(), rows_per_slice) - n))
+            logits = linear(x, lm_head_weight, packed=lm_head_packed)[:n].float()
             # clamped as the sampler's output logprobs: JSON has no -inf
             logprobs = torch.log_softmax(logits, dim=-1).clamp_(min=torch.finfo(torch.float32).min)  # [m, V]
             token_parts.append(logprobs.gather(-1, target_ids[rows, None]).squeeze(-1))
