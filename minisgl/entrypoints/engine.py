@@ -18,8 +18,9 @@ Results have the TokenizerManager's shape (docs/engine.md): `meta_info` always c
 `output_token_logprobs` [(logprob, id, None)] and `output_top_logprobs` [[(logprob, id,
 None)] * k], the prompt's `input_token_logprobs` [(logprob | None, id, None)] and
 `input_top_logprobs`, and `output_token_ids_logprobs` / `input_token_ids_logprobs` (the ids
-of token_ids_logprob at each position), empty unless asked for (SGLang's triples; the server fills the text
-with return_text_in_logprobs); a streamed chunk carries the deltas, a final result the whole lists.
+of token_ids_logprob at each position), empty unless asked for. Entries are SGLang's
+triples; the text stays None here (the server fills it with return_text_in_logprobs). A
+streamed chunk carries the deltas, a final result the whole lists.
 """
 
 from __future__ import annotations
