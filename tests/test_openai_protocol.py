@@ -187,6 +187,8 @@ def test_unsupported_field_names_the_param(client: TestClient) -> None:
         ({"logprob_start_len": 1.5, "return_logprob": True}, "logprob_start_len"),
         ({"logprob_start_len": 50, "return_logprob": True}, "logprob_start_len=50 is higher than the number of input tokens"),
         ({"logprob_start_len": 0, "return_logprob": [True, False], "text": ["a", "b"]}, "needs return_logprob to be true"),
+        ({"logprob_start_len": [0], "return_logprob": True, "text": ["a", "b"]}, "`logprob_start_len` must have 2 entries"),
+        ({"top_logprobs_num": [1, 30], "return_logprob": True, "text": ["a", "b"]}, "top_logprobs_num must be in [0, 20]"),
     ],
 )
 def test_a_bad_logprob_start_len_is_a_400_that_names_it(client: TestClient, body: Dict[str, Any], needle: str) -> None:

@@ -180,6 +180,37 @@ def test_token_ids_logprob_reports_the_named_ids_at_every_position(engine: Any, 
     assert plain["output_ids"] == out["output_ids"]
 
 
+def test_a_batch_takes_the_logprob_fields_one_per_prompt(engine: Any, hf_logprobs: torch.Tensor) -> None:
+    """SGLang's batch shapes: logprob_start_len, top_logprobs_num and token_ids_logprob as one
+    value for all prompts or a list of one per prompt (n > 1 samples share their prompt's)."""
+    params = {**GREEDY, "max_new_tokens": 2}
+    outs = engine.generate(input_ids=[PROMPT, PROMPT[:20]], sampling_params=params, return_logprob=True,
+                           logprob_start_len=[3, -1], top_logprobs_num=[0, 2], token_ids_logprob=[[7], None])  # fmt: skip
+    first, second = (o["meta_info"] for o in outs)
+    torch.testing.assert_close(torch.tensor(_values(first)[1:]), hf_logprobs[3:], rtol=TOL, atol=TOL)
+    assert first["output_top_logprobs"] == [] and [[t for _, t, _ in e] for e in first["output_token_ids_logprobs"]] == [[7], [7]]
+    assert second["input_token_logprobs"] == [] and [len(top) for top in second["output_top_logprobs"]] == [2, 2]
+    assert second["output_token_ids_logprobs"] == []
+    shared = engine.generate(input_ids=[PROMPT, PROMPT], sampling_params=params, return_logprob=True, logprob_start_len=40)
+    assert [len(o["meta_info"]["input_token_logprobs"]) for o in shared] == [10, 10]  # one value for all
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"input_ids": [[5, 6], [7, 8]], "logprob_start_len": [0]}, "`logprob_start_len` must have 2 entries"),
+        ({"input_ids": [[5, 6], [7, 8]], "token_ids_logprob": [[3]]}, "`token_ids_logprob` must have 2 lists"),
+        ({"input_ids": [5, 6], "logprob_start_len": [0]}, "lists are per prompt of a batch"),
+        ({"input_ids": [5, 6], "token_ids_logprob": [[3]]}, "lists are per prompt of a batch"),
+        ({"input_ids": [[5, 6], [7, 8]], "logprob_start_len": [0, 5]}, "logprob_start_len=5 is higher"),
+    ],
+)
+def test_per_prompt_logprob_fields_of_the_wrong_shape_say_what_to_change(engine: Any, kwargs: dict, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        engine.generate(sampling_params={"max_new_tokens": 1}, return_logprob=True, **kwargs)
+    assert not engine.has_unfinished_requests()
+
+
 def test_prompt_logprobs_stream_once_in_the_first_chunk(engine: Any) -> None:
     params = {**GREEDY, "max_new_tokens": 5}
     whole = engine.generate(input_ids=PROMPT, sampling_params=params, return_logprob=True, logprob_start_len=0)

@@ -372,6 +372,13 @@ def test_native_generate_token_ids_logprob_scores_the_named_ids(server: Server, 
     assert [len(e["meta_info"]["output_token_ids_logprobs"]) for e in events] == [len(e["output_ids"]) for e in events]
     r = httpx.post(server.url + "/generate", json={**body, "token_ids_logprob": list(range(257))}, timeout=60)
     assert r.status_code == 400 and "token_ids_logprob takes at most 256 ids" in r.json()["error"]["message"]
+    # a batch: one list per prompt (None for a prompt that names none), and a start per prompt
+    batch = {**body, "text": [PROMPTS[1], PROMPTS[0]], "token_ids_logprob": [[5, 6], None], "logprob_start_len": [0, -1]}
+    outs = httpx.post(server.url + "/generate", json=batch, timeout=60).json()
+    batched = outs[0]["meta_info"]["output_token_ids_logprobs"]  # (batched: equal up to float rounding)
+    assert [[e[1] for e in pos] for pos in batched] == [[e[1] for e in pos] for pos in meta["output_token_ids_logprobs"]]
+    assert [e[0] for pos in batched for e in pos] == pytest.approx([e[0] for pos in meta["output_token_ids_logprobs"] for e in pos], abs=1e-4)
+    assert outs[1]["meta_info"]["output_token_ids_logprobs"] == outs[1]["meta_info"]["input_token_logprobs"] == []
 
 
 def test_native_generate_wrong_types_are_400_and_the_server_survives(server: Server, engine: Any) -> None:

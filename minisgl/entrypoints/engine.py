@@ -160,8 +160,8 @@ class Engine:
 
     @_locked
     def _submit(
-        self, prompt: Prompt, sampling_params: Any, input_ids: InputIds, stream: bool, return_logprob: bool,
-        top_logprobs_num: int, logprob_start_len: int, token_ids_logprob: Optional[List[int]],
+        self, prompt: Prompt, sampling_params: Any, input_ids: InputIds, stream: bool, return_logprob: Any,
+        top_logprobs_num: Any, logprob_start_len: Any, token_ids_logprob: Any,
     ) -> tuple[List[str], bool]:
         """Fan a generate() call out into single requests (n copies each). Returns (rids, single).
 
@@ -170,8 +170,6 @@ class Engine:
         """
         self._check_open()
         _check_prompt(prompt, input_ids)
-        # before a batch is tokenized
-        check_logprob_args(return_logprob, logprob_start_len, top_logprobs_num, token_ids_logprob=token_ids_logprob)
         if not isinstance(sampling_params, list):  # its type, before a batch copies it per prompt
             SamplingParams.from_dict(sampling_params)
         obj = GenerateReqInput(
@@ -180,7 +178,11 @@ class Engine:
             stream=stream,
         )  # fmt: skip
         obj.normalize_batch_and_arguments()  # single or batch, lists per prompt, the same n for all
-        for single in obj.singles():
+        for single in obj.singles():  # before any prompt is tokenized
+            check_logprob_args(
+                single.return_logprob, single.logprob_start_len, single.top_logprobs_num,
+                token_ids_logprob=single.token_ids_logprob,
+            )  # fmt: skip
             n = SamplingParams.from_dict(single.sampling_params).n  # types and unknown keys, before anything is queued
             if n < 1:
                 raise ValueError(f"n must be >= 1, got {n}")
@@ -195,14 +197,15 @@ class Engine:
         sampling_params: Optional[Union[Dict[str, Any], List[Dict[str, Any]]]] = None,
         input_ids: InputIds = None,
         stream: bool = False,
-        return_logprob: bool = False,
-        top_logprobs_num: int = 0,
-        logprob_start_len: int = -1,
-        token_ids_logprob: Optional[List[int]] = None,
+        return_logprob: Union[bool, List[bool]] = False,
+        top_logprobs_num: Union[int, List[int]] = 0,
+        logprob_start_len: Union[int, List[int]] = -1,
+        token_ids_logprob: Optional[Union[List[int], List[Optional[List[int]]]]] = None,
     ) -> Any:
         """SGLang's shapes: one prompt -> dict; a list (or n > 1) -> list; stream -> iterator.
 
-        logprob_start_len and token_ids_logprob (with return_logprob): as add_request's."""
+        logprob_start_len and token_ids_logprob (with return_logprob): as add_request's. For a
+        list of prompts each logprob field is one value for all, or a list of one per prompt."""
         rids, single = self._submit(
             prompt, sampling_params, input_ids, stream, return_logprob=return_logprob,
             top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, token_ids_logprob=token_ids_logprob,

@@ -75,10 +75,11 @@ class GenerateReqInput:
     input_ids: Optional[Union[List[int], List[List[int]]]] = None
     sampling_params: Optional[Union[Dict[str, Any], List[Dict[str, Any]]]] = None
     rid: Optional[Union[str, List[str]]] = None
+    # the logprob fields: one value for every prompt of a batch, or a list of one per prompt
     return_logprob: Union[bool, List[bool]] = False
-    logprob_start_len: int = -1  # prompt logprobs from this position (-1: none, output logprobs only)
-    top_logprobs_num: int = 0
-    token_ids_logprob: Optional[List[int]] = None  # ids whose logprobs every position reports (one list for a batch)
+    logprob_start_len: Union[int, List[int]] = -1  # prompt logprobs from this position (-1: none)
+    top_logprobs_num: Union[int, List[int]] = 0
+    token_ids_logprob: Optional[Union[List[int], List[Optional[List[int]]]]] = None  # ids every position reports
     return_text_in_logprobs: bool = False  # each logprob entry's third element: the token's text
     stream: bool = False
     priority: Optional[int] = None
@@ -106,9 +107,10 @@ class GenerateReqInput:
         if self.is_single:
             if self.rid is None:
                 self.rid = new_rid()
-            if isinstance(self.sampling_params, list) or isinstance(self.return_logprob, list):
-                raise ValueError("A single prompt takes one `sampling_params` dict and one `return_logprob`; "
-                                 "lists are per prompt of a batch")  # fmt: skip
+            if isinstance(self.sampling_params, list) or any(isinstance(v, list) for v in self._scalar_per_prompt()):
+                raise ValueError("A single prompt takes one `sampling_params` dict and one value of `return_logprob`, "
+                                 "`logprob_start_len`, `top_logprobs_num` (and one `token_ids_logprob` list); lists "
+                                 "are per prompt of a batch")  # fmt: skip
             return
         n = self.batch_size
         if self.rid is None:
@@ -120,10 +122,27 @@ class GenerateReqInput:
         elif len(self.sampling_params) != n:
             raise ValueError(f"`sampling_params` must have {n} entries for a batch of {n} prompts")
         check_same_n(self.sampling_params)
-        if not isinstance(self.return_logprob, list):
-            self.return_logprob = [self.return_logprob] * n
-        elif len(self.return_logprob) != n:
-            raise ValueError(f"`return_logprob` must have {n} entries for a batch of {n} prompts")
+        for name in ("return_logprob", "logprob_start_len", "top_logprobs_num"):
+            value = getattr(self, name)
+            if not isinstance(value, list):
+                setattr(self, name, [value] * n)
+            elif len(value) != n:
+                raise ValueError(f"`{name}` must have {n} entries for a batch of {n} prompts")
+        if self._token_ids_per_prompt():
+            if len(self.token_ids_logprob) != n:  # type: ignore[arg-type]
+                raise ValueError(f"`token_ids_logprob` must have {n} lists for a batch of {n} prompts")
+        else:
+            self.token_ids_logprob = [self.token_ids_logprob] * n  # type: ignore[list-item]
+
+    def _token_ids_per_prompt(self) -> bool:
+        """token_ids_logprob as one list per prompt ([[ids], [ids]]), not one list for all."""
+        ids = self.token_ids_logprob
+        return isinstance(ids, list) and len(ids) > 0 and all(x is None or isinstance(x, list) for x in ids)
+
+    def _scalar_per_prompt(self) -> List[Any]:
+        """The fields a single prompt takes one value of (token_ids_logprob: one list)."""
+        per_prompt_ids = [self.token_ids_logprob] if self._token_ids_per_prompt() else []
+        return [self.return_logprob, self.logprob_start_len, self.top_logprobs_num, *per_prompt_ids]
 
     def __getitem__(self, i: int) -> "GenerateReqInput":
         """The i-th request of a normalized batch, as a single request."""
@@ -133,10 +152,10 @@ class GenerateReqInput:
             input_ids=self.input_ids[i] if self.input_ids is not None else None,
             sampling_params=self.sampling_params[i],
             rid=self.rid[i],
-            return_logprob=self.return_logprob[i],
-            logprob_start_len=self.logprob_start_len,
-            top_logprobs_num=self.top_logprobs_num,
-            token_ids_logprob=self.token_ids_logprob,
+            return_logprob=self.return_logprob[i],  # type: ignore[index]
+            logprob_start_len=self.logprob_start_len[i],  # type: ignore[index]
+            top_logprobs_num=self.top_logprobs_num[i],  # type: ignore[index]
+            token_ids_logprob=self.token_ids_logprob[i],  # type: ignore[index]
             return_text_in_logprobs=self.return_text_in_logprobs,
             stream=self.stream,
             priority=self.priority,

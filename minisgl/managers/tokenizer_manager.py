@@ -339,17 +339,20 @@ class TokenizerManager:
         for p in params:
             p.verify()  # ranges, n >= 1 among them
         TokenizerManager._check_request_size(obj, param_dicts)
-        check_logprob_args(
-            obj.return_logprob, obj.logprob_start_len, obj.top_logprobs_num, obj.return_text_in_logprobs, obj.token_ids_logprob
-        )
-        if obj.token_ids_logprob and len(obj.token_ids_logprob) > MAX_TOKEN_IDS_LOGPROB:
-            # every position reports each id: a whole-vocabulary list is top_logprobs_num's problem again
-            raise ValueError(f"token_ids_logprob takes at most {MAX_TOKEN_IDS_LOGPROB} ids, got {len(obj.token_ids_logprob)}")
-        if obj.top_logprobs_num > MAX_TOP_LOGPROBS_NUM:
-            # OpenAI's bound (top_logprobs <= 20) on /generate too: a top-k over the whole vocabulary
-            # per token made one answer hundreds of MB, and its encoding stalled every other stream.
-            # (The in-process Engine, one user's, takes any k.)
-            raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS_NUM}], got {obj.top_logprobs_num}")
+        for single in obj.singles():  # (the logprob fields may be one per prompt)
+            check_logprob_args(
+                single.return_logprob, single.logprob_start_len, single.top_logprobs_num, single.return_text_in_logprobs,
+                single.token_ids_logprob,
+            )  # fmt: skip
+            ids = single.token_ids_logprob
+            if ids and len(ids) > MAX_TOKEN_IDS_LOGPROB:
+                # every position reports each id: a whole-vocabulary list is top_logprobs_num's problem again
+                raise ValueError(f"token_ids_logprob takes at most {MAX_TOKEN_IDS_LOGPROB} ids, got {len(ids)}")
+            if single.top_logprobs_num > MAX_TOP_LOGPROBS_NUM:  # type: ignore[operator]
+                # OpenAI's bound (top_logprobs <= 20) on /generate too: a top-k over the whole vocabulary
+                # per token made one answer hundreds of MB, and its encoding stalled every other stream.
+                # (The in-process Engine, one user's, takes any k.)
+                raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS_NUM}], got {single.top_logprobs_num}")
         return params
 
     @staticmethod

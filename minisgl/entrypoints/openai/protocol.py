@@ -317,16 +317,17 @@ class DetokenizeRequest(BaseModel):
 # --------------------------------------------------------------------------- native /generate
 class GenerateRequest(BaseModel):
     """SGLang's native /generate body: text or input_ids (single or batch) + sampling_params
-    (one dict for all, or a batch's list of one per prompt; return_logprob likewise)."""
+    (one dict for all, or a batch's list of one per prompt; the logprob fields likewise)."""
 
     model_config = _STRICT
     text: Optional[Union[str, List[str]]] = None
     input_ids: Optional[Union[List[int], List[List[int]]]] = None
     sampling_params: Optional[Union[Dict[str, Any], List[Dict[str, Any]]]] = None
     rid: Optional[Union[str, List[str]]] = None
+    # the logprob fields: one value for all prompts of a batch, or a list of one per prompt
     return_logprob: Union[bool, List[bool]] = False
-    logprob_start_len: int = Field(default=-1, ge=-1)  # prompt logprobs from this position; -1: none
-    top_logprobs_num: int = Field(default=0, ge=0)
+    logprob_start_len: Union[int, List[int]] = -1  # prompt logprobs from this position; -1: none
+    top_logprobs_num: Union[int, List[int]] = 0
     return_text_in_logprobs: bool = False  # each (logprob, id, text) entry with its token's text
-    token_ids_logprob: Optional[List[int]] = None  # ids whose logprobs every position reports (SGLang's)
+    token_ids_logprob: Optional[Union[List[int], List[Optional[List[int]]]]] = None  # ids every position reports
     stream: bool = False
