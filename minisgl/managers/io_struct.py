@@ -107,7 +107,7 @@ class GenerateReqInput:
         if self.is_single:
             if self.rid is None:
                 self.rid = new_rid()
-            if isinstance(self.sampling_params, list) or any(isinstance(v, list) for v in self._scalar_per_prompt()):
+            if isinstance(self.sampling_params, list) or any(isinstance(v, list) for v in self._one_per_prompt_fields()):
                 raise ValueError("A single prompt takes one `sampling_params` dict and one value of `return_logprob`, "
                                  "`logprob_start_len`, `top_logprobs_num` (and one `token_ids_logprob` list); lists "
                                  "are per prompt of a batch")  # fmt: skip
@@ -139,8 +139,9 @@ class GenerateReqInput:
         ids = self.token_ids_logprob
         return isinstance(ids, list) and len(ids) > 0 and all(x is None or isinstance(x, list) for x in ids)
 
-    def _scalar_per_prompt(self) -> List[Any]:
-        """The fields a single prompt takes one value of (token_ids_logprob: one list)."""
+    def _one_per_prompt_fields(self) -> List[Any]:
+        """The fields a batch may give as one list per prompt (a single prompt: a list of them is
+        an error); token_ids_logprob only when it is a list of lists."""
         per_prompt_ids = [self.token_ids_logprob] if self._token_ids_per_prompt() else []
         return [self.return_logprob, self.logprob_start_len, self.top_logprobs_num, *per_prompt_ids]
 
