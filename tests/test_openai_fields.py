@@ -219,6 +219,19 @@ def test_text_offsets_of_an_answer_keep_its_leading_space_with_a_sentencepiece_t
     assert _serving(tok).text_offsets(prompt_ids, prompt) == [len(tok.decode(prompt_ids[:k])) for k in range(len(prompt_ids))]
 
 
+def test_completions_top_logprobs_keep_the_likelier_of_two_tokens_that_print_alike(tiny_model: str, tmp_path: Any) -> None:
+    from minisgl.utils import get_tokenizer
+
+    tok = get_tokenizer(tiny_model)
+    a, b = [i for i in range(len(tok)) if tok.decode([i]) == "\ufffd"][:2]  # two byte tokens
+    out = _out("r", "x", 1, LENGTH)
+    out["meta_info"].update(output_token_logprobs=[(-0.5, a, None)], output_top_logprobs=[[(-0.5, a, None), (-2.0, b, None)]])
+    client, _ = _scripted_client(tiny_model, tmp_path, [out])
+    with client:
+        lp = _post(client, "completions", logprobs=2).json()["choices"][0]["logprobs"]
+    assert lp["top_logprobs"] == [{"\ufffd": -0.5}]
+
+
 def test_chat_logprobs_carry_the_top_alternatives_asked_for(tiny_model: str, tmp_path: Any) -> None:
     out = _out("r", "x", 1, LENGTH)
     out["meta_info"].update(output_token_logprobs=[(-0.5, 5, None)], output_top_logprobs=[[(-0.5, 5, None), (-1.5, 6, None)]])

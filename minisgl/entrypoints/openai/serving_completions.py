@@ -98,7 +98,15 @@ class OpenAIServingCompletions(OpenAIServingBase):
             result.tokens.append(self.token_str(token_id))
             result.token_logprobs.append(logprob)
             top = top_logprobs[k] if k < len(top_logprobs) else None  # None: the prompt's first token
-            result.top_logprobs.append({self.token_str(tid): lp for lp, tid, _ in top} if request.logprobs and top else None)
+            result.top_logprobs.append(self._top_dict(top) if request.logprobs and top else None)
+
+    def _top_dict(self, top: List[Any]) -> Dict[str, float]:
+        """OpenAI's {token: logprob}: two ids that print alike (byte tokens, each U+FFFD) share a
+        key, which keeps the likelier (the list is best first; a dict comprehension kept the last)."""
+        out: Dict[str, float] = {}
+        for logprob, token_id, _ in top:
+            out.setdefault(self.token_str(token_id), logprob)
+        return out
 
     async def _handle_non_streaming_request(self, adapted: GenerateReqInput, request: CompletionRequest, raw_request: Request) -> Response:
         outs = await self._collect(adapted, raw_request)
