@@ -151,7 +151,10 @@ def _chat(client: TestClient, **body: Any) -> Any:
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "'tools'"),
         ({"tool_choice": "auto"}, "'tool_choice'"),
         ({"response_format": {"type": "json_object"}}, "'response_format'"),
-        ({"logit_bias": {"1": 2}}, "'logit_bias'"),
+        ({"logit_bias": {"1": 200}}, "logit_bias values must be in [-100, 100]"),
+        ({"logit_bias": {"one": 2}}, "logit_bias keys must be token ids"),
+        ({"logit_bias": {"99999999": 2}}, "outside the vocabulary"),
+        ({"logit_bias": {"1": "2"}}, "logit_bias"),
         ({"functions": []}, "'functions'"),
         ({"made_up_field": 1}, "'made_up_field'"),
         ({"messages": [{"role": "user", "content": "word " * 200}]}, "context length"),
@@ -1258,6 +1261,7 @@ def test_a_prompt_too_long_by_its_characters_alone_is_refused_before_tokenizing(
         ({"text": ["hi"] * 40, "sampling_params": {"n": 128, "max_new_tokens": 1}}, "fans out into 5120 generations"),
         ({"text": "hi", "sampling_params": {"stop": ["s"] * 65}}, "stop takes at most 64 strings"),
         ({"text": "hi", "sampling_params": {"stop_token_ids": [7] * 1025}}, "stop_token_ids takes at most 1024 ids"),
+        ({"text": "hi", "sampling_params": {"logit_bias": {str(t): 1 for t in range(1025)}}}, "logit_bias takes at most 1024 token ids"),
     ],
 )
 def test_one_request_cannot_ask_for_more_than_a_shared_server_gives(guarded_client: TestClient, body: Dict[str, Any], needle: str) -> None:

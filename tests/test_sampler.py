@@ -174,6 +174,34 @@ def test_min_new_tokens_blocks_eos_and_stop_ids_until_reached() -> None:
     assert sample(logits[:1], [ignore]).next_token_ids.tolist() == [EOS]
 
 
+def test_logit_bias_is_added_after_penalties_and_steers_each_row_alone() -> None:
+    """SGLang's order: penalties, then logit_bias added; a row without one is untouched."""
+    logits = torch.zeros(3, V)
+    reqs = [
+        req(output_ids=[3], frequency_penalty=1.0, logit_bias={"3": 0.5, "6": -2}),
+        req(),
+        req(logit_bias={"1": 100}),
+    ]
+    info = SamplingBatchInfo.from_reqs(reqs, V, "cpu", {EOS})
+    assert info.has_logits_bias
+    info.apply_logits_bias(logits)
+    assert logits[0].tolist() == [0, 0, 0, -0.5, 0, 0, -2.0, 0]  # -1 from the penalty, +0.5 from the bias
+    assert logits[1].tolist() == [0.0] * V
+    assert logits[2].tolist() == [0, 100, 0, 0, 0, 0, 0, 0]
+
+
+def test_logit_bias_forces_and_bans_tokens_and_the_logprobs_see_it() -> None:
+    forced = req(temperature=1.0, logit_bias={"5": 100})
+    banned = req(temperature=0, logit_bias={"0": -100})
+    banned.return_logprob = True
+    out = sample(torch.cat([LOGITS, LOGITS]), [forced, banned])
+    assert out.next_token_ids.tolist() == [5, 1]  # 0 is the argmax without the ban
+    biased = torch.log_softmax(LOGITS[0] + torch.tensor([-100.0] + [0.0] * (V - 1)), -1)
+    assert out.next_token_logprobs is not None
+    assert math.isclose(float(out.next_token_logprobs[1]), float(biased[1]), rel_tol=1e-5)
+    assert kept_tokens(LOGITS, logit_bias={str(t): -100 for t in range(V - 1)}) == {V - 1}
+
+
 def test_no_penalties_means_no_orchestrator() -> None:
     info = SamplingBatchInfo.from_reqs([req(), req(temperature=0)], V, "cpu", {EOS})
     assert info.penalizer_orchestrator is None
@@ -201,6 +229,8 @@ def test_logprobs_of_sampled_token_and_top_logprobs() -> None:
         {"temperature": -0.1}, {"temperature": math.nan}, {"temperature": math.inf}, {"top_p": math.nan}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": 0}, {"top_k": -2}, {"min_p": 1.5},
         {"frequency_penalty": 2.5}, {"presence_penalty": -3}, {"repetition_penalty": 0.0},
         {"min_new_tokens": 5, "max_new_tokens": 2},
+        {"logit_bias": {"1": 100.5}}, {"logit_bias": {"1": -101}}, {"logit_bias": {"1": math.nan}},
+        {"logit_bias": {str(V): 1.0}}, {"logit_bias": {"-1": 1.0}},
     ],
 )  # fmt: skip
 def test_bad_values_are_rejected(params: Dict[str, Any]) -> None:
@@ -233,6 +263,9 @@ def test_inverse_cdf_draw_follows_the_distribution_and_skips_zeros() -> None:
         ({"stop": 5}, "stop"), ({"stop": ["a", 5]}, "stop"), ({"stop": ""}, "stop"), ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [1.5]}, "stop_token_ids"), ({"stop_token_ids": 3}, "stop_token_ids"),
         ({"stream_interval": 0.5}, "stream_interval"),
+        ({"logit_bias": [1, 2]}, "logit_bias"), ({"logit_bias": {"a": 1}}, "logit_bias"),
+        ({"logit_bias": {"1.0": 1}}, "logit_bias"), ({"logit_bias": {"1": "1"}}, "logit_bias"),
+        ({"logit_bias": {"1": True}}, "logit_bias"),
     ],
 )  # fmt: skip
 def test_from_dict_refuses_wrong_types_naming_the_field(params: Dict[str, Any], needle: str) -> None:

@@ -236,6 +236,24 @@ def test_seed_reproducibility(server: Server) -> None:
     assert sample(4321) != first
 
 
+def test_logit_bias_bans_and_forces_tokens(server: Server, engine: Any) -> None:
+    """OpenAI's logit_bias: -100 bans a token (greedy picks the next best), 100 forces one."""
+    client = _client(server)
+    ids = engine.tokenizer.encode(PROMPTS[0])
+    greedy = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    plain = engine.generate(input_ids=ids, sampling_params=greedy)["output_ids"]
+    banned = {str(t): -100 for t in plain}
+    steered = engine.generate(input_ids=ids, sampling_params={**greedy, "logit_bias": banned})
+    assert len(steered["output_ids"]) == 6 and not set(steered["output_ids"]) & set(plain)
+    r = client.completions.create(model=server.model, prompt=ids, max_tokens=6, temperature=0, logit_bias=banned,
+                                  extra_body={"ignore_eos": True})  # fmt: skip
+    assert r.choices[0].text == steered["text"]
+    forced = engine.tokenizer.encode(" the", add_special_tokens=False)[-1]
+    chat = client.chat.completions.create(model=server.model, messages=_chat_msgs("hi"), max_tokens=4, temperature=1.0,
+                                          logit_bias={str(forced): 100}, extra_body={"ignore_eos": True})  # fmt: skip
+    assert chat.choices[0].message.content == engine.tokenizer.decode([forced] * 4)
+
+
 def test_logprobs_shape(server: Server) -> None:
     client = _client(server)
     r = client.chat.completions.create(model=server.model, messages=_chat_msgs(PROMPTS[0]), max_tokens=MAX_TOKENS,
@@ -482,7 +500,7 @@ def test_client_disconnect_aborts_and_frees_kv(server: Server) -> None:
         ({"temperature": 9.0}, "temperature"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"5": 1000.0}}, "logit_bias"),
         ({"messages": [{"role": "user", "content": "word " * 3000}]}, "context length"),
     ],
 )

@@ -71,6 +71,7 @@ LOG_REQUEST_CHARS = 2048
 MAX_SUB_REQUESTS = 4096  # prompts x n
 MAX_STOP_STRINGS = 64  # OpenAI takes 4
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS_IDS = 1024  # read into a tensor row at every step of the request's batch
 MAX_RID_CHARS = 256  # a rid rides in every step's output message and snapshot: 4 MB ones cost GBs
 # Requests with more text than this (prompt and stop strings, in characters) are tokenized in
 # a worker thread: ~1 ms per 2,000 characters, so this is where one starts to stall others.
@@ -374,6 +375,9 @@ class TokenizerManager:
                 raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
             if isinstance(stop_ids, list) and len(stop_ids) > MAX_STOP_TOKEN_IDS:
                 raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(stop_ids)}")
+            bias = d.get("logit_bias")
+            if isinstance(bias, dict) and len(bias) > MAX_LOGIT_BIAS_IDS:
+                raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS_IDS} token ids, got {len(bias)}")
 
     async def _generate_one(
         self,

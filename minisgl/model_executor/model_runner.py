@@ -160,10 +160,10 @@ class ModelRunner:
             return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
     def sample(self, logits_output: LogitsProcessorOutput, sampling_info: SamplingBatchInfo) -> SampleOutput:
-        """Penalties and min_new_tokens, then the Sampler (sglang-facts.md §11)."""
+        """Penalties, min_new_tokens and logit_bias, then the Sampler (sglang-facts.md §11)."""
         with torch.inference_mode():
             logits = logits_output.next_token_logits  # [bs, V] float32
-            if sampling_info.penalizer_orchestrator is not None:
+            if sampling_info.has_logits_bias:
                 logits = logits.clone()  # keep the model's logits intact for the caller
                 sampling_info.apply_logits_bias(logits)
             return self.sampler(logits, sampling_info)

@@ -5,7 +5,7 @@ ModelRunner.sample(logits_output, sampling_info) -> apply_logits_bias + Sampler.
 Built afresh for every forward from the batch's requests (SGLang's `from_schedule_batch`
 is kept and filtered/merged with the batch instead; see penalties.py for why not here).
 In: the batch's Reqs (reads `sampling_params`, `output_ids`, `origin_input_ids`,
-`return_logprob`, `top_logprobs_num`); out: tensors the sampler reads.
+`return_logprob`, `top_logprobs_num`, `logit_bias`); out: tensors the sampler reads.
 
 `SamplingParams.normalize` already mapped greedy (temperature ~0) to temperature 1 with
 top_k 1 and top_k -1 to "all"; here top_k is clipped to the vocabulary.
@@ -42,6 +42,7 @@ class SamplingBatchInfo:
     token_ids_logprobs: List[Optional[List[int]]]  # [bs]: the ids whose logprobs a request asks for, or None
     vocab_size: int
     penalizer_orchestrator: Optional[BatchedPenalizerOrchestrator] = None
+    logit_bias: Optional[torch.Tensor] = None  # [bs, V] float32, None when no request has a logit_bias
 
     @classmethod
     def from_reqs(
@@ -74,9 +75,29 @@ class SamplingBatchInfo:
             token_ids_logprobs=[r.token_ids_logprob if r.return_logprob else None for r in reqs],
             vocab_size=vocab_size,
             penalizer_orchestrator=BatchedPenalizerOrchestrator.from_reqs(reqs, vocab_size, device, eos_token_ids or set()),
+            logit_bias=_logit_bias_rows(params, vocab_size, device),
         )
 
+    @property
+    def has_logits_bias(self) -> bool:
+        """Whether apply_logits_bias changes anything (otherwise the sampler reads the model's logits as they are)."""
+        return self.penalizer_orchestrator is not None or self.logit_bias is not None
+
     def apply_logits_bias(self, logits: torch.Tensor) -> None:
-        """Penalties and min_new_tokens, in place on logits [bs, V] (sglang-facts.md §11.1)."""
+        """Penalties and min_new_tokens, then logit_bias, in place on logits [bs, V] (sglang-facts.md §11.1)."""
         if self.penalizer_orchestrator is not None:
             self.penalizer_orchestrator.apply(logits)
+        if self.logit_bias is not None:
+            logits += self.logit_bias  # (-inf from min_new_tokens stays -inf: biases are finite)
+
+
+def _logit_bias_rows(params: Sequence[Any], vocab_size: int, device: str) -> Optional[torch.Tensor]:
+    """[bs, V] of each request's logit_bias (zeros elsewhere), or None when no request has one."""
+    if not any(p.logit_bias for p in params):
+        return None
+    bias = torch.zeros((len(params), vocab_size), dtype=torch.float32, device=device)
+    for i, p in enumerate(params):
+        if p.logit_bias:  # keys are decimal token ids (SamplingParams.normalize), checked against the vocabulary
+            ids = torch.tensor([int(k) for k in p.logit_bias], dtype=torch.int64, device=device)
+            bias[i, ids] = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=device)
+    return bias

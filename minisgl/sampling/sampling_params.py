@@ -27,6 +27,7 @@ _GREEDY_EPS = 1e-6
 FLOAT32_MAX = 3.4028234663852886e38
 MAX_N = 128  # samples per prompt: each is a whole request, and one client must not fill the server
 MAX_TOP_LOGPROBS_NUM = 20  # OpenAI's bound on top_logprobs; the server holds /generate to it too
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value, [-100, 100]: -100 bans a token, 100 forces it
 # the knobs a model's generation_config.json may set (SGLang's get_default_sampling_params)
 GENERATION_CONFIG_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -51,6 +52,8 @@ class SamplingParams:
     seed: Optional[int] = None
     n: int = 1
     stream_interval: Optional[int] = None
+    # token id (a decimal string, as JSON object keys are) -> added to its logit before sampling
+    logit_bias: Optional[Dict[str, float]] = None
     # filled by normalize(): stop strings as a list, and their longest length in tokens
     stop_strs: List[str] = field(default_factory=list)
     stop_str_max_len: int = 0
@@ -59,7 +62,7 @@ class SamplingParams:
         "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p",
         "frequency_penalty", "presence_penalty", "repetition_penalty", "stop", "stop_token_ids",
         "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
-        "seed", "n", "stream_interval",
+        "seed", "n", "stream_interval", "logit_bias",
     )  # fmt: skip
 
     @classmethod
@@ -93,6 +96,9 @@ class SamplingParams:
             self.stop_strs = list(self.stop)
         if self.stop_token_ids is not None:
             self.stop_token_ids = sorted(set(int(t) for t in self.stop_token_ids))
+        if self.logit_bias is not None:
+            # one spelling per id ("07" and 7 are token 7), as a JSON message will carry it
+            self.logit_bias = {str(int(k)): float(v) for k, v in self.logit_bias.items()} or None
         # How many output tokens the scheduler decodes to look for a stop string. SGLang takes
         # the stop's own tokenization, but a model may spell it with more, smaller tokens (one
         # byte each at worst): its UTF-8 length bounds every spelling of a byte-level vocabulary.
@@ -133,6 +139,15 @@ class SamplingParams:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+        if self.logit_bias:
+            # a bias past OpenAI's range would only push a logit toward float32's overflow (inf/inf is NaN)
+            bad_values = {k: v for k, v in self.logit_bias.items() if not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS}
+            if bad_values:
+                raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bad_values}")
+            if vocab_size is not None:
+                bad = sorted(int(k) for k in self.logit_bias if not 0 <= int(k) < vocab_size)
+                if bad:
+                    raise ValueError(f"logit_bias token ids {bad} are outside the vocabulary [0, {vocab_size})")
 
     def copy(self) -> "SamplingParams":
         return dataclasses.replace(self, stop_strs=list(self.stop_strs))
@@ -173,6 +188,20 @@ def check_type(key: str, value: Any) -> None:
     if key == "stop_token_ids" and value is not None:
         if not isinstance(value, list) or not all(_is_int(t) for t in value):
             raise ValueError(f"stop_token_ids must be a list of integers, {got}")
+    if key == "logit_bias" and value is not None:
+        if not isinstance(value, dict):
+            raise ValueError(f'logit_bias must be an object mapping token ids to numbers, e.g. {{"42": -100}}, {got}')
+        for token, bias in value.items():
+            if not (_is_int(token) or (isinstance(token, str) and _is_decimal(token))):
+                raise ValueError(f"logit_bias keys must be token ids (integers, or decimal strings in JSON), got {token!r}")
+            if not (isinstance(bias, (int, float)) and not isinstance(bias, bool)):
+                raise ValueError(f"logit_bias values must be numbers, got {bias!r} for token {token!r}")
+
+
+def _is_decimal(text: str) -> bool:
+    """A JSON object key naming a token id: ASCII digits, optionally signed ("-1" is refused later as out of vocabulary)."""
+    digits = text[1:] if text[:1] in "+-" else text
+    return digits.isascii() and digits.isdigit()
 
 
 def stop_token_set(params: SamplingParams, eos_token_ids: Set[int]) -> Set[int]:

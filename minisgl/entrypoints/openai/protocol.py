@@ -5,7 +5,7 @@ Where it sits: the HTTP routes validate the body into `ChatCompletionRequest` /
 `to_sampling_params`, and build the responses and stream chunks defined here.
 
 Every request model is `extra="forbid"` and `strict=True`: a field minisgl does not
-implement (tools, response_format, logit_bias, ...) or a value of the wrong type is a
+implement (tools, response_format, ...) or a value of the wrong type is a
 400 that names the field, never silently ignored (STYLE.md). Only int -> float is
 coerced, as JSON has a single number type.
 """
@@ -25,7 +25,7 @@ _STRICT = ConfigDict(extra="forbid", strict=True)
 # them lets the error say "not supported" rather than "unknown" (the 400 is the same either way).
 UNSUPPORTED_FIELDS = frozenset(
     {
-        "tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias",
+        "tools", "tool_choice", "functions", "function_call", "response_format",
         "parallel_tool_calls", "audio", "modalities", "prediction", "reasoning_effort", "store",
         "metadata", "service_tier", "web_search_options", "suffix", "best_of", "user",
         "priority", "lora_path", "image_data", "return_hidden_states", "custom_logit_processor",
@@ -109,6 +109,8 @@ class _SamplingFields(BaseModel):
     stop: Optional[Union[str, List[str]]] = None
     stop_token_ids: Optional[List[int]] = None
     seed: Optional[int] = None
+    # token id (a decimal string: JSON keys are strings) -> bias added to its logit, in [-100, 100]
+    logit_bias: Optional[Dict[str, float]] = None
     n: int = Field(default=1, ge=1, le=MAX_N)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -142,6 +144,8 @@ class _SamplingFields(BaseModel):
             "seed": self.seed,
             "n": self.n,
         }
+        if self.logit_bias:  # (checked by SamplingParams: decimal ids inside the vocabulary, values in [-100, 100])
+            params["logit_bias"] = self.logit_bias
         return params
 
 
