@@ -82,6 +82,11 @@ def _frame_facts(page: Any) -> Dict[str, Any]:
                 .filter(r => Number(r.dataset.numChunks) > 1).map(r => r.querySelector('.label').textContent),
             batch: document.querySelectorAll('#batch .batch-req').length,
             decoding: document.querySelectorAll('#batch .batch-req[data-decode="1"]').length,
+            // the grey-blue segment is the radix hit only: never a decoding request's context
+            decode_hits: [...document.querySelectorAll('#batch .batch-req[data-decode="1"]')]
+                .filter(r => r.dataset.cachedLen !== "0" || r.querySelector('.seg.prefix').title !== 'cached prefix (radix hit) 0').length,
+            hit: Math.max(0, ...[...document.querySelectorAll('#batch .batch-req[data-decode="0"]')]
+                .map(r => Number(r.dataset.cachedLen))),
         })"""
     )
 
@@ -110,9 +115,12 @@ def test_live_page_shows_waiting_chunked_extend_decode_batch_and_ttft(live_serve
         # pause and walk back through the ring buffer, one step per key press
         page.keyboard.press("Space")
         page.wait_for_selector('#view-status[data-live="0"]')
-        seen = {"waiting": None, "chunked_extend": None, "decode_batch": None}
+        seen = {"waiting": None, "chunked_extend": None, "decode_batch": None, "radix_hit": None}
         for _ in range(400):
             facts = _frame_facts(page)
+            assert facts["decode_hits"] == 0, facts
+            if facts["hit"] > 0 and seen["radix_hit"] is None:  # F and G reuse D's prefix
+                seen["radix_hit"] = facts["step"]
             if facts["waiting"] > 0 and seen["waiting"] is None:
                 seen["waiting"] = facts["step"]
             if facts["mode"] == "EXTEND" and facts["chunked"] and seen["chunked_extend"] is None:

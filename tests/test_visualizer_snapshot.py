@@ -98,3 +98,90 @@ def test_a_republished_step_is_one_timeline_entry_keeping_its_batch() -> None:
     assert [(s["step"], s["forward_mode"], s["batch_size"]) for s in merged["steps"]] == [(4, "DECODE", 2), (5, "DECODE", 2)]
     assert merged["steps"][-1]["event_types"] == ["arrive"]
     assert [e["type"] for e in merged["events"]] == ["arrive", "arrive"]  # every event is still listed
+
+
+def test_only_the_radix_hit_is_shown_as_cached_prefix_not_earlier_chunks_or_context(engine: Any) -> None:
+    """A batch row's prefix is all KV already there; the grey-blue "cached prefix (radix hit)"
+    is only what this round found in the tree, the tokens usage reports as cached_tokens."""
+    prefix = demo_input_ids(40, 7)
+    engine.add_request(input_ids=prefix + demo_input_ids(5, 8), sampling_params=SP, rid="D")
+    engine.run_until_idle()
+    engine.get_result("D")
+    engine.add_request(input_ids=prefix + demo_input_ids(50, 9), sampling_params=SP, rid="F")  # 90 tokens, chunk 32
+    rows = []
+    for _ in range(4):  # two chunks, then decode steps
+        snap = engine.step()
+        rows += [(r, render_panels(snap)["batch"]) for r in (snap["batch"] or {}).get("reqs", []) if r["rid"] == "F"]
+    got = [(r["prefix_len"], r["cached_len"], r["extend_len"], r["is_decode"]) for r, _ in rows]
+    assert got[:3] == [(40, 40, 32, False), (72, 40, 18, False), (90, 0, 1, True)]
+    engine.run_until_idle()
+    assert engine.get_result("F")["meta_info"]["cached_tokens"] == 40
+    chunk2, decode = rows[1][1], rows[2][1]
+    assert 'title="cached prefix (radix hit) 40"' in chunk2 and 'title="earlier chunks 32"' in chunk2
+    assert 'title="cached prefix (radix hit) 0"' in decode and 'title="context 90"' in decode
+
+
+def test_a_retracted_request_has_waited_since_it_went_back_to_the_queue(tiny_model: str) -> None:
+    import random
+    import time
+
+    from minisgl import Engine
+
+    small = Engine(tiny_model, device="cpu", max_total_tokens=200, chunked_prefill_size=-1, schedule_conservativeness=0.1)
+    try:
+        # (test_scheduler_retract's workload: admitted requests reserve only new_token_ratio of
+        # their output, so requests of varied lengths outgrow the pool)
+        rng = random.Random(0)
+        for i in range(64):
+            params = {**SP, "max_new_tokens": rng.randrange(4, 36)}
+            small.add_request(input_ids=[rng.randrange(10, 400) for _ in range(12)], sampling_params=params, rid=f"r{i}")
+        for _ in range(400):
+            t0 = time.perf_counter()
+            snap = small.step()
+            step_ms = (time.perf_counter() - t0) * 1e3
+            retracted = {e["rid"] for e in snap["events"] if e["type"] == "retract"}
+            if retracted:
+                cards = [w for w in snap["waiting_queue"] if w["rid"] in retracted]
+                assert cards and all(w["retracted"] and w["waited_ms"] <= step_ms for w in cards)
+                break
+        else:
+            pytest.fail("no request was retracted: the pool is not under pressure")
+    finally:
+        small.shutdown()
+
+
+def test_chunk_count_counts_the_budget_mixed_decode_rows_take(tiny_model: str) -> None:
+    from minisgl import Engine
+
+    eng = Engine(tiny_model, device="cpu", chunked_prefill_size=32, enable_mixed_chunk=True, max_total_tokens=2048)
+    try:
+        for i in range(8):
+            eng.add_request(input_ids=demo_input_ids(4, i), sampling_params={**SP, "max_new_tokens": 40}, rid=f"d{i}")
+        eng.step()
+        eng.step()  # the 8 are decoding
+        eng.add_request(input_ids=demo_input_ids(100, 99), sampling_params=SP, rid="long")
+        progress = []
+        for _ in range(8):
+            snap = eng.step()
+            progress += [(r["chunk_index"], r["num_chunks"], r["extend_len"]) for r in snap["batch"]["reqs"]
+                         if r["rid"] == "long" and not r["is_decode"]]  # fmt: skip
+        # each chunk is 32 - 8 decode rows = 24 tokens: 24, 24, 24, 24, 4
+        assert progress == [(1, 5, 24), (2, 5, 24), (3, 5, 24), (4, 5, 24), (5, 5, 4)]
+        assert snap["forward_mode"] in ("MIXED", "DECODE")
+        eng.run_until_idle()
+    finally:
+        eng.shutdown()
+
+
+def test_the_widget_outlines_retract_and_abort_steps_and_shows_request_slots() -> None:
+    """The docs promise both for page and widget; the page's CSS outlines a bar by its
+    data-events, which the widget's timeline did not write."""
+    from test_visualizer_sse import make_snapshot
+
+    from minisgl.visualizer.snapshot import step_summary
+
+    snap = make_snapshot(7, events=[{"type": "retract", "rid": "b", "detail": ""}, {"type": "abort", "rid": "w", "detail": ""}])
+    panels = render_panels(snap, [step_summary(make_snapshot(6)), step_summary(snap)])
+    assert 'data-step="7"' in panels["timeline"] and 'data-events="abort retract"' in panels["timeline"]
+    assert 'data-events=""' in panels["timeline"]  # step 6: nothing happened
+    assert '<b class="req-slots">2 / 64</b>' in panels["memory"]

@@ -27,7 +27,7 @@ def make_snapshot(step: int, mode: str = "DECODE", events: Sequence[Dict[str, An
                   finished: Sequence[Dict[str, Any]] = (), num_radix_nodes: int = 4) -> Dict[str, Any]:  # fmt: skip
     """A schema-conforming snapshot: one waiting request, two running ones, a small tree."""
     children = [{"id": i, "len": 8, "lock_ref": i % 2, "children": []} for i in range(1, num_radix_nodes)]
-    reqs = [{"rid": r, "extend_len": 1, "prefix_len": 40 + step, "is_chunked": 0, "chunk_index": 0, "num_chunks": 0,
+    reqs = [{"rid": r, "extend_len": 1, "prefix_len": 40 + step, "cached_len": 0, "is_chunked": 0, "chunk_index": 0, "num_chunks": 0,
              "is_decode": True, "output_len": step, "max_new_tokens": 64} for r in ("a", "b")]  # fmt: skip
     return {
         "step": step, "time": 1.7e9 + step, "forward_mode": mode,

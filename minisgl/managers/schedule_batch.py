@@ -89,7 +89,8 @@ class ReqTimeStats:
     """time.perf_counter() stamps of one request's trip through the scheduler (§9.1)."""
 
     scheduler_recv_time: float = 0.0
-    wait_queue_entry_time: float = 0.0
+    wait_queue_entry_time: float = 0.0  # the first time: the TTFT split measures from it
+    last_wait_queue_entry_time: float = 0.0  # every time, retractions too: how long it has waited now
     forward_entry_time: float = 0.0
     prefill_finished_time: float = 0.0
     completion_time: float = 0.0
@@ -159,6 +160,9 @@ class Req:
         self.kv_committed_len = 0
         self.is_chunked = 0  # non-final chunks scheduled whose result is not yet processed
         self.num_chunks_done = 0  # extend passes of the current prefill round (for snapshots)
+        # Of the current extend's prefix, the tokens this prefill round found in the radix tree;
+        # the rest are this round's own earlier chunks (for snapshots: only these are a cache hit)
+        self.prefix_hit_len = 0
 
         # finish state; to_finish is applied at the next check_finished, never mid-loop
         self.finished_reason: Optional[BaseFinishReason] = None
@@ -542,6 +546,10 @@ class ScheduleBatch:
             self.prefix_lens.append(prefix_len)
             self.seq_lens.append(len(req.fill_ids))
             self.extend_lens.append(req.extend_input_len)
+            # kv_committed_len is still the end of this round's previous chunk: a later chunk's
+            # prefix is that chunk's own KV, plus whatever more another request put in the tree
+            already = req.kv_committed_len if req.num_chunks_done else 0
+            req.prefix_hit_len = (req.prefix_hit_len if req.num_chunks_done else 0) + max(prefix_len - already, 0)
         self._alloc_req_rows()
         pool = self.req_to_token_pool
         last_loc = []

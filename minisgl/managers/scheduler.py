@@ -232,8 +232,10 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
                 )  # fmt: skip
                 self._last_queue_full_log = now
             return
+        now = time.perf_counter()
         if not req.time_stats.wait_queue_entry_time:
-            req.time_stats.wait_queue_entry_time = time.perf_counter()
+            req.time_stats.wait_queue_entry_time = now
+        req.time_stats.last_wait_queue_entry_time = now
         self.waiting_queue.append(req)
 
     def _finish_without_running(self, req: Req, detail: str) -> None:

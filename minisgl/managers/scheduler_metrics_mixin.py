@@ -81,7 +81,7 @@ class SchedulerMetricsMixin:
                     "input_len": len(r.origin_input_ids),
                     "prefix_len": len(r.prefix_indices),
                     "output_len": len(r.output_ids),
-                    "waited_ms": (now - r.time_stats.wait_queue_entry_time) * 1e3,
+                    "waited_ms": (now - r.time_stats.last_wait_queue_entry_time) * 1e3,
                     "retracted": r.is_retracted,
                     "retraction_count": r.retraction_count,
                 }
@@ -112,12 +112,15 @@ class SchedulerMetricsMixin:
         }
 
     def _num_chunks(self, req: Req, chunked_req: Optional[Req]) -> int:
-        """Chunks of the current prefill round: done so far + what the rest still needs.
+        """Chunks of the current prefill round: done so far + what the rest still needs at the
+        chunk the next pass gets (an estimate: a batch that shares the budget gets less).
 
         `chunked_req`: the request left mid-prompt when this was decided (a batch's own, so an
         abort after the step does not rewrite that step's row as a whole prefill)."""
         remaining = req.seqlen - len(req.fill_ids) if req is chunked_req else 0
         size = self.chunked_prefill_size or max(remaining, 1)
+        if self.is_mixed_chunk:  # each decoding request rides in the next chunk and takes a token of its budget
+            size = max(size - len(self._decoding_reqs()), 1)
         return req.num_chunks_done + -(-remaining // size)
 
     def _chunked_req_snapshot(self) -> Optional[Dict[str, Any]]:
@@ -137,6 +140,8 @@ class SchedulerMetricsMixin:
                     "rid": r.rid,
                     "extend_len": batch.extend_lens[i] if i < len(batch.extend_lens) else 1,
                     "prefix_len": batch.prefix_lens[i] if i < len(batch.prefix_lens) else 0,
+                    # the radix hit within prefix_len (a decode row's context is its own, not a hit)
+                    "cached_len": 0 if is_decode else r.prefix_hit_len,
                     "is_chunked": r.is_chunked,
                     "chunk_index": 0 if is_decode else r.num_chunks_done,
                     "num_chunks": 0 if is_decode else self._num_chunks(r, batch.chunked_req),

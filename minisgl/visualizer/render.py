@@ -81,6 +81,9 @@ def render_waiting(snap: Mapping[str, Any]) -> str:
 
 def _batch_row(r: Mapping[str, Any]) -> str:
     total = r["prefix_len"] + r["extend_len"]
+    cached, extend = r["cached_len"], r["extend_len"]
+    computed = r["prefix_len"] - cached  # KV of its own: earlier chunks, or a decoding request's context
+    own = "context" if r["is_decode"] else "earlier chunks"
     kind = "decode" if r["is_decode"] else "extend"
     if r["is_decode"]:
         label = f'decode · out {r.get("output_len", 0)}/{r.get("max_new_tokens", "?")}'
@@ -91,7 +94,8 @@ def _batch_row(r: Mapping[str, Any]) -> str:
         f'<div class="row batch-req" data-rid="{escape(r["rid"])}" data-decode="{int(r["is_decode"])}" '
         f'data-chunk-index="{r["chunk_index"]}" data-num-chunks="{r["num_chunks"]}">'
         f'<span class="rid">{escape(r["rid"])}</span><div class="stackbar">'
-        f'{_seg("prefix", r["prefix_len"], total, "cached prefix")}{_seg(kind, r["extend_len"], total, kind)}</div>'
+        f'{_seg("prefix", cached, total, f"cached prefix (radix hit) {cached}")}'
+        f'{_seg("computed", computed, total, f"{own} {computed}")}{_seg(kind, extend, total, f"{kind} {extend}")}</div>'
         f'<span class="label">{label}</span></div>'
     )
 
@@ -167,7 +171,8 @@ def _radix_node(node: Mapping[str, Any]) -> str:
 
 
 def render_memory(snap: Mapping[str, Any]) -> str:
-    k = kv_segments(snap["memory"])
+    mem = snap["memory"]
+    k = kv_segments(mem)
     bar = "".join(
         _seg(f"kv-seg {kind}", k[kind], k["total"], f"{kind} {k[kind]} tokens", f'data-kind="{kind}" data-tokens="{k[kind]}"')
         for kind in ("used", "protected", "evictable", "free")
@@ -177,7 +182,8 @@ def render_memory(snap: Mapping[str, Any]) -> str:
     body = (
         f'<p class="detail">used {k["used"]} · protected {k["protected"]} · evictable {k["evictable"]} · '
         f'free {k["free"]} / {k["total"]} tokens</p><div class="stackbar" id="kv-bar">{bar}</div>'
-        f'<p class="detail">new_token_ratio <b class="new-token-ratio">{snap["new_token_ratio"]:.3f}</b></p>'
+        f'<p class="detail">new_token_ratio <b class="new-token-ratio">{snap["new_token_ratio"]:.3f}</b> · req slots '
+        f'<b class="req-slots">{mem["req_slots_total"] - mem["req_slots_free"]} / {mem["req_slots_total"]}</b></p>'
         f'<h3>radix tree <span class="detail">{radix["num_nodes"]} nodes · {radix["total_tokens"]} tokens</span></h3>'
         f'<div id="radix-tree">{tree}</div>'
     )
@@ -198,6 +204,7 @@ def render_timeline(snap: Mapping[str, Any], timeline: Sequence[Mapping[str, Any
     bars = "".join(
         f'<div class="tl-step{" current" if s["step"] == snap["step"] else ""}" data-step="{s["step"]}" '
         f'data-mode="{s["forward_mode"]}" data-bs="{s["batch_size"]}" data-chunked="{int(s["has_chunked"])}" '
+        f'data-events="{escape(" ".join(s.get("event_types", [])))}" '
         f'style="height:{10 + 44 * s["batch_size"] / max_bs:.0f}px" title="{escape(s["log_line"])}"></div>'
         for s in timeline
     )

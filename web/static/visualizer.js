@@ -45,9 +45,11 @@ function batchRow(r) {
   const chunk = !r.is_decode && r.num_chunks > 1 ? `<span class="chunk">chunk ${r.chunk_index}/${r.num_chunks}</span> ` : "";
   const label = r.is_decode ? `decode · out ${r.output_len}/${r.max_new_tokens}` : `${chunk}+${r.extend_len} on ${r.prefix_len}`;
   return `<div class="row batch-req" data-rid="${esc(r.rid)}" data-decode="${r.is_decode ? 1 : 0}"
-      data-chunk-index="${r.chunk_index}" data-num-chunks="${r.num_chunks}" data-extend-len="${r.extend_len}" data-prefix-len="${r.prefix_len}">
+      data-chunk-index="${r.chunk_index}" data-num-chunks="${r.num_chunks}" data-extend-len="${r.extend_len}" data-prefix-len="${r.prefix_len}" data-cached-len="${r.cached_len}">
     <span class="rid">${esc(r.rid)}</span>
-    <div class="stackbar">${seg("prefix", r.prefix_len, total, `cached prefix ${r.prefix_len}`)}${seg(kind, r.extend_len, total, `${kind} ${r.extend_len}`)}</div>
+    <div class="stackbar">${seg("prefix", r.cached_len, total, `cached prefix (radix hit) ${r.cached_len}`)}${seg("computed",
+      r.prefix_len - r.cached_len, total, `${r.is_decode ? "context" : "earlier chunks"} ${r.prefix_len - r.cached_len}`)}${seg(kind,
+      r.extend_len, total, `${kind} ${r.extend_len}`)}</div>
     <span class="label">${label}</span></div>`;
 }
 
