@@ -200,6 +200,103 @@ def test_a_stream_dropped_before_its_first_chunk_releases_its_requests(engine):
     _assert_idle_and_nothing_leaked(engine)
 
 
+def test_a_stream_the_garbage_collector_drops_inside_a_step_is_released_at_the_next(engine, monkeypatch):
+    """A stream kept alive by a reference cycle (an exception that holds its frame) is finalized
+    whenever the collector runs: here, inside another generate()'s forward. Releasing it there
+    ran a step inside the step (the lock is reentrant) and broke the Engine for good."""
+    import gc
+
+    class Holder:  # an app object holding its stream, in a cycle
+        def __init__(self) -> None:
+            self.me = self
+            self.stream = engine.generate(input_ids=[9, 10, 11], sampling_params=LONG, stream=True)
+            next(self.stream)
+
+    expected = engine.generate(input_ids=[PROMPT, [5, 6, 7]], sampling_params=LONG)
+    box = [Holder()]
+    forward, calls = engine.scheduler.run_batch, []
+
+    def forward_with_a_collection(batch):
+        calls.append(1)
+        if len(calls) == 3:
+            box.clear()
+            gc.collect()  # what any allocation does once generation 0 is over its threshold
+        return forward(batch)
+
+    monkeypatch.setattr(engine.scheduler, "run_batch", forward_with_a_collection)
+    got = engine.generate(input_ids=[PROMPT, [5, 6, 7]], sampling_params=LONG)
+    monkeypatch.undo()
+    assert len(calls) > 3 and [o["output_ids"] for o in got] == [o["output_ids"] for o in expected]
+    engine.step()  # (the dropped stream's request, if it was still running, ends at this forward)
+    _assert_idle_and_nothing_leaked(engine)
+
+
+def test_ctrl_c_while_a_batch_is_queued_leaves_nothing_behind(engine, monkeypatch):
+    """Ctrl-C while generate() queues (process_input_requests): the requests were half-queued,
+    never collected, decoded unseen in later calls, and shutdown() spun for ever."""
+    import os
+    import signal
+
+    queue = engine.scheduler.process_input_requests
+
+    def hit_by_ctrl_c(requests):
+        os.kill(os.getpid(), signal.SIGINT)  # delivered while the requests are queued
+        return queue(requests)
+
+    monkeypatch.setattr(engine.scheduler, "process_input_requests", hit_by_ctrl_c)
+    interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            engine.generate(input_ids=[PROMPT, [9, 10]], sampling_params=LONG)
+    finally:
+        signal.signal(signal.SIGINT, interrupt)
+    monkeypatch.undo()
+    _assert_idle_and_nothing_leaked(engine)
+
+
+def test_shutdown_from_another_thread_tells_a_waiting_generate_so(tiny_model):
+    import threading
+
+    engine = Engine(tiny_model, device="cpu")
+    errors: List[BaseException] = []
+
+    def long_generate() -> None:
+        try:
+            engine.generate(input_ids=PROMPT, sampling_params={**LONG, "max_new_tokens": 2000})
+        except BaseException as e:  # noqa: BLE001 (what the thread saw is the point)
+            errors.append(e)
+
+    worker = threading.Thread(target=long_generate)
+    worker.start()
+    while not engine.rid_to_state:
+        pass
+    engine.shutdown()
+    worker.join(60)
+    assert len(errors) == 1 and "was shut down" in str(errors[0]), errors
+
+
+def test_a_second_ctrl_c_during_the_clean_up_still_forgets_the_requests(engine, monkeypatch):
+    """generate()'s clean-up steps until its aborted requests are let go; a second interrupt
+    there left their states behind for ever."""
+    run_step, calls = engine.scheduler.run_step, []
+
+    def interrupted() -> None:
+        calls.append(1)
+        if len(calls) in (3, 4):  # the first lands in generate(), the second in its clean-up
+            raise KeyboardInterrupt
+        run_step()
+
+    monkeypatch.setattr(engine, "_guarded", lambda fn, *args: fn(*args))  # (an escaped exception breaks the Engine)
+    monkeypatch.setattr(engine.scheduler, "run_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(input_ids=[PROMPT, [9, 10]], sampling_params=LONG)
+    monkeypatch.undo()
+    assert engine.rid_to_state == {}
+    engine.run_until_idle()
+    engine.step()
+    _assert_idle_and_nothing_leaked(engine)
+
+
 # --------------------------------------------------------------------------- bad calls leave nothing behind
 
 
@@ -254,20 +351,55 @@ def test_add_request_mistakes_say_what_to_change(engine, kwargs, needle):
     _assert_idle_and_nothing_leaked(engine)
 
 
-def test_an_interrupted_generate_aborts_its_requests(engine, monkeypatch):
-    """Ctrl-C in a notebook raises KeyboardInterrupt inside step(): nothing may keep decoding unseen."""
+def test_an_error_inside_a_step_is_raised_as_is_and_the_engine_then_says_it_is_broken(tiny_model, monkeypatch):
+    """An exception that escapes a scheduler step (signals are held to its end, so a bug or a
+    handler minisgl cannot hold) leaves requests and KV that no longer add up. generate()'s
+    clean-up stepped that scheduler again and raised its own error instead of the user's;
+    now the original propagates and every later call says to make a new Engine."""
+    engine = Engine(tiny_model, device="cpu")
     run_step, calls = engine.scheduler.run_step, []
 
-    def interrupted_once() -> None:
+    def fails_on_the_fourth() -> None:
         calls.append(1)
         if len(calls) == 4:
-            raise KeyboardInterrupt
+            raise TimeoutError("the user's timeout")
         run_step()
 
-    monkeypatch.setattr(engine.scheduler, "run_step", interrupted_once)
-    with pytest.raises(KeyboardInterrupt):
+    monkeypatch.setattr(engine.scheduler, "run_step", fails_on_the_fourth)
+    with pytest.raises(TimeoutError, match="the user's timeout"):
         engine.generate(input_ids=[PROMPT, [9, 10]], sampling_params={**LONG, "max_new_tokens": 500})
+    with pytest.raises(RuntimeError, match=r"stopped in the middle of a scheduler step \(TimeoutError: the user's timeout\)"):
+        engine.generate(input_ids=PROMPT, sampling_params=LONG)
+    engine.shutdown()  # still possible, and final
+    with pytest.raises(RuntimeError, match="was shut down"):
+        engine.step()
+
+
+def test_a_sigalrm_timeout_inside_a_forward_lands_after_the_step(engine, monkeypatch):
+    """A signal.alarm timeout around generate() (pytest-timeout's way too) raised inside a
+    forward: a half-built batch, KV leaked and every later call failing. Every signal with a
+    Python handler is held to the end of the step, as Ctrl-C is."""
+    import os
+    import signal
+
+    forward, calls = engine.scheduler.run_batch, []
+
+    def forward_hit_by_the_alarm(batch):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGALRM)  # delivered while the forward runs
+        return forward(batch)
+
+    monkeypatch.setattr(engine.scheduler, "run_batch", forward_hit_by_the_alarm)
+    previous = signal.signal(signal.SIGALRM, lambda *a: (_ for _ in ()).throw(TimeoutError("too slow")))
+    try:
+        with pytest.raises(TimeoutError, match="too slow"):
+            engine.generate(input_ids=[PROMPT, [9, 10]], sampling_params={**LONG, "max_new_tokens": 50})
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    monkeypatch.undo()
     _assert_idle_and_nothing_leaked(engine)
+    assert len(engine.generate(input_ids=PROMPT, sampling_params={**LONG, "max_new_tokens": 5})["output_ids"]) == 5
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -54,7 +54,11 @@ def _locked(method: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(method)
     def wrapper(self: "Engine", *args: Any, **kwargs: Any) -> Any:
         with self._lock:
-            return method(self, *args, **kwargs)
+            self._calls_in_progress += 1
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self._calls_in_progress -= 1
 
     return wrapper
 
@@ -98,6 +102,12 @@ class Engine:
         # One scheduler, driven by whoever calls: calls from several threads (a generate() in a
         # background thread while a notebook steps) take turns, one step or call at a time.
         self._lock = threading.RLock()
+        self._calls_in_progress = 0  # locked calls running (nested ones count too); changed under the lock
+        # rids of streams dropped while a call of this thread ran (a garbage-collector finalizer):
+        # aborted and forgotten at the start of the next step, never from inside the running call
+        self._dropped: List[str] = []
+        # why a step stopped half-way, leaving the scheduler in a state nothing can trust
+        self._broken: Optional[str] = None
 
     # ------------------------------------------------------------------ submission
     @_locked
@@ -153,10 +163,11 @@ class Engine:
     def _enqueue(self, requests: List[TokenizedGenerateReqInput]) -> None:
         """Register and queue checked requests (all of one call at once: none is queued if any is bad)."""
         now = time.perf_counter()
-        for tokenized in requests:
-            self.rid_to_state[tokenized.rid] = _ReqState(rid=tokenized.rid, created_time=now)
-        self.scheduler.process_input_requests(requests)
-        self._drain_outputs()  # a request rejected at the gate (queue full) finishes here
+        with _signals_held_until_the_end():  # Ctrl-C while queueing would leave requests half-queued
+            for tokenized in requests:
+                self.rid_to_state[tokenized.rid] = _ReqState(rid=tokenized.rid, created_time=now)
+            self._guarded(self.scheduler.process_input_requests, requests)
+            self._drain_outputs()  # a request rejected at the gate (queue full) finishes here
 
     @_locked
     def _submit(
@@ -188,7 +199,11 @@ class Engine:
                 raise ValueError(f"n must be >= 1, got {n}")
         # the server's fan-out: n copies of each prompt, sample j with seed + j
         requests = [self._tokenize(sample.req) for sample in expand_samples(obj)]
-        self._enqueue(requests)
+        try:
+            self._enqueue(requests)
+        except BaseException:  # Ctrl-C held to the end of queueing: nobody will collect these
+            self._release_after_error([r.rid for r in requests])
+            raise
         return [r.rid for r in requests], obj.is_single and len(requests) == 1
 
     def generate(
@@ -220,8 +235,7 @@ class Engine:
         except BaseException:
             # Ctrl-C in a notebook (or an error): abort what is left, so nothing keeps decoding
             # unseen in later calls
-            if not self._closed:
-                self._release(rids)
+            self._release_after_error(rids)
             raise
         with self._lock:
             results = [self._pop_result(r) for r in rids]
@@ -229,6 +243,7 @@ class Engine:
 
     @_locked
     def _all_finished(self, rids: List[str]) -> bool:
+        self._check_open()  # shutdown() from another thread says so, not "collected elsewhere"
         return all(self._state_of(rid).finished for rid in rids)
 
     def _state_of(self, rid: str) -> _ReqState:
@@ -269,25 +284,52 @@ class Engine:
                     break
                 self.step(snapshot=False)
         finally:
-            # (after shutdown() there is nothing left: it aborted and forgot every request)
-            if not self._closed:
-                self._release(rids)
+            self._release_dropped_stream(rids)
+
+    def _release_dropped_stream(self, rids: List[str]) -> None:
+        """A stream's end: release its requests now, or at the next step if a call is running here.
+
+        The garbage collector finalizes a stream kept alive by a reference cycle (an exception
+        that holds its frame) whenever it runs, which can be in the middle of this thread's own
+        step: releasing there would run a step inside the step. The lock is reentrant, so only
+        `_calls_in_progress` tells this thread's running call from a free lock.
+        """
+        if self._closed or self._broken:  # (shutdown() aborted and forgot every request already)
+            return
+        if not self._lock.acquire(blocking=False):  # another thread's call: wait for it, then release
+            self._release(rids)
+            return
+        try:
+            if self._calls_in_progress:  # inside a call of this very thread
+                self._dropped.extend(rids)
+                return
+        finally:
+            self._lock.release()
+        self._release(rids)
+
+    def _release_after_error(self, rids: List[str]) -> None:
+        """generate()'s clean-up when it is interrupted: nothing to do if the Engine is closed or broken
+        (then the original exception is the one to see)."""
+        if not self._closed and not self._broken:
+            self._release(rids)
 
     @_locked
     def _release(self, rids: List[str]) -> None:
         """Abort what a caller left unfinished, step until the scheduler let it go, forget it all."""
         # (a rid collected elsewhere meanwhile, by get_result or the widget's Reset, is gone already)
         unfinished = [r for r in rids if r in self.rid_to_state and not self.rid_to_state[r].finished]
-        for rid in unfinished:
-            self.abort(rid)
-        # a running request is aborted at its next forward (SGLang's method 3)
-        while not all(self.rid_to_state[r].finished for r in unfinished):
-            if self.scheduler.is_idle():  # nothing left that could ever finish them: do not spin
-                logger.warning("requests %s were lost by the scheduler; forgetting them", unfinished)
-                break
-            self.step(snapshot=False)
-        for rid in rids:
-            self.rid_to_state.pop(rid, None)
+        try:
+            for rid in unfinished:
+                self.abort(rid)
+            # a running request is aborted at its next forward (SGLang's method 3)
+            while not all(self.rid_to_state[r].finished for r in unfinished):
+                if self.scheduler.is_idle():  # nothing left that could ever finish them: do not spin
+                    logger.warning("requests %s were lost by the scheduler; forgetting them", unfinished)
+                    break
+                self.step(snapshot=False)
+        finally:  # (a second Ctrl-C during these steps: the states go all the same)
+            for rid in rids:
+                self.rid_to_state.pop(rid, None)
 
     # ------------------------------------------------------------------ stepping
     @_locked
@@ -298,11 +340,32 @@ class Engine:
         so they pay nothing for the visualizer's data) and returns None.
         """
         self._check_open()
-        with _sigint_held_until_the_end():  # Ctrl-C lands after the step, on a whole scheduler
-            self.scheduler.run_step()
-            self._drain_outputs()
-            self.scheduler.self_check_during_idle()  # as the server's loop does before it blocks
+        with _signals_held_until_the_end():  # Ctrl-C lands after the step, on a whole scheduler
+            if self._dropped:  # streams dropped inside an earlier call: their requests go now
+                dropped, self._dropped = self._dropped, []
+                for rid in dropped:
+                    state = self.rid_to_state.pop(rid, None)  # (their later outputs are ignored)
+                    if state is not None and not state.finished:
+                        self.scheduler.abort_request(AbortReq(rid=rid))  # a running one: at this step's forward
+            self._guarded(self._run_one_step)
         return self.scheduler.snapshot() if snapshot else None
+
+    def _run_one_step(self) -> None:
+        self.scheduler.run_step()
+        self._drain_outputs()
+        self.scheduler.self_check_during_idle()  # as the server's loop does before it blocks
+
+    def _guarded(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a call that changes the scheduler; if it raises half-way, the Engine is broken.
+
+        The server's scheduler process exits on such an error; here every later call says what
+        happened instead of running on a scheduler whose requests and KV no longer add up.
+        """
+        try:
+            return fn(*args)
+        except BaseException as e:
+            self._broken = f"{type(e).__name__}: {e}"
+            raise
 
     @_locked
     def snapshot(self) -> Dict[str, Any]:
@@ -410,9 +473,16 @@ class Engine:
         """
         if self._closed:
             return
-        if self.has_unfinished_requests():
+        if not self._broken and not self.scheduler.is_idle():
             self.scheduler.abort_request(AbortReq(abort_all=True))
-            self.run_until_idle()
+            # until the scheduler holds nothing (not until every state finished: one it never
+            # received would keep this waiting for ever); running requests end at their next forward
+            for _ in range(1000):
+                if self.scheduler.is_idle():
+                    break
+                self.step(snapshot=False)
+            else:
+                logger.warning("shutdown: the scheduler still held requests after aborting all of them")
         self.rid_to_state.clear()
         self._closed = True
         # the scheduler references the ModelRunner too: both go, so the memory is freed
@@ -426,6 +496,11 @@ class Engine:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this Engine was shut down; create a new Engine(...)")
+        if self._broken:
+            raise RuntimeError(
+                f"this Engine stopped in the middle of a scheduler step ({self._broken}), so its requests "
+                "and KV cache no longer add up; shutdown() it and create a new Engine(...)"
+            )
 
     def __enter__(self) -> "Engine":
         return self
@@ -435,27 +510,44 @@ class Engine:
 
 
 @contextlib.contextmanager
-def _sigint_held_until_the_end() -> Iterator[None]:
-    """Hold Ctrl-C (SIGINT) while the block runs, then deliver it to the usual handler.
+def _signals_held_until_the_end() -> Iterator[None]:
+    """Hold every signal with a Python handler (Ctrl-C's SIGINT, a SIGALRM timeout, ...) while the
+    block runs, then deliver each to its handler.
 
-    A KeyboardInterrupt raised inside a forward would leave a batch half-built: its requests
-    out of the waiting queue but in no batch, KV allocated but not recorded, where no abort
-    can reach them. Held to the end of the step, it lands on a whole scheduler, and
+    An exception raised by a handler inside a forward would leave a batch half-built: its
+    requests out of the waiting queue but in no batch, KV allocated but not recorded, where no
+    abort can reach them. Held to the end of the step, it lands on a whole scheduler, and
     generate() can abort what it started. Only the main thread can set signal handlers (a
-    Jupyter kernel runs cells there); elsewhere nothing is held.
+    Jupyter kernel runs cells there); elsewhere nothing is held. A nested block holds nothing more.
     """
-    if threading.current_thread() is not threading.main_thread():
+    global _signals_held
+    if threading.current_thread() is not threading.main_thread() or _signals_held:
         yield
         return
+    held = {}
+    for sig in _CATCHABLE_SIGNALS:
+        handler = signal.getsignal(sig)
+        if callable(handler):
+            held[sig] = handler
+        elif handler is None and sig == signal.SIGINT:  # set outside Python: cannot be put back, Python's own instead
+            held[sig] = signal.default_int_handler
     arrived: List[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: arrived.append(signum))
+    for sig in held:
+        signal.signal(sig, lambda signum, frame: arrived.append(signum))
+    _signals_held = True
     try:
         yield
     finally:
-        # (None: a handler set outside Python, which cannot be put back; Python's own instead)
-        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
-        if arrived:
-            signal.raise_signal(signal.SIGINT)  # the restored handler: KeyboardInterrupt by default
+        _signals_held = False
+        for sig, handler in held.items():
+            signal.signal(sig, handler)
+        for sig in dict.fromkeys(arrived):  # each once, in the order they came
+            signal.raise_signal(sig)  # to the restored handler: KeyboardInterrupt for SIGINT by default
+
+
+# (SIGKILL and SIGSTOP cannot be caught; only the main thread reads or sets _signals_held)
+_CATCHABLE_SIGNALS = tuple(sig for sig in signal.valid_signals() if sig not in (signal.SIGKILL, signal.SIGSTOP))
+_signals_held = False
 
 
 def _check_prompt(prompt: Prompt, input_ids: InputIds) -> bool:
