@@ -262,7 +262,7 @@ def test_shutdown_from_another_thread_tells_a_waiting_generate_so(tiny_model):
 
     def long_generate() -> None:
         try:
-            engine.generate(input_ids=PROMPT, sampling_params={**LONG, "max_new_tokens": 2000})
+            engine.generate(input_ids=PROMPT, sampling_params={**LONG, "max_new_tokens": 500})
         except BaseException as e:  # noqa: BLE001 (what the thread saw is the point)
             errors.append(e)
 
@@ -488,3 +488,89 @@ def test_has_unfinished_requests_takes_turns_with_other_calls(engine):
         assert not answered.wait(0.2), "has_unfinished_requests() ran while another call held the Engine"
     assert answered.wait(10)
     checker.join()
+
+
+# --------------------------------------------------------------------------- asyncio, and rids
+def test_async_generate_serves_concurrent_tasks_as_generate_does(engine):
+    """SGLang's async_generate: awaited for a result, or an async iterator with stream=True;
+    concurrent tasks share the steps and each gets its own answer."""
+    prompts = [PROMPT, [9, 10, 11], [12, 13]]
+    expected = engine.generate(input_ids=prompts, sampling_params=LONG)
+
+    async def run() -> List[Any]:
+        async def streamed(ids: List[int]) -> List[int]:
+            out: List[int] = []
+            async for chunk in await engine.async_generate(input_ids=ids, sampling_params=LONG, stream=True):
+                out += chunk["output_ids"]
+            return out
+
+        whole = [engine.async_generate(input_ids=ids, sampling_params=LONG) for ids in prompts]
+        return await asyncio.gather(*whole, *[streamed(ids) for ids in prompts])
+
+    results = asyncio.run(run())
+    assert [r["output_ids"] for r in results[:3]] == [e["output_ids"] for e in expected]
+    assert results[3:] == [e["output_ids"] for e in expected]
+    _assert_idle_and_nothing_leaked(engine)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_cancelled_async_generate_aborts_its_requests(engine, stream):
+    """A web handler's task is cancelled when its client goes away: the requests must not
+    keep decoding (the thread pool pattern it replaces decoded to the end)."""
+    steps: List[int] = []
+
+    async def run() -> None:
+        async def consume() -> None:
+            if stream:
+                async for _ in await engine.async_generate(input_ids=[PROMPT, [9, 10]], sampling_params={**LONG, "max_new_tokens": 500}, stream=True):
+                    pass
+            else:
+                await engine.async_generate(input_ids=[PROMPT, [9, 10]], sampling_params={**LONG, "max_new_tokens": 500})
+
+        task = asyncio.ensure_future(consume())
+        while engine.get_load().num_running_reqs < 2:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        steps.append(engine.scheduler.forward_ct)
+
+    asyncio.run(run())
+    _assert_idle_and_nothing_leaked(engine)
+    assert engine.scheduler.forward_ct - steps[0] <= 1  # nothing decoded on after the cancel
+
+
+def test_generate_takes_the_callers_rids_and_abort_of_an_n_rid_reaches_every_sample(engine):
+    out = engine.generate(input_ids=PROMPT, sampling_params={**LONG, "max_new_tokens": 2}, rid="mine")
+    assert out["meta_info"]["id"] == "mine"
+    outs = engine.generate(input_ids=[PROMPT, [9, 10]], sampling_params={**LONG, "max_new_tokens": 2}, rid=["a", "b"])
+    assert [o["meta_info"]["id"] for o in outs] == ["a", "b"]
+
+    async def run() -> List[Dict[str, Any]]:
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(engine.async_generate(input_ids=PROMPT, sampling_params={**LONG, "n": 2, "max_new_tokens": 500}, rid="job"))
+        while engine.get_load().num_running_reqs < 2:
+            await asyncio.sleep(0.01)
+        await loop.run_in_executor(None, engine.abort, "job")  # the rid the caller knows, not the samples'
+        return await asyncio.wait_for(task, timeout=60)
+
+    samples = asyncio.run(run())
+    assert [s["meta_info"]["id"] for s in samples] == ["job-0", "job-1"]
+    assert [s["meta_info"]["finish_reason"]["type"] for s in samples] == ["abort", "abort"]
+    assert engine._samples_of == {}
+    _assert_idle_and_nothing_leaked(engine)
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"input_ids": PROMPT, "rid": 5}, "`rid` must be a string"),
+        ({"input_ids": PROMPT, "rid": ""}, "must not be empty"),
+        ({"input_ids": [PROMPT, PROMPT], "rid": "one"}, "must be a list of 2 ids"),
+        ({"input_ids": [PROMPT, PROMPT], "rid": ["x", "x"]}, "must not repeat"),
+    ],
+)
+def test_bad_rids_say_what_to_pass(engine, kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        engine.generate(sampling_params=LONG, **kwargs)
+    assert engine.rid_to_state == {}

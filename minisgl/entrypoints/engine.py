@@ -25,6 +25,7 @@ streamed chunk carries the deltas, a final result the whole lists.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
@@ -32,7 +33,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Union
+from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Union
 
 from minisgl.managers.io_struct import (
     LOGPROB_META_KEYS, AbortReq, BatchStrOutput, GenerateReqInput, TokenizedGenerateReqInput, check_logprob_args,
@@ -108,6 +109,8 @@ class Engine:
         self._dropped: List[str] = []
         # why a step stopped half-way, leaving the scheduler in a state nothing can trust
         self._broken: Optional[str] = None
+        # the rid a caller gave an n > 1 prompt -> its samples' rids (`<rid>-<j>`), for abort(rid)
+        self._samples_of: Dict[str, List[str]] = {}
 
     # ------------------------------------------------------------------ submission
     @_locked
@@ -172,7 +175,7 @@ class Engine:
     @_locked
     def _submit(
         self, prompt: Prompt, sampling_params: Any, input_ids: InputIds, stream: bool, return_logprob: Any,
-        top_logprobs_num: Any, logprob_start_len: Any, token_ids_logprob: Any,
+        top_logprobs_num: Any, logprob_start_len: Any, token_ids_logprob: Any, rid: Any = None,
     ) -> tuple[List[str], bool]:
         """Fan a generate() call out into single requests (n copies each). Returns (rids, single).
 
@@ -186,9 +189,10 @@ class Engine:
         obj = GenerateReqInput(
             text=prompt, input_ids=input_ids, sampling_params=sampling_params, return_logprob=return_logprob,
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, token_ids_logprob=token_ids_logprob,
-            stream=stream,
+            stream=stream, rid=rid,
         )  # fmt: skip
         obj.normalize_batch_and_arguments()  # single or batch, lists per prompt, the same n for all
+        _check_rids(obj)
         for single in obj.singles():  # before any prompt is tokenized
             check_logprob_args(
                 single.return_logprob, single.logprob_start_len, single.top_logprobs_num,
@@ -198,12 +202,19 @@ class Engine:
             if n < 1:
                 raise ValueError(f"n must be >= 1, got {n}")
         # the server's fan-out: n copies of each prompt, sample j with seed + j
-        requests = [self._tokenize(sample.req) for sample in expand_samples(obj)]
+        samples = expand_samples(obj)
+        for parent in {s.parent_rid for s in samples if s.req.rid != s.parent_rid}:  # (before anything is queued)
+            if parent in self._samples_of or parent in self.rid_to_state:
+                raise ValueError(f"rid {parent!r} is already in flight")
+        requests = [self._tokenize(sample.req) for sample in samples]
         try:
             self._enqueue(requests)
         except BaseException:  # Ctrl-C held to the end of queueing: nobody will collect these
             self._release_after_error([r.rid for r in requests])
             raise
+        for sample in samples:
+            if sample.req.rid != sample.parent_rid:
+                self._samples_of.setdefault(sample.parent_rid, []).append(sample.req.rid)
         return [r.rid for r in requests], obj.is_single and len(requests) == 1
 
     def generate(
@@ -216,14 +227,18 @@ class Engine:
         top_logprobs_num: Union[int, List[int]] = 0,
         logprob_start_len: Union[int, List[int]] = -1,
         token_ids_logprob: Optional[Union[List[int], List[Optional[List[int]]]]] = None,
+        rid: Optional[Union[str, List[str]]] = None,
     ) -> Any:
         """SGLang's shapes: one prompt -> dict; a list (or n > 1) -> list; stream -> iterator.
 
         logprob_start_len and token_ids_logprob (with return_logprob): as add_request's. For a
-        list of prompts each logprob field is one value for all, or a list of one per prompt."""
+        list of prompts each logprob field is one value for all, or a list of one per prompt.
+        rid: the request's id (a list of one per prompt for a batch), for abort(rid) from another
+        thread; generated when left out."""
         rids, single = self._submit(
             prompt, sampling_params, input_ids, stream, return_logprob=return_logprob,
             top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, token_ids_logprob=token_ids_logprob,
+            rid=rid,
         )  # fmt: skip
         if stream:
             chunks = self._stream(rids, single)
@@ -237,9 +252,72 @@ class Engine:
             # unseen in later calls
             self._release_after_error(rids)
             raise
-        with self._lock:
-            results = [self._pop_result(r) for r in rids]
+        results = self._pop_results(rids)
         return results[0] if single else results
+
+    async def async_generate(
+        self,
+        prompt: Prompt = None,
+        sampling_params: Optional[Union[Dict[str, Any], List[Dict[str, Any]]]] = None,
+        input_ids: InputIds = None,
+        stream: bool = False,
+        return_logprob: Union[bool, List[bool]] = False,
+        top_logprobs_num: Union[int, List[int]] = 0,
+        logprob_start_len: Union[int, List[int]] = -1,
+        token_ids_logprob: Optional[Union[List[int], List[Optional[List[int]]]]] = None,
+        rid: Optional[Union[str, List[str]]] = None,
+    ) -> Any:
+        """generate() for asyncio code (SGLang's async_generate): `await` it for the result, or
+        with stream=True for an async iterator of the same delta dicts.
+
+        The work (tokenizing, each scheduler step) runs in the event loop's default executor,
+        so the loop stays free, and concurrent calls share the steps: each step advances every
+        request in flight. A cancelled task (a client that went away) aborts its requests;
+        its clean-up waits for the step running then, as generate()'s does.
+        """
+        loop = asyncio.get_running_loop()
+        submit = functools.partial(
+            self._submit, prompt, sampling_params, input_ids, stream, return_logprob=return_logprob,
+            top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, token_ids_logprob=token_ids_logprob,
+            rid=rid,
+        )  # fmt: skip
+        rids, single = await loop.run_in_executor(None, submit)
+        if stream:
+            return self._async_stream(rids, single)
+        try:
+            while not await loop.run_in_executor(None, self._step_unless_finished, rids):
+                pass
+        except BaseException:  # cancelled, or a step failed: nothing may keep decoding unseen
+            self._release_after_error(rids)
+            raise
+        results = await loop.run_in_executor(None, self._pop_results, rids)
+        return results[0] if single else results
+
+    async def _async_stream(self, rids: List[str], single: bool) -> AsyncIterator[Dict[str, Any]]:
+        """_stream's twin for async_generate: the same chunks; the steps run in the executor."""
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                ready, finished = await loop.run_in_executor(None, self._take_chunks, rids, single)
+                for chunk in ready:
+                    yield chunk
+                if finished:
+                    break
+                await loop.run_in_executor(None, self._step_unless_finished, rids)
+        finally:
+            self._release_dropped_stream(rids)
+
+    @_locked
+    def _step_unless_finished(self, rids: List[str]) -> bool:
+        """One step unless every rid finished (checked under the lock, so no step is wasted); finished?"""
+        if self._all_finished(rids):
+            return True
+        self.step(snapshot=False)
+        return self._all_finished(rids)
+
+    @_locked
+    def _pop_results(self, rids: List[str]) -> List[Dict[str, Any]]:
+        return [self._pop_result(r) for r in rids]
 
     @_locked
     def _all_finished(self, rids: List[str]) -> bool:
@@ -267,15 +345,7 @@ class Engine:
         try:
             yield {}  # consumed by generate()
             while True:
-                ready: List[Dict[str, Any]] = []
-                with self._lock:  # (released before yielding: a paused stream blocks no one)
-                    if self._closed:  # (a stream never read lands here after shutdown())
-                        raise RuntimeError("the Engine was shut down while this stream was open; its requests were aborted")
-                    for index, rid in enumerate(rids):
-                        state = self._state_of(rid)
-                        ready += [chunk if single else {**chunk, "index": index} for chunk in state.pending]
-                        state.pending.clear()
-                    finished = all(self.rid_to_state[r].finished for r in rids)
+                ready, finished = self._take_chunks(rids, single)  # (the lock is not held while yielding)
                 for chunk in ready:
                     yield chunk
                     if self._closed:  # shutdown() ran while the caller held this chunk
@@ -285,6 +355,18 @@ class Engine:
                 self.step(snapshot=False)
         finally:
             self._release_dropped_stream(rids)
+
+    @_locked
+    def _take_chunks(self, rids: List[str], single: bool) -> tuple[List[Dict[str, Any]], bool]:
+        """The chunks a stream has not handed out yet (with "index" for a list), and whether it is done."""
+        if self._closed:  # (a stream never read lands here after shutdown())
+            raise RuntimeError("the Engine was shut down while this stream was open; its requests were aborted")
+        ready: List[Dict[str, Any]] = []
+        for index, rid in enumerate(rids):
+            state = self._state_of(rid)
+            ready += [chunk if single else {**chunk, "index": index} for chunk in state.pending]
+            state.pending.clear()
+        return ready, all(self.rid_to_state[r].finished for r in rids)
 
     def _release_dropped_stream(self, rids: List[str]) -> None:
         """A stream's end: release its requests now, or at the next step if a call is running here.
@@ -330,6 +412,16 @@ class Engine:
         finally:  # (a second Ctrl-C during these steps: the states go all the same)
             for rid in rids:
                 self.rid_to_state.pop(rid, None)
+                self._forget_sample(rid)
+
+    def _forget_sample(self, rid: str) -> None:
+        """Drop a collected sample from its parent rid's list (and the parent when it was the last)."""
+        parent = rid.rpartition("-")[0]
+        samples = self._samples_of.get(parent)
+        if samples is not None and rid in samples:
+            samples.remove(rid)
+            if not samples:
+                del self._samples_of[parent]
 
     # ------------------------------------------------------------------ stepping
     @_locked
@@ -431,6 +523,7 @@ class Engine:
         """The whole answer: all text, ids and logprobs of every message (TokenizerManager._full_output)."""
         state = self._state_of(rid)
         del self.rid_to_state[rid]
+        self._forget_sample(rid)
         meta = {
             **state.meta_info,
             **{key: list(entries) for key, entries in state.logprobs.items()},
@@ -450,9 +543,12 @@ class Engine:
     # ------------------------------------------------------------------ control
     @_locked
     def abort(self, rid: str) -> None:
-        """Abort a request (waiting, mid-chunk or running); its result carries finish type abort."""
+        """Abort a request (waiting, mid-chunk or running); its result carries finish type abort.
+
+        The rid given to an n > 1 generate() aborts all its samples (`<rid>-<j>`), as on the server."""
         self._check_open()
-        self.scheduler.abort_request(AbortReq(rid=rid))
+        for one in list(self._samples_of.get(rid, [rid])):
+            self.scheduler.abort_request(AbortReq(rid=one))
         self._drain_outputs()
 
     @_locked
@@ -484,6 +580,7 @@ class Engine:
             else:
                 logger.warning("shutdown: the scheduler still held requests after aborting all of them")
         self.rid_to_state.clear()
+        self._samples_of.clear()
         self._closed = True
         # the scheduler references the ModelRunner too: both go, so the memory is freed
         on_cuda = self.server_args.device == "cuda"
@@ -548,6 +645,17 @@ def _signals_held_until_the_end() -> Iterator[None]:
 # (SIGKILL and SIGSTOP cannot be caught; only the main thread reads or sets _signals_held)
 _CATCHABLE_SIGNALS = tuple(sig for sig in signal.valid_signals() if sig not in (signal.SIGKILL, signal.SIGSTOP))
 _signals_held = False
+
+
+def _check_rids(obj: GenerateReqInput) -> None:
+    """The server's rid checks (TokenizerManager._validate_request_shape), on a normalized input."""
+    rids = [obj.rid] if obj.is_single else obj.rid
+    if not all(isinstance(r, str) for r in rids):
+        raise ValueError("`rid` must be a string for one prompt, or a list of strings, one per prompt of a batch")
+    if any(r == "" for r in rids):
+        raise ValueError("`rid` must not be empty; leave it out for a generated one")
+    if len(set(rids)) != len(rids):
+        raise ValueError("`rid` must not repeat an id within a batch")
 
 
 def _check_prompt(prompt: Prompt, input_ids: InputIds) -> bool:
