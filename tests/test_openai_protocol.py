@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 
 from minisgl.entrypoints.http_server import create_app
 from minisgl.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from minisgl.managers.io_struct import AbortReq, BatchStrOutput, GenerateReqInput, TokenizedGenerateReqInput
+from minisgl.managers.io_struct import AbortReq, BatchStrOutput, GenerateReqInput, GetLoadReqOutput, TokenizedGenerateReqInput
 from minisgl.managers.tokenizer_manager import AsyncDynamicBatchTokenizer, TokenizerManager, coalesce_streaming_chunks
 from minisgl.models.model_config import default_sampling_params
 from minisgl.server_args import PortArgs, ServerArgs, resolve_server_args
@@ -935,7 +935,11 @@ def test_health_generate_needs_the_pipeline_to_answer(tiny_model: str, tmp_path:
     async def run() -> None:
         tm, sent = _recording_tm(tiny_model, tmp_path, refuse_generate=False)
         try:
-            assert await tm.health_generate(timeout=0.3) is False  # nothing answers: a stuck pipeline
+            # nothing answers: a stuck pipeline. A /metrics scrape's load reply meanwhile comes
+            # from the scheduler alone, past the stuck part: it used to pass the probe.
+            load = GetLoadReqOutput(0, 0, 0, 100, 0, 0, 100, 0.0, 0.0, 0.7)
+            asyncio.get_running_loop().call_later(0.1, tm._dispatch, load)
+            assert await tm.health_generate(timeout=0.3) is False
             assert tm.rid_to_state == {}  # a failed probe is forgotten (a stuck pipeline never answers its abort)
             probes = [m for m in sent if isinstance(m, TokenizedGenerateReqInput)]
             assert len(probes) == 1 and probes[0].rid.startswith("HEALTH_CHECK_")

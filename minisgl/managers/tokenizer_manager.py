@@ -679,8 +679,10 @@ class TokenizerManager:
 
     def _dispatch(self, recv: Any) -> None:
         """One message from the detokenizer (outputs) or the scheduler (control replies)."""
-        self.last_receive_tstamp = time.time()  # what /health_generate watches
         if isinstance(recv, BatchStrOutput):
+            # what /health_generate watches: only outputs come through the whole pipeline (a
+            # control reply comes from the scheduler alone, and /metrics asks for one per scrape)
+            self.last_receive_tstamp = time.time()
             self._handle_batch_output(recv)
         elif type(recv) in self._control_counts:
             counts = self._control_counts[type(recv)]
