@@ -23,6 +23,14 @@ from typing import Any, Literal, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
+_DEFAULT_CPU_KV_CACHE_GB = 1.0
+# The options of `minisgl serve`'s HTTP server and its processes: the in-process Engine has
+# neither, so it refuses them (log_level it applies to its loggers).
+SERVER_ONLY_FIELDS = (
+    "host", "port", "api_key", "visualize", "enable_dynamic_batch_tokenizer", "soft_watchdog_timeout",
+    "watchdog_timeout", "log_requests",
+)  # fmt: skip
+
 # The built-in model ships inside the package (DESIGN.md, "The built-in model").
 BUILTIN_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "builtin-model")
 
@@ -82,7 +90,7 @@ class ServerArgs:
         default=None, metadata=_opt("CUDA: fraction of GPU memory for weights + KV pool. Default 0.85.")
     )
     cpu_kv_cache_gb: float = field(
-        default=1.0, metadata=_opt("CPU: KV pool budget in GiB when --max-total-tokens is unset (at most 8 full contexts are allocated).")
+        default=_DEFAULT_CPU_KV_CACHE_GB, metadata=_opt("CPU: KV pool budget in GiB when --max-total-tokens is unset (at most 8 full contexts are allocated).")
     )
     max_running_requests: Optional[int] = field(
         default=None, metadata=_opt("Request slots (rows of req_to_token). Default: from the pool, at most 256 on CPU (2048-4096 on CUDA).")
@@ -253,6 +261,16 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
     chunk = args.chunked_prefill_size
     if chunk is None:
         chunk = 8192 if device == "cuda" else 2048
+    if args.enable_mixed_chunk and chunk <= 0:
+        raise ValueError(
+            "--enable-mixed-chunk lets decoding requests ride in the chunks of a chunked prefill; "
+            f"it needs --chunked-prefill-size > 0 (got {chunk})"
+        )
+    # accepted on every device, used on one: said, not silently dropped
+    if device == "cpu" and args.mem_fraction_static is not None:
+        logger.warning("--mem-fraction-static sizes the KV pool on CUDA only; on CPU use --cpu-kv-cache-gb or --max-total-tokens")
+    if device == "cpu" and args.max_total_tokens is not None and args.cpu_kv_cache_gb != _DEFAULT_CPU_KV_CACHE_GB:
+        logger.warning("--cpu-kv-cache-gb is not used: --max-total-tokens %d sets the KV pool", args.max_total_tokens)
     mem_fraction = args.mem_fraction_static if args.mem_fraction_static is not None else 0.85
     model_path = args.model_path or BUILTIN_MODEL_DIR
     if is_missing_local_dir(model_path):  # refused here, before any process starts

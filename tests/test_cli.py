@@ -67,6 +67,46 @@ def test_the_triton_backend_without_triton_installed_is_a_clear_refusal(monkeypa
         resolve_server_args(ServerArgs(device="cpu", attention_backend="triton"))
 
 
+def test_mixed_chunks_without_chunked_prefill_are_refused() -> None:
+    with pytest.raises(ValueError, match="--enable-mixed-chunk .* needs --chunked-prefill-size > 0"):
+        resolve_server_args(ServerArgs(device="cpu", enable_mixed_chunk=True, chunked_prefill_size=-1))
+
+
+def test_flags_a_cpu_run_does_not_use_are_said_at_start(caplog: Any, tiny_model: str) -> None:
+    """Accepted and then unused, they were dropped without a word."""
+    import logging
+
+    from minisgl.managers.schedule_policy import SchedulePolicy
+
+    with caplog.at_level(logging.WARNING):
+        resolve_server_args(ServerArgs(device="cpu", attention_backend="torch", mem_fraction_static=0.3))
+        resolve_server_args(ServerArgs(device="cpu", attention_backend="torch", cpu_kv_cache_gb=0.01, max_total_tokens=4000))
+        resolve_server_args(ServerArgs(device="cpu", attention_backend="torch", max_total_tokens=4000))  # nothing to say
+
+        class NoCache:
+            disable = True
+
+        assert SchedulePolicy("lpm", NoCache()).policy == "fcfs"
+    said = [r.getMessage() for r in caplog.records]
+    assert any("--mem-fraction-static sizes the KV pool on CUDA only" in m for m in said)
+    assert sum("--cpu-kv-cache-gb is not used: --max-total-tokens 4000" in m for m in said) == 1
+    assert any("--schedule-policy lpm orders by prefix-cache matches; with --disable-radix-cache it is fcfs" in m for m in said)
+
+
+def test_the_engine_refuses_the_http_servers_options_and_applies_log_level(tiny_model: str) -> None:
+    import logging
+
+    with pytest.raises(ValueError, match="api_key, visualize: option\\(s\\) of `minisgl serve`"):
+        Engine(tiny_model, device="cpu", api_key="secret", visualize=True)
+    minisgl_logger = logging.getLogger("minisgl")
+    level = minisgl_logger.level
+    try:
+        with Engine(tiny_model, device="cpu", log_level="error", port=30000):  # (a default value is no option set)
+            assert minisgl_logger.getEffectiveLevel() == logging.ERROR
+    finally:
+        minisgl_logger.setLevel(level)
+
+
 def test_log_level_takes_any_case_and_logging_aliases() -> None:
     from minisgl.server_args import ServerArgs
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import signal
@@ -41,7 +42,7 @@ from minisgl.managers.io_struct import (
 )  # fmt: skip
 from minisgl.managers.tokenization import tokenize_one_request, validate_context_length
 from minisgl.sampling.sampling_params import SamplingParams
-from minisgl.server_args import ServerArgs, resolve_server_args
+from minisgl.server_args import SERVER_ONLY_FIELDS, ServerArgs, resolve_server_args
 
 logger = logging.getLogger("minisgl")
 
@@ -91,7 +92,17 @@ class Engine:
         from minisgl.model_executor.model_runner import ModelRunner
         from minisgl.utils import get_tokenizer
 
-        self.server_args = resolve_server_args(ServerArgs(model_path=model_path, **kwargs))
+        defaults = {f.name: f.default for f in dataclasses.fields(ServerArgs)}
+        server_only = [k for k in SERVER_ONLY_FIELDS if k in kwargs and kwargs[k] != defaults[k]]
+        if server_only:  # (they would be accepted and do nothing)
+            raise ValueError(
+                f"{', '.join(server_only)}: option(s) of `minisgl serve`'s HTTP server and processes, "
+                "which the in-process Engine does not have; leave them out"
+            )
+        args = ServerArgs(model_path=model_path, **kwargs)  # (checks every value, log_level's too)
+        if "log_level" in kwargs:  # minisgl's loggers only: the application owns the handlers and their format
+            logging.getLogger("minisgl").setLevel(args.log_level.upper())
+        self.server_args = resolve_server_args(args)
         self.model_runner = ModelRunner(self.server_args)
         self.tokenizer = get_tokenizer(self.server_args.tokenizer_path, self.server_args.trust_remote_code)
         self.scheduler = Scheduler(self.server_args, self.model_runner, self.tokenizer)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import logging
 import random
 from collections import defaultdict
 from typing import Any, Dict, Iterator, List, Optional
@@ -27,6 +28,8 @@ from typing import Any, Dict, Iterator, List, Optional
 from minisgl.managers.schedule_batch import CLIP_MAX_NEW_TOKENS, Req, ScheduleBatch
 from minisgl.mem_cache.allocator import ceil_paged_tokens
 from minisgl.server_args import SCHEDULE_POLICIES
+
+logger = logging.getLogger("minisgl.scheduler")
 
 # the policies that order by radix-tree matches (SGLang's CacheAwarePolicy); the rest are CacheAgnosticPolicy
 CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")
@@ -222,8 +225,9 @@ class SchedulePolicy:
     def __init__(self, policy: str, tree_cache: Any) -> None:
         if policy not in SCHEDULE_POLICIES:
             raise ValueError(f"unknown schedule policy {policy!r}")
-        # a cache-aware policy without a cache is fcfs
+        # a cache-aware policy without a cache is fcfs (SGLang's rule; said once, at start)
         if policy in CACHE_AWARE_POLICIES and getattr(tree_cache, "disable", False):
+            logger.warning("--schedule-policy %s orders by prefix-cache matches; with --disable-radix-cache it is fcfs", policy)
             policy = "fcfs"
         self.policy = policy
         self.tree_cache = tree_cache
