@@ -123,6 +123,22 @@ def test_explicit_null_means_the_default_for_fields_openai_documents_as_nullable
         ChatCompletionRequest(model=None, messages=[{"role": "user", "content": "hi"}])
 
 
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_an_unsupported_field_that_asks_for_nothing_is_accepted(route: str) -> None:
+    """Clients that fill every field send `"user": null`, `"tools": null` or a plain-text
+    response_format: nothing minisgl cannot do. Any real value of them stays a 400."""
+    asks_nothing = {"user": None, "tools": None, "tool_choice": None, "best_of": None, "response_format": {"type": "text"}}
+    if route == "chat":
+        ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], **asks_nothing)
+        make = lambda **kw: ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], **kw)  # noqa: E731
+    else:
+        CompletionRequest(model="m", prompt="hi", suffix=None, **asks_nothing)
+        make = lambda **kw: CompletionRequest(model="m", prompt="hi", **kw)  # noqa: E731
+    for field, value in [("user", "alice"), ("response_format", {"type": "json_object"}), ("tools", [])]:
+        with pytest.raises(ValueError, match=field):
+            make(**{field: value})
+
+
 def test_text_parts_are_joined_with_a_space_as_sglang_does() -> None:
     parts = [{"type": "text", "text": "Tell me"}, {"type": "text", "text": "a story"}]
     req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": parts}])

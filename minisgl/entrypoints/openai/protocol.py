@@ -93,8 +93,15 @@ class _SamplingFields(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _drop_nulls_that_mean_default(cls, data: Any) -> Any:
+        # An unsupported field set to null, or response_format asking for plain text, asks for
+        # nothing minisgl does not do (clients that fill every field send them): the same as
+        # leaving it out, where any other value of it is a 400.
         if isinstance(data, dict):
-            return {k: v for k, v in data.items() if not (v is None and k in cls.null_means_default)}
+            return {
+                k: v for k, v in data.items()
+                if not (v is None and (k in cls.null_means_default or k in UNSUPPORTED_FIELDS))
+                and not (k == "response_format" and v == {"type": "text"})
+            }  # fmt: skip
         return data
 
     model: str
