@@ -115,17 +115,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def set_random_seed(seed: Optional[int]) -> None:
-    import random
-
-    import torch
-
-    if seed is None:
-        return
-    random.seed(seed)
-    torch.manual_seed(seed)
-
-
 # glibc mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 _INT_MAX = 2**31 - 1

@@ -574,3 +574,24 @@ def test_bad_rids_say_what_to_pass(engine, kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         engine.generate(sampling_params=LONG, **kwargs)
     assert engine.rid_to_state == {}
+
+
+def test_a_new_engine_neither_restarts_another_engines_draws_nor_reseeds_the_users_rng(tiny_model):
+    """Each ModelRunner seeded torch's global RNG: a second Engine made the first one's unseeded
+    samples repeat, and reset the random state of the user's own code."""
+    import torch
+
+    sampled = {"temperature": 1.0, "ignore_eos": True, "max_new_tokens": 12}
+    first = Engine(tiny_model, device="cpu")
+    try:
+        a = first.generate(input_ids=PROMPT, sampling_params=sampled)["output_ids"]
+        torch.manual_seed(123)
+        expected = torch.rand(4)
+        torch.manual_seed(123)
+        with Engine(tiny_model, device="cpu") as second:  # the same --random-seed
+            assert torch.equal(torch.rand(4), expected)  # the user's RNG went on where it was
+            assert second.generate(input_ids=PROMPT, sampling_params=sampled)["output_ids"] == a  # the seed still decides
+        b = first.generate(input_ids=PROMPT, sampling_params=sampled)["output_ids"]
+        assert b != a  # the first Engine's draws went on too
+    finally:
+        first.shutdown()

@@ -17,7 +17,8 @@ Seeds: a request with `seed` samples by Gumbel-max, argmax(log p + G), where the
 noise G of (seed, position, token id) comes from a counter-based hash (murmur3's
 finaliser), as SGLang's `multinomial_with_seed`. The draw then depends on nothing but the
 request itself: the same seed gives the same text in any batch, at any batch position.
-Requests without a seed use the global torch RNG (seeded once from --random-seed).
+Requests without a seed draw from the ModelRunner's own torch.Generator, seeded once from
+--random-seed (each Engine its own: the process's global RNG is the user's).
 
 Logprobs (when some request asks): log_softmax of the logits after penalties and
 temperature (greedy rows have temperature 1), i.e. the distribution before top-k/top-p/
@@ -46,8 +47,10 @@ class SampleOutput(NamedTuple):
 
 
 class Sampler(nn.Module):
-    def forward(self, logits: torch.Tensor, sampling_info: SamplingBatchInfo) -> SampleOutput:
-        """logits [bs, V] float32, already penalised."""
+    def forward(
+        self, logits: torch.Tensor, sampling_info: SamplingBatchInfo, generator: Optional[torch.Generator] = None
+    ) -> SampleOutput:
+        """logits [bs, V] float32, already penalised; `generator` draws unseeded rows (torch's global RNG if None)."""
         if sampling_info.is_all_greedy:
             next_token_ids = torch.argmax(logits, dim=-1)  # [bs]
             logprobs = torch.log_softmax(logits, dim=-1) if sampling_info.return_logprob else None
@@ -57,7 +60,7 @@ class Sampler(nn.Module):
             probs = torch.softmax(logits, dim=-1)  # [bs, V]
             if sampling_info.need_top_k_sampling or sampling_info.need_top_p_sampling or sampling_info.need_min_p_sampling:
                 probs = top_k_top_p_min_p_filter(probs, sampling_info)
-            next_token_ids = sample_from_probs(probs, sampling_info)
+            next_token_ids = sample_from_probs(probs, sampling_info, generator)
         return _with_logprobs(next_token_ids, logprobs, sampling_info)
 
 
@@ -75,9 +78,9 @@ def top_k_top_p_min_p_filter(probs: torch.Tensor, info: SamplingBatchInfo) -> to
     return torch.zeros_like(probs).scatter_(-1, probs_idx, probs_sort)  # back to vocab order
 
 
-def sample_from_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+def sample_from_probs(probs: torch.Tensor, info: SamplingBatchInfo, generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """One token per row of (unnormalised) probs [bs, V]: seeded rows by Gumbel-max, others multinomial."""
-    next_token_ids = multinomial_inverse_cdf(probs)  # [bs], global RNG
+    next_token_ids = multinomial_inverse_cdf(probs, generator)  # [bs]
     if info.seeds is None or info.has_seed is None:
         return next_token_ids
     rows = torch.nonzero(info.has_seed).squeeze(-1)  # [S]
@@ -86,8 +89,9 @@ def sample_from_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Ten
     return next_token_ids.index_put((rows,), seeded)
 
 
-def multinomial_inverse_cdf(probs: torch.Tensor) -> torch.Tensor:
-    """One draw per row of unnormalised probs [bs, V] from the global RNG: the first token whose CDF passes u.
+def multinomial_inverse_cdf(probs: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """One draw per row of unnormalised probs [bs, V] from `generator` (torch's global RNG if None):
+    the first token whose CDF passes u.
 
     The distribution of torch.multinomial(probs, 1), which on CPU draws V exponentials per
     row (5 ms for 64 x 4,096 on this project's CPU, 6% of a decode step); this draws one
@@ -97,7 +101,8 @@ def multinomial_inverse_cdf(probs: torch.Tensor) -> torch.Tensor:
     in total variation; at the built-in 4k vocabulary none in practice).
     """
     cdf = torch.cumsum(probs, dim=-1)  # [bs, V]
-    u = torch.rand((probs.shape[0], 1), dtype=cdf.dtype, device=probs.device) * cdf[:, -1:]  # [bs, 1] in [0, total)
+    u = torch.rand((probs.shape[0], 1), dtype=cdf.dtype, device=probs.device, generator=generator)
+    u = u * cdf[:, -1:]  # [bs, 1] in [0, total)
     # right=True: the first index with cdf > u, so a zero-probability token (flat cdf) is never chosen
     ids = torch.searchsorted(cdf, u, right=True).squeeze(-1)  # [bs]
     return ids.clamp_(max=probs.shape[-1] - 1)  # u rounding up to the total would point past the end

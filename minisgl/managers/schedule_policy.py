@@ -222,7 +222,7 @@ def _common_prefix_len(a: List[int], b: List[int]) -> int:
 class SchedulePolicy:
     """Orders the waiting queue before each prefill pass (§3)."""
 
-    def __init__(self, policy: str, tree_cache: Any) -> None:
+    def __init__(self, policy: str, tree_cache: Any, seed: int = 0) -> None:
         if policy not in SCHEDULE_POLICIES:
             raise ValueError(f"unknown schedule policy {policy!r}")
         # a cache-aware policy without a cache is fcfs (SGLang's rule; said once, at start)
@@ -231,6 +231,7 @@ class SchedulePolicy:
             policy = "fcfs"
         self.policy = policy
         self.tree_cache = tree_cache
+        self.rng = random.Random(seed)  # "random": its own RNG, not the process's (an Engine shares that with its user)
 
     def calc_priority(self, waiting_queue: List[Req]) -> None:
         """Sort waiting_queue in place. fcfs keeps arrival order (retracted requests at the tail)."""
@@ -242,7 +243,7 @@ class SchedulePolicy:
         if policy == "lof":
             waiting_queue.sort(key=lambda r: -r.sampling_params.max_new_tokens)
         elif policy == "random":
-            random.shuffle(waiting_queue)
+            self.rng.shuffle(waiting_queue)
         elif policy == "lpm":
             deprioritized = self._compute_prefix_matches(waiting_queue)
             waiting_queue.sort(key=lambda r: float("inf") if r.rid in deprioritized else -len(r.prefix_indices))

@@ -66,7 +66,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         self.tree_cache = RadixCache(
             self.req_to_token_pool, self.token_to_kv_pool_allocator, self.page_size, disable=server_args.disable_radix_cache
         )
-        self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache)
+        self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, server_args.random_seed)
         # max_req_len bounds prompt + output; prompts stay 5 tokens below it (tp_worker.py)
         self.max_req_len = min(self.model_config.context_len - 1, self.max_total_num_tokens - 1)
         self.max_req_input_len = self.max_req_len - 5

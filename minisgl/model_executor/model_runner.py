@@ -35,7 +35,7 @@ from minisgl.models.loader import load_model, resolve_model_path
 from minisgl.models.model_config import ModelConfig
 from minisgl.sampling.sampling_batch_info import SamplingBatchInfo
 from minisgl.server_args import ServerArgs
-from minisgl.utils import keep_freed_memory_in_heap, set_random_seed
+from minisgl.utils import keep_freed_memory_in_heap
 
 logger = logging.getLogger("minisgl")
 
@@ -52,7 +52,10 @@ class ModelRunner:
         self.dtype: torch.dtype = getattr(torch, server_args.dtype)
         self.kv_cache_dtype: torch.dtype = getattr(torch, server_args.kv_cache_dtype)  # the model's, or bfloat16
         self.page_size = server_args.page_size
-        set_random_seed(server_args.random_seed)  # the global RNG of unseeded sampling
+        # The RNG of unseeded sampling, this runner's own: seeding torch's global one made every
+        # new Engine restart the draws of the Engines before it, and reset the user's RNG.
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(server_args.random_seed)
         if self.device == "cpu" and not keep_freed_memory_in_heap():
             logger.info("malloc tuning unavailable (not glibc): large activations will page-fault each step")
 
@@ -166,4 +169,4 @@ class ModelRunner:
             if sampling_info.has_logits_bias:
                 logits = logits.clone()  # keep the model's logits intact for the caller
                 sampling_info.apply_logits_bias(logits)
-            return self.sampler(logits, sampling_info)
+            return self.sampler(logits, sampling_info, self.generator)
