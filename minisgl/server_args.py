@@ -109,6 +109,9 @@ class ServerArgs:
     max_queued_requests: Optional[int] = field(default=None, metadata=_opt("Reject new requests (503) above this queue length."))
     allow_auto_truncate: bool = field(default=False, metadata=_opt("Truncate over-long prompts instead of rejecting them."))
     stream_interval: int = field(default=1, metadata=_opt("Stream every N tokens."))
+    incremental_streaming_output: bool = field(
+        default=False, metadata=_opt("Streams of /generate and the Engine send what each chunk adds (text, ids, logprobs), not everything so far.")
+    )
     decode_log_interval: int = field(default=40, metadata=_opt("Log a decode line every N decode steps."))
 
     # --- server ---

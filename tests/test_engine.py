@@ -39,14 +39,33 @@ def test_generate_list_and_input_ids(engine):
         assert engine.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"] == out["output_ids"]
 
 
-def test_stream_deltas_concatenate_to_the_full_answer(engine):
+def test_stream_chunks_are_cumulative_as_sglangs_and_the_last_is_the_answer(engine):
     full = engine.generate("streaming text", GREEDY)
     chunks = list(engine.generate("streaming text", GREEDY, stream=True))
     assert len(chunks) == 6  # stream_interval 1: one chunk per token
+    assert [c["output_ids"] for c in chunks] == [full["output_ids"][: k + 1] for k in range(6)]
+    assert all(full["text"].startswith(c["text"]) for c in chunks) and chunks[-1]["text"] == full["text"]
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_incremental_streaming_output_streams_what_each_chunk_adds(tiny_model):
+    with Engine(tiny_model, device="cpu", max_total_tokens=2048, incremental_streaming_output=True) as e:
+        full = e.generate("streaming text", GREEDY)
+        chunks = list(e.generate("streaming text", GREEDY, stream=True))
+    assert len(chunks) == 6
     assert "".join(c["text"] for c in chunks) == full["text"]
     assert sum((c["output_ids"] for c in chunks), []) == full["output_ids"]
     assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
-    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_a_stream_read_late_gets_one_chunk_with_everything_so_far(engine):
+    """SGLang hands a stream its latest out_list entry: with cumulative chunks nothing is lost."""
+    stream = engine.generate("read late", GREEDY, stream=True)
+    engine.run_until_idle()  # every message arrives before the first read
+    chunks = list(stream)
+    assert len(chunks) == 1 and len(chunks[0]["output_ids"]) == 6
+    assert chunks[0]["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
 
 
 def test_n_fans_out_into_n_requests(engine):

@@ -96,19 +96,25 @@ def test_long_request_keeps_every_logprob_and_matches_the_server(engine, monkeyp
         assert server["meta_info"][key] == meta[key], key
 
 
-def test_stream_chunks_carry_logprob_deltas_like_the_server(engine, monkeypatch, tmp_path):
+def test_stream_chunks_carry_the_logprobs_so_far_and_deltas_like_the_servers(engine, monkeypatch, tmp_path):
     full = engine.generate(input_ids=PROMPT, sampling_params=LONG, **LOGPROBS)
-    messages = _record_messages(engine, monkeypatch)
     stream = engine.generate(input_ids=PROMPT, sampling_params=LONG, stream=True, **LOGPROBS)
     chunks = list(stream)
     assert len(chunks) == 60  # stream_interval 1
-    assert all(len(c["meta_info"]["output_token_logprobs"]) == len(c["output_ids"]) == 1 for c in chunks)
+    for k, c in enumerate(chunks):  # SGLang's cumulative chunks
+        assert len(c["meta_info"]["output_token_logprobs"]) == len(c["output_ids"]) == k + 1
     for key in ("output_token_logprobs", "output_top_logprobs"):
-        assert sum((c["meta_info"][key] for c in chunks), []) == full["meta_info"][key], key
+        assert chunks[-1]["meta_info"][key] == full["meta_info"][key], key
 
+    # --incremental-streaming-output: each chunk's own, as the TokenizerManager's dicts
+    monkeypatch.setattr(engine, "server_args", dataclasses.replace(engine.server_args, incremental_streaming_output=True))
+    messages = _record_messages(engine, monkeypatch)
+    deltas = list(engine.generate(input_ids=PROMPT, sampling_params=LONG, stream=True, **LOGPROBS))
+    assert all(len(c["meta_info"]["output_token_logprobs"]) == len(c["output_ids"]) == 1 for c in deltas)
     server = _server_result(engine, tmp_path, messages, stream=True)  # it may coalesce chunks: compare concatenations
     for key in ("output_token_logprobs", "output_top_logprobs"):
-        assert sum((c["meta_info"][key] for c in server), []) == sum((c["meta_info"][key] for c in chunks), []), key
+        assert sum((c["meta_info"][key] for c in deltas), []) == full["meta_info"][key], key
+        assert sum((c["meta_info"][key] for c in server), []) == full["meta_info"][key], key
 
 
 def test_logprobs_of_masked_tokens_are_finite_numbers(engine):
@@ -501,7 +507,7 @@ def test_async_generate_serves_concurrent_tasks_as_generate_does(engine):
         async def streamed(ids: List[int]) -> List[int]:
             out: List[int] = []
             async for chunk in await engine.async_generate(input_ids=ids, sampling_params=LONG, stream=True):
-                out += chunk["output_ids"]
+                out = chunk["output_ids"]  # (everything so far)
             return out
 
         whole = [engine.async_generate(input_ids=ids, sampling_params=LONG) for ids in prompts]

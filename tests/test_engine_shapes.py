@@ -31,8 +31,9 @@ def test_a_streamed_batch_tags_each_chunk_with_its_prompt(engine: Any) -> None:
     whole = engine.generate(prompts, {**SAMPLED, "temperature": 0})
     texts: Dict[int, List[str]] = {0: [], 1: []}
     for chunk in engine.generate(prompts, {**SAMPLED, "temperature": 0}, stream=True):
-        texts[chunk["index"]].append(chunk["text"])
-    assert ["".join(texts[i]) for i in (0, 1)] == [w["text"] for w in whole]
+        texts[chunk["index"]].append(chunk["text"])  # (each the text so far)
+    assert [texts[i][-1] for i in (0, 1)] == [w["text"] for w in whole]
+    assert all(whole[i]["text"].startswith(t) for i in (0, 1) for t in texts[i])
 
 
 def test_a_sampling_params_list_of_the_wrong_length_is_refused(engine: Any) -> None:

@@ -13,6 +13,8 @@ from fastapi.testclient import TestClient
 
 from test_openai_protocol import _chat, _out, _scripted_client
 
+from minisgl.server_args import ServerArgs, resolve_server_args
+
 LENGTH = {"type": "length", "length": 1}
 
 
@@ -273,3 +275,19 @@ def test_choices_are_in_index_order_whichever_finishes_first(tiny_model: str, tm
         choices = _post(client, route, n=2).json()["choices"]
     assert [c["index"] for c in choices] == [0, 1]
     assert [c["message"]["content"] if route == "chat" else c["text"] for c in choices] == ["first", "second"]
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+def test_a_generate_stream_is_cumulative_unless_incremental_streaming_output(tiny_model: str, tmp_path: Any, incremental: bool) -> None:
+    """SGLang's /generate streams everything so far; --incremental-streaming-output, what each chunk adds."""
+    outs = [_out("r", "ab", 1), _out("r", "cd", 2, LENGTH)]
+    outs[1]["output_ids"] = [6]  # the TokenizerManager's dicts are deltas
+    args = resolve_server_args(ServerArgs(model_path=tiny_model, device="cpu", incremental_streaming_output=incremental))
+    client, _ = _scripted_client(tiny_model, tmp_path, outs, server_args=args)
+    with client:
+        r = client.post("/generate", json={"text": "hi", "stream": True})
+    chunks = [e for e in _events(r) if e != "[DONE]"]
+    if incremental:
+        assert [(c["text"], c["output_ids"]) for c in chunks] == [("ab", [5]), ("cd", [6])]
+    else:
+        assert [(c["text"], c["output_ids"]) for c in chunks] == [("ab", [5]), ("abcd", [5, 6])]

@@ -8,6 +8,7 @@ for j = s + 1 .. len - 1; top-k lists likewise, None first.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Iterator, List, Optional
 
 import pytest
@@ -211,11 +212,14 @@ def test_per_prompt_logprob_fields_of_the_wrong_shape_say_what_to_change(engine:
     assert not engine.has_unfinished_requests()
 
 
-def test_prompt_logprobs_stream_once_in_the_first_chunk(engine: Any) -> None:
+def test_prompt_logprobs_stream_whole_from_the_first_chunk(engine: Any, monkeypatch: Any) -> None:
     params = {**GREEDY, "max_new_tokens": 5}
     whole = engine.generate(input_ids=PROMPT, sampling_params=params, return_logprob=True, logprob_start_len=0)
     chunks = list(engine.generate(input_ids=PROMPT, sampling_params=params, return_logprob=True, logprob_start_len=0, stream=True))
-    assert len(chunks) > 1
+    assert len(chunks) > 1  # cumulative: every chunk has all of them
+    assert all(c["meta_info"]["input_token_logprobs"] == whole["meta_info"]["input_token_logprobs"] for c in chunks)
+    monkeypatch.setattr(engine, "server_args", dataclasses.replace(engine.server_args, incremental_streaming_output=True))  # deltas: once, in the first
+    chunks = list(engine.generate(input_ids=PROMPT, sampling_params=params, return_logprob=True, logprob_start_len=0, stream=True))
     assert chunks[0]["meta_info"]["input_token_logprobs"] == whole["meta_info"]["input_token_logprobs"]
     assert all(c["meta_info"]["input_token_logprobs"] == [] for c in chunks[1:])
 

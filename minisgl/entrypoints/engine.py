@@ -20,7 +20,8 @@ None)] * k], the prompt's `input_token_logprobs` [(logprob | None, id, None)] an
 `input_top_logprobs`, and `output_token_ids_logprobs` / `input_token_ids_logprobs` (the ids
 of token_ids_logprob at each position), empty unless asked for. Entries are SGLang's
 triples; the text stays None here (the server fills it with return_text_in_logprobs). A
-streamed chunk carries the deltas, a final result the whole lists.
+streamed chunk carries everything so far, as SGLang's (only what it adds with
+incremental_streaming_output), a final result the whole lists.
 """
 
 from __future__ import annotations
@@ -79,8 +80,12 @@ class _ReqState:
     # accumulated over every message: the scheduler emits at least every 50 tokens even
     # for a non-streaming request, so one message holds only part of the answer
     logprobs: Dict[str, List[Any]] = field(default_factory=lambda: {key: [] for key in LOGPROB_META_KEYS})
-    # incremental chunks not yet handed to a streaming caller
+    # a generate(stream=True) reads it: each message makes a chunk for it
+    streamed: bool = False
+    # --incremental-streaming-output: the delta chunks not yet handed to the stream
     pending: List[Dict[str, Any]] = field(default_factory=list)
+    # otherwise: whether a message came since the stream last took its (cumulative) chunk
+    updated: bool = False
 
 
 class Engine:
@@ -174,12 +179,12 @@ class Engine:
         )
         return tokenized
 
-    def _enqueue(self, requests: List[TokenizedGenerateReqInput]) -> None:
+    def _enqueue(self, requests: List[TokenizedGenerateReqInput], streamed: bool = False) -> None:
         """Register and queue checked requests (all of one call at once: none is queued if any is bad)."""
         now = time.perf_counter()
         with _signals_held_until_the_end():  # Ctrl-C while queueing would leave requests half-queued
             for tokenized in requests:
-                self.rid_to_state[tokenized.rid] = _ReqState(rid=tokenized.rid, created_time=now)
+                self.rid_to_state[tokenized.rid] = _ReqState(rid=tokenized.rid, created_time=now, streamed=streamed)
             self._guarded(self.scheduler.process_input_requests, requests)
             self._drain_outputs()  # a request rejected at the gate (queue full) finishes here
 
@@ -219,7 +224,7 @@ class Engine:
                 raise ValueError(f"rid {parent!r} is already in flight")
         requests = [self._tokenize(sample.req) for sample in samples]
         try:
-            self._enqueue(requests)
+            self._enqueue(requests, streamed=stream)
         except BaseException:  # Ctrl-C held to the end of queueing: nobody will collect these
             self._release_after_error([r.rid for r in requests])
             raise
@@ -279,7 +284,7 @@ class Engine:
         rid: Optional[Union[str, List[str]]] = None,
     ) -> Any:
         """generate() for asyncio code (SGLang's async_generate): `await` it for the result, or
-        with stream=True for an async iterator of the same delta dicts.
+        with stream=True for an async iterator of the same chunks.
 
         The work (tokenizing, each scheduler step) runs in the event loop's default executor,
         so the loop stays free, and concurrent calls share the steps: each step advances every
@@ -345,7 +350,9 @@ class Engine:
         return state
 
     def _stream(self, rids: List[str], single: bool) -> Iterator[Dict[str, Any]]:
-        """Incremental dicts (text, output_ids and logprob deltas) as the scheduler produces them.
+        """Chunks as the scheduler produces them: SGLang's, each with the text, output_ids and logprob
+        lists so far (one chunk for all the messages since the last read, as SGLang's latest
+        `out_list` entry), or with --incremental-streaming-output what each message adds.
 
         A caller that stops early (break, close(), dropping the iterator, even before its first
         chunk) aborts the requests still running and steps until the scheduler has let them go,
@@ -375,8 +382,11 @@ class Engine:
         ready: List[Dict[str, Any]] = []
         for index, rid in enumerate(rids):
             state = self._state_of(rid)
-            ready += [chunk if single else {**chunk, "index": index} for chunk in state.pending]
-            state.pending.clear()
+            if self.server_args.incremental_streaming_output:
+                chunks, state.pending = state.pending, []
+            else:  # everything so far, once however many messages came since: SGLang's latest out_list entry
+                chunks, state.updated = ([self._full_output(state)] if state.updated else []), False
+            ready += [chunk if single else {**chunk, "index": index} for chunk in chunks]
         return ready, all(self.rid_to_state[r].finished for r in rids)
 
     def _release_dropped_stream(self, rids: List[str]) -> None:
@@ -525,21 +535,26 @@ class Engine:
             # request, streamed or not (SGLang 0.5.23 takes prefill_finished for non-streaming ones)
             ttft_ms = state.meta_info.get("ttft_ms")
             state.meta_info["ttft"] = ttft_ms / 1e3 if ttft_ms is not None else None
-            # a streamed chunk carries this message's logprobs only (deltas, as the server's do)
-            delta_meta = {**state.meta_info, **logprobs}
-            chunk = {"text": out.output_strs[i], "output_ids": list(out.output_ids[i]), "meta_info": delta_meta}
-            state.pending.append(chunk)
+            if not state.streamed:
+                continue
+            if self.server_args.incremental_streaming_output:  # this message's text, ids and logprobs only
+                delta_meta = {**state.meta_info, **logprobs}
+                state.pending.append({"text": out.output_strs[i], "output_ids": list(out.output_ids[i]), "meta_info": delta_meta})
+            else:
+                state.updated = True
 
     def _pop_result(self, rid: str) -> Dict[str, Any]:
         """The whole answer: all text, ids and logprobs of every message (TokenizerManager._full_output)."""
         state = self._state_of(rid)
         del self.rid_to_state[rid]
         self._forget_sample(rid)
-        meta = {
-            **state.meta_info,
-            **{key: list(entries) for key, entries in state.logprobs.items()},
-        }
-        return {"text": state.text, "output_ids": state.output_ids, "meta_info": meta}
+        return self._full_output(state)
+
+    @staticmethod
+    def _full_output(state: _ReqState) -> Dict[str, Any]:
+        """Everything a request has produced so far: text, ids and every logprob list (copies)."""
+        meta = {**state.meta_info, **{key: list(entries) for key, entries in state.logprobs.items()}}
+        return {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
 
     @_locked
     def get_result(self, rid: str) -> Dict[str, Any]:

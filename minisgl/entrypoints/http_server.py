@@ -263,8 +263,9 @@ def _add_ops_routes(app: FastAPI, tm: TokenizerManager, is_healthy: Callable[[],
 async def _native_generate(tm: TokenizerManager, request: GenerateRequest, raw_request: Request) -> Response:
     """SGLang's /generate: {"text", "output_ids", "meta_info"} (a list for batches).
 
-    A stream's chunks are cumulative, as SGLang's (without --incremental-streaming-output):
-    each carries all text, ids and logprobs so far, and the last equals the non-stream answer.
+    A stream's chunks are cumulative, as SGLang's: each carries all text, ids and logprobs so
+    far, and the last equals the non-stream answer; with --incremental-streaming-output, what
+    each adds (the TokenizerManager's own dicts).
     """
     obj = GenerateReqInput(
         text=request.text,
@@ -289,12 +290,17 @@ async def _native_generate(tm: TokenizerManager, request: GenerateRequest, raw_r
     except ValueError as e:
         return create_error_response(str(e))
 
+    incremental = tm.server_args.incremental_streaming_output
+
     async def events() -> AsyncIterator[str]:
         texts: Dict[int, str] = {}
         ids: Dict[int, List[int]] = {}
         logprobs: Dict[int, Dict[str, List[Any]]] = {}
         try:
             async for out in prepend(first, gen):
+                if incremental:
+                    yield sse_data(out)
+                    continue
                 index = out.get("index", 0)
                 texts[index] = texts.get(index, "") + out["text"]
                 ids.setdefault(index, []).extend(out["output_ids"])
