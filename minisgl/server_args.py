@@ -28,7 +28,7 @@ _DEFAULT_CPU_KV_CACHE_GB = 1.0
 # neither, so it refuses them (log_level it applies to its loggers).
 SERVER_ONLY_FIELDS = (
     "host", "port", "api_key", "visualize", "enable_dynamic_batch_tokenizer", "soft_watchdog_timeout",
-    "watchdog_timeout", "log_requests",
+    "watchdog_timeout", "log_requests", "served_model_name",
 )  # fmt: skip
 
 # The built-in model ships inside the package (DESIGN.md, "The built-in model").
@@ -74,7 +74,7 @@ class ServerArgs:
         )
     )
     tp_size: int = field(default=1, metadata=_opt("Tensor-parallel size (minisgl runs one rank).", "--tp"))
-    random_seed: int = field(default=0, metadata=_opt("Seed of the global sampling RNG.", "--seed"))
+    random_seed: int = field(default=0, metadata=_opt("Seed of unseeded sampling (the ModelRunner's own generator) and of the random schedule policy.", "--seed"))
 
     # --- memory ---
     page_size: int = field(default=1, metadata=_opt("Tokens per KV page."))

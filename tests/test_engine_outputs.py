@@ -601,3 +601,145 @@ def test_a_new_engine_neither_restarts_another_engines_draws_nor_reseeds_the_use
         assert b != a  # the first Engine's draws went on too
     finally:
         first.shutdown()
+
+
+def test_a_cancel_that_lands_while_async_generate_submits_still_releases_what_it_queued(engine):
+    """The submit runs in the executor, here waiting for the lock behind another thread: a
+    cancel ended the await, the submit queued its requests anyway, and nobody released them."""
+    import threading
+
+    async def run() -> None:
+        holder_has_it, let_go = threading.Event(), threading.Event()
+
+        def hold_the_lock() -> None:
+            with engine._lock:
+                holder_has_it.set()
+                let_go.wait(30)
+
+        threading.Thread(target=hold_the_lock).start()
+        holder_has_it.wait(30)
+        task = asyncio.ensure_future(engine.async_generate(input_ids=PROMPT, sampling_params=LONG, rid="mine"))
+        await asyncio.sleep(0.2)  # the submit waits for the lock in the executor
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        let_go.set()
+        for _ in range(300):  # the release runs in the executor once the submit is done
+            await asyncio.sleep(0.05)
+            if not engine.rid_to_state and engine.scheduler.is_idle():
+                break
+
+    asyncio.run(run())
+    engine.step()
+    _assert_idle_and_nothing_leaked(engine)
+    assert engine.generate(input_ids=PROMPT, sampling_params={**LONG, "max_new_tokens": 2}, rid="mine")["meta_info"]["id"] == "mine"
+
+
+@pytest.mark.parametrize("how", ["aclose", "dropped"])
+def test_an_async_stream_closed_or_dropped_before_its_first_chunk_releases_its_requests(engine, how):
+    import gc
+
+    async def run() -> None:
+        chunks = await engine.async_generate(input_ids=[PROMPT, [9, 10]], sampling_params=LONG, stream=True)
+        assert len(engine.rid_to_state) == 2
+        if how == "aclose":
+            await chunks.aclose()
+        else:
+            del chunks
+            gc.collect()
+            await asyncio.sleep(0.1)  # asyncio closes a dropped async generator on the loop
+
+    asyncio.run(run())
+    _assert_idle_and_nothing_leaked(engine)
+
+
+def test_a_dropped_n_stream_frees_its_rid_for_the_next_call(engine, monkeypatch):
+    import gc
+
+    class Holder:  # a stream in a reference cycle
+        def __init__(self) -> None:
+            self.me = self
+            self.stream = engine.generate(input_ids=[9, 10, 11], sampling_params={**LONG, "n": 2}, stream=True, rid="job")
+            next(self.stream)
+
+    box = [Holder()]
+    forward, calls = engine.scheduler.run_batch, []
+
+    def forward_with_a_collection(batch):
+        calls.append(1)
+        if len(calls) == 2:
+            box.clear()
+            gc.collect()
+        return forward(batch)
+
+    monkeypatch.setattr(engine.scheduler, "run_batch", forward_with_a_collection)
+    engine.generate(input_ids=PROMPT, sampling_params={**LONG, "max_new_tokens": 5})
+    monkeypatch.undo()
+    engine.step()
+    _assert_idle_and_nothing_leaked(engine)
+    assert engine._samples_of == {}
+    again = engine.generate(input_ids=PROMPT, sampling_params={**LONG, "n": 2, "max_new_tokens": 2}, rid="job")
+    assert [o["meta_info"]["id"] for o in again] == ["job-0", "job-1"]
+
+
+def test_ctrl_c_while_add_request_queues_leaves_nothing_behind(engine, monkeypatch):
+    import os
+    import signal
+
+    queue = engine.scheduler.process_input_requests
+
+    def hit_by_ctrl_c(requests):
+        os.kill(os.getpid(), signal.SIGINT)
+        return queue(requests)
+
+    monkeypatch.setattr(engine.scheduler, "process_input_requests", hit_by_ctrl_c)
+    interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            engine.add_request(input_ids=PROMPT, sampling_params=LONG, rid="lost")
+    finally:
+        signal.signal(signal.SIGINT, interrupt)
+    monkeypatch.undo()
+    _assert_idle_and_nothing_leaked(engine)
+
+
+def test_the_rid_of_a_running_n_request_is_in_flight_and_abort_of_it_ends_every_sample(engine):
+    """add_request took the rid of an n > 1 request whose samples ran, and abort(rid) then ended
+    the samples but not the request that had their parent's name."""
+    stream = engine.generate(input_ids=[9, 10], sampling_params={**LONG, "n": 2}, stream=True, rid="job")
+    with pytest.raises(ValueError, match="rid 'job' is already in flight"):
+        engine.add_request(input_ids=PROMPT, sampling_params=LONG, rid="job")
+    engine.abort("job")
+    finishes = {}
+    for chunk in stream:
+        finishes[chunk["index"]] = chunk["meta_info"]["finish_reason"]
+    assert [finishes[j]["type"] for j in (0, 1)] == ["abort", "abort"]
+    _assert_idle_and_nothing_leaked(engine)
+
+
+def test_a_signal_asyncio_watches_is_delivered_once_when_it_lands_in_a_step(engine, monkeypatch):
+    """loop.add_signal_handler reads the signal from its wakeup fd, written when it arrived;
+    raising it again after the step ran the callback twice."""
+    import os
+    import signal
+
+    forward, calls, seen = engine.scheduler.run_batch, [], []
+
+    def forward_hit_by_the_signal(batch):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return forward(batch)
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGUSR1, lambda: seen.append(1))
+        try:
+            engine.generate(input_ids=PROMPT, sampling_params={**LONG, "max_new_tokens": 5})  # (in the loop's thread)
+            await asyncio.sleep(0.2)
+        finally:
+            loop.remove_signal_handler(signal.SIGUSR1)
+
+    monkeypatch.setattr(engine.scheduler, "run_batch", forward_hit_by_the_signal)
+    asyncio.run(run())
+    assert seen == [1]

@@ -162,7 +162,11 @@ class Engine:
         )  # fmt: skip
         obj.normalize_batch_and_arguments()
         tokenized = self._tokenize(obj)
-        self._enqueue([tokenized])
+        try:
+            self._enqueue([tokenized])
+        except BaseException:  # Ctrl-C held to the end of queueing: the caller never got the rid
+            self._release_after_error([tokenized.rid])
+            raise
         return tokenized.rid
 
     def _tokenize(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
@@ -172,6 +176,8 @@ class Engine:
                 raise ValueError(
                     f"rid {obj.rid!r} finished, but its result was not collected: engine.get_result({obj.rid!r}) frees the rid"
                 )
+            raise ValueError(f"rid {obj.rid!r} is already in flight")
+        if obj.rid in self._samples_of:  # the rid of an n > 1 request whose samples run
             raise ValueError(f"rid {obj.rid!r} is already in flight")
         tokenized = tokenize_one_request(self.tokenizer, obj, self.vocab_size)
         validate_context_length(
@@ -297,9 +303,18 @@ class Engine:
             top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, token_ids_logprob=token_ids_logprob,
             rid=rid,
         )  # fmt: skip
-        rids, single = await loop.run_in_executor(None, submit)
+        submitted = loop.run_in_executor(None, submit)
+        try:
+            # shielded: a cancel here cannot stop the submit, which runs on in its thread; the
+            # future then still tells what it queued, for the release below
+            rids, single = await asyncio.shield(submitted)
+        except asyncio.CancelledError:
+            submitted.add_done_callback(self._release_queued_by)
+            raise
         if stream:
-            return self._async_stream(rids, single)
+            chunks = self._async_stream(rids, single)
+            await chunks.__anext__()  # into its try: from here even an iterator dropped unread releases its requests
+            return chunks
         try:
             while not await loop.run_in_executor(None, self._step_unless_finished, rids):
                 pass
@@ -309,10 +324,17 @@ class Engine:
         results = await loop.run_in_executor(None, self._pop_results, rids)
         return results[0] if single else results
 
+    def _release_queued_by(self, submitted: "asyncio.Future[Any]") -> None:
+        """A submit whose caller was cancelled while it ran: release what it queued (in the executor)."""
+        if not submitted.cancelled() and submitted.exception() is None:
+            rids, _ = submitted.result()
+            asyncio.get_running_loop().run_in_executor(None, self._release_after_error, rids)
+
     async def _async_stream(self, rids: List[str], single: bool) -> AsyncIterator[Dict[str, Any]]:
         """_stream's twin for async_generate: the same chunks; the steps run in the executor."""
         loop = asyncio.get_running_loop()
         try:
+            yield {}  # consumed by async_generate()
             while True:
                 ready, finished = await loop.run_in_executor(None, self._take_chunks, rids, single)
                 for chunk in ready:
@@ -458,6 +480,7 @@ class Engine:
                 dropped, self._dropped = self._dropped, []
                 for rid in dropped:
                     state = self.rid_to_state.pop(rid, None)  # (their later outputs are ignored)
+                    self._forget_sample(rid)
                     if state is not None and not state.finished:
                         self.scheduler.abort_request(AbortReq(rid=rid))  # a running one: at this step's forward
             self._guarded(self._run_one_step)
@@ -573,7 +596,7 @@ class Engine:
 
         The rid given to an n > 1 generate() aborts all its samples (`<rid>-<j>`), as on the server."""
         self._check_open()
-        for one in list(self._samples_of.get(rid, [rid])):
+        for one in self._samples_of.get(rid, [rid]):
             self.scheduler.abort_request(AbortReq(rid=one))
         self._drain_outputs()
 
@@ -650,7 +673,9 @@ def _signals_held_until_the_end() -> Iterator[None]:
     held = {}
     for sig in _CATCHABLE_SIGNALS:
         handler = signal.getsignal(sig)
-        if callable(handler):
+        if callable(handler) and getattr(handler, "__name__", "") != "_sighandler_noop":
+            # (asyncio's add_signal_handler installs that no-op and reads the signal from its wakeup
+            # fd, written already when it arrived: raising it again would run the callback twice)
             held[sig] = handler
         elif handler is None and sig == signal.SIGINT:  # set outside Python: cannot be put back, Python's own instead
             held[sig] = signal.default_int_handler
