@@ -743,3 +743,11 @@ def test_a_signal_asyncio_watches_is_delivered_once_when_it_lands_in_a_step(engi
     monkeypatch.setattr(engine.scheduler, "run_batch", forward_hit_by_the_signal)
     asyncio.run(run())
     assert seen == [1]
+
+
+def test_sglangs_none_defaults_of_the_logprob_fields_are_the_defaults(engine):
+    """SGLang's Engine.generate defaults logprob_start_len and top_logprobs_num to None; code that
+    forwards them got a ValueError."""
+    out = engine.generate(input_ids=PROMPT, sampling_params={**LONG, "max_new_tokens": 2}, return_logprob=True,
+                          logprob_start_len=None, top_logprobs_num=None)  # fmt: skip
+    assert len(out["meta_info"]["output_token_logprobs"]) == 2 and out["meta_info"]["input_token_logprobs"] == []

@@ -198,6 +198,21 @@ def test_unsupported_field_names_the_param(client: TestClient) -> None:
     assert r.status_code == 400 and "'lora_path': it is not supported by minisgl" in r.json()["error"]["message"]
 
 
+def test_generate_takes_the_nulls_sglangs_own_clients_send(tiny_model: str, tmp_path: Any) -> None:
+    """sglang.bench_serving sends "lora_path": null and SGLang's nullable logprob fields as null;
+    its frontend sends "regex": null in sampling_params: all ask for the default."""
+    client, seen = _scripted_client(tiny_model, tmp_path, [_out("r", "ok", 1, {"type": "length", "length": 1})])
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 1, "regex": None, "json_schema": None, "sampling_seed": 7},
+            "stream": False, "lora_path": None, "return_logprob": None, "logprob_start_len": None, "top_logprobs_num": None}  # fmt: skip
+    with client:
+        r = client.post("/generate", json=body)
+        assert r.status_code == 200, r.text
+        obj = seen[0]
+        assert (obj.return_logprob, obj.logprob_start_len, obj.top_logprobs_num) == (False, -1, 0)
+        r = client.post("/generate", json={"text": "hi", "lora_path": "adapter"})  # a real value stays a 400
+        assert r.status_code == 400 and "'lora_path': it is not supported by minisgl" in r.text
+
+
 @pytest.mark.parametrize(
     "body, needle",
     [

@@ -93,6 +93,10 @@ class GenerateReqInput:
 
     def normalize_batch_and_arguments(self) -> None:
         """Decide single vs batch and broadcast per-request arguments to lists for a batch."""
+        # None is SGLang's default for these (its Engine.generate passes it on): the default here
+        for name, default in (("return_logprob", False), ("logprob_start_len", -1), ("top_logprobs_num", 0)):
+            if getattr(self, name) is None:
+                setattr(self, name, default)
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("Exactly one of `text` and `input_ids` must be given")
         if self.text is not None:

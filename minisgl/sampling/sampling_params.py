@@ -28,6 +28,9 @@ FLOAT32_MAX = 3.4028234663852886e38
 MAX_N = 128  # samples per prompt: each is a whole request, and one client must not fill the server
 MAX_TOP_LOGPROBS_NUM = 20  # OpenAI's bound on top_logprobs; the server holds /generate to it too
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value, [-100, 100]: -100 bans a token, 100 forces it
+# SGLang's sampling keys for what minisgl does not build (structured output, custom processors):
+# null, their default, is accepted as leaving them out; any other value is refused by name
+UNSUPPORTED_SAMPLING_KEYS = frozenset({"regex", "json_schema", "ebnf", "structural_tag", "stop_regex", "custom_params"})
 # the knobs a model's generation_config.json may set (SGLang's get_default_sampling_params)
 GENERATION_CONFIG_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -75,7 +78,16 @@ class SamplingParams:
         """
         if d is not None and not isinstance(d, dict):
             raise ValueError(f"sampling_params must be an object (a dict), got {type(d).__name__}")
-        d = dict(d or {})
+        d = {k: v for k, v in (d or {}).items() if not (v is None and k in UNSUPPORTED_SAMPLING_KEYS)}
+        if "sampling_seed" in d:  # SGLang's native name for the seed (its OpenAI layer maps seed to it)
+            seed = d.pop("sampling_seed")
+            if d.get("seed") is not None and seed is not None and d["seed"] != seed:
+                raise ValueError(f"sampling_seed ({seed!r}) and seed ({d['seed']!r}) name the same seed: give one")
+            if seed is not None:
+                d["seed"] = seed
+        unsupported = sorted(set(d) & UNSUPPORTED_SAMPLING_KEYS)
+        if unsupported:
+            raise ValueError(f"Sampling parameter(s) {unsupported} are not supported by minisgl (no structured output or custom processors)")
         unknown = sorted(set(d) - set(cls.KEYS))
         if unknown:
             raise ValueError(f"Unknown sampling parameter(s) {unknown}; supported: {list(cls.KEYS)}")

@@ -29,8 +29,22 @@ UNSUPPORTED_FIELDS = frozenset(
         "parallel_tool_calls", "audio", "modalities", "prediction", "reasoning_effort", "store",
         "metadata", "service_tier", "web_search_options", "suffix", "best_of", "user",
         "priority", "lora_path", "image_data", "return_hidden_states", "custom_logit_processor",
+        # SGLang's own, on /generate or the OpenAI routes
+        "audio_data", "video_data", "input_embeds", "session_params", "separate_reasoning", "bootstrap_host",
+        "bootstrap_port", "bootstrap_room", "data_parallel_rank", "extra_key", "cache_salt", "continuous_usage_stats",
     }
 )  # fmt: skip
+
+# /generate fields SGLang types as nullable: null is their default there
+GENERATE_NULL_MEANS_DEFAULT = frozenset({"return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "stream"})
+
+
+def _drop_nulls(data: Any, null_means_default: FrozenSet[str]) -> Any:
+    """A body without the fields whose null asks for their default, or for an unsupported feature
+    not to be used: the same as leaving them out (clients that fill in every field send them)."""
+    if not isinstance(data, dict):
+        return data
+    return {k: v for k, v in data.items() if not (v is None and (k in null_means_default or k in UNSUPPORTED_FIELDS))}
 
 
 # --------------------------------------------------------------------------- common
@@ -96,12 +110,9 @@ class _SamplingFields(BaseModel):
         # An unsupported field set to null, or response_format asking for plain text, asks for
         # nothing minisgl does not do (clients that fill every field send them): the same as
         # leaving it out, where any other value of it is a 400.
-        if isinstance(data, dict):
-            return {
-                k: v for k, v in data.items()
-                if not (v is None and (k in cls.null_means_default or k in UNSUPPORTED_FIELDS))
-                and not (k == "response_format" and v == {"type": "text"})
-            }  # fmt: skip
+        data = _drop_nulls(data, cls.null_means_default)
+        if isinstance(data, dict) and data.get("response_format") == {"type": "text"}:
+            data = {k: v for k, v in data.items() if k != "response_format"}
         return data
 
     model: str
@@ -331,6 +342,12 @@ class GenerateRequest(BaseModel):
     (one dict for all, or a batch's list of one per prompt; the logprob fields likewise)."""
 
     model_config = _STRICT
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls_that_mean_default(cls, data: Any) -> Any:
+        return _drop_nulls(data, GENERATE_NULL_MEANS_DEFAULT)  # (sglang.bench_serving sends "lora_path": null)
+
     text: Optional[Union[str, List[str]]] = None
     input_ids: Optional[Union[List[int], List[List[int]]]] = None
     sampling_params: Optional[Union[Dict[str, Any], List[Dict[str, Any]]]] = None
