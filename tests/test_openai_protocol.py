@@ -309,6 +309,37 @@ def test_api_key_guards_every_route_but_health(tiny_model: str, tmp_path: Any) -
     tm.close()
 
 
+def test_metrics_and_cors_preflights_pass_the_api_key_as_sglangs_do(tiny_model: str, tmp_path: Any) -> None:
+    """A Prometheus scrape config and a browser preflight carry no key (SGLang exempts /metrics
+    and OPTIONS, and answers CORS for any origin)."""
+    tm = _make_tm(tiny_model, tmp_path, api_key="sekret")
+    load = GetLoadReqOutput(0, 0, 0, 100, 0, 0, 100, 0.0, 0.0, 0.7)
+
+    async def get_load() -> Any:
+        return load
+
+    tm.get_load = get_load  # type: ignore[method-assign]
+    app = create_app(tm.server_args, tm, is_healthy=lambda: True)
+    with TestClient(app) as c:
+        assert c.get("/metrics").status_code == 200
+        preflight = {"Origin": "http://elsewhere.example", "Access-Control-Request-Method": "POST",
+                     "Access-Control-Request-Headers": "authorization,content-type"}  # fmt: skip
+        r = c.options("/v1/chat/completions", headers=preflight)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] in ("*", "http://elsewhere.example")
+        r = c.get("/v1/models", headers={"Origin": "http://elsewhere.example", "Authorization": "Bearer sekret"})
+        assert r.status_code == 200 and "access-control-allow-origin" in r.headers
+        assert c.get("/v1/models", headers={"Origin": "http://elsewhere.example"}).status_code == 401  # still guarded
+        # SGLang's info routes and methods (its frontend GETs /flush_cache, reads /get_model_info at connect)
+        auth = {"Authorization": "Bearer sekret"}
+        info = c.get("/get_model_info", headers=auth).json()
+        assert info["model_path"] == tiny_model and info["is_generation"] is True
+        server = c.get("/get_server_info", headers=auth).json()
+        assert server["max_total_num_tokens"] == 100 and server["api_key"] is None and server["context_len"] == tm.context_len
+        assert c.get("/server_info", headers=auth).status_code == 200
+        assert c.put("/generate", headers=auth, json={"text": "hi", "sampling_params": {"max_new_tokens": 1.5}}).status_code == 400
+    tm.close()
+
+
 def test_a_non_ascii_api_key_works(tiny_model: str, tmp_path: Any) -> None:
     tm = _make_tm(tiny_model, tmp_path, api_key="cl\u00e9")
     with TestClient(create_app(tm.server_args, tm, is_healthy=lambda: True)) as c:

@@ -31,6 +31,7 @@ from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Tuple
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -56,6 +57,18 @@ from minisgl.server_args import PortArgs, ServerArgs, resolve_server_args
 from minisgl.utils import configure_logging, get_tokenizer
 
 logger = logging.getLogger("minisgl.http_server")
+
+
+def _installed_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("minisgl")
+    except PackageNotFoundError:  # (run from a checkout without installing)
+        return "unknown"
+
+
+MINISGL_VERSION = _installed_version()
 
 READY_TIMEOUT_S = 600.0  # loading a real model on CPU can take minutes
 GRACEFUL_SHUTDOWN_S = 2  # uvicorn cancels the handlers still running after this
@@ -107,6 +120,9 @@ def create_app(
     _add_error_handlers(app)
     if server_args.api_key:
         _add_api_key_check(app, server_args.api_key)
+    # SGLang's CORS: a browser page on another origin may call the server (the key still guards it).
+    # Added last, so it is the outermost middleware and answers a preflight before the key check.
+    app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_credentials=True, allow_methods=["*"], allow_headers=["*"])
     _add_generate_routes(app, tokenizer_manager)
     _add_ops_routes(app, tokenizer_manager, is_healthy)
     if server_args.visualize:
@@ -156,12 +172,14 @@ def _add_api_key_check(app: FastAPI, api_key: str) -> None:
     def _public(path: str) -> bool:
         # The page's JS and CSS are the same for everyone (nothing secret in them), and a
         # <script src> / <link href> cannot carry the key: without this the page is dead.
-        # The health routes are for load balancers and probes, which carry no key (SGLang's rule).
-        return path in ("/health", "/health_generate") or path.startswith("/visualizer/static/")
+        # The health routes and /metrics are for load balancers, probes and scrapers, which carry
+        # no key (SGLang's rule).
+        return path in ("/health", "/health_generate", "/metrics") or path.startswith("/visualizer/static/")
 
     @app.middleware("http")
     async def _check_api_key(request: Request, call_next: Any) -> Response:
-        if not _public(request.url.path) and not _authorized(request):
+        # (a CORS preflight carries no key either: SGLang lets OPTIONS through)
+        if request.method != "OPTIONS" and not _public(request.url.path) and not _authorized(request):
             return create_error_response("Invalid or missing API key", 401, err_type="AuthenticationError")
         return await call_next(request)
 
@@ -191,7 +209,7 @@ def _add_generate_routes(app: FastAPI, tm: TokenizerManager) -> None:
             return unknown
         return JSONResponse(ModelCard(id=tm.model_name, max_model_len=tm.context_len).model_dump())
 
-    @app.post("/generate")
+    @app.api_route("/generate", methods=["POST", "PUT"])  # (SGLang's methods)
     async def generate(request: GenerateRequest, raw_request: Request) -> Response:
         return await _native_generate(tm, request, raw_request)
 
@@ -235,13 +253,31 @@ def _add_ops_routes(app: FastAPI, tm: TokenizerManager, is_healthy: Callable[[],
     async def get_load() -> Response:
         return JSONResponse(dataclasses.asdict(await tm.get_load()))
 
-    @app.post("/flush_cache")
+    @app.get("/get_model_info")
+    @app.get("/model_info")
+    async def get_model_info() -> Response:
+        """SGLang's: what is served (its frontend's RuntimeEndpoint reads model_path at connect)."""
+        args = tm.server_args
+        return JSONResponse({"model_path": args.model_path, "tokenizer_path": args.tokenizer_path, "is_generation": True,
+                             "preferred_sampling_params": None, "weight_version": "default"})  # fmt: skip
+
+    @app.get("/get_server_info")
+    @app.get("/server_info")
+    async def get_server_info() -> Response:
+        """SGLang's: the server's arguments (the API key left out) and the scheduler's limits."""
+        load = await tm.get_load()
+        info = {**dataclasses.asdict(tm.server_args), "api_key": None}
+        info.update(max_total_num_tokens=load.max_total_num_tokens, context_len=tm.context_len,
+                    max_req_input_len=tm.max_req_input_len, version=MINISGL_VERSION)  # fmt: skip
+        return JSONResponse(info)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])  # (SGLang's; its frontend's flush_cache() GETs)
     async def flush_cache() -> Response:
         out = await tm.flush_cache()
         status = 200 if out.success else 400
         return Response(out.message or ("Cache flushed." if out.success else "Cache not flushed."), status_code=status)
 
-    @app.post("/freeze_gc")
+    @app.api_route("/freeze_gc", methods=["GET", "POST"])
     async def freeze_gc() -> Response:
         tm.freeze_gc()  # the scheduler and the detokenizer follow through their sockets
         return JSONResponse({"message": "Garbage collection frozen in the HTTP process; the scheduler and detokenizer follow."})
