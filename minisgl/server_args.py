@@ -117,7 +117,7 @@ class ServerArgs:
     # --- server ---
     host: str = field(default="127.0.0.1", metadata=_opt("HTTP host."))
     port: int = field(default=30000, metadata=_opt("HTTP port (0 picks a free one)."))
-    api_key: Optional[str] = field(default=None, metadata=_opt("Require `Authorization: Bearer KEY` on every route but /health, /health_generate and the visualizer's static files."))
+    api_key: Optional[str] = field(default=None, metadata=_opt("Require `Authorization: Bearer KEY` on every route but /health, /health_generate, /metrics and the visualizer's static files."))
     visualize: bool = field(default=False, metadata=_opt("Serve the live scheduler visualizer at /visualizer."))
     enable_dynamic_batch_tokenizer: bool = field(default=False, metadata=_opt("Tokenize concurrent single texts in one batched call."))
     soft_watchdog_timeout: Optional[float] = field(default=None, metadata=_opt("Log when one loop iteration takes longer (seconds)."))

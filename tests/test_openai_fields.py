@@ -291,3 +291,26 @@ def test_a_generate_stream_is_cumulative_unless_incremental_streaming_output(tin
         assert [(c["text"], c["output_ids"]) for c in chunks] == [("ab", [5]), ("cd", [6])]
     else:
         assert [(c["text"], c["output_ids"]) for c in chunks] == [("ab", [5]), ("abcd", [5, 6])]
+
+
+def test_chat_template_kwargs_reach_the_template_and_unused_ones_are_refused(tiny_model: str, tmp_path: Any) -> None:
+    """SGLang's chat_template_kwargs (Qwen3's {"enable_thinking": false}) are template variables;
+    one the template never reads would be dropped without a word, so it is a 400."""
+    import copy
+
+    from minisgl.utils import get_tokenizer
+
+    tokenizer = copy.deepcopy(get_tokenizer(tiny_model))
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% if enable_thinking is defined and not enable_thinking %} <no-think>{% endif %}{% endif %}"
+    )
+    client, seen = _scripted_client(tiny_model, tmp_path, [_out("r", "ok", 1, LENGTH)], tokenizer=tokenizer)
+    with client:
+        assert _post(client, "chat", chat_template_kwargs={"enable_thinking": False}).status_code == 200
+        assert _post(client, "chat").status_code == 200
+        unused = _post(client, "chat", chat_template_kwargs={"reasoning": "high"})
+        reserved = _post(client, "chat", chat_template_kwargs={"tokenize": True})
+    assert seen[0].text.endswith("assistant: <no-think>") and seen[1].text.endswith("assistant:")
+    assert unused.status_code == 400 and "['reasoning'] are not used by this model's chat template" in unused.text
+    assert reserved.status_code == 400 and "arguments of apply_chat_template itself" in reserved.text

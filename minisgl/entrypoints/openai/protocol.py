@@ -195,6 +195,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS_NUM)
     continue_final_message: bool = False
+    # SGLang's: extra variables for the chat template (Qwen3's {"enable_thinking": false})
+    chat_template_kwargs: Optional[Dict[str, Any]] = None
 
     def to_sampling_params(self, defaults: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
         """`defaults`: the model's generation_config sampling keys (ModelConfig.default_sampling_params)."""

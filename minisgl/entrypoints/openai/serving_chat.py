@@ -10,8 +10,9 @@ finish chunk per choice, an optional usage chunk, then `data: [DONE]`.
 
 from __future__ import annotations
 
+import functools
 import time
-from typing import Any, AsyncIterator, Dict, List, Optional
+from typing import Any, AsyncIterator, Dict, FrozenSet, List, Optional
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -38,6 +39,33 @@ from minisgl.entrypoints.openai.serving_base import (
     response_id,
     sse_data,
 )
+
+# apply_chat_template's own parameters: chat_template_kwargs may not pass them (they are not template variables)
+_APPLY_CHAT_TEMPLATE_ARGS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "messages",
+})  # fmt: skip
+
+
+def template_variables(template: Any) -> Optional[FrozenSet[str]]:
+    """The variables a Jinja chat template reads from its context (the names chat_template_kwargs
+    may set), or None when this Jinja cannot parse it (an extension transformers adds)."""
+    if isinstance(template, dict):  # named templates: the default one renders chat
+        template = template.get("default")
+    return _variables_read_by(template) if isinstance(template, str) else None
+
+
+@functools.lru_cache(maxsize=8)
+def _variables_read_by(source: str) -> Optional[FrozenSet[str]]:
+    import jinja2
+    from jinja2 import meta
+
+    try:  # (transformers renders with loopcontrols: {% break %}, {% continue %})
+        parsed = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(source)
+    except jinja2.TemplateSyntaxError:
+        return None
+    return frozenset(meta.find_undeclared_variables(parsed))
 from minisgl.managers.io_struct import GenerateReqInput
 
 
@@ -73,13 +101,28 @@ class OpenAIServingChat(OpenAIServingBase):
                 raise ValueError("messages[].name is not used by this model's chat template; remove it or put it in the content.")
         return prompt
 
+    def _template_kwargs(self, request: ChatCompletionRequest) -> Dict[str, Any]:
+        """chat_template_kwargs, each checked to be a variable the template reads (one it never
+        reads would be dropped without a word, as an unused `name` would)."""
+        kwargs = dict(request.chat_template_kwargs or {})
+        reserved = sorted(set(kwargs) & _APPLY_CHAT_TEMPLATE_ARGS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs {reserved} are arguments of apply_chat_template itself, not template variables")
+        read = template_variables(self.tokenizer.chat_template)
+        unused = sorted(set(kwargs) - read) if read is not None else []  # (unparsed here: passed on, as SGLang does)
+        if unused:
+            raise ValueError(f"chat_template_kwargs {unused} are not used by this model's chat template; remove them")
+        return kwargs
+
     def _render(self, messages: List[Dict[str, str]], request: ChatCompletionRequest) -> str:
+        kwargs = self._template_kwargs(request)
         try:
             return self.tokenizer.apply_chat_template(
                 messages,
                 tokenize=False,
                 add_generation_prompt=not request.continue_final_message,
                 continue_final_message=request.continue_final_message,
+                **kwargs,
             )
         except Exception as e:  # jinja2.TemplateError and friends: the messages do not fit the template
             raise ValueError(f"Cannot apply the chat template to these messages: {e}") from e
