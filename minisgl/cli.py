@@ -16,6 +16,15 @@ from typing import Optional, Sequence
 
 from minisgl.server_args import ServerArgs
 
+# SGLang launch flags that ask for what minisgl always does: accepted, so that a launch line
+# carried over from SGLang runs, and said at start (they change nothing here)
+SGLANG_FLAGS_ALREADY_SO = {
+    "--enable-metrics": "minisgl always serves /metrics",
+    "--enable-cache-report": "usage always reports prompt_tokens_details.cached_tokens",
+    "--disable-overlap-schedule": "minisgl's scheduler never overlaps a step's scheduling with the forward",
+    "--disable-cuda-graph": "minisgl captures no CUDA graphs",
+}
+
 
 def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(prog="minisgl", description="A compact, teachable LLM serving engine.")
@@ -23,6 +32,9 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
 
     serve = sub.add_parser("serve", help="Serve a model over an OpenAI-compatible HTTP API.")
     ServerArgs.add_cli_args(serve)
+    for flag, why in SGLANG_FLAGS_ALREADY_SO.items():
+        serve.add_argument(flag, action="store_true", dest="sglang_" + flag[2:].replace("-", "_"),
+                           help=f"SGLang's flag, accepted as is: {why}.")  # fmt: skip
 
     gen = sub.add_parser("generate", help="Generate one completion in-process and print it.")
     gen.add_argument("--model", "--model-path", dest="model_path", default=None, help="Model directory. Default: the built-in model.")
@@ -45,6 +57,12 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _say_sglang_flags(args: argparse.Namespace) -> None:
+    for flag, why in SGLANG_FLAGS_ALREADY_SO.items():
+        if getattr(args, "sglang_" + flag[2:].replace("-", "_")):
+            print(f"{flag}: nothing to change, {why}", file=sys.stderr, flush=True)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser, commands = _build_parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -56,6 +74,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             server_args = resolve_server_args(ServerArgs.from_cli_args(args))
         except ValueError as e:
             commands["serve"].error(str(e))
+        _say_sglang_flags(args)
         launch_server(server_args)  # exits with the server's status
         return 0
     try:

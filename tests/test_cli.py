@@ -36,6 +36,19 @@ def test_serve_help_lists_sglang_flags() -> None:
         assert flag in proc.stdout
 
 
+def test_sglang_flags_for_what_minisgl_always_does_are_accepted_and_said(capsys: Any) -> None:
+    """A launch line carried over from SGLang failed on "unrecognized arguments"."""
+    from minisgl.cli import _say_sglang_flags
+
+    parser, _ = _build_parser()
+    args = parser.parse_args(["serve", "--enable-metrics", "--disable-cuda-graph", "--page-size", "4"])
+    assert ServerArgs.from_cli_args(args) == ServerArgs(page_size=4)
+    _say_sglang_flags(args)
+    said = capsys.readouterr().err
+    assert "--enable-metrics: nothing to change, minisgl always serves /metrics" in said
+    assert "--disable-cuda-graph: nothing to change" in said and "--enable-cache-report" not in said
+
+
 def test_settings_that_cannot_work_are_one_line_errors_not_tracebacks() -> None:
     """Each of these used to start and then crash the scheduler (ZeroDivisionError, a watchdog
     ValueError after the model loaded) or print a traceback."""
