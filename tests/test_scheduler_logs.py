@@ -52,3 +52,17 @@ def test_retraction_warning(tiny_model: str, caplog: pytest.LogCaptureFixture) -
     for m in lines:  # each line: at least one request retracted, tokens freed, the ratio raised
         assert int(m[1]) >= 1 and int(m[2]) > 0 and float(m[4]) > float(m[3]), m[0]
     assert sum(int(m[1]) for m in lines) == engine.get_load().num_retracted_reqs_total
+
+
+def test_get_load_reports_the_decode_logs_gen_throughput_while_requests_run(tiny_model: str) -> None:
+    """sglang:gen_throughput: the rate of the last decode log line; 0 once nothing runs."""
+    from minisgl import Engine
+
+    with Engine(tiny_model, device="cpu", decode_log_interval=1) as engine:
+        engine.add_request(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}, rid="r")
+        for _ in range(4):  # a prefill, then decode steps that each log
+            engine.step()
+        running = engine.get_load().gen_throughput
+        engine.run_until_idle()
+        engine.get_result("r")
+        assert running > 0 and engine.get_load().gen_throughput == 0.0

@@ -546,7 +546,7 @@ def test_metrics_parse_and_counters_move(server: Server) -> None:
     text = httpx.get(server.url + "/metrics", timeout=10).text
     names = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
     gauges = ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage", "sglang:cache_hit_rate")
-    assert set(gauges) | {"sglang:max_total_num_tokens"} <= names
+    assert set(gauges) | {"sglang:max_total_num_tokens", "sglang:gen_throughput"} <= names
     assert _metric(server, "sglang:max_total_num_tokens") == 8192  # --max-total-tokens of this server
     assert _metric(server, "sglang:num_running_reqs") == _metric(server, "sglang:num_queue_reqs") == 0  # idle
     assert _metric(server, "sglang:token_usage") == _load(server)["token_usage"]

@@ -260,6 +260,7 @@ class GetLoadReqOutput:
     cache_hit_rate: float
     new_token_ratio: float
     num_retracted_reqs_total: int = 0
+    gen_throughput: float = 0.0  # output tokens/s at the last decode log line (0 when idle)
 
 
 @dataclass

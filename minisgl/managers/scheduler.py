@@ -105,6 +105,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         self.last_prefill_log_time = time.perf_counter()
         self.last_decode_log_time = time.perf_counter()
         self.num_generated_tokens = 0
+        self.last_gen_throughput = 0.0  # tokens/s of the last decode log line (sglang:gen_throughput)
         self._outputs: List[Union[BatchTokenIDOutput, FreezeGCReq]] = []  # for the detokenizer
         self.events: List[Dict[str, Any]] = []
         self.finished_records: List[Dict[str, Any]] = []
@@ -303,6 +304,9 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             cache_hit_rate=self.total_hit_tokens / total if total else 0.0,
             new_token_ratio=self.new_token_ratio,
             num_retracted_reqs_total=self.num_retracted_reqs_total,
+            # the last decode log line's rate while requests run (SGLang's gauge); 0 when idle,
+            # where SGLang's keeps the last value
+            gen_throughput=self.last_gen_throughput if self._decoding_reqs() else 0.0,
         )
 
     def pop_outputs(self) -> List[Union[BatchTokenIDOutput, FreezeGCReq]]:

@@ -52,6 +52,7 @@ class SchedulerMetricsMixin:
         now = time.perf_counter()
         gen_throughput = self.num_generated_tokens / max(now - self.last_decode_log_time, 1e-9)
         self.last_decode_log_time, self.num_generated_tokens = now, 0
+        self.last_gen_throughput = gen_throughput
         num_used, usage = self._token_usage()
         self.log_line = (
             f"Decode batch, #running-req: {batch.batch_size()}, #token: {num_used}, token usage: {usage:.2f}, "

@@ -157,6 +157,7 @@ class TokenizerMetricsCollector:
         self.token_usage = Gauge("sglang:token_usage", "Fraction of the KV pool in use.", labels, registry=r)
         self.cache_hit_rate = Gauge("sglang:cache_hit_rate", "Prefix cache hit rate.", labels, registry=r)
         self.max_total_num_tokens = Gauge("sglang:max_total_num_tokens", "KV pool size in tokens.", labels, registry=r)
+        self.gen_throughput = Gauge("sglang:gen_throughput", "Output tokens/s at the last decode log line (0 when idle).", labels, registry=r)
 
     def observe_load(self, load: GetLoadReqOutput) -> None:
         self.num_running_reqs.labels(**self.labels).set(load.num_running_reqs)
@@ -165,6 +166,7 @@ class TokenizerMetricsCollector:
         self.token_usage.labels(**self.labels).set(load.token_usage)
         self.cache_hit_rate.labels(**self.labels).set(load.cache_hit_rate)
         self.max_total_num_tokens.labels(**self.labels).set(load.max_total_num_tokens)
+        self.gen_throughput.labels(**self.labels).set(load.gen_throughput)
 
     def observe_output(self, state: ReqState, completion_tokens: int, now: float, first_token_time: Optional[float] = None) -> None:
         """TTFT once on the first output (at `first_token_time` when the output came later than the
