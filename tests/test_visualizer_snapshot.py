@@ -185,3 +185,5 @@ def test_the_widget_outlines_retract_and_abort_steps_and_shows_request_slots() -
     assert 'data-step="7"' in panels["timeline"] and 'data-events="abort retract"' in panels["timeline"]
     assert 'data-events=""' in panels["timeline"]  # step 6: nothing happened
     assert '<b class="req-slots">2 / 64</b>' in panels["memory"]
+    # a waiting card's prefix is the last match the scheduler made, not the tree now: said so
+    assert "prompt 300 tok · matched 0" in panels["waiting"] and "last matched this request" in panels["waiting"]

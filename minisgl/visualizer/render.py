@@ -66,12 +66,15 @@ def _panel(name: str, title: str, body: str) -> str:
     return f'<section class="panel" id="panel-{name}" data-panel="{name}"><h2>{title}</h2>{body}</section>'
 
 
+_LAST_MATCH = "the prefix the radix tree held when the scheduler last matched this request (at an admission attempt, or lpm's ordering)"
+
+
 def render_waiting(snap: Mapping[str, Any]) -> str:
     cards = [
         f'<div class="req-card" data-rid="{escape(r["rid"])}" data-retracted="{int(r["retracted"])}">'
         f'<div><span class="rid">{escape(r["rid"])}</span>'
         + (f'<span class="badge">retracted ×{r.get("retraction_count", 1)}</span>' if r["retracted"] else "")
-        + f'</div><div>prompt {r["input_len"]} tok · cached {r["prefix_len"]}</div>'
+        + f'</div><div title="{_LAST_MATCH}">prompt {r["input_len"]} tok · matched {r["prefix_len"]}</div>'
         f'<div class="detail">waited {_ms(r["waited_ms"])}</div></div>'
         for r in snap["waiting_queue"]
     ]
