@@ -751,3 +751,35 @@ def test_sglangs_none_defaults_of_the_logprob_fields_are_the_defaults(engine):
     out = engine.generate(input_ids=PROMPT, sampling_params={**LONG, "max_new_tokens": 2}, return_logprob=True,
                           logprob_start_len=None, top_logprobs_num=None)  # fmt: skip
     assert len(out["meta_info"]["output_token_logprobs"]) == 2 and out["meta_info"]["input_token_logprobs"] == []
+
+
+def test_a_cancelled_submit_that_ends_while_asyncio_run_shuts_down_still_releases(engine):
+    """asyncio.run had shut its executor down when the submit ended: scheduling the release there
+    raised, and the request stayed queued, its rid in flight for good."""
+    import threading
+    import time
+
+    holder_has_it, let_go = threading.Event(), threading.Event()
+
+    def hold_the_lock() -> None:
+        with engine._lock:
+            holder_has_it.set()
+            let_go.wait(30)
+
+    holder = threading.Thread(target=hold_the_lock)
+    holder.start()
+    holder_has_it.wait(30)
+    threading.Timer(0.5, let_go.set).start()  # after main() returned: asyncio.run waits for its executor
+
+    async def main() -> None:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(engine.async_generate(input_ids=PROMPT, sampling_params=LONG, rid="late"), 0.1)
+
+    asyncio.run(main())
+    holder.join(30)
+    for _ in range(100):
+        if not engine.rid_to_state:
+            break
+        time.sleep(0.05)
+    engine.step()
+    _assert_idle_and_nothing_leaked(engine)

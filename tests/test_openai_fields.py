@@ -314,3 +314,30 @@ def test_chat_template_kwargs_reach_the_template_and_unused_ones_are_refused(tin
     assert seen[0].text.endswith("assistant: <no-think>") and seen[1].text.endswith("assistant:")
     assert unused.status_code == 400 and "['reasoning'] are not used by this model's chat template" in unused.text
     assert reserved.status_code == 400 and "arguments of apply_chat_template itself" in reserved.text
+
+
+def test_a_chat_template_this_jinja_cannot_compile_is_a_400_and_generation_blocks_are_read(tiny_model: str, tmp_path: Any) -> None:
+    """Looking for the template's variables compiled it outside the render's error handling: an
+    unknown filter was a 500 on every chat request. transformers' {% generation %} block hid a
+    template's variables, so every chat_template_kwargs key passed unchecked."""
+    import copy
+
+    from minisgl.entrypoints.openai.serving_chat import template_variables
+    from minisgl.utils import get_tokenizer
+
+    tokenizer = copy.deepcopy(get_tokenizer(tiny_model))
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] | nosuchfilter }}{% endfor %}"
+    client, _ = _scripted_client(tiny_model, tmp_path, [_out("r", "ok", 1, LENGTH)], tokenizer=tokenizer)
+    with client:
+        r = _post(client, "chat")
+        assert r.status_code == 400 and "Cannot apply the chat template" in r.text
+    marked = "{% for m in messages %}{% generation %}{{ m['content'] }}{{ eos }}{% endgeneration %}{% endfor %}"
+    assert template_variables(marked) == {"messages", "eos"}
+
+
+def test_sglangs_structured_output_fields_on_the_openai_routes_are_null_or_refused_by_name(tiny_model: str, tmp_path: Any) -> None:
+    client, _ = _scripted_client(tiny_model, tmp_path, [_out("r", "ok", 1, LENGTH)])
+    with client:
+        assert _post(client, "chat", regex=None, ebnf=None, json_schema=None).status_code == 200
+        r = _post(client, "completions", regex="a+")
+    assert r.status_code == 400 and "'regex': it is not supported by minisgl" in r.text

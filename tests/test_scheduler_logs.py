@@ -66,3 +66,24 @@ def test_get_load_reports_the_decode_logs_gen_throughput_while_requests_run(tiny
         engine.run_until_idle()
         engine.get_result("r")
         assert running > 0 and engine.get_load().gen_throughput == 0.0
+
+
+def test_gen_throughput_after_an_idle_period_measures_the_new_busy_period(tiny_model: str) -> None:
+    """The rate's window ran from the previous burst's last log line: idle time diluted it
+    (3.9 tok/s for a request decoding at ~250)."""
+    import time
+
+    from minisgl import Engine
+
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with Engine(tiny_model, device="cpu", decode_log_interval=2) as engine:
+        engine.generate(input_ids=[5, 6, 7], sampling_params=params)
+        engine.step()  # idle
+        time.sleep(0.5)
+        engine.add_request(input_ids=[8, 9, 10], sampling_params={**params, "max_new_tokens": 40}, rid="r")
+        assert engine.get_load().gen_throughput == 0.0  # nothing measured in this period yet
+        for _ in range(3):  # a prefill, then two decode steps: the period's first log line
+            engine.step()
+        assert engine.get_load().gen_throughput > 20  # 2 tokens per idle-diluted 0.5 s would be < 4
+        engine.run_until_idle()
+        engine.get_result("r")

@@ -328,7 +328,10 @@ class Engine:
         """A submit whose caller was cancelled while it ran: release what it queued (in the executor)."""
         if not submitted.cancelled() and submitted.exception() is None:
             rids, _ = submitted.result()
-            asyncio.get_running_loop().run_in_executor(None, self._release_after_error, rids)
+            try:
+                asyncio.get_running_loop().run_in_executor(None, self._release_after_error, rids)
+            except RuntimeError:  # asyncio.run is shutting its executor down: release here, then
+                self._release_after_error(rids)
 
     async def _async_stream(self, rids: List[str], single: bool) -> AsyncIterator[Dict[str, Any]]:
         """_stream's twin for async_generate: the same chunks; the steps run in the executor."""

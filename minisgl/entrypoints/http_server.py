@@ -268,7 +268,8 @@ def _add_ops_routes(app: FastAPI, tm: TokenizerManager, is_healthy: Callable[[],
         load = await tm.get_load()
         info = {**dataclasses.asdict(tm.server_args), "api_key": None}
         info.update(max_total_num_tokens=load.max_total_num_tokens, context_len=tm.context_len,
-                    max_req_input_len=tm.max_req_input_len, version=MINISGL_VERSION)  # fmt: skip
+                    max_req_input_len=tm.max_req_input_len, version=MINISGL_VERSION,
+                    internal_states=[{"last_gen_throughput": load.gen_throughput}])  # fmt: skip
         return JSONResponse(info)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])  # (SGLang's; its frontend's flush_cache() GETs)

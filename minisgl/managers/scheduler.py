@@ -333,6 +333,11 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         self._reset_step_record()
         batch = self.get_next_batch_to_run()
         self.cur_batch = batch
+        if batch is not None and self._idle_checked:  # the first step after an idle period
+            # the log lines' rates measure this busy period, not the idle time before it
+            now = time.perf_counter()
+            self.last_decode_log_time = self.last_prefill_log_time = now
+            self.num_generated_tokens, self.last_gen_throughput = 0, 0.0
         if batch is not None:
             result = self.run_batch(batch)
             self.process_batch_result(batch, result)

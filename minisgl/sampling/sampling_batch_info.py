@@ -97,7 +97,7 @@ def _logit_bias_rows(params: Sequence[Any], vocab_size: int, device: str) -> Opt
         return None
     bias = torch.zeros((len(params), vocab_size), dtype=torch.float32, device=device)
     for i, p in enumerate(params):
-        if p.logit_bias:  # keys are decimal token ids (SamplingParams.normalize), checked against the vocabulary
-            ids = torch.tensor([int(k) for k in p.logit_bias], dtype=torch.int64, device=device)
-            bias[i, ids] = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=device)
+        if p.logit_bias:  # (ids checked against the vocabulary; parsed once per request)
+            ids, values = p.logit_bias_tensors(device)
+            bias[i, ids] = values
     return bias

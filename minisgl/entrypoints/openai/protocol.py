@@ -32,6 +32,7 @@ UNSUPPORTED_FIELDS = frozenset(
         # SGLang's own, on /generate or the OpenAI routes
         "audio_data", "video_data", "input_embeds", "session_params", "separate_reasoning", "bootstrap_host",
         "bootstrap_port", "bootstrap_room", "data_parallel_rank", "extra_key", "cache_salt", "continuous_usage_stats",
+        "regex", "json_schema", "ebnf", "structural_tag", "stop_regex", "custom_params",
     }
 )  # fmt: skip
 

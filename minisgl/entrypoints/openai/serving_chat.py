@@ -14,8 +14,12 @@ import functools
 import time
 from typing import Any, AsyncIterator, Dict, FrozenSet, List, Optional
 
+import jinja2
+import jinja2.ext
+import jinja2.nodes
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from jinja2 import meta
 
 from minisgl.entrypoints.openai.protocol import (
     ChatChoiceLogprobs,
@@ -39,6 +43,7 @@ from minisgl.entrypoints.openai.serving_base import (
     response_id,
     sse_data,
 )
+from minisgl.managers.io_struct import GenerateReqInput
 
 # apply_chat_template's own parameters: chat_template_kwargs may not pass them (they are not template variables)
 _APPLY_CHAT_TEMPLATE_ARGS = frozenset({
@@ -58,15 +63,27 @@ def template_variables(template: Any) -> Optional[FrozenSet[str]]:
 
 @functools.lru_cache(maxsize=8)
 def _variables_read_by(source: str) -> Optional[FrozenSet[str]]:
-    import jinja2
-    from jinja2 import meta
-
-    try:  # (transformers renders with loopcontrols: {% break %}, {% continue %})
-        parsed = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(source)
-    except jinja2.TemplateSyntaxError:
+    # transformers renders with loopcontrols ({% break %}) and its {% generation %} block
+    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols", _GenerationBlock])
+    try:  # (find_undeclared_variables compiles too: an unknown filter fails there)
+        return frozenset(meta.find_undeclared_variables(env.parse(source)))
+    except jinja2.TemplateError:  # the render says what is wrong, as a 400
         return None
-    return frozenset(meta.find_undeclared_variables(parsed))
-from minisgl.managers.io_struct import GenerateReqInput
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """transformers' `{% generation %}...{% endgeneration %}` (it marks the assistant's tokens), for
+    parsing only: the block renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> Any:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return caller()
 
 
 class OpenAIServingChat(OpenAIServingBase):
