@@ -79,11 +79,11 @@ def test_gen_throughput_after_an_idle_period_measures_the_new_busy_period(tiny_m
     with Engine(tiny_model, device="cpu", decode_log_interval=2) as engine:
         engine.generate(input_ids=[5, 6, 7], sampling_params=params)
         engine.step()  # idle
-        time.sleep(0.5)
+        time.sleep(1.0)
         engine.add_request(input_ids=[8, 9, 10], sampling_params={**params, "max_new_tokens": 40}, rid="r")
         assert engine.get_load().gen_throughput == 0.0  # nothing measured in this period yet
         for _ in range(3):  # a prefill, then two decode steps: the period's first log line
             engine.step()
-        assert engine.get_load().gen_throughput > 20  # 2 tokens per idle-diluted 0.5 s would be < 4
+        assert engine.get_load().gen_throughput > 10  # diluted by the idle second it was ~3 (a few tokens / 1 s)
         engine.run_until_idle()
         engine.get_result("r")
