@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import Any
 
 import pytest
 
@@ -68,22 +69,31 @@ def test_get_load_reports_the_decode_logs_gen_throughput_while_requests_run(tiny
         assert running > 0 and engine.get_load().gen_throughput == 0.0
 
 
-def test_gen_throughput_after_an_idle_period_measures_the_new_busy_period(tiny_model: str) -> None:
+def test_gen_throughput_after_an_idle_period_measures_the_new_busy_period(tiny_model: str, monkeypatch: Any) -> None:
     """The rate's window ran from the previous burst's last log line: idle time diluted it
-    (3.9 tok/s for a request decoding at ~250)."""
+    (3.9 tok/s for a request decoding at ~250). The scheduler's clock is a hand-set one here."""
     import time
+    import types
 
     from minisgl import Engine
+    from minisgl.managers import scheduler, scheduler_metrics_mixin
 
+    clock = [0.0]
+    fake = types.SimpleNamespace(perf_counter=lambda: clock[0], time=time.time, monotonic=time.monotonic)
     params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
     with Engine(tiny_model, device="cpu", decode_log_interval=2) as engine:
+        monkeypatch.setattr(scheduler, "time", fake)
+        monkeypatch.setattr(scheduler_metrics_mixin, "time", fake)
         engine.generate(input_ids=[5, 6, 7], sampling_params=params)
         engine.step()  # idle
-        time.sleep(1.0)
+        clock[0] = 1000.0  # an idle spell of 1,000 s
         engine.add_request(input_ids=[8, 9, 10], sampling_params={**params, "max_new_tokens": 40}, rid="r")
         assert engine.get_load().gen_throughput == 0.0  # nothing measured in this period yet
-        for _ in range(3):  # a prefill, then two decode steps: the period's first log line
-            engine.step()
-        assert engine.get_load().gen_throughput > 10  # diluted by the idle second it was ~3 (a few tokens / 1 s)
+        engine.step()  # the prefill: the period starts here
+        clock[0] = 1001.0
+        engine.step()
+        engine.step()  # two decode steps: the period's first log line comes in them
+        # 1 or 2 tokens in 1 s, by where the line falls (idle-diluted: ~3 tokens / 1,001 s)
+        assert engine.get_load().gen_throughput in (1.0, 2.0)
         engine.run_until_idle()
         engine.get_result("r")
