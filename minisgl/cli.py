@@ -14,16 +14,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from minisgl.server_args import ServerArgs
-
-# SGLang launch flags that ask for what minisgl always does: accepted, so that a launch line
-# carried over from SGLang runs, and said at start (they change nothing here)
-SGLANG_FLAGS_ALREADY_SO = {
-    "--enable-metrics": "minisgl always serves /metrics",
-    "--enable-cache-report": "usage always reports prompt_tokens_details.cached_tokens",
-    "--disable-overlap-schedule": "minisgl's scheduler never overlaps a step's scheduling with the forward",
-    "--disable-cuda-graph": "minisgl captures no CUDA graphs",
-}
+from minisgl.server_args import SGLANG_OPTIONS_ALREADY_SO, ServerArgs
 
 
 def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
@@ -32,8 +23,8 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
 
     serve = sub.add_parser("serve", help="Serve a model over an OpenAI-compatible HTTP API.")
     ServerArgs.add_cli_args(serve)
-    for flag, why in SGLANG_FLAGS_ALREADY_SO.items():
-        serve.add_argument(flag, action="store_true", dest="sglang_" + flag[2:].replace("-", "_"),
+    for name, why in SGLANG_OPTIONS_ALREADY_SO.items():
+        serve.add_argument("--" + name.replace("_", "-"), action="store_true", dest="sglang_" + name,
                            help=f"SGLang's flag, accepted as is: {why}.")  # fmt: skip
 
     gen = sub.add_parser("generate", help="Generate one completion in-process and print it.")
@@ -58,9 +49,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _say_sglang_flags(args: argparse.Namespace) -> None:
-    for flag, why in SGLANG_FLAGS_ALREADY_SO.items():
-        if getattr(args, "sglang_" + flag[2:].replace("-", "_")):
-            print(f"{flag}: nothing to change, {why}", file=sys.stderr, flush=True)
+    for name, why in SGLANG_OPTIONS_ALREADY_SO.items():
+        if getattr(args, "sglang_" + name):
+            print(f"--{name.replace('_', '-')}: nothing to change, {why}", file=sys.stderr, flush=True)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

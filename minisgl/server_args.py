@@ -24,6 +24,14 @@ from typing import Any, Literal, Optional, Sequence
 logger = logging.getLogger(__name__)
 
 _DEFAULT_CPU_KV_CACHE_GB = 1.0
+# SGLang options that ask for what minisgl always does: `serve` takes them as flags and the
+# Engine as keywords, so SGLang launch lines and scripts run, and each is said at start
+SGLANG_OPTIONS_ALREADY_SO = {
+    "enable_metrics": "minisgl always serves /metrics",
+    "enable_cache_report": "usage always reports prompt_tokens_details.cached_tokens",
+    "disable_overlap_schedule": "minisgl's scheduler never overlaps a step's scheduling with the forward",
+    "disable_cuda_graph": "minisgl captures no CUDA graphs",
+}
 # The options of `minisgl serve`'s HTTP server and its processes: the in-process Engine has
 # neither, so it refuses them (log_level it applies to its loggers).
 SERVER_ONLY_FIELDS = (
@@ -264,12 +272,12 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
     chunk = args.chunked_prefill_size
     if chunk is None:
         chunk = 8192 if device == "cuda" else 2048
+    # accepted, and unused in this setting: said at start, not silently dropped (SGLang is silent)
     if args.enable_mixed_chunk and chunk <= 0:
-        raise ValueError(
-            "--enable-mixed-chunk lets decoding requests ride in the chunks of a chunked prefill; "
-            f"it needs --chunked-prefill-size > 0 (got {chunk})"
+        logger.warning(
+            "--enable-mixed-chunk lets decoding requests ride in the chunks of a chunked prefill; with "
+            "--chunked-prefill-size %d (no chunking) it has no effect", chunk
         )
-    # accepted on every device, used on one: said, not silently dropped
     if device == "cpu" and args.mem_fraction_static is not None:
         logger.warning("--mem-fraction-static sizes the KV pool on CUDA only; on CPU use --cpu-kv-cache-gb or --max-total-tokens")
     if device == "cpu" and args.max_total_tokens is not None and args.cpu_kv_cache_gb != _DEFAULT_CPU_KV_CACHE_GB:

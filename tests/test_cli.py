@@ -80,9 +80,14 @@ def test_the_triton_backend_without_triton_installed_is_a_clear_refusal(monkeypa
         resolve_server_args(ServerArgs(device="cpu", attention_backend="triton"))
 
 
-def test_mixed_chunks_without_chunked_prefill_are_refused() -> None:
-    with pytest.raises(ValueError, match="--enable-mixed-chunk .* needs --chunked-prefill-size > 0"):
-        resolve_server_args(ServerArgs(device="cpu", enable_mixed_chunk=True, chunked_prefill_size=-1))
+def test_mixed_chunks_without_chunked_prefill_run_and_say_they_do_nothing(caplog: Any) -> None:
+    """SGLang accepts the launch line and silently mixes nothing; minisgl runs it and says so."""
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        resolve_server_args(ServerArgs(device="cpu", attention_backend="torch", enable_mixed_chunk=True, chunked_prefill_size=-1))
+    assert any("--enable-mixed-chunk lets decoding requests ride" in r.getMessage() and "no effect" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
 
 
 def test_flags_a_cpu_run_does_not_use_are_said_at_start(caplog: Any, tiny_model: str) -> None:
@@ -106,7 +111,7 @@ def test_flags_a_cpu_run_does_not_use_are_said_at_start(caplog: Any, tiny_model:
     assert any("--schedule-policy lpm orders by prefix-cache matches; with --disable-radix-cache it is fcfs" in m for m in said)
 
 
-def test_the_engine_refuses_the_http_servers_options_and_applies_log_level(tiny_model: str) -> None:
+def test_the_engine_refuses_the_http_servers_options_and_applies_log_level(tiny_model: str, caplog: Any) -> None:
     import logging
 
     with pytest.raises(ValueError, match="api_key, visualize: option\\(s\\) of `minisgl serve`"):
@@ -118,6 +123,11 @@ def test_the_engine_refuses_the_http_servers_options_and_applies_log_level(tiny_
             assert minisgl_logger.getEffectiveLevel() == logging.ERROR
     finally:
         minisgl_logger.setLevel(level)
+    # an SGLang script's sgl.Engine(..., disable_cuda_graph=True): taken and said, as by `serve`
+    with caplog.at_level(logging.INFO, logger="minisgl"):
+        with Engine(tiny_model, device="cpu", disable_cuda_graph=True, enable_metrics=True) as engine:
+            assert engine.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 1})["meta_info"]["completion_tokens"] == 1
+    assert any("disable_cuda_graph: nothing to change, minisgl captures no CUDA graphs" in r.getMessage() for r in caplog.records)
 
 
 def test_log_level_takes_any_case_and_logging_aliases() -> None:

@@ -43,7 +43,7 @@ from minisgl.managers.io_struct import (
 )  # fmt: skip
 from minisgl.managers.tokenization import tokenize_one_request, validate_context_length
 from minisgl.sampling.sampling_params import SamplingParams
-from minisgl.server_args import SERVER_ONLY_FIELDS, ServerArgs, resolve_server_args
+from minisgl.server_args import SERVER_ONLY_FIELDS, SGLANG_OPTIONS_ALREADY_SO, ServerArgs, resolve_server_args
 
 logger = logging.getLogger("minisgl")
 
@@ -97,6 +97,9 @@ class Engine:
         from minisgl.model_executor.model_runner import ModelRunner
         from minisgl.utils import get_tokenizer
 
+        for name, why in SGLANG_OPTIONS_ALREADY_SO.items():  # (an SGLang script's sgl.Engine(..., disable_cuda_graph=True))
+            if kwargs.pop(name, False):
+                logger.info("%s: nothing to change, %s", name, why)
         defaults = {f.name: f.default for f in dataclasses.fields(ServerArgs)}
         server_only = [k for k in SERVER_ONLY_FIELDS if k in kwargs and kwargs[k] != defaults[k]]
         if server_only:  # (they would be accepted and do nothing)

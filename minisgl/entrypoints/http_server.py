@@ -266,7 +266,7 @@ def _add_ops_routes(app: FastAPI, tm: TokenizerManager, is_healthy: Callable[[],
     async def get_server_info() -> Response:
         """SGLang's: the server's arguments (the API key left out) and the scheduler's limits."""
         load = await tm.get_load()
-        info = {**dataclasses.asdict(tm.server_args), "api_key": None}
+        info = {k: v for k, v in dataclasses.asdict(tm.server_args).items() if k != "api_key"}
         info.update(max_total_num_tokens=load.max_total_num_tokens, context_len=tm.context_len,
                     max_req_input_len=tm.max_req_input_len, version=MINISGL_VERSION,
                     internal_states=[{"last_gen_throughput": load.gen_throughput}])  # fmt: skip
