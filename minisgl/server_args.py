@@ -27,8 +27,8 @@ _DEFAULT_CPU_KV_CACHE_GB = 1.0
 # SGLang options that ask for what minisgl always does: `serve` takes them as flags and the
 # Engine as keywords, so SGLang launch lines and scripts run, and each is said at start
 SGLANG_OPTIONS_ALREADY_SO = {
-    "enable_metrics": "minisgl always serves /metrics",
-    "enable_cache_report": "usage always reports prompt_tokens_details.cached_tokens",
+    "enable_metrics": "metrics are always on (the server's /metrics; the Engine's get_load() and meta_info)",
+    "enable_cache_report": "cached_tokens is always reported (usage.prompt_tokens_details; the Engine's meta_info)",
     "disable_overlap_schedule": "minisgl's scheduler never overlaps a step's scheduling with the forward",
     "disable_cuda_graph": "minisgl captures no CUDA graphs",
 }

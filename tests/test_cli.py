@@ -45,7 +45,7 @@ def test_sglang_flags_for_what_minisgl_always_does_are_accepted_and_said(capsys:
     assert ServerArgs.from_cli_args(args) == ServerArgs(page_size=4)
     _say_sglang_flags(args)
     said = capsys.readouterr().err
-    assert "--enable-metrics: nothing to change, minisgl always serves /metrics" in said
+    assert "--enable-metrics: nothing to change, metrics are always on" in said
     assert "--disable-cuda-graph: nothing to change" in said and "--enable-cache-report" not in said
 
 

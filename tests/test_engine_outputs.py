@@ -783,3 +783,50 @@ def test_a_cancelled_submit_that_ends_while_asyncio_run_shuts_down_still_release
         time.sleep(0.05)
     engine.step()
     _assert_idle_and_nothing_leaked(engine)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_cancelled_async_generate_cleans_up_without_freezing_the_loop(engine, monkeypatch, stream):
+    """The clean-up waited for the step in progress and stepped the aborts on the loop's own
+    thread: every other client of the app froze for as long (here a step takes 0.3 s)."""
+    import time
+
+    forward = engine.scheduler.run_batch
+
+    def slow_forward(batch):
+        time.sleep(0.3)
+        return forward(batch)
+
+    monkeypatch.setattr(engine.scheduler, "run_batch", slow_forward)
+    gaps: List[float] = []
+
+    async def run() -> None:
+        async def consume() -> None:
+            if stream:
+                async for _ in await engine.async_generate(input_ids=PROMPT, sampling_params=LONG, stream=True):
+                    pass
+            else:
+                await engine.async_generate(input_ids=PROMPT, sampling_params=LONG)
+
+        async def heartbeat() -> None:
+            last = time.perf_counter()
+            while True:
+                await asyncio.sleep(0.01)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.5)  # a step or two in the executor
+        beat = asyncio.ensure_future(heartbeat())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.05)  # the heartbeat's next beat records any gap the clean-up made
+        beat.cancel()
+
+    asyncio.run(run())
+    monkeypatch.undo()
+    assert max(gaps) < 0.2, max(gaps)  # (a step on the loop's thread: >= 0.3 s)
+    _assert_idle_and_nothing_leaked(engine)

@@ -184,7 +184,7 @@ def test_logit_bias_is_added_after_penalties_and_steers_each_row_alone() -> None
         req(logit_bias={"1": 100}),
     ]
     info = SamplingBatchInfo.from_reqs(reqs, V, "cpu", {EOS})
-    assert info.has_logits_bias
+    assert info.needs_logits_bias
     info.apply_logits_bias(logits)
     assert logits[0].tolist() == [0, 0, 0, -0.5, 0, 0, -2.0, 0]  # -1 from the penalty, +0.5 from the bias
     assert logits[1].tolist() == [0.0] * V
@@ -210,6 +210,7 @@ def test_a_requests_logit_bias_is_parsed_once_not_at_every_step() -> None:
     first = SamplingBatchInfo.from_reqs([r], V, "cpu", {EOS}).logit_bias
     ids, values = r.sampling_params.logit_bias_tensors("cpu")
     assert r.sampling_params.logit_bias_tensors("cpu")[0] is ids  # built once, then reused
+    assert r.sampling_params.logit_bias_tensors("cpu:0")[0] is not ids  # (another device: built for it)
     again = SamplingBatchInfo.from_reqs([req(), r], V, "cpu", {EOS}).logit_bias
     assert first is not None and again is not None and torch.equal(again[1], first[0]) and again[0].abs().sum() == 0
     assert "_logit_bias_tensors" not in [f.name for f in dataclasses.fields(SamplingParams)]  # never sent between processes

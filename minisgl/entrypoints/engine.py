@@ -80,7 +80,7 @@ class _ReqState:
     # accumulated over every message: the scheduler emits at least every 50 tokens even
     # for a non-streaming request, so one message holds only part of the answer
     logprobs: Dict[str, List[Any]] = field(default_factory=lambda: {key: [] for key in LOGPROB_META_KEYS})
-    # a generate(stream=True) reads it: each message makes a chunk for it
+    # a generate(stream=True) reads it: each message adds a delta to `pending`, or marks it `updated`
     streamed: bool = False
     # --incremental-streaming-output: the delta chunks not yet handed to the stream
     pending: List[Dict[str, Any]] = field(default_factory=list)
@@ -174,19 +174,19 @@ class Engine:
 
     def _tokenize(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
         """Every check the server makes on one single request, nothing registered yet (ValueError on bad input)."""
-        if obj.rid in self.rid_to_state:
-            if self.rid_to_state[obj.rid].finished:
-                raise ValueError(
-                    f"rid {obj.rid!r} finished, but its result was not collected: engine.get_result({obj.rid!r}) frees the rid"
-                )
-            raise ValueError(f"rid {obj.rid!r} is already in flight")
-        if obj.rid in self._samples_of:  # the rid of an n > 1 request whose samples run
-            raise ValueError(f"rid {obj.rid!r} is already in flight")
+        self._check_rid_free(obj.rid)
         tokenized = tokenize_one_request(self.tokenizer, obj, self.vocab_size)
         validate_context_length(
             tokenized, self.context_len, self.server_args.allow_auto_truncate, self.scheduler.max_req_input_len
         )
         return tokenized
+
+    def _check_rid_free(self, rid: str) -> None:
+        """A rid in use (a request's, or an n > 1 request's whose samples run) cannot name another."""
+        if rid in self.rid_to_state and self.rid_to_state[rid].finished:
+            raise ValueError(f"rid {rid!r} finished, but its result was not collected: engine.get_result({rid!r}) frees the rid")
+        if rid in self.rid_to_state or rid in self._samples_of:
+            raise ValueError(f"rid {rid!r} is already in flight")
 
     def _enqueue(self, requests: List[TokenizedGenerateReqInput], streamed: bool = False) -> None:
         """Register and queue checked requests (all of one call at once: none is queued if any is bad)."""
@@ -217,7 +217,7 @@ class Engine:
             stream=stream, rid=rid,
         )  # fmt: skip
         obj.normalize_batch_and_arguments()  # single or batch, lists per prompt, the same n for all
-        _check_rids(obj)
+        obj.check_rids()  # the server's rules (in-process, without its length bound)
         for single in obj.singles():  # before any prompt is tokenized
             check_logprob_args(
                 single.return_logprob, single.logprob_start_len, single.top_logprobs_num,
@@ -229,8 +229,7 @@ class Engine:
         # the server's fan-out: n copies of each prompt, sample j with seed + j
         samples = expand_samples(obj)
         for parent in {s.parent_rid for s in samples if s.req.rid != s.parent_rid}:  # (before anything is queued)
-            if parent in self._samples_of or parent in self.rid_to_state:
-                raise ValueError(f"rid {parent!r} is already in flight")
+            self._check_rid_free(parent)
         requests = [self._tokenize(sample.req) for sample in samples]
         try:
             self._enqueue(requests, streamed=stream)
@@ -297,8 +296,9 @@ class Engine:
 
         The work (tokenizing, each scheduler step) runs in the event loop's default executor,
         so the loop stays free, and concurrent calls share the steps: each step advances every
-        request in flight. A cancelled task (a client that went away) aborts its requests;
-        its clean-up waits for the step running then, as generate()'s does.
+        request in flight. A cancelled task (a client that went away) aborts its requests; the
+        clean-up runs in the executor too (it waits for the step in progress), so the loop stays
+        free for the other clients meanwhile.
         """
         loop = asyncio.get_running_loop()
         submit = functools.partial(
@@ -322,10 +322,21 @@ class Engine:
             while not await loop.run_in_executor(None, self._step_unless_finished, rids):
                 pass
         except BaseException:  # cancelled, or a step failed: nothing may keep decoding unseen
-            self._release_after_error(rids)
+            await self._release_off_the_loop(self._release_after_error, rids)
             raise
         results = await loop.run_in_executor(None, self._pop_results, rids)
         return results[0] if single else results
+
+    async def _release_off_the_loop(self, release: Callable[[List[str]], None], rids: List[str]) -> None:
+        """Run a release in the executor: it waits for the step in progress and steps the aborts,
+        which on the loop's thread froze every other client for as long."""
+        loop = asyncio.get_running_loop()
+        try:
+            released = loop.run_in_executor(None, release, rids)
+        except RuntimeError:  # asyncio.run is shutting its executor down: here, then
+            release(rids)
+            return
+        await asyncio.shield(released)  # (a second cancel does not stop it half-way)
 
     def _release_queued_by(self, submitted: "asyncio.Future[Any]") -> None:
         """A submit whose caller was cancelled while it ran: release what it queued (in the executor)."""
@@ -349,7 +360,7 @@ class Engine:
                     break
                 await loop.run_in_executor(None, self._step_unless_finished, rids)
         finally:
-            self._release_dropped_stream(rids)
+            await self._release_off_the_loop(self._release_dropped_stream, rids)
 
     @_locked
     def _step_unless_finished(self, rids: List[str]) -> bool:
@@ -705,17 +716,6 @@ def _signals_held_until_the_end() -> Iterator[None]:
 # main thread reads or sets _signals_held.
 _CATCHABLE_SIGNALS = tuple(int(sig) for sig in signal.Signals if sig not in (signal.SIGKILL, signal.SIGSTOP))
 _signals_held = False
-
-
-def _check_rids(obj: GenerateReqInput) -> None:
-    """The server's rid checks (TokenizerManager._validate_request_shape), on a normalized input."""
-    rids = [obj.rid] if obj.is_single else obj.rid
-    if not all(isinstance(r, str) for r in rids):
-        raise ValueError("`rid` must be a string for one prompt, or a list of strings, one per prompt of a batch")
-    if any(r == "" for r in rids):
-        raise ValueError("`rid` must not be empty; leave it out for a generated one")
-    if len(set(rids)) != len(rids):
-        raise ValueError("`rid` must not repeat an id within a batch")
 
 
 def _check_prompt(prompt: Prompt, input_ids: InputIds) -> bool:

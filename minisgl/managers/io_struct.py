@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 from minisgl.sampling.sampling_params import SamplingParams
+from minisgl.utils import lone_surrogate_at
 
 
 def new_rid() -> str:
@@ -137,6 +138,26 @@ class GenerateReqInput:
                 raise ValueError(f"`token_ids_logprob` must have {n} lists for a batch of {n} prompts")
         else:
             self.token_ids_logprob = [self.token_ids_logprob] * n  # type: ignore[list-item]
+
+    def check_rids(self, max_chars: Optional[int] = None) -> None:
+        """The rid rules of the server and the Engine, on a normalized input: a string per prompt
+        (a single prompt: one string), none empty (the scheduler reads "" as no rid: it could never
+        be aborted), no repeat within a batch, valid Unicode (each is echoed in every answer), and
+        at most `max_chars` each (the server's bound: a rid rides in every step's messages)."""
+        if self.is_single and not isinstance(self.rid, str):
+            raise ValueError(f"`rid` must be a string for a single prompt, got {type(self.rid).__name__}")
+        rids = [self.rid] if self.is_single else self.rid
+        for rid in rids:
+            if not isinstance(rid, str):
+                raise ValueError(f"`rid` of a batch must be a list of strings, got a {type(rid).__name__} in it")
+            if rid == "":
+                raise ValueError("`rid` must not be empty; leave it out for a generated one")
+            if max_chars is not None and len(rid) > max_chars:
+                raise ValueError(f"`rid` takes at most {max_chars} characters, got {len(rid)}")
+            if lone_surrogate_at(rid) is not None:
+                raise ValueError(f"`rid` must be valid Unicode, got {rid!r} (a lone surrogate)")
+        if len(set(rids)) != len(rids):
+            raise ValueError("`rid` must not repeat an id within a batch")
 
     def _token_ids_per_prompt(self) -> bool:
         """token_ids_logprob as one list per prompt ([[ids], [ids]]), not one list for all."""

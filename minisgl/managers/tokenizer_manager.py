@@ -59,7 +59,7 @@ from minisgl.managers.io_struct import (
 )
 from minisgl.sampling.sampling_params import MAX_TOP_LOGPROBS_NUM, SamplingParams
 from minisgl.server_args import PortArgs, ServerArgs
-from minisgl.utils import freeze_gc, get_zmq_socket, lone_surrogate_at
+from minisgl.utils import freeze_gc, get_zmq_socket
 
 logger = logging.getLogger("minisgl.tokenizer_manager")
 
@@ -326,17 +326,7 @@ class TokenizerManager:
         """Whole-request checks, before any rid is registered or sent: a bad field fails the
         request as a whole, so no sibling of a batch reaches the scheduler first. Returns the
         checked SamplingParams, one per prompt."""
-        if obj.is_single and not isinstance(obj.rid, str):
-            raise ValueError(f"`rid` must be a string for a single prompt, got {type(obj.rid).__name__}")
-        if not obj.is_single and len(set(obj.rid)) != len(obj.rid):
-            raise ValueError("`rid` must not repeat an id within a batch")
-        for rid in [obj.rid] if obj.is_single else obj.rid:
-            if rid == "":  # the scheduler reads "" as no rid: such a request could never be aborted
-                raise ValueError("`rid` must not be empty; leave it out for a generated one")
-            if isinstance(rid, str) and len(rid) > MAX_RID_CHARS:
-                raise ValueError(f"`rid` takes at most {MAX_RID_CHARS} characters, got {len(rid)}")
-            if isinstance(rid, str) and lone_surrogate_at(rid) is not None:  # it is echoed back in every answer
-                raise ValueError(f"`rid` must be valid Unicode, got {rid!r} (a lone surrogate)")
+        obj.check_rids(MAX_RID_CHARS)
         param_dicts = [obj.sampling_params] if obj.is_single else obj.sampling_params
         params = [SamplingParams.from_dict(d) for d in param_dicts]  # unknown keys and wrong types
         for p in params:

@@ -166,7 +166,7 @@ class ModelRunner:
         """Penalties, min_new_tokens and logit_bias, then the Sampler (sglang-facts.md §11)."""
         with torch.inference_mode():
             logits = logits_output.next_token_logits  # [bs, V] float32
-            if sampling_info.has_logits_bias:
+            if sampling_info.needs_logits_bias:
                 logits = logits.clone()  # keep the model's logits intact for the caller
                 sampling_info.apply_logits_bias(logits)
             return self.sampler(logits, sampling_info, self.generator)

@@ -79,7 +79,7 @@ class SamplingBatchInfo:
         )
 
     @property
-    def has_logits_bias(self) -> bool:
+    def needs_logits_bias(self) -> bool:
         """Whether apply_logits_bias changes anything (otherwise the sampler reads the model's logits as they are)."""
         return self.penalizer_orchestrator is not None or self.logit_bias is not None
 

@@ -171,12 +171,12 @@ class SamplingParams:
         import torch
 
         cached = self.__dict__.get("_logit_bias_tensors")
-        if cached is None or cached[0].device != torch.device(device):
+        if cached is None or cached[0] != str(device):  # (keyed as given: torch.device("cuda") != "cuda:0")
             items = (self.logit_bias or {}).items()
             ids = torch.tensor([int(k) for k, _ in items], dtype=torch.int64, device=device)
             values = torch.tensor([float(v) for _, v in items], dtype=torch.float32, device=device)
-            cached = self.__dict__["_logit_bias_tensors"] = (ids, values)
-        return cached
+            cached = self.__dict__["_logit_bias_tensors"] = (str(device), ids, values)
+        return cached[1], cached[2]
 
     def copy(self) -> "SamplingParams":
         return dataclasses.replace(self, stop_strs=list(self.stop_strs))

@@ -17,7 +17,9 @@ from typing import Any, ClassVar, Dict, FrozenSet, List, Literal, Optional, Unio
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
-from minisgl.sampling.sampling_params import GENERATION_CONFIG_SAMPLING_KEYS, MAX_N, MAX_TOP_LOGPROBS_NUM, SamplingParams
+from minisgl.sampling.sampling_params import (
+    GENERATION_CONFIG_SAMPLING_KEYS, MAX_N, MAX_TOP_LOGPROBS_NUM, UNSUPPORTED_SAMPLING_KEYS, SamplingParams,
+)  # fmt: skip
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
@@ -32,8 +34,8 @@ UNSUPPORTED_FIELDS = frozenset(
         # SGLang's own, on /generate or the OpenAI routes
         "audio_data", "video_data", "input_embeds", "session_params", "separate_reasoning", "bootstrap_host",
         "bootstrap_port", "bootstrap_room", "data_parallel_rank", "extra_key", "cache_salt", "continuous_usage_stats",
-        "regex", "json_schema", "ebnf", "structural_tag", "stop_regex", "custom_params",
     }
+    | UNSUPPORTED_SAMPLING_KEYS  # (SGLang's structured output: sampling keys on /generate, top-level fields here)
 )  # fmt: skip
 
 # /generate fields SGLang types as nullable: null is their default there
