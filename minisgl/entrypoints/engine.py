@@ -140,9 +140,9 @@ class Engine:
         input_ids: Optional[List[int]] = None,
         stream: bool = False,
         rid: Optional[str] = None,
-        return_logprob: bool = False,
-        top_logprobs_num: int = 0,
-        logprob_start_len: int = -1,
+        return_logprob: Optional[bool] = False,
+        top_logprobs_num: Optional[int] = 0,
+        logprob_start_len: Optional[int] = -1,
         token_ids_logprob: Optional[List[int]] = None,
     ) -> str:
         """Tokenize one request and queue it in the scheduler; returns its rid.
@@ -247,9 +247,9 @@ class Engine:
         sampling_params: Optional[Union[Dict[str, Any], List[Dict[str, Any]]]] = None,
         input_ids: InputIds = None,
         stream: bool = False,
-        return_logprob: Union[bool, List[bool]] = False,
-        top_logprobs_num: Union[int, List[int]] = 0,
-        logprob_start_len: Union[int, List[int]] = -1,
+        return_logprob: Optional[Union[bool, List[bool]]] = False,  # (None: SGLang's default, as False)
+        top_logprobs_num: Optional[Union[int, List[int]]] = 0,
+        logprob_start_len: Optional[Union[int, List[int]]] = -1,
         token_ids_logprob: Optional[Union[List[int], List[Optional[List[int]]]]] = None,
         rid: Optional[Union[str, List[str]]] = None,
     ) -> Any:
@@ -285,9 +285,9 @@ class Engine:
         sampling_params: Optional[Union[Dict[str, Any], List[Dict[str, Any]]]] = None,
         input_ids: InputIds = None,
         stream: bool = False,
-        return_logprob: Union[bool, List[bool]] = False,
-        top_logprobs_num: Union[int, List[int]] = 0,
-        logprob_start_len: Union[int, List[int]] = -1,
+        return_logprob: Optional[Union[bool, List[bool]]] = False,  # (None: SGLang's default, as False)
+        top_logprobs_num: Optional[Union[int, List[int]]] = 0,
+        logprob_start_len: Optional[Union[int, List[int]]] = -1,
         token_ids_logprob: Optional[Union[List[int], List[Optional[List[int]]]]] = None,
         rid: Optional[Union[str, List[str]]] = None,
     ) -> Any:
