@@ -119,6 +119,18 @@ def test_a_stop_around_a_skipped_special_token_matches_the_text_the_user_sees(to
 
 
 @pytest.mark.parametrize("stream", [True, False])
+def test_a_stop_that_spells_a_skipped_special_token_stops_as_sglangs_does(tokenizer_dir: str, stream: bool) -> None:
+    """stop=["<|endoftext|>"] (a ChatML client's "<|im_end|>" on a model whose EOS is another token):
+    the user's text skips it, so it never matched and the model ran on into made-up turns.
+    SGLang matches stops against a decode that keeps special tokens."""
+    tokenizer = DetokenizerManager(ServerArgs(tokenizer_path=tokenizer_dir)).tokenizer
+    special = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    script = byte_ids(tokenizer_dir, "ab") + [special] + byte_ids(tokenizer_dir, "c and more")
+    text, finish = run_script(tokenizer_dir, script, stream, stop=["<|endoftext|>", "zzz"])
+    assert (text, finish) == ("ab", {"type": "stop", "matched": "<|endoftext|>"})
+
+
+@pytest.mark.parametrize("stream", [True, False])
 def test_a_stop_with_a_leading_space_at_the_start_of_a_sentencepiece_output(sp_tokenizer_dir: str, stream: bool) -> None:
     """The scheduler decoded its tail alone, and a SentencePiece decode drops the leading
     space: " 42" read "42", the stop went unseen, and the user got it (and all after it)."""

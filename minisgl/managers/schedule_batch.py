@@ -150,6 +150,7 @@ class Req:
         self.eos_token_ids: Set[int] = set(eos_token_ids or ())
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
+        self._special_stops: Optional[List[str]] = None  # (_stops_spelling_special_tokens, once)
 
         # memory and prefix state
         self.req_pool_idx: Optional[int] = None
@@ -318,6 +319,12 @@ class Req:
         if self.sampling_params.stop_strs:
             tail = self.tail_str()
             found = [(tail.find(s), -len(s), s) for s in self.sampling_params.stop_strs if s in tail]
+            special_stops = self._stops_spelling_special_tokens()
+            if not found and special_stops:
+                # "<|im_end|>" as a stop, which the text the user sees skips: SGLang matches its
+                # stops against a decode that keeps special tokens, so it stops here too
+                raw = self.tail_str(skip_special_tokens=False)
+                found = [(raw.find(s), -len(s), s) for s in special_stops if s in raw]
             if found:
                 # the stop that starts first in the text (then the longest), whatever its place in
                 # the list: the detokenizer cuts the text there
@@ -333,10 +340,18 @@ class Req:
             self.finished_reason = FINISH_LENGTH(length=max_new_tokens)
             self.finished_len = max_new_tokens
 
+    def _stops_spelling_special_tokens(self) -> List[str]:
+        """The stop strings that contain an added token's text ("<|im_end|>"), when special tokens
+        are skipped from the text: only a decode that keeps them can match those (once per request)."""
+        if self._special_stops is None:
+            added = list(self.tokenizer.get_added_vocab()) if self.sampling_params.skip_special_tokens and self.tokenizer else []
+            self._special_stops = [s for s in self.sampling_params.stop_strs if any(tok in s for tok in added)]
+        return self._special_stops
+
     def _stop_token_ids(self) -> Set[int]:
         return stop_token_set(self.sampling_params, self.eos_token_ids)  # eos_token_ids: the scheduler's, tokenizer's included
 
-    def tail_str(self) -> str:
+    def tail_str(self, skip_special_tokens: Optional[bool] = None) -> str:
         """Decoded tail of the output tokens only: a stop string never matches the prompt.
 
         Decoded as the detokenizer decodes, so a stop matches the text the user sees: with
@@ -351,7 +366,7 @@ class Req:
             return ""
         if self.tokenizer is None:
             raise ValueError("stop strings need the scheduler to hold a tokenizer")
-        skip = self.sampling_params.skip_special_tokens
+        skip = self.sampling_params.skip_special_tokens if skip_special_tokens is None else skip_special_tokens
         spaces = self.sampling_params.spaces_between_special_tokens  # (read by slow tokenizers only)
 
         def decode(ids: List[int]) -> str:
