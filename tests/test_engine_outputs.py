@@ -830,3 +830,13 @@ def test_a_cancelled_async_generate_cleans_up_without_freezing_the_loop(engine, 
     monkeypatch.undo()
     assert max(gaps) < 0.2, max(gaps)  # (a step on the loop's thread: >= 0.3 s)
     _assert_idle_and_nothing_leaked(engine)
+
+
+def test_n_samples_find_their_prompt_cached_after_a_prefix_warmup(engine):
+    """SGLang prefills an n > 1 prompt once, alone (max_new_tokens 0), before its samples: copies
+    admitted in one prefill batch each computed the whole prompt (1-3x for 8 copies)."""
+    prompt = [5 + (7 * i) % 200 for i in range(300)]
+    outs = engine.generate(input_ids=prompt, sampling_params={**LONG, "n": 4, "max_new_tokens": 2})
+    assert [o["meta_info"]["cached_tokens"] for o in outs] == [len(prompt) - 1] * 4  # every copy: all but the last token
+    assert [o["meta_info"]["id"] for o in outs] == [outs[0]["meta_info"]["id"][:-2] + f"-{j}" for j in range(4)]
+    _assert_idle_and_nothing_leaked(engine)  # (the warm-up left no state behind)

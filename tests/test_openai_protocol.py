@@ -454,11 +454,17 @@ def _recording_tm(tiny_model: str, tmp_path: Any, refuse_generate: bool = True) 
     a request that would reach the scheduler fails at once (a 500), instead of waiting
     forever for a scheduler that does not exist: a check that comes too late fails fast."""
     tm = _make_tm(tiny_model, tmp_path)
+    tm.warmups_sent = []  # type: ignore[attr-defined]
     sent: List[Any] = []
 
     def send(msg: Any) -> None:
         if refuse_generate and isinstance(msg, TokenizedGenerateReqInput):
             raise RuntimeError(f"rid={msg.rid} reached the scheduler")
+        if isinstance(msg, TokenizedGenerateReqInput) and "-prefix-" in msg.rid and msg.sampling_params.max_new_tokens == 0:
+            # an n > 1 request's prefix warm-up: prefilled and finished at once, as a scheduler would
+            tm.warmups_sent.append(msg)  # type: ignore[attr-defined]
+            asyncio.get_running_loop().call_soon(tm._dispatch, _str_out(msg.rid, "", [], 0, {"type": "length", "length": 0}))
+            return
         sent.append(msg)
 
     tm._send_to_scheduler = send  # type: ignore[method-assign]
@@ -829,6 +835,31 @@ def test_a_late_control_reply_is_not_handed_to_the_next_caller(tiny_model: str, 
         assert (await second).num_running_reqs == 2
 
     asyncio.run(run())
+
+
+def test_an_n_request_prefills_its_prompt_once_before_its_samples(tiny_model: str, tmp_path: Any) -> None:
+    """SGLang's prefix warm-up: one max_new_tokens=0 copy per prompt, awaited, then the n samples
+    (which then find the prompt cached); kept out of the request metrics."""
+    tm, sent = _recording_tm(tiny_model, tmp_path, refuse_generate=False)
+
+    async def run() -> None:
+        gen = tm.generate_request(GenerateReqInput(text=["a b", "c d e"], sampling_params={"max_new_tokens": 8, "n": 2}, rid=["p", "q"]))
+        task = asyncio.ensure_future(gen.__anext__())
+        while sum(isinstance(m, TokenizedGenerateReqInput) for m in sent) < 4:
+            await asyncio.sleep(0.01)
+        warm = tm.warmups_sent  # type: ignore[attr-defined]
+        samples = [m for m in sent if isinstance(m, TokenizedGenerateReqInput)]
+        assert sorted(w.rid.split("-prefix-")[0] for w in warm) == ["p", "q"]
+        assert all(w.sampling_params.max_new_tokens == 0 and not w.return_logprob for w in warm)
+        assert sorted(tuple(w.input_ids) for w in warm) == sorted({tuple(m.input_ids) for m in samples})
+        assert sorted(m.rid for m in samples) == ["p-0", "p-1", "q-0", "q-1"]
+        assert all(w.rid not in tm.rid_to_state for w in warm)  # finished and forgotten
+        task.cancel()
+        await asyncio.sleep(0)
+
+    asyncio.run(run())
+    assert tm.metrics.registry.get_sample_value("sglang:num_requests_total", tm.metrics.labels) in (None, 0.0)
+    tm.close()
 
 
 def test_aborting_a_rid_never_hits_another_clients_rid_that_looks_like_a_sample(tiny_model: str, tmp_path: Any) -> None:

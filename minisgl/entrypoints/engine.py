@@ -39,7 +39,7 @@ from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional,
 
 from minisgl.managers.io_struct import (
     LOGPROB_META_KEYS, AbortReq, BatchStrOutput, GenerateReqInput, TokenizedGenerateReqInput, check_logprob_args,
-    expand_samples, logprobs_of, new_rid,
+    expand_samples, logprobs_of, new_rid, prefix_warmups,
 )  # fmt: skip
 from minisgl.managers.tokenization import tokenize_one_request, validate_context_length
 from minisgl.sampling.sampling_params import SamplingParams
@@ -181,6 +181,20 @@ class Engine:
         )
         return tokenized
 
+    def _warm_prefixes(self, warmups: List[TokenizedGenerateReqInput]) -> None:
+        """Prefill each n > 1 prompt once, stepping until done, before its samples are queued
+        (io_struct.prefix_warmups, as the server's TokenizerManager does): they then find it cached."""
+        rids = [w.rid for w in warmups]
+        try:
+            self._enqueue(warmups)
+            while not all(self.rid_to_state[r].finished for r in rids):
+                self.step(snapshot=False)
+        except BaseException:
+            self._release_after_error(rids)
+            raise
+        for rid in rids:
+            del self.rid_to_state[rid]
+
     def _check_rid_free(self, rid: str) -> None:
         """A rid in use (a request's, or an n > 1 request's whose samples run) cannot name another."""
         if rid in self.rid_to_state and self.rid_to_state[rid].finished:
@@ -231,6 +245,7 @@ class Engine:
         for parent in {s.parent_rid for s in samples if s.req.rid != s.parent_rid}:  # (before anything is queued)
             self._check_rid_free(parent)
         requests = [self._tokenize(sample.req) for sample in samples]
+        self._warm_prefixes(prefix_warmups(samples, requests))
         try:
             self._enqueue(requests, streamed=stream)
         except BaseException:  # Ctrl-C held to the end of queueing: nobody will collect these

@@ -241,6 +241,24 @@ class TokenizedGenerateReqInput:
     created_time: float = 0.0  # time.time() when tokenization finished (nothing reads it yet)
 
 
+def prefix_warmups(samples: List["Sample"], tokenized: List[TokenizedGenerateReqInput]) -> List[TokenizedGenerateReqInput]:
+    """SGLang's "cache the common prefix for parallel sampling": for each prompt asked for n > 1
+    samples, a request with max_new_tokens 0 (no logprobs, its own rid) that prefills the prompt
+    alone and leaves it in the radix tree, sent and awaited before the samples. Without it, the
+    copies that land in one prefill batch each computed the whole prompt."""
+    warmups, warmed = [], set()
+    for sample, tok in zip(samples, tokenized):
+        if sample.req.rid != sample.parent_rid and sample.prompt_index not in warmed:  # (n > 1: its first sample)
+            warmed.add(sample.prompt_index)
+            params = tok.sampling_params.copy()
+            params.max_new_tokens, params.min_new_tokens = 0, 0
+            warmups.append(TokenizedGenerateReqInput(
+                rid=f"{sample.parent_rid}-prefix-{new_rid()}", input_text=tok.input_text, input_ids=tok.input_ids,
+                sampling_params=params, priority=tok.priority, created_time=tok.created_time,
+            ))  # fmt: skip
+    return warmups
+
+
 @dataclass
 class AbortReq:
     """Abort one rid (or all), TokenizerManager -> Scheduler. The scheduler answers through

@@ -56,6 +56,7 @@ from minisgl.managers.io_struct import (
     expand_samples,
     logprobs_of,
     new_rid,
+    prefix_warmups,
 )
 from minisgl.sampling.sampling_params import MAX_TOP_LOGPROBS_NUM, SamplingParams
 from minisgl.server_args import PortArgs, ServerArgs
@@ -535,6 +536,7 @@ class TokenizerManager:
                 if sub.rid in parents:
                     self.samples_of.setdefault(parents[sub.rid], {})[sub.rid] = sub
             tokenized = await self._tokenize_batch(samples)
+            await self._warm_prefixes(prefix_warmups(samples, tokenized), request)
         except BaseException:
             for sub, state in zip(subs, states):
                 if self.rid_to_state.get(sub.rid) is state:
@@ -569,6 +571,19 @@ class TokenizerManager:
             for task in tasks:
                 task.cancel()  # each sub-generator's finally aborts its rid if still running
             self._forget_samples(parents, subs)
+
+    async def _warm_prefixes(self, warmups: List[TokenizedGenerateReqInput], request: Any) -> None:
+        """Prefill each n > 1 prompt once and wait for it (io_struct.prefix_warmups): its samples then
+        find the prompt in the radix tree. Kept out of the request metrics, as the health probe is."""
+
+        async def warm(tokenized: TokenizedGenerateReqInput) -> None:
+            obj = GenerateReqInput(input_ids=tokenized.input_ids, sampling_params={"max_new_tokens": 0}, rid=tokenized.rid)
+            obj.log_metrics = False
+            obj.normalize_batch_and_arguments()
+            async for _ in self._generate_one(obj, request, self._init_req_state(obj), tokenized):
+                pass
+
+        await asyncio.gather(*(warm(w) for w in warmups))
 
     async def _tokenize_batch(self, samples: List[Sample]) -> List[TokenizedGenerateReqInput]:
         """Each prompt tokenized and checked once, its n samples copies of it that differ in rid
