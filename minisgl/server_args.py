@@ -43,6 +43,7 @@ SERVER_ONLY_FIELDS = (
 BUILTIN_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "builtin-model")
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
+GRAMMAR_BACKENDS = ("xgrammar", "none")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -121,6 +122,14 @@ class ServerArgs:
         default=False, metadata=_opt("Streams of /generate and the Engine send what each chunk adds (text, ids, logprobs), not everything so far.")
     )
     decode_log_interval: int = field(default=40, metadata=_opt("Log a decode line every N decode steps."))
+
+    # --- structured output ---
+    grammar_backend: str = field(
+        default="xgrammar", metadata=_opt("Grammar backend of structured output (json_schema, regex, ebnf): xgrammar, or none to refuse such requests.", choices=GRAMMAR_BACKENDS)
+    )
+    constrained_json_disable_any_whitespace: bool = field(
+        default=False, metadata=_opt("JSON-schema outputs use the compact separators only, with no free whitespace between tokens.")
+    )
 
     # --- server ---
     host: str = field(default="127.0.0.1", metadata=_opt("HTTP host."))

@@ -335,9 +335,9 @@ def test_a_chat_template_this_jinja_cannot_compile_is_a_400_and_generation_block
     assert template_variables(marked) == {"messages", "eos"}
 
 
-def test_sglangs_structured_output_fields_on_the_openai_routes_are_null_or_refused_by_name(tiny_model: str, tmp_path: Any) -> None:
+def test_sglangs_unbuilt_fields_on_the_openai_routes_are_null_or_refused_by_name(tiny_model: str, tmp_path: Any) -> None:
     client, _ = _scripted_client(tiny_model, tmp_path, [_out("r", "ok", 1, LENGTH)])
     with client:
-        assert _post(client, "chat", regex=None, ebnf=None, json_schema=None).status_code == 200
-        r = _post(client, "completions", regex="a+")
-    assert r.status_code == 400 and "'regex': it is not supported by minisgl" in r.text
+        assert _post(client, "chat", regex=None, ebnf=None, json_schema=None, stop_regex=None).status_code == 200
+        r = _post(client, "completions", stop_regex="a+")
+    assert r.status_code == 400 and "'stop_regex': it is not supported by minisgl" in r.text

@@ -134,7 +134,7 @@ def test_an_unsupported_field_that_asks_for_nothing_is_accepted(route: str) -> N
     else:
         CompletionRequest(model="m", prompt="hi", suffix=None, **asks_nothing)
         make = lambda **kw: CompletionRequest(model="m", prompt="hi", **kw)  # noqa: E731
-    for field, value in [("user", "alice"), ("response_format", {"type": "json_object"}), ("tools", [])]:
+    for field, value in [("user", "alice"), ("response_format", {"type": "structural_tag"}), ("tools", [])]:
         with pytest.raises(ValueError, match=field):
             make(**{field: value})
 
@@ -166,7 +166,12 @@ def _chat(client: TestClient, **body: Any) -> Any:
         ({"top_p": 0}, "top_p"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "'tools'"),
         ({"tool_choice": "auto"}, "'tool_choice'"),
-        ({"response_format": {"type": "json_object"}}, "'response_format'"),
+        ({"response_format": {"type": "structural_tag"}}, "response_format type 'structural_tag' is not supported"),
+        ({"response_format": {"type": "json_schema"}}, "response_format json_schema needs"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "name"),
+        ({"response_format": {"type": "json_object"}, "regex": "a+"}, "both constrain the output"),
+        ({"regex": "a+", "ebnf": 'root ::= "a"'}, "Only one of regex, json_schema, or ebnf"),
+        ({"json_schema": "{not json"}, "json_schema must be the JSON text of a JSON schema"),
         ({"logit_bias": {"1": 200}}, "logit_bias values must be in [-100, 100]"),
         ({"logit_bias": {"one": 2}}, "logit_bias keys must be token ids"),
         ({"logit_bias": {"99999999": 2}}, "outside the vocabulary"),

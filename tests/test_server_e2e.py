@@ -1,7 +1,8 @@
 """End-to-end: `python -m minisgl serve` as real processes, driven by the official openai client.
 
 Two servers per module (each started once): `server` with default flags, and
-`server_dyn` with --enable-dynamic-batch-tokenizer and --api-key. The oracle for text is
+`server_dyn` with --enable-dynamic-batch-tokenizer, --api-key and compact JSON for
+structured output. The oracle for text is
 the in-process Engine on the same tiny model, greedy. The last test kills server_dyn's
 scheduler and expects the server to exit non-zero within seconds.
 """
@@ -76,7 +77,8 @@ def server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 @pytest.fixture(scope="module")
 def server_dyn(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log = str(tmp_path_factory.mktemp("srv") / "server_dyn.log")
-    s = Server(tiny_model, log, "--enable-dynamic-batch-tokenizer", "--api-key", "sekret", "--visualize")
+    s = Server(tiny_model, log, "--enable-dynamic-batch-tokenizer", "--api-key", "sekret", "--visualize",
+               "--constrained-json-disable-any-whitespace")  # fmt: skip
     yield s
     s.stop()
 
@@ -252,6 +254,19 @@ def test_logit_bias_bans_and_forces_tokens(server: Server, engine: Any) -> None:
     chat = client.chat.completions.create(model=server.model, messages=_chat_msgs("hi"), max_tokens=4, temperature=1.0,
                                           logit_bias={str(forced): 100}, extra_body={"ignore_eos": True})  # fmt: skip
     assert chat.choices[0].message.content == engine.tokenizer.decode([forced] * 4)
+
+
+def test_regex_and_json_schema_constrain_the_openai_routes(server: Server) -> None:
+    """The tiny model's random weights write noise: only the grammar makes these texts match."""
+    client = _client(server)
+    phone = r"[0-9]{3}-[a-z]{2,5}"
+    r = client.chat.completions.create(model=server.model, messages=_chat_msgs("Call me"), max_tokens=32,
+                                       extra_body={"regex": phone})  # fmt: skip
+    assert re.fullmatch(phone, r.choices[0].message.content) and r.choices[0].finish_reason == "stop"
+    colours = {"type": "json_schema", "json_schema": {"name": "c", "schema": {"enum": ["red", "green"]}}}
+    stream = client.completions.create(model=server.model, prompt="A colour:", max_tokens=32, stream=True,
+                                       extra_body={"response_format": colours})  # fmt: skip
+    assert json.loads("".join(c.choices[0].text for c in stream)) in ("red", "green")
 
 
 def test_logprobs_shape(server: Server) -> None:
@@ -499,7 +514,8 @@ def test_client_disconnect_aborts_and_frees_kv(server: Server) -> None:
         ({"max_tokens": -3}, "max_tokens"),
         ({"temperature": 9.0}, "temperature"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "structural_tag"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}}, "Invalid json_schema"),
         ({"logit_bias": {"5": 1000.0}}, "logit_bias"),
         ({"messages": [{"role": "user", "content": "word " * 3000}]}, "context length"),
     ],
@@ -594,6 +610,34 @@ def test_sigterm_shuts_everything_down_cleanly(server: Server) -> None:
         while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not os.path.exists(f"/proc/{pid}"), f"child {pid} outlived the server"
+
+
+# --------------------------------------------------------------------------- structured output
+def test_the_openai_clients_parse_helper_gets_its_pydantic_object(server_dyn: Server) -> None:
+    """client.chat.completions.parse sends a strict json_schema built from the model class and
+    validates the answer against it: the whole OpenAI structured-output round trip."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Pet(BaseModel):
+        kind: Literal["cat", "dog"]
+        legs: int
+        vaccinated: bool
+
+    client = _client(server_dyn, api_key="sekret")
+    r = client.chat.completions.parse(model=server_dyn.model, messages=_chat_msgs("A pet?"), response_format=Pet,
+                                      max_tokens=48, temperature=0.8)  # fmt: skip
+    assert r.choices[0].finish_reason == "stop"
+    pet = r.choices[0].message.parsed
+    assert isinstance(pet, Pet) and pet.kind in ("cat", "dog")
+    json_object = client.chat.completions.create(model=server_dyn.model, messages=_chat_msgs("JSON?"), max_tokens=64,
+                                                 response_format={"type": "json_object"})  # fmt: skip
+    choice = json_object.choices[0]
+    if choice.finish_reason == "stop":  # (any object: a random model may still be inside it at max_tokens)
+        assert isinstance(json.loads(choice.message.content), dict)
+    else:
+        assert choice.message.content.startswith("{")
 
 
 # --------------------------------------------------------------------------- dynamic batch tokenizer, api key, crash

@@ -252,6 +252,7 @@ def prefix_warmups(samples: List["Sample"], tokenized: List[TokenizedGenerateReq
             warmed.add(sample.prompt_index)
             params = tok.sampling_params.copy()
             params.max_new_tokens, params.min_new_tokens = 0, 0
+            params.json_schema = params.regex = params.ebnf = None  # (it samples nothing: no grammar to compile)
             warmups.append(TokenizedGenerateReqInput(
                 rid=f"{sample.parent_rid}-prefix-{new_rid()}", input_text=tok.input_text, input_ids=tok.input_ids,
                 sampling_params=params, priority=tok.priority, created_time=tok.created_time,

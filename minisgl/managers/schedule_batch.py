@@ -151,6 +151,9 @@ class Req:
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
         self._special_stops: Optional[List[str]] = None  # (_stops_spelling_special_tokens, once)
+        # structured output: where the output stands in its grammar (constrained/xgrammar_backend.py),
+        # advanced by the output processor with every token; None without json_schema/regex/ebnf
+        self.grammar: Any = None
 
         # memory and prefix state
         self.req_pool_idx: Optional[int] = None
@@ -331,7 +334,9 @@ class Req:
                 self.finished_reason = FINISH_MATCHED_STR(matched=min(found)[2])
                 self.finished_len = len(self.output_ids)
                 return
-        if last_token in self._stop_token_ids():
+        if last_token in self._stop_token_ids() or (self.grammar is not None and self.grammar.is_terminated()):
+            # (a grammar ends after it accepts a stop token: that token, as SGLang reports it,
+            # even under ignore_eos, which only lets the grammar's output run on inside it)
             self.finished_reason = FINISH_MATCHED_TOKEN(matched=last_token)
             self.finished_len = len(self.output_ids)
             return

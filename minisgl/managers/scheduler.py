@@ -23,6 +23,7 @@ import logging
 import time
 from typing import Any, Dict, List, Optional, Union
 
+from minisgl.constrained.xgrammar_backend import GrammarBackend
 from minisgl.managers.io_struct import (
     AbortReq,
     BatchTokenIDOutput,
@@ -84,6 +85,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_token_ids = set(self.model_config.hf_eos_token_ids) | ({tokenizer_eos} if tokenizer_eos is not None else set())
 
+        self._grammar_backend: Optional[GrammarBackend] = None  # (get_grammar_backend, at first use)
         self.waiting_queue: List[Req] = []
         self.running_batch = self._empty_batch()
         self.cur_batch: Optional[ScheduleBatch] = None
@@ -191,8 +193,28 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
                 f"logprob_start_len={req.logprob_start_len} is higher than the number of input tokens "
                 f"{len(req.origin_input_ids)}. Request with a lower logprob_start_len."
             )
+        elif req.sampling_params.grammar_key is not None:
+            try:
+                req.grammar = self.get_grammar_backend().get_grammar(req.sampling_params.grammar_key)
+            except (ValueError, ImportError) as e:  # (SGLang aborts an invalid grammar the same way)
+                req.set_finish_with_abort(str(e))
         self._add_request_to_queue(req)
         return req
+
+    def get_grammar_backend(self) -> GrammarBackend:
+        """The grammar compiler (structured output), built at the first request that needs it:
+        a server that never sees one never imports xgrammar. ValueError / ImportError say why
+        there is none."""
+        if self.server_args.grammar_backend == "none":
+            raise ValueError("Structured output is off on this server (--grammar-backend none)")
+        if self._grammar_backend is None:
+            if self.tokenizer is None:
+                raise ValueError("Structured output needs the tokenizer: the grammar is compiled against its vocabulary")
+            self._grammar_backend = GrammarBackend(
+                self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+                any_whitespace=not self.server_args.constrained_json_disable_any_whitespace,
+            )  # fmt: skip
+        return self._grammar_backend
 
     def init_req_max_new_tokens(self, req: Req) -> None:
         """The single most important clamp: prompt + output must fit max_req_len."""

@@ -20,7 +20,7 @@ import torch
 
 from minisgl.layers.logits_processor import InputLogprobs
 from minisgl.managers.io_struct import BatchTokenIDOutput
-from minisgl.managers.schedule_batch import Req, ScheduleBatch, release_kv_cache
+from minisgl.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch, release_kv_cache
 
 # a non-streaming request still emits every 50 tokens, keeping the detokenizer incremental
 DEFAULT_FORCE_STREAM_INTERVAL = 50
@@ -72,6 +72,7 @@ class SchedulerOutputProcessorMixin:
             req.finish_input_logprobs()
             req.output_ids.append(int(token))
             self._append_logprobs(req, logprobs, i)
+            self._advance_grammar(req)
             req.check_finished()
             if req.finished():
                 self._release_finished(req)
@@ -90,6 +91,7 @@ class SchedulerOutputProcessorMixin:
                 continue
             req.output_ids.append(int(token))
             self._append_logprobs(req, logprobs, i)
+            self._advance_grammar(req)
             req.check_finished()
             if req.finished():
                 self._release_finished(req)
@@ -112,6 +114,21 @@ class SchedulerOutputProcessorMixin:
         if req.token_ids_logprob and token_ids_lps is not None:
             req.output_token_ids_logprobs_val.append([float(v) for v in token_ids_lps[i]])
             req.output_token_ids_logprobs_idx.append(list(req.token_ids_logprob))
+
+    @staticmethod
+    def _advance_grammar(req: Req) -> None:
+        """Feed the token just appended to the request's grammar, before check_finished reads
+        whether the grammar ended. A token the grammar refuses (the mask let through none it
+        allows: min_new_tokens held back the stop token the finished output needed) aborts
+        the request without that token."""
+        if req.grammar is None or req.to_finish is not None:
+            return
+        try:
+            req.grammar.accept_token(req.output_ids[-1])
+        except ValueError as e:
+            req.to_finish = FINISH_ABORT(
+                f"Structured output stopped: {e} (min_new_tokens can hold back the stop token a finished output needs)"
+            )
 
     def _release_finished(self, req: Req, detail: Optional[str] = None) -> None:
         """Finished: KV of origin + output[:-1] goes into the tree, the row is freed; one

@@ -5,7 +5,7 @@ ModelRunner.sample(logits_output, sampling_info) -> apply_logits_bias + Sampler.
 Built afresh for every forward from the batch's requests (SGLang's `from_schedule_batch`
 is kept and filtered/merged with the batch instead; see penalties.py for why not here).
 In: the batch's Reqs (reads `sampling_params`, `output_ids`, `origin_input_ids`,
-`return_logprob`, `top_logprobs_num`, `logit_bias`); out: tensors the sampler reads.
+`return_logprob`, `top_logprobs_num`, `logit_bias`, `grammar`); out: tensors the sampler reads.
 
 `SamplingParams.normalize` already mapped greedy (temperature ~0) to temperature 1 with
 top_k 1 and top_k -1 to "all"; here top_k is clipped to the vocabulary.
@@ -21,6 +21,7 @@ from typing import Any, List, Optional, Sequence, Set
 
 import torch
 
+from minisgl.constrained.xgrammar_backend import allocate_vocab_mask, apply_vocab_mask
 from minisgl.sampling.penalties import BatchedPenalizerOrchestrator
 
 
@@ -43,6 +44,9 @@ class SamplingBatchInfo:
     vocab_size: int
     penalizer_orchestrator: Optional[BatchedPenalizerOrchestrator] = None
     logit_bias: Optional[torch.Tensor] = None  # [bs, V] float32, None when no request has a logit_bias
+    # [bs, ceil(V / 32)] int32 bitmask of the tokens each request's grammar allows next (all
+    # bits set in rows without one), None when no request has a grammar
+    vocab_mask: Optional[torch.Tensor] = None
 
     @classmethod
     def from_reqs(
@@ -76,19 +80,23 @@ class SamplingBatchInfo:
             vocab_size=vocab_size,
             penalizer_orchestrator=BatchedPenalizerOrchestrator.from_reqs(reqs, vocab_size, device, eos_token_ids or set()),
             logit_bias=_logit_bias_rows(params, vocab_size, device),
+            vocab_mask=_vocab_mask_rows(reqs, vocab_size, device),
         )
 
     @property
     def needs_logits_bias(self) -> bool:
         """Whether apply_logits_bias changes anything (otherwise the sampler reads the model's logits as they are)."""
-        return self.penalizer_orchestrator is not None or self.logit_bias is not None
+        return self.penalizer_orchestrator is not None or self.logit_bias is not None or self.vocab_mask is not None
 
     def apply_logits_bias(self, logits: torch.Tensor) -> None:
-        """Penalties and min_new_tokens, then logit_bias, in place on logits [bs, V] (sglang-facts.md §11.1)."""
+        """Penalties and min_new_tokens, then logit_bias, then the grammars' vocab mask, in place on
+        logits [bs, V] (sglang-facts.md §11.1; SGLang applies the mask last too)."""
         if self.penalizer_orchestrator is not None:
             self.penalizer_orchestrator.apply(logits)
         if self.logit_bias is not None:
             logits += self.logit_bias  # (-inf from min_new_tokens stays -inf: biases are finite)
+        if self.vocab_mask is not None:
+            apply_vocab_mask(logits, self.vocab_mask)
 
 
 def _logit_bias_rows(params: Sequence[Any], vocab_size: int, device: str) -> Optional[torch.Tensor]:
@@ -101,3 +109,19 @@ def _logit_bias_rows(params: Sequence[Any], vocab_size: int, device: str) -> Opt
             ids, values = p.logit_bias_tensors(device)
             bias[i, ids] = values
     return bias
+
+
+def _vocab_mask_rows(reqs: Sequence[Any], vocab_size: int, device: str) -> Optional[torch.Tensor]:
+    """The batch's grammar bitmask (constrained/xgrammar_backend.py), or None when no request has a grammar.
+
+    Filled on the CPU (xgrammar's matchers write host memory), then moved: a few bytes per row.
+    A request whose grammar has terminated has finished, so it is never in a batch.
+    """
+    grammars = [getattr(r, "grammar", None) for r in reqs]
+    if all(g is None for g in grammars):
+        return None
+    mask = allocate_vocab_mask(len(reqs), vocab_size)  # [bs, ceil(V / 32)]
+    for i, grammar in enumerate(grammars):
+        if grammar is not None:
+            grammar.fill_vocab_mask(mask, i)
+    return mask.to(device)

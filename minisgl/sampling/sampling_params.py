@@ -15,6 +15,7 @@ Greedy: a temperature below 1e-6 becomes temperature 1.0 with top_k 1, as in SGL
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
@@ -28,9 +29,11 @@ FLOAT32_MAX = 3.4028234663852886e38
 MAX_N = 128  # samples per prompt: each is a whole request, and one client must not fill the server
 MAX_TOP_LOGPROBS_NUM = 20  # OpenAI's bound on top_logprobs; the server holds /generate to it too
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value, [-100, 100]: -100 bans a token, 100 forces it
-# SGLang's sampling keys for what minisgl does not build (structured output, custom processors):
-# null, their default, is accepted as leaving them out; any other value is refused by name
-UNSUPPORTED_SAMPLING_KEYS = frozenset({"regex", "json_schema", "ebnf", "structural_tag", "stop_regex", "custom_params"})
+# SGLang's sampling keys for what minisgl does not build (structural tags, stop regexes, custom
+# processors): null, their default, is accepted as leaving them out; any other value is refused by name
+UNSUPPORTED_SAMPLING_KEYS = frozenset({"structural_tag", "stop_regex", "custom_params"})
+# the keys that constrain the output to a grammar (structured output; at most one per request)
+GRAMMAR_KEYS = ("json_schema", "regex", "ebnf")
 # the knobs a model's generation_config.json may set (SGLang's get_default_sampling_params)
 GENERATION_CONFIG_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -57,6 +60,11 @@ class SamplingParams:
     stream_interval: Optional[int] = None
     # token id (a decimal string, as JSON object keys are) -> added to its logit before sampling
     logit_bias: Optional[Dict[str, float]] = None
+    # structured output (constrained/xgrammar_backend.py): the output must match a JSON schema
+    # (its JSON text), a regular expression or an EBNF grammar (GBNF-style, xgrammar's dialect)
+    json_schema: Optional[str] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
     # filled by normalize(): stop strings as a list, and their longest length in tokens
     stop_strs: List[str] = field(default_factory=list)
     stop_str_max_len: int = 0
@@ -65,7 +73,7 @@ class SamplingParams:
         "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p",
         "frequency_penalty", "presence_penalty", "repetition_penalty", "stop", "stop_token_ids",
         "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
-        "seed", "n", "stream_interval", "logit_bias",
+        "seed", "n", "stream_interval", "logit_bias", "json_schema", "regex", "ebnf",
     )  # fmt: skip
 
     @classmethod
@@ -87,7 +95,10 @@ class SamplingParams:
                 d["seed"] = seed
         unsupported = sorted(set(d) & UNSUPPORTED_SAMPLING_KEYS)
         if unsupported:
-            raise ValueError(f"Sampling parameter(s) {unsupported} are not supported by minisgl (no structured output or custom processors)")
+            raise ValueError(
+                f"Sampling parameter(s) {unsupported} are not supported by minisgl (structured output takes "
+                f"json_schema, regex or ebnf; there are no structural tags, stop regexes or custom processors)"
+            )
         unknown = sorted(set(d) - set(cls.KEYS))
         if unknown:
             raise ValueError(f"Unknown sampling parameter(s) {unknown}; supported: {list(cls.KEYS)}")
@@ -160,6 +171,23 @@ class SamplingParams:
                 bad = sorted(int(k) for k in self.logit_bias if not 0 <= int(k) < vocab_size)
                 if bad:
                     raise ValueError(f"logit_bias token ids {bad} are outside the vocabulary [0, {vocab_size})")
+        grammars = [key for key in GRAMMAR_KEYS if getattr(self, key) is not None]
+        if len(grammars) > 1:
+            raise ValueError(f"Only one of regex, json_schema, or ebnf can be set, got {grammars}")
+        if self.json_schema is not None:
+            try:
+                json.loads(self.json_schema)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"json_schema must be the JSON text of a JSON schema: {e}") from None
+
+    @property
+    def grammar_key(self) -> Optional[Tuple[str, str]]:
+        """(type, text) of the grammar the output must match (SGLang's grammar cache key), or None."""
+        for key in GRAMMAR_KEYS:
+            text = getattr(self, key)
+            if text is not None:
+                return key, text
+        return None
 
     def logit_bias_tensors(self, device: Any) -> Tuple[Any, Any]:
         """(token ids, biases) of logit_bias as tensors on `device`, built once per request.
@@ -214,6 +242,9 @@ def check_type(key: str, value: Any) -> None:
         for s in strs:
             if lone_surrogate_at(s) is not None:  # (JSON "\\ud800"): no tokenizer can encode it
                 raise ValueError(f"stop strings must be valid Unicode, got {s!r} (a lone surrogate)")
+    if key in GRAMMAR_KEYS and value is not None and not isinstance(value, str):
+        hint = " (its JSON text: json.dumps(schema))" if key == "json_schema" else ""
+        raise ValueError(f"{key} must be a string{hint}, {got}")
     if key == "stop_token_ids" and value is not None:
         if not isinstance(value, list) or not all(_is_int(t) for t in value):
             raise ValueError(f"stop_token_ids must be a list of integers, {got}")

@@ -5,13 +5,14 @@ Where it sits: the HTTP routes validate the body into `ChatCompletionRequest` /
 `to_sampling_params`, and build the responses and stream chunks defined here.
 
 Every request model is `extra="forbid"` and `strict=True`: a field minisgl does not
-implement (tools, response_format, ...) or a value of the wrong type is a
+implement (tools, audio, ...) or a value of the wrong type is a
 400 that names the field, never silently ignored (STYLE.md). Only int -> float is
 coerced, as JSON has a single number type.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, ClassVar, Dict, FrozenSet, List, Literal, Optional, Union
 
@@ -27,7 +28,7 @@ _STRICT = ConfigDict(extra="forbid", strict=True)
 # them lets the error say "not supported" rather than "unknown" (the 400 is the same either way).
 UNSUPPORTED_FIELDS = frozenset(
     {
-        "tools", "tool_choice", "functions", "function_call", "response_format",
+        "tools", "tool_choice", "functions", "function_call",
         "parallel_tool_calls", "audio", "modalities", "prediction", "reasoning_effort", "store",
         "metadata", "service_tier", "web_search_options", "suffix", "best_of", "user",
         "priority", "lora_path", "image_data", "return_hidden_states", "custom_logit_processor",
@@ -35,7 +36,7 @@ UNSUPPORTED_FIELDS = frozenset(
         "audio_data", "video_data", "input_embeds", "session_params", "separate_reasoning", "bootstrap_host",
         "bootstrap_port", "bootstrap_room", "data_parallel_rank", "extra_key", "cache_salt", "continuous_usage_stats",
     }
-    | UNSUPPORTED_SAMPLING_KEYS  # (SGLang's structured output: sampling keys on /generate, top-level fields here)
+    | UNSUPPORTED_SAMPLING_KEYS  # (SGLang's sampling keys on /generate, top-level fields here)
 )  # fmt: skip
 
 # /generate fields SGLang types as nullable: null is their default there
@@ -101,6 +102,43 @@ NULL_MEANS_DEFAULT = frozenset({"frequency_penalty", "presence_penalty", "n", "l
 _BUILTIN_DEFAULTS = {key: getattr(SamplingParams(), key) for key in GENERATION_CONFIG_SAMPLING_KEYS}
 
 
+class JsonSchemaResponseFormat(BaseModel):
+    """response_format's json_schema object (OpenAI's): the output is a JSON document matching `schema`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str
+    description: Optional[str] = None
+    schema_: Optional[Dict[str, Any]] = Field(default=None, alias="schema")  # (a pydantic BaseModel has .schema)
+    strict: Optional[bool] = False
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: plain text, any JSON object, or JSON matching a schema."""
+
+    model_config = _STRICT
+    type: str
+    json_schema: Optional[JsonSchemaResponseFormat] = None
+
+    @model_validator(mode="after")
+    def _known_type(self) -> "ResponseFormat":
+        if self.type not in ("text", "json_object", "json_schema"):
+            raise ValueError(
+                f"response_format type {self.type!r} is not supported by minisgl; use text, json_object or json_schema"
+            )
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}')
+        return self
+
+    def grammar(self) -> Dict[str, str]:
+        """The sampling key it constrains the output with (SGLang's mapping, §10.3): json_object is
+        the schema {"type": "object"}; text constrains nothing."""
+        if self.type == "json_object":
+            return {"json_schema": '{"type": "object"}'}
+        if self.type == "json_schema" and self.json_schema is not None:
+            return {"json_schema": json.dumps(self.json_schema.schema_)}
+        return {}
+
+
 class _SamplingFields(BaseModel):
     """Sampling fields shared by chat and completions (sglang-facts.md §10.3)."""
 
@@ -110,13 +148,9 @@ class _SamplingFields(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _drop_nulls_that_mean_default(cls, data: Any) -> Any:
-        # An unsupported field set to null, or response_format asking for plain text, asks for
-        # nothing minisgl does not do (clients that fill every field send them): the same as
-        # leaving it out, where any other value of it is a 400.
-        data = _drop_nulls(data, cls.null_means_default)
-        if isinstance(data, dict) and data.get("response_format") == {"type": "text"}:
-            data = {k: v for k, v in data.items() if k != "response_format"}
-        return data
+        # An unsupported field set to null asks for nothing minisgl does not do (clients that
+        # fill every field send them): the same as leaving it out, where any other value is a 400.
+        return _drop_nulls(data, cls.null_means_default)
 
     model: str
     temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
@@ -137,6 +171,11 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
+    # structured output: OpenAI's response_format, or SGLang's own fields (at most one of them)
+    response_format: Optional[ResponseFormat] = None
+    json_schema: Optional[str] = None  # a JSON schema's text
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     rid: Optional[str] = None
@@ -167,6 +206,13 @@ class _SamplingFields(BaseModel):
         }
         if self.logit_bias:  # (checked by SamplingParams: decimal ids inside the vocabulary, values in [-100, 100])
             params["logit_bias"] = self.logit_bias
+        grammars = {key: getattr(self, key) for key in ("json_schema", "regex", "ebnf") if getattr(self, key) is not None}
+        if self.response_format is not None:
+            from_format = self.response_format.grammar()
+            if from_format and grammars:
+                raise ValueError(f"response_format {self.response_format.type} and {sorted(grammars)} both constrain the output: give one")
+            grammars.update(from_format)
+        params.update(grammars)  # (SamplingParams.verify refuses two of them, and a json_schema that is not JSON)
         return params
 
 

@@ -1,0 +1,1 @@
+"""Structured output: grammars that constrain which tokens a request may sample (SGLang's srt/constrained)."""

@@ -1,0 +1,137 @@
+"""Grammar backend (stage 3, inside the Scheduler): a request's json_schema / regex / ebnf ->
+a matcher that says, before every sample, which tokens keep the output inside the grammar.
+
+Where it sits: Scheduler.handle_generate_request -> GrammarBackend.get_grammar(key) ->
+`Req.grammar` (one Grammar per request, never sent across a process boundary). Before each
+sample, SamplingBatchInfo.from_reqs asks every such request's Grammar to fill its row of the
+batch's vocab mask (`fill_vocab_mask`), and `apply_vocab_mask` sets the forbidden tokens'
+logits to -inf after the penalties and logit_bias. After each sample, the output processor
+feeds the token to `accept_token`; a grammar that reached its end (`is_terminated`, after it
+accepted a stop token) finishes the request (Req.check_finished).
+
+The grammar machinery is xgrammar's, as SGLang's default backend: it compiles a grammar
+against the tokenizer's vocabulary once (cached by its (type, text) key, as SGLang's
+grammar cache), and its matcher fills a bitmask of 32 tokens per int32 in microseconds.
+xgrammar is an optional dependency (`pip install "minisgl[grammar]"`): it pulls in triton,
+a gigabyte the CPU engine has no other use for; a server without it refuses structured
+output requests with a 400 that says what to install.
+
+Unlike SGLang, a grammar compiles in the scheduler's own pass, not in a thread pool with a
+"grammar queue" that requests wait in: on a CPU the compile would take a core from the
+forward either way, and a cached grammar (every request after the first with the same
+schema) costs nothing. A large schema's first request stalls one scheduling pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import OrderedDict
+from typing import Any, Iterable, Tuple
+
+import torch
+
+logger = logging.getLogger("minisgl.constrained")
+
+# compiled grammars kept (SGLang keeps them all; a long-running server with a schema per
+# request would grow without bound)
+GRAMMAR_CACHE_SIZE = 256
+XGRAMMAR_MISSING = (
+    "Structured output (json_schema, regex, ebnf, response_format) needs xgrammar, which is not installed: "
+    'pip install "minisgl[grammar]" (or pip install xgrammar), then restart the server'
+)
+
+
+class Grammar:
+    """One request's place in its grammar (xgrammar's GrammarMatcher), advanced token by token."""
+
+    def __init__(self, matcher: Any) -> None:
+        self.matcher = matcher
+
+    def fill_vocab_mask(self, vocab_mask: torch.Tensor, idx: int) -> None:
+        """Row `idx` of vocab_mask [bs, ceil(V / 32)] int32: bit t set iff token t may come next."""
+        self.matcher.fill_next_token_bitmask(vocab_mask, idx)
+
+    def accept_token(self, token: int) -> None:
+        """Advance past `token`; ValueError if the grammar does not allow it there."""
+        if not self.matcher.accept_token(token):
+            raise ValueError(f"token {token} does not continue the output inside its grammar")
+
+    def is_terminated(self) -> bool:
+        """The output is complete and the grammar accepted a stop token after it."""
+        return self.matcher.is_terminated()
+
+
+class GrammarBackend:
+    """Compiles grammars against one tokenizer's vocabulary (SGLang's XGrammarGrammarBackend).
+
+    `vocab_size` is the model's (the logits' width), which may exceed the tokenizer's: the
+    ids past the tokenizer are never allowed. `stop_token_ids` are the ids that end a
+    grammar's output (the scheduler's EOS set).
+    """
+
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int], any_whitespace: bool = True
+    ) -> None:
+        try:
+            import xgrammar
+        except ImportError as e:
+            raise ImportError(XGRAMMAR_MISSING) from e
+        self._xgr = xgrammar
+        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids))
+        # one thread: the scheduler's pass waits for the compile anyway, and the forward's
+        # OpenMP threads already own the cores
+        self.compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.vocab_size = vocab_size
+        self.any_whitespace = any_whitespace
+        self._cache: "OrderedDict[Tuple[str, str], Any]" = OrderedDict()
+
+    def get_grammar(self, key: Tuple[str, str]) -> Grammar:
+        """A fresh matcher for (type, text), type "json_schema", "regex" or "ebnf" (SamplingParams.grammar_key);
+        ValueError (a 400) naming the field when the text does not compile."""
+        compiled = self._cache.get(key)
+        if compiled is None:
+            compiled = self._compile(*key)
+            self._cache[key] = compiled
+            if len(self._cache) > GRAMMAR_CACHE_SIZE:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        return Grammar(self._xgr.GrammarMatcher(compiled))
+
+    def _compile(self, kind: str, text: str) -> Any:
+        try:
+            if kind == "json_schema":
+                return self.compiler.compile_json_schema(text, any_whitespace=self.any_whitespace)
+            if kind == "regex":
+                return self.compiler.compile_regex(text)
+            if kind == "ebnf":
+                return self.compiler.compile_grammar(text)
+        except (RuntimeError, ValueError) as e:  # xgrammar's parse errors are RuntimeErrors
+            raise ValueError(f"Invalid {kind}: {_first_line(str(e))}") from None
+        raise ValueError(f"unknown grammar type {kind!r}; expected json_schema, regex or ebnf")
+
+
+def _first_line(message: str) -> str:
+    """xgrammar's message without its C++ source location ("[12:09:14] /project/cpp/x.cc:94: ")."""
+    line = (message.strip().splitlines() or [""])[0]
+    line = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", line)
+    return line.replace("Check failed: (error.empty()) is false: ", "")
+
+
+def allocate_vocab_mask(batch_size: int, vocab_size: int, device: Any = "cpu") -> torch.Tensor:
+    """[bs, ceil(V / 32)] int32, every bit set: every token allowed (the rows of requests without a grammar)."""
+    return torch.full((batch_size, (vocab_size + 31) // 32), -1, dtype=torch.int32, device=device)
+
+
+def apply_vocab_mask(logits: torch.Tensor, vocab_mask: torch.Tensor) -> None:
+    """logits [bs, V] in place: -inf wherever vocab_mask [bs, ceil(V / 32)] has the token's bit clear.
+
+    Token t is bit (t % 32) of word t // 32, least significant first (xgrammar's layout; its
+    apply_token_bitmask_inplace is the reference in the tests).
+    """
+    bs, vocab_size = logits.shape
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)  # [32]
+    bits = (vocab_mask.to(logits.device)[:, :, None] >> shifts) & 1  # [bs, W, 32]
+    allowed = bits.reshape(bs, -1)[:, :vocab_size].bool()  # [bs, V]
+    logits.masked_fill_(~allowed, float("-inf"))

@@ -1,0 +1,186 @@
+"""Structured output: json_schema / regex / ebnf constrain what a request samples.
+
+The tiny model has random weights, so without the grammar its text is noise: every check
+that the text matches its grammar fails if the mask is not applied.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import sys
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+from minisgl.constrained.xgrammar_backend import allocate_vocab_mask, apply_vocab_mask
+from minisgl.sampling.sampling_params import SamplingParams
+
+xgr = pytest.importorskip("xgrammar")  # (in the test extra: CI runs all of these)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PHONE = r"[0-9]{3}-[a-z]{2,5}"
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        # (not maxLength: xgrammar 0.2.9's length-bounded strings let raw control characters through)
+        "name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+        "color": {"enum": ["red", "green", "blue"]},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "count", "color", "ok"],
+    "additionalProperties": False,
+}
+SAMPLED = {"temperature": 1.0, "max_new_tokens": 64}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model: str) -> Iterator[Any]:
+    from minisgl import Engine
+
+    # compact JSON: with free whitespace a random model wanders through blanks until max_new_tokens
+    with Engine(tiny_model, device="cpu", max_total_tokens=4096, constrained_json_disable_any_whitespace=True) as e:
+        yield e
+
+
+# --------------------------------------------------------------------------- the mask
+@pytest.mark.parametrize("vocab_size", [4096, 1000, 33])
+def test_apply_vocab_mask_matches_xgrammars_kernel(vocab_size: int) -> None:
+    g = torch.Generator().manual_seed(vocab_size)
+    mask = torch.randint(-(2**31), 2**31 - 1, (3, (vocab_size + 31) // 32), dtype=torch.int32, generator=g)
+    mask[1] = -1  # a row without a grammar: nothing masked
+    logits = torch.randn(3, vocab_size, generator=g)
+    expected = logits.clone()
+    xgr.apply_token_bitmask_inplace(expected, mask)
+    apply_vocab_mask(logits, mask)
+    assert torch.equal(logits, expected)
+    assert torch.isfinite(logits[1]).all()
+
+
+def test_apply_vocab_mask_keeps_exactly_the_allowed_ids() -> None:
+    mask = allocate_vocab_mask(1, 100)
+    mask.zero_()
+    for token in (0, 31, 32, 99):  # the ends of a word, the start of the next, the last id
+        mask[0, token // 32] |= torch.tensor(1 << token % 32, dtype=torch.int64).to(torch.int32)
+    logits = torch.zeros(1, 100)
+    apply_vocab_mask(logits, mask)
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [0, 31, 32, 99]
+
+
+# --------------------------------------------------------------------------- SamplingParams
+def test_sampling_params_take_one_grammar_as_text() -> None:
+    p = SamplingParams.from_dict({"regex": PHONE})
+    p.verify()
+    assert p.grammar_key == ("regex", PHONE)
+    assert SamplingParams().grammar_key is None
+    with pytest.raises(ValueError, match=r"json_schema must be a string \(its JSON text: json.dumps\(schema\)\)"):
+        SamplingParams.from_dict({"json_schema": SCHEMA})
+    with pytest.raises(ValueError, match=r"Only one of regex, json_schema, or ebnf can be set, got \['json_schema', 'regex'\]"):
+        SamplingParams.from_dict({"regex": "a", "json_schema": "{}"}).verify()
+    with pytest.raises(ValueError, match="json_schema must be the JSON text of a JSON schema"):
+        SamplingParams.from_dict({"json_schema": "{'single': 'quotes'}"}).verify()
+
+
+# --------------------------------------------------------------------------- the Engine
+def test_regex_json_schema_and_ebnf_outputs_match_their_grammars(engine: Any) -> None:
+    outs = engine.generate(["My number is"] * 4, {**SAMPLED, "regex": PHONE})
+    texts = [o["text"] for o in outs]
+    assert all(re.fullmatch(PHONE, t) for t in texts), texts
+    assert len(set(texts)) > 1  # sampled, not a fixed string
+    eos = engine.tokenizer.eos_token_id
+    assert all(o["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos} for o in outs)
+
+    outs = engine.generate(["Describe it:"] * 4, {**SAMPLED, "json_schema": json.dumps(SCHEMA)})
+    for o in outs:
+        doc = json.loads(o["text"])
+        assert list(doc) == ["name", "count", "color", "ok"] and doc["color"] in SCHEMA["properties"]["color"]["enum"]
+        assert isinstance(doc["ok"], bool) and re.fullmatch("[a-z]{1,8}", doc["name"]) and 0 <= doc["count"] <= 99
+
+    out = engine.generate("Answer:", {**SAMPLED, "ebnf": 'root ::= "yes" | "no"'})
+    assert out["text"] in ("yes", "no")
+
+
+def test_greedy_grammar_output_is_the_best_allowed_token_at_each_step(engine: Any) -> None:
+    """Greedy under a grammar: each token is the argmax of the model's logits over the allowed ids."""
+    params = {"temperature": 0, "max_new_tokens": 8, "regex": "(cat|dog|bird)"}
+    out = engine.generate("Pick:", params, return_logprob=True, top_logprobs_num=3)
+    assert out["text"] in ("cat", "dog", "bird")
+    meta = out["meta_info"]
+    for (logprob, token, _), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"]):
+        assert top[0][1] == token and top[0][0] == logprob  # the chosen token is the best of what was allowed
+        assert logprob > -1e30  # and was allowed: its logprob is finite
+
+
+def test_a_bad_grammar_is_a_400_for_that_request_only(engine: Any) -> None:
+    outs = engine.generate(["a", "b", "c"], [{**SAMPLED, "regex": "[0-9"}, {**SAMPLED, "regex": PHONE},
+                                             {**SAMPLED, "json_schema": '{"type": "nope"}'}])  # fmt: skip
+    bad_regex, good, bad_schema = (o["meta_info"]["finish_reason"] for o in outs)
+    assert bad_regex["type"] == "abort" and bad_regex["status_code"] == 400
+    assert bad_regex["message"].startswith("Invalid regex:") and "/project/" not in bad_regex["message"]
+    assert bad_schema["type"] == "abort" and bad_schema["message"].startswith("Invalid json_schema:")
+    assert good["type"] == "stop" and re.fullmatch(PHONE, outs[1]["text"])
+    assert outs[0]["output_ids"] == [] and outs[2]["output_ids"] == []
+
+
+def test_n_samples_stream_and_the_cache_each_keep_their_grammar(engine: Any) -> None:
+    params = {**SAMPLED, "regex": PHONE, "n": 3}
+    outs = engine.generate("Call me at", params)
+    assert len(outs) == 3 and all(re.fullmatch(PHONE, o["text"]) for o in outs)
+    chunks = list(engine.generate("Call me at", {**SAMPLED, "regex": PHONE}, stream=True))
+    assert len(chunks) > 1 and re.fullmatch(PHONE, chunks[-1]["text"])
+    assert all(chunks[-1]["text"].startswith(c["text"]) for c in chunks)  # cumulative, each a prefix of the answer
+    again = engine.generate("Call me at", {**SAMPLED, "regex": PHONE})  # the prompt now comes from the radix cache
+    assert again["meta_info"]["cached_tokens"] > 0 and re.fullmatch(PHONE, again["text"])
+
+
+def test_min_new_tokens_that_outlasts_the_grammar_aborts_without_the_forced_token(engine: Any) -> None:
+    out = engine.generate("Answer:", {**SAMPLED, "ebnf": 'root ::= "yes" | "no"', "min_new_tokens": 10})
+    finish = out["meta_info"]["finish_reason"]
+    assert finish["type"] == "abort" and "min_new_tokens" in finish["message"]
+    assert out["text"] in ("yes", "no")  # the token the grammar refused is not part of the answer
+
+
+def test_ignore_eos_still_ends_at_the_grammars_end(engine: Any) -> None:
+    out = engine.generate("Answer:", {**SAMPLED, "ebnf": 'root ::= "yes" | "no"', "ignore_eos": True})
+    assert out["text"] in ("yes", "no") and out["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+def test_grammar_requests_survive_retraction_with_their_state(tiny_model: str) -> None:
+    """A small pool forces retractions (test_scheduler_retract.py's workload); a retracted
+    request keeps its output and its grammar's place, so after the re-prefill it goes on from
+    there: a grammar restarted at a retraction would write a second "x"."""
+    from minisgl import Engine
+
+    rng = random.Random(0)
+    regex = "x[0-9]+"
+    with Engine(tiny_model, device="cpu", max_total_tokens=200, chunked_prefill_size=-1, schedule_conservativeness=0.1) as e:
+        lengths = [rng.randrange(4, 36) for _ in range(48)]  # (min_new_tokens: the stop token waits till the end)
+        rids = [
+            e.add_request(input_ids=[rng.randrange(10, 400) for _ in range(12)],
+                          sampling_params={**SAMPLED, "max_new_tokens": n, "min_new_tokens": n, "regex": regex})
+            for n in lengths
+        ]  # fmt: skip
+        retracted = 0
+        while e.has_unfinished_requests():
+            retracted += sum(ev["type"] == "retract" for ev in e.step()["events"])
+            e.scheduler.check_integrity()
+        outs = [e.get_result(r) for r in rids]
+    assert retracted > 0
+    assert [len(o["output_ids"]) for o in outs] == lengths
+    assert all(re.fullmatch(regex, o["text"]) for o in outs), [o["text"] for o in outs]
+
+
+def test_grammar_backend_none_and_a_missing_xgrammar_refuse_with_what_to_do(tiny_model: str, monkeypatch: Any) -> None:
+    from minisgl import Engine
+
+    with Engine(tiny_model, device="cpu", max_total_tokens=1024, grammar_backend="none") as e:
+        finish = e.generate("a", {"regex": "a"})["meta_info"]["finish_reason"]
+        assert finish["status_code"] == 400 and "--grammar-backend none" in finish["message"]
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # (import xgrammar raises ImportError)
+    with Engine(tiny_model, device="cpu", max_total_tokens=1024) as e:
+        finish = e.generate("a", {"regex": "a"})["meta_info"]["finish_reason"]
+        assert finish["status_code"] == 400 and 'pip install "minisgl[grammar]"' in finish["message"]
+        assert e.generate("a", {"max_new_tokens": 2})["meta_info"]["finish_reason"]["type"] == "length"
