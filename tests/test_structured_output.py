@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from minisgl.constrained.xgrammar_backend import allocate_vocab_mask, apply_vocab_mask
+from minisgl.constrained.xgrammar_backend import allocate_vocab_mask, apply_vocab_mask, apply_vocab_mask_reference
 from minisgl.sampling.sampling_params import SamplingParams
 
 xgr = pytest.importorskip("xgrammar")  # (in the test extra: CI runs all of these)
@@ -48,26 +48,28 @@ def engine(tiny_model: str) -> Iterator[Any]:
 
 # --------------------------------------------------------------------------- the mask
 @pytest.mark.parametrize("vocab_size", [4096, 1000, 33])
-def test_apply_vocab_mask_matches_xgrammars_kernel(vocab_size: int) -> None:
+def test_apply_vocab_mask_matches_its_torch_reference_on_the_grammar_rows(vocab_size: int) -> None:
     g = torch.Generator().manual_seed(vocab_size)
     mask = torch.randint(-(2**31), 2**31 - 1, (3, (vocab_size + 31) // 32), dtype=torch.int32, generator=g)
-    mask[1] = -1  # a row without a grammar: nothing masked
     logits = torch.randn(3, vocab_size, generator=g)
     expected = logits.clone()
-    xgr.apply_token_bitmask_inplace(expected, mask)
-    apply_vocab_mask(logits, mask)
-    assert torch.equal(logits, expected)
-    assert torch.isfinite(logits[1]).all()
+    apply_vocab_mask_reference(expected, mask)
+    kernel = logits.clone()
+    apply_vocab_mask(kernel, mask, rows=[0, 2])
+    assert torch.equal(kernel[[0, 2]], expected[[0, 2]])
+    assert torch.equal(kernel[1], logits[1])  # a row without a grammar is not touched
+    assert torch.isinf(expected).any() and not torch.isinf(logits).any()
 
 
-def test_apply_vocab_mask_keeps_exactly_the_allowed_ids() -> None:
-    mask = allocate_vocab_mask(1, 100)
-    mask.zero_()
+def test_the_reference_keeps_exactly_the_allowed_ids() -> None:
+    mask = allocate_vocab_mask(2, 100)
+    mask[0] = 0
     for token in (0, 31, 32, 99):  # the ends of a word, the start of the next, the last id
         mask[0, token // 32] |= torch.tensor(1 << token % 32, dtype=torch.int64).to(torch.int32)
-    logits = torch.zeros(1, 100)
-    apply_vocab_mask(logits, mask)
+    logits = torch.zeros(2, 100)
+    apply_vocab_mask_reference(logits, mask)
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [0, 31, 32, 99]
+    assert torch.isfinite(logits[1]).all()  # allocate_vocab_mask's rows allow everything
 
 
 # --------------------------------------------------------------------------- SamplingParams

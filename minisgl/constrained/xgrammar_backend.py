@@ -4,8 +4,8 @@ a matcher that says, before every sample, which tokens keep the output inside th
 Where it sits: Scheduler.handle_generate_request -> GrammarBackend.get_grammar(key) ->
 `Req.grammar` (one Grammar per request, never sent across a process boundary). Before each
 sample, SamplingBatchInfo.from_reqs asks every such request's Grammar to fill its row of the
-batch's vocab mask (`fill_vocab_mask`), and `apply_vocab_mask` sets the forbidden tokens'
-logits to -inf after the penalties and logit_bias. After each sample, the output processor
+batch's vocab mask (`fill_vocab_mask`), and `apply_vocab_mask` (xgrammar's kernel; a torch
+reference beside it) sets the forbidden tokens' logits to -inf after the penalties and logit_bias. After each sample, the output processor
 feeds the token to `accept_token`; a grammar that reached its end (`is_terminated`, after it
 accepted a stop token) finishes the request (Req.check_finished).
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import re
 from collections import OrderedDict
-from typing import Any, Iterable, Tuple
+from typing import Any, Iterable, List, Tuple
 
 import torch
 
@@ -124,11 +124,24 @@ def allocate_vocab_mask(batch_size: int, vocab_size: int, device: Any = "cpu") -
     return torch.full((batch_size, (vocab_size + 31) // 32), -1, dtype=torch.int32, device=device)
 
 
-def apply_vocab_mask(logits: torch.Tensor, vocab_mask: torch.Tensor) -> None:
-    """logits [bs, V] in place: -inf wherever vocab_mask [bs, ceil(V / 32)] has the token's bit clear.
+def apply_vocab_mask(logits: torch.Tensor, vocab_mask: torch.Tensor, rows: List[int]) -> None:
+    """logits [bs, V] in place: -inf in `rows` wherever vocab_mask [bs, ceil(V / 32)] has the token's bit clear.
 
-    Token t is bit (t % 32) of word t // 32, least significant first (xgrammar's layout; its
-    apply_token_bitmask_inplace is the reference in the tests).
+    xgrammar's kernel (C++ on the CPU, Triton/CUDA on a GPU), as SGLang's: on the rows that
+    have a grammar only, where the torch reference below reads every row. At the built-in
+    model's 4,096 tokens and 64 rows it takes ~0.6 ms for all rows against the reference's
+    ~1.2 ms, and at a 152k vocabulary 20 ms against 75 ms (one thread); three constrained
+    rows of 64 take 0.03 ms and 1.5 ms.
+    """
+    import xgrammar  # (a vocab mask exists only when a grammar was compiled: xgrammar is there)
+
+    xgrammar.apply_token_bitmask_inplace(logits, vocab_mask.to(logits.device, non_blocking=True), indices=rows)
+
+
+def apply_vocab_mask_reference(logits: torch.Tensor, vocab_mask: torch.Tensor) -> None:
+    """The torch reference of apply_vocab_mask, on every row (a row of all ones changes nothing).
+
+    Token t is bit (t % 32) of word t // 32, least significant first (xgrammar's layout).
     """
     bs, vocab_size = logits.shape
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)  # [32]

@@ -45,8 +45,9 @@ class SamplingBatchInfo:
     penalizer_orchestrator: Optional[BatchedPenalizerOrchestrator] = None
     logit_bias: Optional[torch.Tensor] = None  # [bs, V] float32, None when no request has a logit_bias
     # [bs, ceil(V / 32)] int32 bitmask of the tokens each request's grammar allows next (all
-    # bits set in rows without one), None when no request has a grammar
+    # bits set in rows without one), None when no request has a grammar; the rows with one
     vocab_mask: Optional[torch.Tensor] = None
+    vocab_mask_rows: Optional[List[int]] = None
 
     @classmethod
     def from_reqs(
@@ -56,6 +57,8 @@ class SamplingBatchInfo:
         top_ks = [min(max(p.top_k, 1), vocab_size) for p in params]
         seeds = [p.seed for p in params]
         any_seed = any(s is not None for s in seeds)
+        grammar_rows = [i for i, r in enumerate(reqs) if getattr(r, "grammar", None) is not None]
+        vocab_mask = _vocab_mask(reqs, grammar_rows, vocab_size, device) if grammar_rows else None
         return cls(
             temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)[:, None],
             top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
@@ -80,7 +83,8 @@ class SamplingBatchInfo:
             vocab_size=vocab_size,
             penalizer_orchestrator=BatchedPenalizerOrchestrator.from_reqs(reqs, vocab_size, device, eos_token_ids or set()),
             logit_bias=_logit_bias_rows(params, vocab_size, device),
-            vocab_mask=_vocab_mask_rows(reqs, vocab_size, device),
+            vocab_mask=vocab_mask,
+            vocab_mask_rows=grammar_rows or None,
         )
 
     @property
@@ -95,8 +99,8 @@ class SamplingBatchInfo:
             self.penalizer_orchestrator.apply(logits)
         if self.logit_bias is not None:
             logits += self.logit_bias  # (-inf from min_new_tokens stays -inf: biases are finite)
-        if self.vocab_mask is not None:
-            apply_vocab_mask(logits, self.vocab_mask)
+        if self.vocab_mask is not None and self.vocab_mask_rows:
+            apply_vocab_mask(logits, self.vocab_mask, self.vocab_mask_rows)
 
 
 def _logit_bias_rows(params: Sequence[Any], vocab_size: int, device: str) -> Optional[torch.Tensor]:
@@ -111,17 +115,14 @@ def _logit_bias_rows(params: Sequence[Any], vocab_size: int, device: str) -> Opt
     return bias
 
 
-def _vocab_mask_rows(reqs: Sequence[Any], vocab_size: int, device: str) -> Optional[torch.Tensor]:
-    """The batch's grammar bitmask (constrained/xgrammar_backend.py), or None when no request has a grammar.
+def _vocab_mask(reqs: Sequence[Any], rows: List[int], vocab_size: int, device: str) -> torch.Tensor:
+    """The batch's grammar bitmask [bs, ceil(V / 32)] (constrained/xgrammar_backend.py): each
+    grammar row filled by its matcher, the others left all ones.
 
-    Filled on the CPU (xgrammar's matchers write host memory), then moved: a few bytes per row.
-    A request whose grammar has terminated has finished, so it is never in a batch.
+    Filled on the CPU (xgrammar's matchers write host memory), then moved: a few bytes per
+    row. A request whose grammar has terminated has finished, so it is never in a batch.
     """
-    grammars = [getattr(r, "grammar", None) for r in reqs]
-    if all(g is None for g in grammars):
-        return None
     mask = allocate_vocab_mask(len(reqs), vocab_size)  # [bs, ceil(V / 32)]
-    for i, grammar in enumerate(grammars):
-        if grammar is not None:
-            grammar.fill_vocab_mask(mask, i)
+    for i in rows:
+        reqs[i].grammar.fill_vocab_mask(mask, i)
     return mask.to(device)
