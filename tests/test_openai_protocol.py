@@ -134,7 +134,7 @@ def test_an_unsupported_field_that_asks_for_nothing_is_accepted(route: str) -> N
     else:
         CompletionRequest(model="m", prompt="hi", suffix=None, **asks_nothing)
         make = lambda **kw: CompletionRequest(model="m", prompt="hi", **kw)  # noqa: E731
-    for field, value in [("user", "alice"), ("response_format", {"type": "structural_tag"}), ("tools", [])]:
+    for field, value in [("user", "alice"), ("response_format", {"type": "structural_tag"}), ("functions", [])]:
         with pytest.raises(ValueError, match=field):
             make(**{field: value})
 
@@ -157,15 +157,16 @@ def _chat(client: TestClient, **body: Any) -> Any:
     [
         ({"messages": []}, "Messages cannot be empty"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "role"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "role"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "tool_call_id"),
+        ({"messages": [{"role": "function", "content": "x"}]}, "role"),
         ({"max_tokens": -1}, "max_tokens"),
         ({"temperature": 3.5}, "temperature"),
         ({"temperature": -0.1}, "temperature"),
         ({"temperature": "hot"}, "temperature"),
         ({"max_tokens": "4"}, "max_tokens"),
         ({"top_p": 0}, "top_p"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "'tools'"),
-        ({"tool_choice": "auto"}, "'tool_choice'"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 'tool_choice "auto" (the default when tools are given)'),
+        ({"functions": [{"name": "f"}]}, "'functions'"),
         ({"response_format": {"type": "structural_tag"}}, "response_format type 'structural_tag' is not supported"),
         ({"response_format": {"type": "json_schema"}}, "response_format json_schema needs"),
         ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "name"),
@@ -192,8 +193,10 @@ def test_bad_chat_requests_are_400_with_an_openai_error_body(client: TestClient,
 
 
 def test_unsupported_field_names_the_param(client: TestClient) -> None:
-    err = _chat(client, tools=[]).json()["error"]
-    assert err["param"] == "tools" and "not supported" in err["message"]
+    err = _chat(client, functions=[]).json()["error"]
+    assert err["param"] == "functions" and "not supported" in err["message"]
+    err = client.post("/v1/completions", json={"model": client.model, "prompt": "a", "tools": []}).json()["error"]
+    assert err["param"] == "tools" and "not supported" in err["message"]  # (chat's field only)
     # a batch whose n is not an int: a 400 naming it (check_same_n hashed it first: a 500)
     for params in ({"n": [1], "max_new_tokens": 1}, [{"n": {}}, {"n": 1}]):
         r = client.post("/generate", json={"text": ["a", "b"], "sampling_params": params})

@@ -618,16 +618,16 @@ def test_the_openai_clients_parse_helper_gets_its_pydantic_object(server_dyn: Se
     validates the answer against it: the whole OpenAI structured-output round trip."""
     from typing import Literal
 
-    from pydantic import BaseModel
+    from pydantic import BaseModel, Field
 
     class Pet(BaseModel):
         kind: Literal["cat", "dog"]
-        legs: int
+        legs: int = Field(ge=0, le=8)  # (a bound: a random model's unbounded integer runs to max_tokens)
         vaccinated: bool
 
     client = _client(server_dyn, api_key="sekret")
     r = client.chat.completions.parse(model=server_dyn.model, messages=_chat_msgs("A pet?"), response_format=Pet,
-                                      max_tokens=48, temperature=0.8)  # fmt: skip
+                                      max_tokens=128, temperature=0.8)  # fmt: skip
     assert r.choices[0].finish_reason == "stop"
     pet = r.choices[0].message.parsed
     assert isinstance(pet, Pet) and pet.kind in ("cat", "dog")
@@ -638,6 +638,26 @@ def test_the_openai_clients_parse_helper_gets_its_pydantic_object(server_dyn: Se
         assert isinstance(json.loads(choice.message.content), dict)
     else:
         assert choice.message.content.startswith("{")
+
+
+def test_a_forced_tool_call_through_the_openai_client(server_dyn: Server) -> None:
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}}}  # fmt: skip
+    client = _client(server_dyn, api_key="sekret")
+    for stream in (False, True):
+        # (a random model spells the call a character per token at worst: ~60 tokens)
+        args = dict(model=server_dyn.model, messages=_chat_msgs("Weather?"), max_tokens=128, tools=[weather],
+                    tool_choice={"type": "function", "function": {"name": "get_weather"}}, parallel_tool_calls=False)  # fmt: skip
+        if stream:
+            chunks = list(client.chat.completions.create(stream=True, **args))
+            (call,) = next(c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls)
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            choice = client.chat.completions.create(**args).choices[0]
+            (call,) = choice.message.tool_calls
+            finish = choice.finish_reason
+        assert finish == "tool_calls" and call.function.name == "get_weather"
+        assert json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
 
 
 # --------------------------------------------------------------------------- dynamic batch tokenizer, api key, crash

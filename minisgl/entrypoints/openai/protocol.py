@@ -28,13 +28,14 @@ _STRICT = ConfigDict(extra="forbid", strict=True)
 # them lets the error say "not supported" rather than "unknown" (the 400 is the same either way).
 UNSUPPORTED_FIELDS = frozenset(
     {
-        "tools", "tool_choice", "functions", "function_call",
-        "parallel_tool_calls", "audio", "modalities", "prediction", "reasoning_effort", "store",
+        "functions", "function_call", "audio", "modalities", "prediction", "reasoning_effort", "store",
         "metadata", "service_tier", "web_search_options", "suffix", "best_of", "user",
         "priority", "lora_path", "image_data", "return_hidden_states", "custom_logit_processor",
         # SGLang's own, on /generate or the OpenAI routes
         "audio_data", "video_data", "input_embeds", "session_params", "separate_reasoning", "bootstrap_host",
         "bootstrap_port", "bootstrap_room", "data_parallel_rank", "extra_key", "cache_salt", "continuous_usage_stats",
+        # chat's fields (forced tool calls, tool_calls.py), not /v1/completions' or /generate's
+        "tools", "tool_choice", "parallel_tool_calls",
     }
     | UNSUPPORTED_SAMPLING_KEYS  # (SGLang's sampling keys on /generate, top-level fields here)
 )  # fmt: skip
@@ -223,14 +224,70 @@ class ContentPart(BaseModel):
     text: str
 
 
+class FunctionDefinition(BaseModel):
+    model_config = _STRICT
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[Dict[str, Any]] = None  # a JSON schema of the arguments object
+    strict: Optional[bool] = None  # (the call is always constrained to `parameters`)
+
+
+class Tool(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(BaseModel):
+    model_config = _STRICT
+    name: str
+
+
+class ToolChoice(BaseModel):
+    """A named function the model must call (`{"type": "function", "function": {"name": ...}}`)."""
+
+    model_config = _STRICT
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+class FunctionCall(BaseModel):
+    model_config = _STRICT
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    """A call the model made (in a response), or made earlier (in an assistant message)."""
+
+    model_config = _STRICT
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
-    # "tool" / "function" messages need tool support, which minisgl does not have.
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, List[ContentPart]]
+    # ("function", the legacy role of functions/function_call, is not supported)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, List[ContentPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[List[ToolCall]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[str] = None  # a tool message: the call it answers
+
+    @model_validator(mode="after")
+    def _content_where_needed(self) -> "ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content (only an assistant message with tool_calls may leave it out)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message needs tool_call_id (the id of the call it answers), and only a tool message has one")
+        return self
 
     def text(self) -> str:
+        if self.content is None:  # (an assistant message that only calls tools)
+            return ""
         if isinstance(self.content, str):
             return self.content
         # SGLang joins the text parts with a space for string-content templates
@@ -246,6 +303,10 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     # SGLang's: extra variables for the chat template (Qwen3's {"enable_thinking": false})
     chat_template_kwargs: Optional[Dict[str, Any]] = None
+    # tools the model may call; only forced calls are built (tool_calls.py)
+    tools: Optional[List[Tool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], ToolChoice]] = None
+    parallel_tool_calls: bool = True
 
     def to_sampling_params(self, defaults: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
         """`defaults`: the model's generation_config sampling keys (ModelConfig.default_sampling_params)."""
@@ -258,6 +319,7 @@ class ChatCompletionRequest(_SamplingFields):
 class ChatCompletionMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    tool_calls: Optional[List[ToolCall]] = None
 
 
 class TopLogprob(BaseModel):
@@ -291,9 +353,14 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaToolCall(ToolCall):
+    index: int  # the call's place in the message's tool_calls (a stream may send a call in pieces)
+
+
 class DeltaMessage(BaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    tool_calls: Optional[List[DeltaToolCall]] = None
 
     @model_serializer(mode="wrap")
     def _only_what_changed(self, handler: Any) -> Dict[str, Any]:

@@ -11,8 +11,9 @@ finish chunk per choice, an optional usage chunk, then `data: [DONE]`.
 from __future__ import annotations
 
 import functools
+import json
 import time
-from typing import Any, AsyncIterator, Dict, FrozenSet, List, Optional
+from typing import Any, AsyncIterator, Dict, FrozenSet, List, Optional, Tuple
 
 import jinja2
 import jinja2.ext
@@ -29,8 +30,10 @@ from minisgl.entrypoints.openai.protocol import (
     ChatCompletionResponseChoice,
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
+    ChatMessage,
     ChatTokenLogprob,
     DeltaMessage,
+    DeltaToolCall,
     TopLogprob,
 )
 from minisgl.entrypoints.openai.serving_base import (
@@ -43,6 +46,7 @@ from minisgl.entrypoints.openai.serving_base import (
     response_id,
     sse_data,
 )
+from minisgl.entrypoints.openai.tool_calls import parse_tool_calls, tool_call_constraint, validate_tools
 from minisgl.managers.io_struct import GenerateReqInput
 
 # apply_chat_template's own parameters: chat_template_kwargs may not pass them (they are not template variables)
@@ -86,6 +90,37 @@ class _GenerationBlock(jinja2.ext.Extension):
         return caller()
 
 
+def _template_message(m: ChatMessage) -> Dict[str, Any]:
+    """A message as the chat template reads it: role and content, and name, tool_calls and
+    tool_call_id when given; a call's arguments as a dict (SGLang's: templates index into them)."""
+    message: Dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.name is not None:
+        message["name"] = m.name
+    if m.tool_calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+            for c in m.tool_calls
+        ]
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
+    return message
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise ValueError(f"tool_calls[].function.arguments must be JSON text, got {text!r}") from None
+
+
+def _forces_calls(request: ChatCompletionRequest) -> bool:
+    return bool(request.tools) and request.tool_choice not in (None, "none", "auto")
+
+
+def _choice_name(request: ChatCompletionRequest) -> str:
+    return repr(request.tool_choice) if isinstance(request.tool_choice, str) else f"function {request.tool_choice.function.name!r}"
+
+
 class OpenAIServingChat(OpenAIServingBase):
     def _validate_request(self, request: ChatCompletionRequest) -> Optional[str]:
         if not request.messages:
@@ -101,21 +136,21 @@ class OpenAIServingChat(OpenAIServingBase):
         # SGLang's chat check, which holds only without auto-truncate (the gate then clamps it)
         if max_new is not None and max_new > context_len and not self.tokenizer_manager.server_args.allow_auto_truncate:
             return f"{field} is too large: {max_new}. This model supports at most {context_len} completion tokens."
-        return None
+        return validate_tools(request)
 
     def _apply_chat_template(self, request: ChatCompletionRequest) -> str:
         """Render the messages; each goes to the template whole (role, content and name, as in SGLang)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("This model's tokenizer has no chat template; use /v1/completions instead.")
-        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-        for message, m in zip(messages, request.messages):
-            if m.name is not None:
-                message["name"] = m.name
+        messages = [_template_message(m) for m in request.messages]
         prompt = self._render(messages, request)
-        if any(m.name is not None for m in request.messages):
-            # A template that never reads `name` would drop it without a word: refuse instead.
-            if self._render([{"role": m["role"], "content": m["content"]} for m in messages], request) == prompt:
-                raise ValueError("messages[].name is not used by this model's chat template; remove it or put it in the content.")
+        # A template that never reads `name`, or an assistant's earlier `tool_calls`, would drop
+        # them without a word: refuse instead. (tool_call_id is not checked: Qwen's template, for
+        # one, renders tool results in order without it.)
+        for key, what in (("name", "messages[].name"), ("tool_calls", "an assistant message's tool_calls")):
+            if any(key in m for m in messages):
+                if self._render([{k: v for k, v in m.items() if k != key} for m in messages], request) == prompt:
+                    raise ValueError(f"{what} is not used by this model's chat template; remove it or put it in the content.")
         return prompt
 
     def _template_kwargs(self, request: ChatCompletionRequest) -> Dict[str, Any]:
@@ -131,8 +166,12 @@ class OpenAIServingChat(OpenAIServingBase):
             raise ValueError(f"chat_template_kwargs {unused} are not used by this model's chat template; remove them")
         return kwargs
 
-    def _render(self, messages: List[Dict[str, str]], request: ChatCompletionRequest) -> str:
+    def _render(self, messages: List[Dict[str, Any]], request: ChatCompletionRequest) -> str:
         kwargs = self._template_kwargs(request)
+        if request.tools and request.tool_choice != "none":  # (SGLang's rule: "none" hides them)
+            # a template that does not read them (the built-in model's) shows the model nothing of
+            # the tools; a forced call is still shaped by its schema (tool_calls.py)
+            kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in request.tools]
         try:
             return self.tokenizer.apply_chat_template(
                 messages,
@@ -145,10 +184,17 @@ class OpenAIServingChat(OpenAIServingBase):
             raise ValueError(f"Cannot apply the chat template to these messages: {e}") from e
 
     def _convert_to_internal_request(self, request: ChatCompletionRequest) -> GenerateReqInput:
+        sampling_params = request.to_sampling_params(self.tokenizer_manager.default_sampling_params)
+        constraint = tool_call_constraint(request)
+        if constraint is not None:
+            other = sorted(k for k in ("json_schema", "regex", "ebnf") if k in sampling_params)
+            if other:  # (SGLang 0.5.23 refuses it too: the call's schema and another grammar cannot both hold)
+                raise ValueError(f"tool_choice {_choice_name(request)} constrains the output to a tool call; drop {other} / response_format")
+            sampling_params["json_schema"] = constraint
         return GenerateReqInput(
             text=self._apply_chat_template(request),
             add_special_tokens=False,  # the template writes the BOS itself where the model wants one
-            sampling_params=request.to_sampling_params(self.tokenizer_manager.default_sampling_params),
+            sampling_params=sampling_params,
             rid=request.rid,
             return_logprob=request.logprobs,
             top_logprobs_num=request.top_logprobs or 0,
@@ -187,10 +233,14 @@ class OpenAIServingChat(OpenAIServingBase):
             meta = out["meta_info"]
             usage.update(index, meta)
             finish_reason, matched = openai_finish_reason(meta["finish_reason"])
+            message = ChatCompletionMessage(content=out["text"])
+            calls = parse_tool_calls(out["text"]) if _forces_calls(request) else None
+            if calls:  # (an answer cut short is no call: it stays content, with its finish_reason)
+                message, finish_reason = ChatCompletionMessage(content=None, tool_calls=calls), "tool_calls"
             choices.append(
                 ChatCompletionResponseChoice(
                     index=index,
-                    message=ChatCompletionMessage(content=out["text"]),
+                    message=message,
                     logprobs=self._logprobs(meta, request),
                     finish_reason=finish_reason,
                     matched_stop=matched,
@@ -213,6 +263,9 @@ class OpenAIServingChat(OpenAIServingBase):
             body = ChatCompletionStreamResponse(id=rid, created=created, model=request.model, choices=[choice])
             return sse_data(body)
 
+        # A forced tool call is held back until its choice ends: only the whole text says whether
+        # it is a call (then one delta carries the calls, arguments whole) or content cut short.
+        held: Dict[int, Tuple[str, List[ChatTokenLogprob]]] = {}
         async for out in prepend(first, rest):
             index = out.get("index", 0)
             meta = out["meta_info"]
@@ -221,9 +274,12 @@ class OpenAIServingChat(OpenAIServingBase):
                 role_sent.add(index)
                 yield chunk(index, DeltaMessage(role="assistant", content=""))
             logprobs = self._logprobs(meta, request)
-            if out["text"] or (logprobs is not None and logprobs.content):
-                yield chunk(index, DeltaMessage(content=out["text"]), logprobs=logprobs)
             reason = meta["finish_reason"]
+            if _forces_calls(request):
+                text, tokens = held.get(index, ("", []))
+                held[index] = (text + out["text"], tokens + (logprobs.content if logprobs is not None else []))
+            elif out["text"] or (logprobs is not None and logprobs.content):
+                yield chunk(index, DeltaMessage(content=out["text"]), logprobs=logprobs)
             if reason is not None:
                 status = abort_status(reason)
                 if status is not None:
@@ -231,6 +287,16 @@ class OpenAIServingChat(OpenAIServingBase):
                     yield sse_data("[DONE]")
                     return
                 finish_reason, matched = openai_finish_reason(reason)
+                if index in held:
+                    text, tokens = held.pop(index)
+                    calls = parse_tool_calls(text)
+                    whole = ChatChoiceLogprobs(content=tokens) if request.logprobs else None
+                    if calls:
+                        deltas = [DeltaToolCall(index=i, **call.model_dump()) for i, call in enumerate(calls)]
+                        yield chunk(index, DeltaMessage(tool_calls=deltas), logprobs=whole)
+                        finish_reason = "tool_calls"
+                    elif text or tokens:
+                        yield chunk(index, DeltaMessage(content=text), logprobs=whole)
                 yield chunk(index, DeltaMessage(), finish_reason=finish_reason, matched_stop=matched)
         if request.stream_options is not None and request.stream_options.include_usage:
             body = ChatCompletionStreamResponse(id=rid, created=created, model=request.model, choices=[], usage=usage.usage())

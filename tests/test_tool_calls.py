@@ -1,0 +1,152 @@
+"""Forced tool calls: tool_choice "required" or a named function, through structured output.
+
+Scripted outputs (no model) check the request checks, the schema sent down and the response
+shapes; the Engine on the random tiny model checks that the schema really forces a call.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List
+
+import pytest
+
+from test_openai_fields import _events
+from test_openai_protocol import _out, _scripted_client
+
+from minisgl.entrypoints.openai.protocol import ChatCompletionRequest
+from minisgl.entrypoints.openai.tool_calls import parse_tool_calls, tool_call_constraint
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}}}  # fmt: skip
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+CALL = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'
+STOP = {"type": "stop", "matched": 2}
+
+
+def _chat(client: Any, **body: Any) -> Any:
+    payload: Dict[str, Any] = {"model": client.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64}
+    return client.post("/v1/chat/completions", json={**payload, **body})
+
+
+def _request(**kw: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], **kw)
+
+
+# --------------------------------------------------------------------------- schema and parser
+def test_the_constraint_is_sglangs_array_of_calls() -> None:
+    required = json.loads(tool_call_constraint(_request(tools=[WEATHER, TIME], tool_choice="required")))
+    assert required["type"] == "array" and required["minItems"] == 1 and "maxItems" not in required
+    names = [option["properties"]["name"]["enum"] for option in required["items"]["anyOf"]]
+    assert names == [["get_weather"], ["get_time"]]
+    named = json.loads(tool_call_constraint(_request(tools=[WEATHER, TIME], parallel_tool_calls=False,
+                                                     tool_choice={"type": "function", "function": {"name": "get_time"}})))  # fmt: skip
+    assert named["maxItems"] == 1 and named["items"]["properties"]["name"]["enum"] == ["get_time"]
+    assert tool_call_constraint(_request(tools=[WEATHER], tool_choice="none")) is None
+
+
+def test_parse_tool_calls_takes_only_a_whole_array_of_calls() -> None:
+    calls = parse_tool_calls(CALL)
+    assert calls is not None and calls[0].function.name == "get_weather"
+    assert json.loads(calls[0].function.arguments) == {"city": "Oslo"} and calls[0].id.startswith("call_")
+    for text in ('[{"name": "get_weather", "parameters": {"ci', "[]", '{"name": "x", "parameters": {}}', '[{"name": 3, "parameters": {}}]'):
+        assert parse_tool_calls(text) is None, text
+
+
+# --------------------------------------------------------------------------- the route, scripted
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ({"tool_choice": "required"}, "Tools cannot be empty if tool choice is set to required."),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "Tools cannot be empty if tool choice is set to a specific tool."),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "Tool 'nope' not found in tools list."),
+        ({"tools": [WEATHER]}, 'tool_choice "auto" (the default when tools are given) needs a parser'),
+        ({"tools": [WEATHER], "tool_choice": "required", "regex": "a+"}, "constrains the output to a tool call"),
+        ({"tools": [{"type": "function", "function": {"parameters": {}}}], "tool_choice": "required"}, "name"),
+        ({"messages": [{"role": "tool", "content": "18C"}]}, "tool_call_id"),
+        ({"messages": [{"role": "user"}]}, "a user message needs content"),
+    ],
+)
+def test_tool_requests_that_cannot_work_are_400s(tiny_model: str, tmp_path: Any, body: Dict[str, Any], needle: str) -> None:
+    client, seen = _scripted_client(tiny_model, tmp_path, [_out("r", CALL, 5, STOP)])
+    with client:
+        r = _chat(client, **body)
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    assert seen == []
+
+
+def test_a_forced_call_comes_back_as_tool_calls(tiny_model: str, tmp_path: Any) -> None:
+    client, seen = _scripted_client(tiny_model, tmp_path, [_out("r", CALL, 9, STOP)])
+    with client:
+        r = _chat(client, tools=[WEATHER], tool_choice="required")
+    schema = json.loads(seen[0].sampling_params["json_schema"])
+    assert schema["items"]["anyOf"][0]["properties"]["name"]["enum"] == ["get_weather"]
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+
+
+def test_a_call_cut_by_max_tokens_stays_content_with_finish_length(tiny_model: str, tmp_path: Any) -> None:
+    client, _ = _scripted_client(tiny_model, tmp_path, [_out("r", CALL[:20], 5, {"type": "length", "length": 5})])
+    with client:
+        choice = _chat(client, tools=[WEATHER], tool_choice="required").json()["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"] == {"role": "assistant", "content": CALL[:20], "tool_calls": None}
+
+
+def test_a_streamed_call_is_one_tool_calls_delta_then_the_finish(tiny_model: str, tmp_path: Any) -> None:
+    outs = [_out("r", CALL[:10], 3), _out("r", CALL[10:], 9, STOP)]
+    client, _ = _scripted_client(tiny_model, tmp_path, outs)
+    with client:
+        r = _chat(client, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True)
+    chunks = [e for e in _events(r) if e != "[DONE]"]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert [d for d in deltas[1:] if "content" in d] == []  # the JSON text is never streamed as content
+    (call,) = deltas[1]["tool_calls"]
+    assert call["index"] == 0 and call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_tool_results_go_back_to_the_template_with_the_calls_as_dicts(tiny_model: str, tmp_path: Any) -> None:
+    """The second turn: the assistant's call and the tool's answer. A template that reads
+    tool_calls gets the arguments as a dict (SGLang's); the tiny model's, which does not,
+    refuses them rather than drop the call from the prompt."""
+    turn = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                                                               "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},  # fmt: skip
+        {"role": "tool", "tool_call_id": "call_1", "content": "18C"},
+    ]
+    from transformers import AutoTokenizer
+
+    client, _ = _scripted_client(tiny_model, tmp_path, [_out("r", "Warm.", 2, STOP)])
+    with client:
+        r = _chat(client, messages=turn, tools=[WEATHER], tool_choice="none")
+    assert r.status_code == 400 and "tool_calls is not used by this model's chat template" in r.text
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m.role }}:{{ m.content }}{% for c in m.tool_calls or [] %}"
+        "[{{ c.function.name }}({{ c.function.arguments.city }})]{% endfor %};{% endfor %}"
+    )
+    client, seen = _scripted_client(tiny_model, tmp_path, [_out("r", "Warm.", 2, STOP)], tokenizer=tokenizer)
+    with client:
+        r = _chat(client, messages=turn, tools=[WEATHER], tool_choice="none")
+    assert r.status_code == 200, r.text
+    assert seen[0].text == "user:Weather in Oslo?;assistant:[get_weather(Oslo)];tool:18C;"
+
+
+# --------------------------------------------------------------------------- the engine: the schema forces a call
+@pytest.mark.usefixtures("one_thread")
+def test_the_constraint_makes_a_random_model_write_a_valid_call(tiny_model: str) -> None:
+    pytest.importorskip("xgrammar")
+    from minisgl import Engine
+
+    schema = tool_call_constraint(_request(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False))
+    with Engine(tiny_model, device="cpu", max_total_tokens=2048, constrained_json_disable_any_whitespace=True) as e:
+        outs = e.generate(["Call something:"] * 4, {"json_schema": schema, "max_new_tokens": 128, "temperature": 1.0})
+    calls: List[Any] = [parse_tool_calls(o["text"]) for o in outs]
+    assert all(c is not None and len(c) == 1 for c in calls), [o["text"] for o in outs]
+    for (call,) in calls:
+        args = json.loads(call.function.arguments)
+        assert (call.function.name, args) in (("get_time", {}), ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"}))
