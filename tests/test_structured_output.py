@@ -6,10 +6,12 @@ that the text matches its grammar fails if the mask is not applied.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import re
-import sys
+import threading
+import time
 from typing import Any, Iterator
 
 import pytest
@@ -63,7 +65,7 @@ def test_apply_vocab_mask_matches_its_torch_reference_on_the_grammar_rows(vocab_
 
 
 def test_the_reference_keeps_exactly_the_allowed_ids() -> None:
-    mask = allocate_vocab_mask(2, 100)
+    mask = allocate_vocab_mask(100, 2)
     mask[0] = 0
     for token in (0, 31, 32, 99):  # the ends of a word, the start of the next, the last id
         mask[0, token // 32] |= torch.tensor(1 << token % 32, dtype=torch.int64).to(torch.int32)
@@ -118,14 +120,26 @@ def test_greedy_grammar_output_is_the_best_allowed_token_at_each_step(engine: An
 
 
 def test_a_bad_grammar_is_a_400_for_that_request_only(engine: Any) -> None:
-    outs = engine.generate(["a", "b", "c"], [{**SAMPLED, "regex": "[0-9"}, {**SAMPLED, "regex": PHONE},
-                                             {**SAMPLED, "json_schema": '{"type": "nope"}'}])  # fmt: skip
+    """In the scheduler, the bad requests end with a 400 and the good one runs; generate()
+    raises the ValueError the server's 400 is (SGLang's Engine does), stream or not."""
+    params = [{**SAMPLED, "regex": "[0-9"}, {**SAMPLED, "regex": PHONE}, {**SAMPLED, "json_schema": '{"type": "nope"}'}]
+    rids = [engine.add_request(p, sp) for p, sp in zip("abc", params)]
+    while engine.has_unfinished_requests():
+        engine.step()
+    outs = [engine.get_result(r) for r in rids]
     bad_regex, good, bad_schema = (o["meta_info"]["finish_reason"] for o in outs)
     assert bad_regex["type"] == "abort" and bad_regex["status_code"] == 400
     assert bad_regex["message"].startswith("Invalid regex:") and "/project/" not in bad_regex["message"]
     assert bad_schema["type"] == "abort" and bad_schema["message"].startswith("Invalid json_schema:")
     assert good["type"] == "stop" and re.fullmatch(PHONE, outs[1]["text"])
     assert outs[0]["output_ids"] == [] and outs[2]["output_ids"] == []
+    with pytest.raises(ValueError, match="Invalid regex: Regex parsing error"):
+        engine.generate(["a", "b"], [params[1], params[0]])
+    with pytest.raises(ValueError, match="Invalid json_schema"):
+        list(engine.generate("c", params[2], stream=True))
+    with pytest.raises(ValueError, match="Invalid regex"):
+        asyncio.run(engine.async_generate("a", params[0]))
+    assert engine.scheduler.is_idle() and not engine.rid_to_state
 
 
 def test_n_samples_stream_and_the_cache_each_keep_their_grammar(engine: Any) -> None:
@@ -144,6 +158,12 @@ def test_min_new_tokens_that_outlasts_the_grammar_aborts_without_the_forced_toke
     finish = out["meta_info"]["finish_reason"]
     assert finish["type"] == "abort" and "min_new_tokens" in finish["message"]
     assert out["text"] in ("yes", "no")  # the token the grammar refused is not part of the answer
+
+
+def test_a_grammar_that_allows_no_token_aborts_saying_so(engine: Any) -> None:
+    out = engine.generate("Answer:", {**SAMPLED, "ebnf": "root ::= root"})
+    finish = out["meta_info"]["finish_reason"]
+    assert finish["type"] == "abort" and "the grammar allows no token here" in finish["message"] and out["output_ids"] == []
 
 
 def test_ignore_eos_still_ends_at_the_grammars_end(engine: Any) -> None:
@@ -176,14 +196,100 @@ def test_grammar_requests_survive_retraction_with_their_state(tiny_model: str) -
     assert all(re.fullmatch(regex, o["text"]) for o in outs), [o["text"] for o in outs]
 
 
-def test_grammar_backend_none_and_a_missing_xgrammar_refuse_with_what_to_do(tiny_model: str, monkeypatch: Any) -> None:
+def _gate_compiles(engine: Any) -> threading.Event:
+    """Hold every compile of the engine's grammar backend until the returned event is set."""
+    backend = engine.scheduler.get_grammar_backend()
+    gate, compile_ = threading.Event(), backend._compile
+    backend._compile = lambda kind, text: (gate.wait(30), compile_(kind, text))[1]
+    return gate
+
+
+def test_a_compiling_grammar_holds_up_only_its_own_request(tiny_model: str) -> None:
+    """SGLang's grammar queue: the request waits there while its grammar compiles on the
+    backend's thread, and every other request runs meanwhile (a nested schema can take
+    seconds; compiled in the scheduler's pass, it stalled everyone)."""
     from minisgl import Engine
 
-    with Engine(tiny_model, device="cpu", max_total_tokens=1024, grammar_backend="none") as e:
-        finish = e.generate("a", {"regex": "a"})["meta_info"]["finish_reason"]
-        assert finish["status_code"] == 400 and "--grammar-backend none" in finish["message"]
-    monkeypatch.setitem(sys.modules, "xgrammar", None)  # (import xgrammar raises ImportError)
     with Engine(tiny_model, device="cpu", max_total_tokens=1024) as e:
-        finish = e.generate("a", {"regex": "a"})["meta_info"]["finish_reason"]
-        assert finish["status_code"] == 400 and 'pip install "minisgl[grammar]"' in finish["message"]
+        gate = _gate_compiles(e)
+        slow = e.add_request("a", {**SAMPLED, "regex": "(ab)+c"})
+        free = e.add_request("b", {"max_new_tokens": 8, "temperature": 0})
+        for _ in range(20):
+            snap = e.step()
+        assert [g["rid"] for g in snap["grammar_queue"]] == [slow] and snap["grammar_queue"][0]["grammar"] == "regex"
+        assert e.get_result(free)["meta_info"]["finish_reason"]["type"] == "length"  # it finished meanwhile
+        gate.set()
+        while e.has_unfinished_requests():
+            e.step()
+        assert re.fullmatch("(ab)+c", e.get_result(slow)["text"])
+
+
+def test_a_grammar_that_does_not_compile_in_time_or_is_aborted_ends_cleanly(tiny_model: str, monkeypatch: Any) -> None:
+    from minisgl import Engine
+    from minisgl.managers import scheduler as scheduler_module
+
+    with Engine(tiny_model, device="cpu", max_total_tokens=1024) as e:
+        gate = _gate_compiles(e)
+        aborted = e.add_request("a", {**SAMPLED, "regex": "x+"})
+        e.step()
+        e.abort(aborted)
+        e.step()
+        assert e.get_result(aborted)["meta_info"]["finish_reason"]["type"] == "abort"
+        monkeypatch.setattr(scheduler_module, "GRAMMAR_TIMEOUT", 0.05)
+        late = e.add_request("b", {**SAMPLED, "regex": "y+"})
+        time.sleep(0.1)
+        while e.has_unfinished_requests():
+            e.step()
+        finish = e.get_result(late)["meta_info"]["finish_reason"]
+        assert finish["status_code"] == 400 and "did not compile within 0.05 s" in finish["message"]
+        gate.set()
+        e.scheduler.check_integrity()
+        assert e.scheduler.is_idle()
+
+
+def test_a_slow_grammar_does_not_hold_up_a_small_one_and_an_abandoned_compile_is_skipped(tiny_model: str) -> None:
+    """Two compile threads: a small grammar compiles while a huge one still does. A request
+    aborted before its compile started leaves nothing to compile (its job is skipped)."""
+    from minisgl import Engine
+
+    with Engine(tiny_model, device="cpu", max_total_tokens=1024) as e:
+        backend = e.scheduler.get_grammar_backend()
+        gate, compile_, compiled = threading.Event(), backend._compile, []
+
+        def gated(kind: str, text: str) -> Any:
+            if text.startswith("slow"):
+                gate.wait(30)
+            compiled.append(text)
+            return compile_(kind, text)
+
+        backend._compile = gated
+        slow = [e.add_request("a", {**SAMPLED, "regex": "slow0"})]
+        assert e.generate("c", {**SAMPLED, "regex": "(yes|no)"})["text"] in ("yes", "no")
+        assert [r.rid for r in e.scheduler.grammar_queue] == slow  # (one thread would have waited for it)
+        slow.append(e.add_request("a", {**SAMPLED, "regex": "slow1"}))  # now both threads are busy
+        queued = e.add_request("b", {**SAMPLED, "regex": "queued"})
+        e.abort(queued)
+        e.step()
+        gate.set()
+        while e.has_unfinished_requests():
+            e.step()
+        assert [e.get_result(r)["text"] for r in slow] == ["slow0", "slow1"]
+        assert "queued" not in compiled and e.get_result(queued)["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_grammar_backend_none_and_a_broken_xgrammar_refuse_with_what_to_do(tiny_model: str, monkeypatch: Any) -> None:
+    from minisgl import Engine
+    from minisgl.constrained import xgrammar_backend
+
+    with Engine(tiny_model, device="cpu", max_total_tokens=1024, grammar_backend="none") as e:
+        with pytest.raises(ValueError, match="--grammar-backend none"):
+            e.generate("a", {"regex": "a"})
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise OSError("libstdc++.so.6: version `GLIBCXX_3.4.32' not found")  # (a native library that does not load)
+
+    monkeypatch.setattr(xgrammar_backend.XGrammarGrammarBackend, "__init__", broken)
+    with Engine(tiny_model, device="cpu", max_total_tokens=1024) as e:
+        with pytest.raises(ValueError, match=r"the grammar backend failed to load \(OSError: libstdc\+\+"):
+            e.generate("a", {"regex": "a"})
         assert e.generate("a", {"max_new_tokens": 2})["meta_info"]["finish_reason"]["type"] == "length"

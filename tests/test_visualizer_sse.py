@@ -34,6 +34,7 @@ def make_snapshot(step: int, mode: str = "DECODE", events: Sequence[Dict[str, An
         "log_line": f"Decode batch, #running-req: 2, step {step}",
         "waiting_queue": [{"rid": "w", "input_len": 300, "prefix_len": 0, "output_len": 0,
                            "waited_ms": 1.0 * step, "retracted": False, "retraction_count": 0}],
+        "grammar_queue": [],
         "chunked_req": None,
         "batch": {"forward_mode": mode, "reqs": reqs},
         "running_batch": [{"rid": r["rid"], "input_len": 40, "output_len": step, "max_new_tokens": 64} for r in reqs],

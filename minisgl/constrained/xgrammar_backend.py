@@ -1,12 +1,14 @@
 """Grammar backend (stage 3, inside the Scheduler): a request's json_schema / regex / ebnf ->
 a matcher that says, before every sample, which tokens keep the output inside the grammar.
 
-Where it sits: Scheduler.handle_generate_request -> GrammarBackend.get_grammar(key) ->
-`Req.grammar` (one Grammar per request, never sent across a process boundary). Before each
-sample, SamplingBatchInfo.from_reqs asks every such request's Grammar to fill its row of the
-batch's vocab mask (`fill_vocab_mask`), and `apply_vocab_mask` (xgrammar's kernel; a torch
-reference beside it) sets the forbidden tokens' logits to -inf after the penalties and logit_bias. After each sample, the output processor
-feeds the token to `accept_token`; a grammar that reached its end (`is_terminated`, after it
+Where it sits: Scheduler.handle_generate_request -> XGrammarGrammarBackend.get_future(key)
+(compiled on the backend's own thread; the request waits in the scheduler's grammar_queue
+until it is) -> `get_grammar(future)` -> `Req.grammar` (one matcher per request, never sent
+across a process boundary). Before each sample, SamplingBatchInfo.from_reqs asks every such
+request's grammar to fill its row of the batch's vocab mask (`fill_vocab_mask`), and
+`apply_vocab_mask` (xgrammar's kernel; a torch reference beside it) sets the forbidden
+tokens' logits to -inf after the penalties. After each sample, the output processor feeds
+the token to `accept_token`; a grammar that reached its end (`is_terminated`, after it
 accepted a stop token) finishes the request (Req.check_finished).
 
 The grammar machinery is xgrammar's, as SGLang's default backend: it compiles a grammar
@@ -16,17 +18,20 @@ xgrammar is an optional dependency (`pip install "minisgl[grammar]"`): it pulls 
 a gigabyte the CPU engine has no other use for; a server without it refuses structured
 output requests with a 400 that says what to install.
 
-Unlike SGLang, a grammar compiles in the scheduler's own pass, not in a thread pool with a
-"grammar queue" that requests wait in: on a CPU the compile would take a core from the
-forward either way, and a cached grammar (every request after the first with the same
-schema) costs nothing. A large schema's first request stalls one scheduling pass.
+Compiling is off the scheduler's thread, as in SGLang: most schemas take a millisecond or
+two, but the time grows with nesting (a 10 KB schema of arrays nested 400 deep took 6 s at
+the built-in model's vocabulary), and every other request would wait for it. xgrammar
+releases the GIL while it compiles, so the scheduler's steps go on meanwhile.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import re
+import threading
 from collections import OrderedDict
+from concurrent.futures import Future
 from typing import Any, Iterable, List, Tuple
 
 import torch
@@ -36,13 +41,15 @@ logger = logging.getLogger("minisgl.constrained")
 # compiled grammars kept (SGLang keeps them all; a long-running server with a schema per
 # request would grow without bound)
 GRAMMAR_CACHE_SIZE = 256
+# compile threads: xgrammar releases the GIL, and each compile runs one thread of its own
+GRAMMAR_COMPILE_THREADS = 2
 XGRAMMAR_MISSING = (
     "Structured output (json_schema, regex, ebnf, response_format) needs xgrammar, which is not installed: "
     'pip install "minisgl[grammar]" (or pip install xgrammar), then restart the server'
 )
 
 
-class Grammar:
+class XGrammarGrammar:
     """One request's place in its grammar (xgrammar's GrammarMatcher), advanced token by token."""
 
     def __init__(self, matcher: Any) -> None:
@@ -62,8 +69,9 @@ class Grammar:
         return self.matcher.is_terminated()
 
 
-class GrammarBackend:
-    """Compiles grammars against one tokenizer's vocabulary (SGLang's XGrammarGrammarBackend).
+class XGrammarGrammarBackend:
+    """Compiles grammars against one tokenizer's vocabulary, on its own thread (SGLang's
+    XGrammarGrammarBackend and the thread pool of its grammar manager).
 
     `vocab_size` is the model's (the logits' width), which may exceed the tokenizer's: the
     ids past the tokenizer are never allowed. `stop_token_ids` are the ids that end a
@@ -79,25 +87,51 @@ class GrammarBackend:
             raise ImportError(XGRAMMAR_MISSING) from e
         self._xgr = xgrammar
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids))
-        # one thread: the scheduler's pass waits for the compile anyway, and the forward's
-        # OpenMP threads already own the cores
+        # one thread: the forward's OpenMP threads already own the cores
         self.compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self.vocab_size = vocab_size
         self.any_whitespace = any_whitespace
-        self._cache: "OrderedDict[Tuple[str, str], Any]" = OrderedDict()
+        # (type, text) -> the future of its compiled grammar; touched by the scheduler's thread only
+        self._cache: "OrderedDict[Tuple[str, str], Future]" = OrderedDict()
+        self._jobs: "queue.Queue[Tuple[Tuple[str, str], Future]]" = queue.Queue()
+        # daemon threads, not a ThreadPoolExecutor: the interpreter joins those at exit, and a
+        # process shutting down would wait for a long compile to end. Several, so that a huge
+        # schema does not hold up every small grammar behind it.
+        for i in range(GRAMMAR_COMPILE_THREADS):
+            threading.Thread(target=self._compile_loop, name=f"minisgl-grammar-compiler-{i}", daemon=True).start()
 
-    def get_grammar(self, key: Tuple[str, str]) -> Grammar:
-        """A fresh matcher for (type, text), type "json_schema", "regex" or "ebnf" (SamplingParams.grammar_key);
-        ValueError (a 400) naming the field when the text does not compile."""
-        compiled = self._cache.get(key)
-        if compiled is None:
-            compiled = self._compile(*key)
-            self._cache[key] = compiled
+    def get_future(self, key: Tuple[str, str]) -> Future:
+        """The future of (type, text)'s compiled grammar, type "json_schema", "regex" or "ebnf"
+        (SamplingParams.grammar_key): done at once for a cached key, else compiled on one of the
+        backend's threads. A text that does not compile is cached too, as its error."""
+        future = self._cache.get(key)
+        if future is None or future.cancelled():
+            future = self._cache[key] = Future()
+            self._jobs.put((key, future))
             if len(self._cache) > GRAMMAR_CACHE_SIZE:
                 self._cache.popitem(last=False)
         else:
             self._cache.move_to_end(key)
-        return Grammar(self._xgr.GrammarMatcher(compiled))
+        return future
+
+    def release(self, future: Future) -> None:
+        """No request waits for `future` any more: a compile not yet started is skipped (one
+        running goes on: xgrammar cannot stop it)."""
+        future.cancel()
+
+    def get_grammar(self, future: Future) -> XGrammarGrammar:
+        """A fresh matcher from a done future; ValueError (a 400) naming the field when its text did not compile."""
+        return XGrammarGrammar(self._xgr.GrammarMatcher(future.result()))
+
+    def _compile_loop(self) -> None:
+        while True:
+            key, future = self._jobs.get()
+            if not future.set_running_or_notify_cancel():  # (released before its turn)
+                continue
+            try:
+                future.set_result(self._compile(*key))
+            except BaseException as e:  # (delivered to the request that waits for it)
+                future.set_exception(e)
 
     def _compile(self, kind: str, text: str) -> Any:
         try:
@@ -109,6 +143,8 @@ class GrammarBackend:
                 return self.compiler.compile_grammar(text)
         except (RuntimeError, ValueError) as e:  # xgrammar's parse errors are RuntimeErrors
             raise ValueError(f"Invalid {kind}: {_first_line(str(e))}") from None
+        except RecursionError:
+            raise ValueError(f"Invalid {kind}: nested too deeply") from None
         raise ValueError(f"unknown grammar type {kind!r}; expected json_schema, regex or ebnf")
 
 
@@ -119,7 +155,7 @@ def _first_line(message: str) -> str:
     return line.replace("Check failed: (error.empty()) is false: ", "")
 
 
-def allocate_vocab_mask(batch_size: int, vocab_size: int, device: Any = "cpu") -> torch.Tensor:
+def allocate_vocab_mask(vocab_size: int, batch_size: int, device: Any = "cpu") -> torch.Tensor:
     """[bs, ceil(V / 32)] int32, every bit set: every token allowed (the rows of requests without a grammar)."""
     return torch.full((batch_size, (vocab_size + 31) // 32), -1, dtype=torch.int32, device=device)
 

@@ -1,7 +1,7 @@
 """Sampler: penalised logits -> next token ids (+ logprobs). sglang-facts.md §11.3.
 
 Where it sits: ModelRunner.sample -> SamplingBatchInfo.apply_logits_bias (penalties,
-min_new_tokens, logit_bias) -> Sampler.forward. In: logits [bs, V] float32; out: SampleOutput.
+min_new_tokens, the grammars' vocab mask, logit_bias) -> Sampler.forward. In: logits [bs, V] float32; out: SampleOutput.
 
 Order, as SGLang's pytorch sampling backend:
 1. all greedy (every top_k == 1): argmax, no softmax;

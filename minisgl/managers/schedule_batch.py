@@ -154,6 +154,7 @@ class Req:
         # structured output: where the output stands in its grammar (constrained/xgrammar_backend.py),
         # advanced by the output processor with every token; None without json_schema/regex/ebnf
         self.grammar: Any = None
+        self.grammar_future: Any = None  # (its compile, while the request is in the grammar queue)
 
         # memory and prefix state
         self.req_pool_idx: Optional[int] = None

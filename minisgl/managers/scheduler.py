@@ -21,9 +21,10 @@ from __future__ import annotations
 import json
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any, Dict, List, Optional, Union
 
-from minisgl.constrained.xgrammar_backend import GrammarBackend
+from minisgl.constrained.xgrammar_backend import XGrammarGrammarBackend
 from minisgl.managers.io_struct import (
     AbortReq,
     BatchTokenIDOutput,
@@ -47,6 +48,11 @@ from minisgl.server_args import ServerArgs, chunked_prefill_enabled
 from minisgl.utils import freeze_gc
 
 logger = logging.getLogger("minisgl.scheduler")
+
+# a request whose grammar has not compiled after this long is aborted (SGLang's limit is
+# 10,000 polls of 5 ms: about 50 s); while it waits, the scheduler polls every 5 ms when idle
+GRAMMAR_TIMEOUT = 60.0
+GRAMMAR_POLL_INTERVAL = 0.005
 
 # new_token_ratio defaults (SGLANG_INIT_NEW_TOKEN_RATIO, ..._MIN_..._FACTOR, ..._DECAY_STEPS)
 INIT_NEW_TOKEN_RATIO = 0.7
@@ -85,7 +91,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_token_ids = set(self.model_config.hf_eos_token_ids) | ({tokenizer_eos} if tokenizer_eos is not None else set())
 
-        self._grammar_backend: Optional[GrammarBackend] = None  # (get_grammar_backend, at first use)
+        self._grammar_backend: Optional[XGrammarGrammarBackend] = None  # (get_grammar_backend, at first use)
+        self.grammar_queue: List[Req] = []  # requests whose grammar is compiling (move_ready_grammar_requests)
         self.waiting_queue: List[Req] = []
         self.running_batch = self._empty_batch()
         self.cur_batch: Optional[ScheduleBatch] = None
@@ -195,26 +202,79 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             )
         elif req.sampling_params.grammar_key is not None:
             try:
-                req.grammar = self.get_grammar_backend().get_grammar(req.sampling_params.grammar_key)
-            except (ValueError, ImportError) as e:  # (SGLang aborts an invalid grammar the same way)
+                req.grammar_future = self.get_grammar_backend().get_future(req.sampling_params.grammar_key)
+            except ValueError as e:
                 req.set_finish_with_abort(str(e))
+            else:
+                # SGLang's grammar queue: the request waits there while its grammar compiles
+                # (a cached one is ready at once) and joins the waiting queue when it is
+                self.grammar_queue.append(req)
+                self.move_ready_grammar_requests()
+                return req
         self._add_request_to_queue(req)
         return req
 
-    def get_grammar_backend(self) -> GrammarBackend:
+    def get_grammar_backend(self) -> XGrammarGrammarBackend:
         """The grammar compiler (structured output), built at the first request that needs it:
-        a server that never sees one never imports xgrammar. ValueError / ImportError say why
-        there is none."""
+        a server that never sees one never imports xgrammar. ValueError (the request's 400)
+        says why there is none."""
         if self.server_args.grammar_backend == "none":
             raise ValueError("Structured output is off on this server (--grammar-backend none)")
         if self._grammar_backend is None:
             if self.tokenizer is None:
                 raise ValueError("Structured output needs the tokenizer: the grammar is compiled against its vocabulary")
-            self._grammar_backend = GrammarBackend(
-                self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
-                any_whitespace=not self.server_args.constrained_json_disable_any_whitespace,
-            )  # fmt: skip
+            try:
+                self._grammar_backend = XGrammarGrammarBackend(
+                    self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+                    any_whitespace=not self.server_args.constrained_json_disable_any_whitespace,
+                )  # fmt: skip
+            except ImportError as e:
+                raise ValueError(str(e)) from None
+            except Exception as e:  # a broken install (OSError from its native library), a tokenizer it cannot read
+                logger.exception("The grammar backend failed to load")
+                raise ValueError(f"Structured output is unavailable: the grammar backend failed to load ({type(e).__name__}: {e})") from None
         return self._grammar_backend
+
+    def move_ready_grammar_requests(self) -> None:
+        """Move the requests whose grammar has compiled from the grammar queue to the waiting
+        queue (SGLang's get_ready_grammar_requests), each with its own matcher; one that did not
+        compile, or took longer than GRAMMAR_TIMEOUT, is aborted with a 400 (it runs a
+        one-token prefill to carry the error out, as every rejected request does)."""
+        if not self.grammar_queue:
+            return
+        if not self.waiting_queue and not self._unfinished_reqs() and self.chunked_req is None:
+            # nothing else to do: wait a little for a compile instead of spinning (SGLang's poll)
+            wait([r.grammar_future for r in self.grammar_queue], timeout=GRAMMAR_POLL_INTERVAL, return_when=FIRST_COMPLETED)
+        now = time.perf_counter()
+        for req in list(self.grammar_queue):
+            future = req.grammar_future
+            if future.done():
+                try:
+                    req.grammar = self._grammar_backend.get_grammar(future)
+                except ValueError as e:
+                    req.set_finish_with_abort(str(e))
+            elif now - req.time_stats.scheduler_recv_time > GRAMMAR_TIMEOUT:
+                busy = "" if future.running() else " (it was still waiting for a compile thread: other grammars were compiling)"
+                req.set_finish_with_abort(
+                    f"Its {req.sampling_params.grammar_key[0]} did not compile within {GRAMMAR_TIMEOUT:g} s{busy}; "
+                    f"a smaller or less nested one compiles faster"
+                )
+                self.grammar_queue.remove(req)
+                self._release_grammar_future(req)
+                self._add_request_to_queue(req)
+                continue
+            else:
+                continue
+            self.grammar_queue.remove(req)
+            req.grammar_future = None
+            self._add_request_to_queue(req)
+
+    def _release_grammar_future(self, req: Req) -> None:
+        """A request leaves the grammar queue unserved: its compile is skipped if it has not started
+        and no other queued request waits for the same grammar."""
+        future, req.grammar_future = req.grammar_future, None
+        if future is not None and not any(r.grammar_future is future for r in self.grammar_queue):
+            self._grammar_backend.release(future)
 
     def init_req_max_new_tokens(self, req: Req) -> None:
         """The single most important clamp: prompt + output must fit max_req_len."""
@@ -282,6 +342,11 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             self.waiting_queue.remove(req)
             req.finished_reason = FINISH_ABORT()
             self._finish_without_running(req, "aborted while waiting")
+        for req in [r for r in self.grammar_queue if matches(r)]:
+            self.grammar_queue.remove(req)
+            self._release_grammar_future(req)
+            req.finished_reason = FINISH_ABORT()
+            self._finish_without_running(req, "aborted while its grammar compiled")
         if self.chunked_req is not None and matches(self.chunked_req):
             req, self.chunked_req = self.chunked_req, None
             # Its computed chunks are committed KV: they go into the tree like a finish.
@@ -316,7 +381,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             # mid-chunk: a server busy prefilling a long prompt read as idle (finished requests
             # linger in running_batch until the next filter_batch, and are not counted)
             num_running_reqs=len(self._decoding_reqs()) + (self.chunked_req is not None and not self.chunked_req.finished()),
-            num_waiting_reqs=len(self.waiting_queue),
+            num_waiting_reqs=len(self.waiting_queue) + len(self.grammar_queue),
             num_used_tokens=used,
             available_tokens=available,
             evictable_tokens=evictable,
@@ -336,8 +401,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         return out
 
     def is_idle(self) -> bool:
-        """Nothing waiting, running, mid-chunk, or just prefilled and not yet merged."""
-        return not self.waiting_queue and self.chunked_req is None and not self._unfinished_reqs()
+        """Nothing compiling its grammar, waiting, running, mid-chunk, or just prefilled and not yet merged."""
+        return not self.grammar_queue and not self.waiting_queue and self.chunked_req is None and not self._unfinished_reqs()
 
     def _unfinished_reqs(self) -> List[Req]:
         """Requests with a forward still to come: the running batch and the just-prefilled ones
@@ -353,6 +418,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
     def run_step(self) -> Optional[ScheduleBatch]:
         """One scheduler iteration; returns the batch it ran (None when idle)."""
         self._reset_step_record()
+        self.move_ready_grammar_requests()
         batch = self.get_next_batch_to_run()
         self.cur_batch = batch
         if batch is not None and self._idle_checked:  # the first step after an idle period

@@ -88,6 +88,11 @@ class SchedulerMetricsMixin:
                 }
                 for r in self.waiting_queue
             ],
+            # requests whose grammar (structured output) is still compiling: not yet waiting
+            "grammar_queue": [
+                {"rid": r.rid, "grammar": r.sampling_params.grammar_key[0], "waited_ms": (now - r.time_stats.scheduler_recv_time) * 1e3}
+                for r in self.grammar_queue
+            ],
             "chunked_req": self._chunked_req_snapshot(),
             "batch": None if batch is None else {"forward_mode": mode, "reqs": self._batch_reqs_snapshot(batch)},
             "running_batch": [

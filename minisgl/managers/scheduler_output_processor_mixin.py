@@ -118,17 +118,17 @@ class SchedulerOutputProcessorMixin:
     @staticmethod
     def _advance_grammar(req: Req) -> None:
         """Feed the token just appended to the request's grammar, before check_finished reads
-        whether the grammar ended. A token the grammar refuses (the mask let through none it
-        allows: min_new_tokens held back the stop token the finished output needed) aborts
-        the request without that token."""
+        whether the grammar ended. A token the grammar refuses (the mask left no token: either
+        min_new_tokens held back the stop token the finished output needed, or the grammar
+        allows none there, as `root ::= root` never does) aborts the request without it."""
         if req.grammar is None or req.to_finish is not None:
             return
         try:
             req.grammar.accept_token(req.output_ids[-1])
         except ValueError as e:
-            req.to_finish = FINISH_ABORT(
-                f"Structured output stopped: {e} (min_new_tokens can hold back the stop token a finished output needs)"
-            )
+            held_back = len(req.output_ids) <= req.sampling_params.min_new_tokens
+            why = "min_new_tokens held back the stop token the finished output needed" if held_back else "the grammar allows no token here"
+            req.to_finish = FINISH_ABORT(f"Structured output stopped: {e} ({why})")
 
     def _release_finished(self, req: Req, detail: Optional[str] = None) -> None:
         """Finished: KV of origin + output[:-1] goes into the tree, the row is freed; one

@@ -163,7 +163,7 @@ class ModelRunner:
             return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
     def sample(self, logits_output: LogitsProcessorOutput, sampling_info: SamplingBatchInfo) -> SampleOutput:
-        """Penalties, min_new_tokens and logit_bias, then the Sampler (sglang-facts.md §11)."""
+        """Penalties, min_new_tokens, the grammars' vocab mask and logit_bias, then the Sampler (sglang-facts.md §11)."""
         with torch.inference_mode():
             logits = logits_output.next_token_logits  # [bs, V] float32
             if sampling_info.needs_logits_bias:

@@ -93,14 +93,14 @@ class SamplingBatchInfo:
         return self.penalizer_orchestrator is not None or self.logit_bias is not None or self.vocab_mask is not None
 
     def apply_logits_bias(self, logits: torch.Tensor) -> None:
-        """Penalties and min_new_tokens, then logit_bias, then the grammars' vocab mask, in place on
-        logits [bs, V] (sglang-facts.md §11.1; SGLang applies the mask last too)."""
+        """Penalties and min_new_tokens, then the grammars' vocab mask, then logit_bias, in place
+        on logits [bs, V] (SGLang's order, sglang-facts.md §11.1)."""
         if self.penalizer_orchestrator is not None:
             self.penalizer_orchestrator.apply(logits)
-        if self.logit_bias is not None:
-            logits += self.logit_bias  # (-inf from min_new_tokens stays -inf: biases are finite)
         if self.vocab_mask is not None and self.vocab_mask_rows:
             apply_vocab_mask(logits, self.vocab_mask, self.vocab_mask_rows)
+        if self.logit_bias is not None:
+            logits += self.logit_bias  # (-inf from min_new_tokens or a grammar stays -inf: biases are finite)
 
 
 def _logit_bias_rows(params: Sequence[Any], vocab_size: int, device: str) -> Optional[torch.Tensor]:
@@ -120,9 +120,10 @@ def _vocab_mask(reqs: Sequence[Any], rows: List[int], vocab_size: int, device: s
     grammar row filled by its matcher, the others left all ones.
 
     Filled on the CPU (xgrammar's matchers write host memory), then moved: a few bytes per
-    row. A request whose grammar has terminated has finished, so it is never in a batch.
+    row. A request whose grammar has terminated has finished, so it is not in a batch.
     """
-    mask = allocate_vocab_mask(len(reqs), vocab_size)  # [bs, ceil(V / 32)]
+    mask = allocate_vocab_mask(vocab_size, len(reqs))  # [bs, ceil(V / 32)]
     for i in rows:
-        reqs[i].grammar.fill_vocab_mask(mask, i)
+        if not reqs[i].grammar.is_terminated():  # (SGLang's guard: a terminated matcher raises)
+            reqs[i].grammar.fill_vocab_mask(mask, i)
     return mask.to(device)

@@ -179,6 +179,8 @@ class SamplingParams:
                 json.loads(self.json_schema)
             except json.JSONDecodeError as e:
                 raise ValueError(f"json_schema must be the JSON text of a JSON schema: {e}") from None
+            except RecursionError:  # ("[" * 100000: json's parser recurses once per level)
+                raise ValueError("json_schema is nested too deeply to parse") from None
 
     @property
     def grammar_key(self) -> Optional[Tuple[str, str]]:

@@ -32,6 +32,7 @@ _TOP_LEVEL: Dict[str, Any] = {
     "forward_mode": str,
     "log_line": str,
     "waiting_queue": list,
+    "grammar_queue": list,
     "chunked_req": (dict, type(None)),
     "batch": (dict, type(None)),
     "running_batch": list,

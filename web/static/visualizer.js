@@ -30,8 +30,14 @@ const seg = (cls, x, total, title) => `<div class="seg ${cls}" style="width:${pc
 // ------------------------------------------------------------------ panels
 function renderWaiting(snap) {
   const q = snap.waiting_queue;
+  const g = snap.grammar_queue || [];  // structured output: not waiting yet, its grammar still compiles
   $("waiting-count").textContent = q.length;
-  $("waiting-queue").innerHTML = q.length === 0 ? '<p class="empty">empty</p>' : q.map((r) => `
+  const compiling = g.map((r) => `
+    <div class="req-card" data-rid="${esc(r.rid)}" data-grammar="${esc(r.grammar)}">
+      <div><span class="rid">${esc(r.rid)}</span><span class="badge">compiling ${esc(r.grammar)}</span></div>
+      <div class="detail">since ${fmtMs(r.waited_ms)}</div>
+    </div>`).join("");
+  $("waiting-queue").innerHTML = q.length + g.length === 0 ? '<p class="empty">empty</p>' : compiling + q.map((r) => `
     <div class="req-card" data-rid="${esc(r.rid)}" data-retracted="${r.retracted ? 1 : 0}">
       <div><span class="rid">${esc(r.rid)}</span>${r.retracted ? `<span class="badge">retracted ×${r.retraction_count}</span>` : ""}</div>
       <div title="the prefix the radix tree held when the scheduler last matched this request (at an admission attempt, or lpm's ordering)">prompt ${r.input_len} tok · matched ${r.prefix_len}</div>
