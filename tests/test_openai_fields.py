@@ -341,3 +341,23 @@ def test_sglangs_unbuilt_fields_on_the_openai_routes_are_null_or_refused_by_name
         assert _post(client, "chat", regex=None, ebnf=None, json_schema=None, stop_regex=None).status_code == 200
         r = _post(client, "completions", stop_regex="a+")
     assert r.status_code == 400 and "'stop_regex': it is not supported by minisgl" in r.text
+
+
+def test_response_format_takes_sglangs_schema_without_its_wrapper(tiny_model: str, tmp_path: Any) -> None:
+    """{"type": "json_schema", "schema": {...}}: SGLang names it after the schema's title and takes it."""
+    client, seen = _scripted_client(tiny_model, tmp_path, [_out("r", "{}", 1, LENGTH)])
+    schema = {"title": "Pet", "type": "object"}
+    with client:
+        assert _post(client, "chat", response_format={"type": "json_schema", "schema": schema}).status_code == 200
+        r = _post(client, "chat", response_format={"type": "json_schema", "schema": schema, "json_schema": {"name": "x", "schema": {}}})
+    assert json.loads(seen[0].sampling_params["json_schema"]) == schema
+    assert r.status_code == 400  # (both shapes at once: the wrapper's, and an unknown "schema" beside it)
+
+
+def test_a_stream_refused_by_the_scheduler_is_its_error_event_alone(tiny_model: str, tmp_path: Any) -> None:
+    """A grammar that does not compile: the error event and [DONE], no role chunk before them (SGLang's order)."""
+    refused = {"type": "abort", "message": "Invalid regex: Unclosed '['", "status_code": 400, "err_type": "BadRequestError"}
+    client, _ = _scripted_client(tiny_model, tmp_path, [_out("r", "", 0, refused)])
+    with client:
+        events = _events(_post(client, "chat", stream=True, regex="["))
+    assert events[0]["error"]["message"] == "Invalid regex: Unclosed '['" and events[1:] == ["[DONE]"]

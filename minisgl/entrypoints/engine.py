@@ -291,7 +291,7 @@ class Engine:
             # unseen in later calls
             self._release_after_error(rids)
             raise
-        results = self._pop_results(rids)
+        results = _refused_raises(self._pop_results(rids))
         return results[0] if single else results
 
     async def async_generate(
@@ -339,7 +339,7 @@ class Engine:
         except BaseException:  # cancelled, or a step failed: nothing may keep decoding unseen
             await self._release_off_the_loop(self._release_after_error, rids)
             raise
-        results = await loop.run_in_executor(None, self._pop_results, rids)
+        results = _refused_raises(await loop.run_in_executor(None, self._pop_results, rids))
         return results[0] if single else results
 
     async def _release_off_the_loop(self, release: Callable[[List[str]], None], rids: List[str]) -> None:
@@ -369,7 +369,7 @@ class Engine:
             yield {}  # consumed by async_generate()
             while True:
                 ready, finished = await loop.run_in_executor(None, self._take_chunks, rids, single)
-                for chunk in ready:
+                for chunk in _refused_raises(ready):
                     yield chunk
                 if finished:
                     break
@@ -418,7 +418,7 @@ class Engine:
             yield {}  # consumed by generate()
             while True:
                 ready, finished = self._take_chunks(rids, single)  # (the lock is not held while yielding)
-                for chunk in ready:
+                for chunk in _refused_raises(ready):
                     yield chunk
                     if self._closed:  # shutdown() ran while the caller held this chunk
                         raise RuntimeError("the Engine was shut down while this stream was open; its requests were aborted")
@@ -755,3 +755,14 @@ def _describe(value: Any) -> str:
         kinds = sorted({type(v).__name__ for v in value})
         return f"a list of {'/'.join(kinds)}" if value else "an empty list"
     return type(value).__name__
+
+
+def _refused_raises(outputs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """generate()'s outputs as they are, unless the scheduler refused one with a 400 (a grammar
+    that does not compile, a prompt past its gate): then the ValueError the server's 400 is,
+    as SGLang's Engine raises it (for a batch, the first; the others were released or finished)."""
+    for out in outputs:
+        reason = out["meta_info"]["finish_reason"]
+        if isinstance(reason, dict) and reason.get("type") == "abort" and reason.get("status_code") == 400:
+            raise ValueError(reason.get("message") or "Bad request")
+    return outputs

@@ -120,6 +120,18 @@ class ResponseFormat(BaseModel):
     type: str
     json_schema: Optional[JsonSchemaResponseFormat] = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _schema_given_directly(cls, data: Any) -> Any:
+        # {"type": "json_schema", "schema": {...}} without the json_schema wrapper: SGLang takes it,
+        # named after the schema's title (clients built for it send this shape)
+        if isinstance(data, dict) and data.get("type") == "json_schema" and "json_schema" not in data and "schema" in data:
+            data = dict(data)
+            schema = data.pop("schema")
+            title = schema.get("title") if isinstance(schema, dict) else None
+            data["json_schema"] = {"name": title if isinstance(title, str) else "Schema", "schema": schema}
+        return data
+
     @model_validator(mode="after")
     def _known_type(self) -> "ResponseFormat":
         if self.type not in ("text", "json_object", "json_schema"):

@@ -270,11 +270,11 @@ class OpenAIServingChat(OpenAIServingBase):
             index = out.get("index", 0)
             meta = out["meta_info"]
             usage.update(index, meta)
-            if index not in role_sent:
+            reason = meta["finish_reason"]
+            if index not in role_sent and abort_status(reason) is None:  # (a refused request: the error event alone, as SGLang)
                 role_sent.add(index)
                 yield chunk(index, DeltaMessage(role="assistant", content=""))
             logprobs = self._logprobs(meta, request)
-            reason = meta["finish_reason"]
             if _forces_calls(request):
                 text, tokens = held.get(index, ("", []))
                 held[index] = (text + out["text"], tokens + (logprobs.content if logprobs is not None else []))
