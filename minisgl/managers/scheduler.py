@@ -209,7 +209,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
                 # SGLang's grammar queue: the request waits there while its grammar compiles
                 # (a cached one is ready at once) and joins the waiting queue when it is
                 self.grammar_queue.append(req)
-                self.move_ready_grammar_requests()
+                self.move_ready_grammar_requests(may_wait=False)  # (a cached grammar: on to the waiting queue now)
                 return req
         self._add_request_to_queue(req)
         return req
@@ -235,14 +235,14 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
                 raise ValueError(f"Structured output is unavailable: the grammar backend failed to load ({type(e).__name__}: {e})") from None
         return self._grammar_backend
 
-    def move_ready_grammar_requests(self) -> None:
+    def move_ready_grammar_requests(self, may_wait: bool = True) -> None:
         """Move the requests whose grammar has compiled from the grammar queue to the waiting
         queue (SGLang's get_ready_grammar_requests), each with its own matcher; one that did not
         compile, or took longer than GRAMMAR_TIMEOUT, is aborted with a 400 (it runs a
         one-token prefill to carry the error out, as every rejected request does)."""
         if not self.grammar_queue:
             return
-        if not self.waiting_queue and not self._unfinished_reqs() and self.chunked_req is None:
+        if may_wait and not self.waiting_queue and not self._unfinished_reqs() and self.chunked_req is None:
             # nothing else to do: wait a little for a compile instead of spinning (SGLang's poll)
             wait([r.grammar_future for r in self.grammar_queue], timeout=GRAMMAR_POLL_INTERVAL, return_when=FIRST_COMPLETED)
         now = time.perf_counter()
