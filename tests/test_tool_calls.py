@@ -150,3 +150,56 @@ def test_the_constraint_makes_a_random_model_write_a_valid_call(tiny_model: str)
     for (call,) in calls:
         args = json.loads(call.function.arguments)
         assert (call.function.name, args) in (("get_time", {}), ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"}))
+
+
+# --------------------------------------------------------------------------- what clients really send
+def test_nested_models_defs_are_lifted_to_the_root_where_their_refs_resolve() -> None:
+    """openai.pydantic_function_tool of a model with a nested model: "#/$defs/..." refs."""
+    xgr = pytest.importorskip("xgrammar")
+    place = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    nested = {"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"where": {"$ref": "#/$defs/Place"}}, "required": ["where"], "$defs": {"Place": place}}}}  # fmt: skip
+    schema = json.loads(tool_call_constraint(_request(tools=[nested, TIME], tool_choice="required")))
+    assert schema["$defs"] == {"Place": place}
+    xgr.Grammar.from_json_schema(json.dumps(schema))  # (it raised "Cannot find field '$defs'" before)
+    named = json.loads(tool_call_constraint(_request(tools=[nested], tool_choice={"type": "function", "function": {"name": "weather"}})))
+    assert named["$defs"] == {"Place": place}
+    other = json.loads(json.dumps(nested).replace('"weather"', '"other"').replace('"city"', '"zip"'))
+    with pytest.raises(ValueError, match="Tool definition 'Place' has multiple schemas, which is not supported."):
+        tool_call_constraint(_request(tools=[nested, other], tool_choice="required"))
+
+
+def test_the_second_turn_takes_the_message_as_the_sdk_returns_it(tiny_model: str, tmp_path: Any) -> None:
+    """`messages.append(resp.choices[0].message.model_dump())`: null refusal/audio/function_call/
+    annotations, and calls with SGLang's index or the SDK's parsed_arguments; a tool message's
+    name (OpenAI's cookbook sends it) is not the speaker name the template must show."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tokenizer.chat_template = (
+        "{% for t in tools or [] %}<{{ t.function.name }}>{% endfor %}|{% for m in messages %}{{ m.role }}:{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}[{{ c.function.name }}]{% endfor %};{% endfor %}"
+    )
+    answer = {"role": "assistant", "content": None, "refusal": None, "audio": None, "function_call": None, "annotations": None,
+              "tool_calls": [{"id": "call_1", "type": "function", "index": 0,
+                              "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}', "parsed_arguments": {"city": "Oslo"}}}]}  # fmt: skip
+    turn = [{"role": "user", "content": "Weather?"}, answer, {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "18C"}]
+    client, seen = _scripted_client(tiny_model, tmp_path, [_out("r", CALL, 9, STOP)], tokenizer=tokenizer)
+    with client:
+        r = _chat(client, messages=turn, tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert r.status_code == 200, r.text
+    # only the named tool is shown (SGLang's), and the call went back into the prompt
+    assert seen[0].text == "<get_weather>|user:Weather?;assistant:[get_weather];tool:18C;"
+
+
+def test_call_arguments_keep_their_characters_and_only_a_stop_becomes_tool_calls(tiny_model: str, tmp_path: Any) -> None:
+    (call,) = parse_tool_calls('[{"name": "get_weather", "parameters": {"city": "Zürich"}}]')
+    assert call.function.arguments == '{"city": "Zürich"}'
+    client, _ = _scripted_client(tiny_model, tmp_path, [_out("r", CALL, 9, {"type": "length", "length": 9})])
+    with client:
+        choice = _chat(client, tools=[WEATHER], tool_choice="required").json()["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] == CALL  # (complete, but cut: SGLang's rule)
+    client, _ = _scripted_client(tiny_model, tmp_path, [_out("r", CALL, 9, STOP)])
+    with client:
+        choice = _chat(client, tools=[WEATHER], tool_choice="required").json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["matched_stop"] is None

@@ -278,14 +278,43 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
+class MessageFunctionCall(BaseModel):
+    # extra keys ignored: the openai SDK's parse helpers add parsed_arguments to the answers a
+    # client sends back, SGLang's tool calls carry an index (its request model ignores extras too)
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str
+    arguments: str
+
+
+class MessageToolCall(BaseModel):
+    """A call the model made earlier, in an assistant message of the conversation."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    id: str
+    type: Literal["function"] = "function"
+    function: MessageFunctionCall
+
+
+# fields of an assistant message as the openai SDK returns it (`message.model_dump()`), which a
+# client sends back as they are: null, they ask for nothing
+_MESSAGE_NULL_FIELDS = frozenset({"refusal", "audio", "function_call", "annotations"})
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
     # ("function", the legacy role of functions/function_call, is not supported)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, List[ContentPart]]] = None
     name: Optional[str] = None
-    tool_calls: Optional[List[ToolCall]] = None  # an assistant's earlier calls
+    tool_calls: Optional[List[MessageToolCall]] = None  # an assistant's earlier calls
     tool_call_id: Optional[str] = None  # a tool message: the call it answers
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_null_answer_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in _MESSAGE_NULL_FIELDS)}
+        return data
 
     @model_validator(mode="after")
     def _content_where_needed(self) -> "ChatMessage":

@@ -46,7 +46,7 @@ from minisgl.entrypoints.openai.serving_base import (
     response_id,
     sse_data,
 )
-from minisgl.entrypoints.openai.tool_calls import parse_tool_calls, tool_call_constraint, validate_tools
+from minisgl.entrypoints.openai.tool_calls import parse_tool_calls, tool_call_constraint, validate_tools, visible_tools
 from minisgl.managers.io_struct import GenerateReqInput
 
 # apply_chat_template's own parameters: chat_template_kwargs may not pass them (they are not template variables)
@@ -147,9 +147,13 @@ class OpenAIServingChat(OpenAIServingBase):
         # A template that never reads `name`, or an assistant's earlier `tool_calls`, would drop
         # them without a word: refuse instead. (tool_call_id is not checked: Qwen's template, for
         # one, renders tool results in order without it.)
+        # A tool message's `name` repeats the function's name (OpenAI's cookbook sends it), as
+        # its tool_call_id names the call: not checked either.
         for key, what in (("name", "messages[].name"), ("tool_calls", "an assistant message's tool_calls")):
-            if any(key in m for m in messages):
-                if self._render([{k: v for k, v in m.items() if k != key} for m in messages], request) == prompt:
+            checked = [m for m in messages if key in m and not (key == "name" and m["role"] == "tool")]
+            if checked:
+                without = [{k: v for k, v in m.items() if k != key} if any(m is c for c in checked) else m for m in messages]
+                if self._render(without, request) == prompt:
                     raise ValueError(f"{what} is not used by this model's chat template; remove it or put it in the content.")
         return prompt
 
@@ -171,7 +175,7 @@ class OpenAIServingChat(OpenAIServingBase):
         if request.tools and request.tool_choice != "none":  # (SGLang's rule: "none" hides them)
             # a template that does not read them (the built-in model's) shows the model nothing of
             # the tools; a forced call is still shaped by its schema (tool_calls.py)
-            kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in request.tools]
+            kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in visible_tools(request)]
         try:
             return self.tokenizer.apply_chat_template(
                 messages,
@@ -234,9 +238,10 @@ class OpenAIServingChat(OpenAIServingBase):
             usage.update(index, meta)
             finish_reason, matched = openai_finish_reason(meta["finish_reason"])
             message = ChatCompletionMessage(content=out["text"])
-            calls = parse_tool_calls(out["text"]) if _forces_calls(request) else None
-            if calls:  # (an answer cut short is no call: it stays content, with its finish_reason)
-                message, finish_reason = ChatCompletionMessage(content=None, tool_calls=calls), "tool_calls"
+            # (an answer cut short, by max_tokens or a stop string, is no call: it stays content)
+            calls = parse_tool_calls(out["text"]) if _forces_calls(request) and finish_reason == "stop" else None
+            if calls:  # SGLang's: finish_reason tool_calls, matched_stop dropped
+                message, finish_reason, matched = ChatCompletionMessage(content=None, tool_calls=calls), "tool_calls", None
             choices.append(
                 ChatCompletionResponseChoice(
                     index=index,
@@ -289,12 +294,12 @@ class OpenAIServingChat(OpenAIServingBase):
                 finish_reason, matched = openai_finish_reason(reason)
                 if index in held:
                     text, tokens = held.pop(index)
-                    calls = parse_tool_calls(text)
+                    calls = parse_tool_calls(text) if finish_reason == "stop" else None
                     whole = ChatChoiceLogprobs(content=tokens) if request.logprobs else None
                     if calls:
                         deltas = [DeltaToolCall(index=i, **call.model_dump()) for i, call in enumerate(calls)]
                         yield chunk(index, DeltaMessage(tool_calls=deltas), logprobs=whole)
-                        finish_reason = "tool_calls"
+                        finish_reason, matched = "tool_calls", None
                     elif text or tokens:
                         yield chunk(index, DeltaMessage(content=text), logprobs=whole)
                 yield chunk(index, DeltaMessage(), finish_reason=finish_reason, matched_stop=matched)

@@ -61,14 +61,35 @@ def tool_call_constraint(request: ChatCompletionRequest) -> Optional[str]:
     choice = request.tool_choice
     if not request.tools or choice in (None, "none", "auto"):
         return None
+    tools = visible_tools(request)
     if isinstance(choice, ToolChoice):
-        items = next(_tool_schema(t) for t in request.tools if t.function.name == choice.function.name)
+        items = _tool_schema(tools[0])
     else:  # "required"
-        items = {"type": "object", "anyOf": [_tool_schema(t) for t in request.tools]}
+        items = {"type": "object", "anyOf": [_tool_schema(t) for t in tools]}
     schema: Dict[str, Any] = {"type": "array", "minItems": 1, "items": items}
     if not request.parallel_tool_calls:
         schema["maxItems"] = 1
+    # A tool's "#/$defs/X" refs (pydantic's nested models; "#/definitions/X" in draft 7)
+    # resolve against the root of the whole schema, where the call array now sits: lift its
+    # definitions there (SGLang's rule, one schema per name across the tools)
+    for section in ("$defs", "definitions"):
+        merged: Dict[str, Any] = {}
+        for tool in tools:
+            for name, definition in ((tool.function.parameters or {}).get(section) or {}).items():
+                if merged.get(name, definition) != definition:
+                    raise ValueError(f"Tool definition '{name}' has multiple schemas, which is not supported.")
+                merged[name] = definition
+        if merged:
+            schema[section] = merged
     return json.dumps(schema)
+
+
+def visible_tools(request: ChatCompletionRequest) -> List[Tool]:
+    """The tools the template shows and the call may use: all of them, or only the named one (SGLang's)."""
+    choice = request.tool_choice
+    if isinstance(choice, ToolChoice):
+        return [t for t in request.tools or [] if t.function.name == choice.function.name][:1]
+    return list(request.tools or [])
 
 
 def parse_tool_calls(text: str) -> Optional[List[ToolCall]]:
@@ -83,6 +104,8 @@ def parse_tool_calls(text: str) -> Optional[List[ToolCall]]:
     if not all(isinstance(c, dict) and isinstance(c.get("name"), str) and "parameters" in c for c in calls):
         return None
     return [
-        ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=c["name"], arguments=json.dumps(c["parameters"])))
+        # (ensure_ascii off: "Zürich" as OpenAI and SGLang send it, not "Z\\u00fcrich")
+        ToolCall(id=f"call_{uuid.uuid4().hex[:24]}",
+                 function=FunctionCall(name=c["name"], arguments=json.dumps(c["parameters"], ensure_ascii=False)))  # fmt: skip
         for c in calls
     ]
