@@ -10,6 +10,8 @@ import asyncio
 import json
 import random
 import re
+import subprocess
+import sys
 import threading
 import time
 from typing import Any, Iterator
@@ -293,3 +295,44 @@ def test_grammar_backend_none_and_a_broken_xgrammar_refuse_with_what_to_do(tiny_
         with pytest.raises(ValueError, match=r"the grammar backend failed to load \(OSError: libstdc\+\+"):
             e.generate("a", {"regex": "a"})
         assert e.generate("a", {"max_new_tokens": 2})["meta_info"]["finish_reason"]["type"] == "length"
+
+
+EXIT_WHILE_COMPILING = """
+import sys, time
+from minisgl import Engine
+e = Engine(sys.argv[1], device="cpu", max_total_tokens=512)
+deep = '{"type": "array", "items": ' * 150 + '{"type": "integer"}' + '}' * 150
+e.add_request("a", {"json_schema": deep, "max_new_tokens": 2})
+e.step()
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def test_a_process_that_exits_while_a_grammar_compiles_exits_cleanly(tiny_model: str) -> None:
+    """The compile threads are joined at exit: a daemon thread coming back from xgrammar's C++
+    while the interpreter finalized aborted the process (exit 134, "terminate called without
+    an active exception")."""
+    for delay in ("0.0", "0.1"):
+        out = subprocess.run([sys.executable, "-c", EXIT_WHILE_COMPILING, tiny_model, delay], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_shutdown_stops_the_compile_threads_and_flush_forgets_the_grammars(tiny_model: str) -> None:
+    from minisgl import Engine
+    from minisgl.visualizer.render import render_waiting
+
+    e = Engine(tiny_model, device="cpu", max_total_tokens=1024)
+    e.generate("a", {**SAMPLED, "regex": "(yes|no)"})
+    backend = e.scheduler.get_grammar_backend()
+    assert len(backend._cache) == 1 and all(t.is_alive() for t in backend._threads)
+    assert e.flush_cache() and len(backend._cache) == 0  # (SGLang's flush resets the grammar backend too)
+    gate = _gate_compiles(e)
+    rid = e.add_request("a", {**SAMPLED, "regex": "x+"})
+    snap = e.step()
+    html = render_waiting(snap)  # the notebook widget's panel shows it, as the page does
+    assert f'data-rid="{rid}" data-grammar="regex"' in html and "0 + 1 compiling" in html
+    gate.set()
+    e.shutdown()
+    for thread in backend._threads:
+        thread.join(10)  # (shutdown does not wait; each thread ends at its next job)
+    assert not any(t.is_alive() for t in backend._threads) and not backend._cache

@@ -30,3 +30,4 @@ def test_without_xgrammar_plain_requests_run_and_grammars_are_a_400(tiny_model: 
     refused, plain, imported = json.loads(out.stdout.strip().splitlines()[-1])
     assert 'pip install "minisgl[grammar]"' in refused
     assert plain["type"] == "length" and imported is False
+

@@ -26,13 +26,16 @@ releases the GIL while it compiles, so the scheduler's steps go on meanwhile.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import re
 import threading
+import time
+import weakref
 from collections import OrderedDict
 from concurrent.futures import Future
-from typing import Any, Iterable, List, Tuple
+from typing import Any, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -47,6 +50,16 @@ XGRAMMAR_MISSING = (
     "Structured output (json_schema, regex, ebnf, response_format) needs xgrammar, which is not installed: "
     'pip install "minisgl[grammar]" (or pip install xgrammar), then restart the server'
 )
+
+
+# the backends whose threads still run, shut down at exit (see XGrammarGrammarBackend.__init__)
+_LIVE_BACKENDS: "weakref.WeakSet[XGrammarGrammarBackend]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live_backends() -> None:
+    for backend in list(_LIVE_BACKENDS):
+        backend.shutdown()
 
 
 class XGrammarGrammar:
@@ -93,12 +106,18 @@ class XGrammarGrammarBackend:
         self.any_whitespace = any_whitespace
         # (type, text) -> the future of its compiled grammar; touched by the scheduler's thread only
         self._cache: "OrderedDict[Tuple[str, str], Future]" = OrderedDict()
-        self._jobs: "queue.Queue[Tuple[Tuple[str, str], Future]]" = queue.Queue()
-        # daemon threads, not a ThreadPoolExecutor: the interpreter joins those at exit, and a
-        # process shutting down would wait for a long compile to end. Several, so that a huge
-        # schema does not hold up every small grammar behind it.
-        for i in range(GRAMMAR_COMPILE_THREADS):
-            threading.Thread(target=self._compile_loop, name=f"minisgl-grammar-compiler-{i}", daemon=True).start()
+        self._jobs: "queue.Queue[Optional[Tuple[Tuple[str, str], Future]]]" = queue.Queue()
+        # Several threads, so that a huge schema does not hold up every small grammar behind it.
+        # Daemon threads, joined by shutdown() (Engine.shutdown, and at exit: a daemon thread
+        # that comes back from xgrammar's C++ while the interpreter finalizes aborts the process
+        # with "terminate called without an active exception").
+        self._threads = [
+            threading.Thread(target=self._compile_loop, name=f"minisgl-grammar-compiler-{i}", daemon=True)
+            for i in range(GRAMMAR_COMPILE_THREADS)
+        ]
+        for thread in self._threads:
+            thread.start()
+        _LIVE_BACKENDS.add(self)
 
     def get_future(self, key: Tuple[str, str]) -> Future:
         """The future of (type, text)'s compiled grammar, type "json_schema", "regex" or "ebnf"
@@ -114,6 +133,24 @@ class XGrammarGrammarBackend:
             self._cache.move_to_end(key)
         return future
 
+    def reset(self) -> None:
+        """Forget the compiled grammars (Scheduler.flush_cache, as SGLang's grammar_backend.reset)."""
+        self._cache.clear()
+
+    def shutdown(self, timeout: float = 60.0) -> None:
+        """Skip the compiles not started, let the threads end, and wait for them up to `timeout`
+        (a compile that has started runs to its end: xgrammar cannot stop it)."""
+        for future in self._cache.values():
+            future.cancel()
+        self._cache.clear()
+        for _ in self._threads:
+            self._jobs.put(None)  # (one per thread: each ends at its first)
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(deadline - time.monotonic(), 0))
+        if not any(thread.is_alive() for thread in self._threads):  # (else exit joins them)
+            _LIVE_BACKENDS.discard(self)
+
     def release(self, future: Future) -> None:
         """No request waits for `future` any more: a compile not yet started is skipped (one
         running goes on: xgrammar cannot stop it)."""
@@ -125,7 +162,10 @@ class XGrammarGrammarBackend:
 
     def _compile_loop(self) -> None:
         while True:
-            key, future = self._jobs.get()
+            job = self._jobs.get()
+            if job is None:  # (shutdown)
+                return
+            key, future = job
             if not future.set_running_or_notify_cancel():  # (released before its turn)
                 continue
             try:

@@ -662,6 +662,7 @@ class Engine:
                 logger.warning("shutdown: the scheduler still held requests after aborting all of them")
         self.rid_to_state.clear()
         self._samples_of.clear()
+        self.scheduler.shutdown_grammar_backend()  # (its threads and compiled grammars)
         self._closed = True
         # the scheduler references the ModelRunner too: both go, so the memory is freed
         on_cuda = self.server_args.device == "cuda"

@@ -369,7 +369,16 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         self.tree_cache.reset()
         self.token_to_kv_pool_allocator.clear()
         self.req_to_token_pool.clear()
+        if self._grammar_backend is not None:  # (SGLang's flush resets the compiled grammars too)
+            self._grammar_backend.reset()
         return FlushCacheReqOutput(True, "Cache flushed.")
+
+    def shutdown_grammar_backend(self) -> None:
+        """Stop the grammar backend's threads and drop its compiled grammars (Engine.shutdown).
+        Not waited for: a compile in progress ends on its own (and the process's exit waits for it)."""
+        if self._grammar_backend is not None:
+            self._grammar_backend.shutdown(timeout=0)
+            self._grammar_backend = None
 
     def get_load(self) -> GetLoadReqOutput:
         available = self.token_to_kv_pool_allocator.available_size()

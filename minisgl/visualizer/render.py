@@ -70,6 +70,13 @@ _LAST_MATCH = "the prefix the radix tree held when the scheduler last matched th
 
 
 def render_waiting(snap: Mapping[str, Any]) -> str:
+    # structured output: requests whose grammar still compiles come first, then the queue
+    compiling = [
+        f'<div class="req-card" data-rid="{escape(r["rid"])}" data-grammar="{escape(r["grammar"])}">'
+        f'<div><span class="rid">{escape(r["rid"])}</span><span class="badge">compiling {escape(r["grammar"])}</span></div>'
+        f'<div class="detail">its grammar is compiling; then it waits here</div></div>'
+        for r in snap.get("grammar_queue", [])
+    ]
     cards = [
         f'<div class="req-card" data-rid="{escape(r["rid"])}" data-retracted="{int(r["retracted"])}">'
         f'<div><span class="rid">{escape(r["rid"])}</span>'
@@ -78,8 +85,9 @@ def render_waiting(snap: Mapping[str, Any]) -> str:
         f'<div class="detail">waited {_ms(r["waited_ms"])}</div></div>'
         for r in snap["waiting_queue"]
     ]
-    body = f'<div class="cards">{"".join(cards) or "<p class=empty>empty</p>"}</div>'
-    return _panel("waiting", f'waiting_queue <span class="count">{len(cards)}</span>', body)
+    body = f'<div class="cards">{"".join(compiling + cards) or "<p class=empty>empty</p>"}</div>'
+    count = f"{len(cards)} + {len(compiling)} compiling" if compiling else str(len(cards))
+    return _panel("waiting", f'waiting_queue <span class="count">{count}</span>', body)
 
 
 def _batch_row(r: Mapping[str, Any]) -> str:

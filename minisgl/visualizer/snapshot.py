@@ -124,7 +124,7 @@ def step_summary(snap: Mapping[str, Any]) -> Dict[str, Any]:
         "num_extend_tokens": sum(r["extend_len"] for r in reqs if not r.get("is_decode")),
         "num_decode_reqs": sum(1 for r in reqs if r.get("is_decode")),
         "has_chunked": any(r.get("num_chunks", 0) > 1 for r in reqs if not r.get("is_decode")),
-        "num_waiting": len(snap.get("waiting_queue", [])),
+        "num_waiting": len(snap.get("waiting_queue", [])) + len(snap.get("grammar_queue", [])),  # (as get_load counts)
         "event_types": sorted({ev["type"] for ev in snap.get("events", [])}),
         "log_line": snap.get("log_line", ""),
     }

@@ -31,11 +31,12 @@ const seg = (cls, x, total, title) => `<div class="seg ${cls}" style="width:${pc
 function renderWaiting(snap) {
   const q = snap.waiting_queue;
   const g = snap.grammar_queue || [];  // structured output: not waiting yet, its grammar still compiles
-  $("waiting-count").textContent = q.length;
+  $("waiting-count").textContent = g.length ? `${q.length} + ${g.length} compiling` : q.length;
+  // (no "since": nothing is published while only compiles run, so a duration would stand still)
   const compiling = g.map((r) => `
     <div class="req-card" data-rid="${esc(r.rid)}" data-grammar="${esc(r.grammar)}">
       <div><span class="rid">${esc(r.rid)}</span><span class="badge">compiling ${esc(r.grammar)}</span></div>
-      <div class="detail">since ${fmtMs(r.waited_ms)}</div>
+      <div class="detail">its grammar is compiling; then it waits here</div>
     </div>`).join("");
   $("waiting-queue").innerHTML = q.length + g.length === 0 ? '<p class="empty">empty</p>' : compiling + q.map((r) => `
     <div class="req-card" data-rid="${esc(r.rid)}" data-retracted="${r.retracted ? 1 : 0}">
