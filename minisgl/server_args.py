@@ -128,7 +128,7 @@ class ServerArgs:
         default="xgrammar", metadata=_opt("Grammar backend of structured output (json_schema, regex, ebnf): xgrammar, or none to refuse such requests.", choices=GRAMMAR_BACKENDS)
     )
     constrained_json_disable_any_whitespace: bool = field(
-        default=False, metadata=_opt("JSON-schema outputs use the compact separators only, with no free whitespace between tokens.")
+        default=False, metadata=_opt('JSON-schema outputs allow only the separators ", " and ": " between JSON tokens (no free whitespace).')
     )
 
     # --- server ---
@@ -159,6 +159,8 @@ class ServerArgs:
             )
         if self.stream_interval < 1:
             raise ValueError(f"--stream-interval must be >= 1, got {self.stream_interval}")
+        if self.grammar_backend not in GRAMMAR_BACKENDS:  # (SGLang's outlines / llguidance are not built)
+            raise ValueError(f"--grammar-backend must be one of {', '.join(GRAMMAR_BACKENDS)}, got {self.grammar_backend!r}")
         # Settings under which no request could ever be scheduled: refuse them, not hang.
         if self.chunked_prefill_size is not None and 0 < self.chunked_prefill_size < self.page_size:
             raise ValueError(

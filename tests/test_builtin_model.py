@@ -153,3 +153,20 @@ def test_trained_model_predicts_python_docs(builtin: Tuple[Any, Any]) -> None:
     passage = corpus_texts()[0]
     assert mean_nll(random_model(0), tok, passage) > 7.5
     assert mean_nll(model, tok, passage) < 4.5
+
+
+def test_chat_template_shows_tools_and_earlier_calls_in_the_forced_call_format(builtin: Tuple[Any, Any]) -> None:
+    """The built-in template renders `tools` and an assistant's `tool_calls` (as the JSON array a
+    forced call writes, docs/structured_output.md), so a tool loop's second turn runs on it."""
+    tok, _ = builtin
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}}
+    messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "18C"}]  # fmt: skip
+    text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert text == (
+        '<|im_start|>system\nTools: [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]<|im_end|>\n'
+        "<|im_start|>user\nWeather?<|im_end|>\n"
+        '<|im_start|>assistant\n[{"name": "get_weather", "parameters": {"city": "Zürich"}}]<|im_end|>\n'
+        "<|im_start|>tool\n18C<|im_end|>\n<|im_start|>assistant\n"
+    )

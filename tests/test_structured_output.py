@@ -336,3 +336,67 @@ def test_shutdown_stops_the_compile_threads_and_flush_forgets_the_grammars(tiny_
     for thread in backend._threads:
         thread.join(10)  # (shutdown does not wait; each thread ends at its next job)
     assert not any(t.is_alive() for t in backend._threads) and not backend._cache
+
+
+def test_requests_sharing_a_compile_and_a_timed_out_one_leave_the_right_jobs(tiny_model: str, monkeypatch: Any) -> None:
+    """Two requests wait for one compile: aborting one must not cancel it for the other. A request
+    that timed out before its compile started leaves that job skipped."""
+    from minisgl import Engine
+    from minisgl.managers import scheduler as scheduler_module
+
+    with Engine(tiny_model, device="cpu", max_total_tokens=1024) as e:
+        backend = e.scheduler.get_grammar_backend()
+        gates, compile_, compiled = [threading.Event(), threading.Event()], backend._compile, []
+
+        def gated(kind: str, text: str) -> Any:
+            gates[int(text[-1]) if text[-1].isdigit() else 0].wait(30)
+            compiled.append(text)
+            return compile_(kind, text)
+
+        backend._compile = gated
+        busy = [e.add_request("a", {**SAMPLED, "regex": "busy0"}) for _ in range(2)]  # one compile, both threads...
+        busy.append(e.add_request("a", {**SAMPLED, "regex": "other0"}))  # ...held
+        first, second = (e.add_request("b", {**SAMPLED, "regex": "shared"}) for _ in range(2))
+        e.abort(first)
+        e.abort(busy[0])
+        gates[0].set()
+        while e.has_unfinished_requests():
+            e.step()
+        assert e.get_result(second)["text"] == "shared" and e.get_result(busy[1])["text"] == "busy0"
+        assert e.get_result(first)["meta_info"]["finish_reason"]["type"] == "abort"
+
+        monkeypatch.setattr(scheduler_module, "GRAMMAR_TIMEOUT", 0.05)
+        held = [e.add_request("c", {**SAMPLED, "regex": f"held{i}1"}) for i in range(2)]  # both threads held again
+        late = e.add_request("c", {**SAMPLED, "regex": "late"})
+        time.sleep(0.1)
+        e.step()
+        assert "(it was still waiting for a compile thread" in e.get_result(late)["meta_info"]["finish_reason"]["message"]
+        gates[1].set()
+        for r in held:
+            e.abort(r)
+        while e.has_unfinished_requests():
+            e.step()
+        time.sleep(0.2)
+        assert "late" not in compiled  # (its job was released: nobody waits for it)
+
+
+def test_a_repeated_bad_grammar_is_refused_without_keeping_the_requests(engine: Any) -> None:
+    """The cached compile error is raised afresh for each request: re-raising the stored exception
+    grew its traceback at every refusal, and every refused request stayed alive in it."""
+    import gc
+    import weakref
+
+    from minisgl.managers.schedule_batch import Req
+
+    bad = {**SAMPLED, "json_schema": '{"type": "object", "properties": {"a": {"type": "nosuchtype"}}}'}
+    refs = []
+    for _ in range(3):
+        rid = engine.add_request("a", bad)
+        queued = engine.scheduler.grammar_queue + engine.scheduler.waiting_queue
+        refs += [weakref.ref(r) for r in queued if r.rid == rid]
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.get_result(rid)["meta_info"]["finish_reason"]["message"].startswith("Invalid json_schema:")
+    gc.collect()
+    assert len(refs) == 3 and all(isinstance(r(), (Req, type(None))) for r in refs)
+    assert [r() for r in refs[:2]] == [None, None]

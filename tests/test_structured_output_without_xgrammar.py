@@ -28,6 +28,6 @@ def test_without_xgrammar_plain_requests_run_and_grammars_are_a_400(tiny_model: 
     out = subprocess.run([sys.executable, "-c", SCRIPT, tiny_model], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     refused, plain, imported = json.loads(out.stdout.strip().splitlines()[-1])
-    assert 'pip install "minisgl[grammar]"' in refused
+    assert "needs xgrammar, which is not installed: pip install xgrammar" in refused
     assert plain["type"] == "length" and imported is False
 

@@ -203,3 +203,13 @@ def test_call_arguments_keep_their_characters_and_only_a_stop_becomes_tool_calls
     with client:
         choice = _chat(client, tools=[WEATHER], tool_choice="required").json()["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["matched_stop"] is None
+
+
+def test_a_streamed_answer_cut_short_stays_content(tiny_model: str, tmp_path: Any) -> None:
+    """Streamed too, only a stop becomes tool_calls: a whole array cut by max_tokens is content."""
+    client, _ = _scripted_client(tiny_model, tmp_path, [_out("r", CALL[:10], 3), _out("r", CALL[10:], 9, {"type": "length", "length": 9})])
+    with client:
+        chunks = [c for c in _events(_chat(client, tools=[WEATHER], tool_choice="required", stream=True)) if c != "[DONE]"]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert [d.get("content") for d in deltas[1:-1]] == [CALL] and not any("tool_calls" in d for d in deltas)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"

@@ -2,7 +2,7 @@
 a matcher that says, before every sample, which tokens keep the output inside the grammar.
 
 Where it sits: Scheduler.handle_generate_request -> XGrammarGrammarBackend.get_future(key)
-(compiled on the backend's own thread; the request waits in the scheduler's grammar_queue
+(compiled on one of the backend's threads; the request waits in the scheduler's grammar_queue
 until it is) -> `get_grammar(future)` -> `Req.grammar` (one matcher per request, never sent
 across a process boundary). Before each sample, SamplingBatchInfo.from_reqs asks every such
 request's grammar to fill its row of the batch's vocab mask (`fill_vocab_mask`), and
@@ -14,7 +14,7 @@ accepted a stop token) finishes the request (Req.check_finished).
 The grammar machinery is xgrammar's, as SGLang's default backend: it compiles a grammar
 against the tokenizer's vocabulary once (cached by its (type, text) key, as SGLang's
 grammar cache), and its matcher fills a bitmask of 32 tokens per int32 in microseconds.
-xgrammar is an optional dependency (`pip install "minisgl[grammar]"`): it pulls in triton,
+xgrammar is an optional dependency (the `grammar` extra, `pip install -e ".[grammar]"`): it pulls in triton,
 a gigabyte the CPU engine has no other use for; a server without it refuses structured
 output requests with a 400 that says what to install.
 
@@ -47,8 +47,9 @@ GRAMMAR_CACHE_SIZE = 256
 # compile threads: xgrammar releases the GIL, and each compile runs one thread of its own
 GRAMMAR_COMPILE_THREADS = 2
 XGRAMMAR_MISSING = (
-    "Structured output (json_schema, regex, ebnf, response_format) needs xgrammar, which is not installed: "
-    'pip install "minisgl[grammar]" (or pip install xgrammar), then restart the server'
+    "Structured output (json_schema, regex, ebnf, response_format, forced tool calls) needs xgrammar, which is not "
+    'installed: pip install xgrammar (minisgl\'s "grammar" extra; in a checkout: pip install -e ".[grammar]"), '
+    "then restart the server or the Engine"
 )
 
 
@@ -83,7 +84,7 @@ class XGrammarGrammar:
 
 
 class XGrammarGrammarBackend:
-    """Compiles grammars against one tokenizer's vocabulary, on its own thread (SGLang's
+    """Compiles grammars against one tokenizer's vocabulary, on threads of its own (SGLang's
     XGrammarGrammarBackend and the thread pool of its grammar manager).
 
     `vocab_size` is the model's (the logits' width), which may exceed the tokenizer's: the
@@ -100,7 +101,8 @@ class XGrammarGrammarBackend:
             raise ImportError(XGRAMMAR_MISSING) from e
         self._xgr = xgrammar
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids))
-        # one thread: the forward's OpenMP threads already own the cores
+        # one thread per compile (xgrammar's own parallelism off): the forward's OpenMP threads
+        # already own the cores, and the backend runs GRAMMAR_COMPILE_THREADS compiles at most
         self.compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self.vocab_size = vocab_size
         self.any_whitespace = any_whitespace
@@ -158,6 +160,13 @@ class XGrammarGrammarBackend:
 
     def get_grammar(self, future: Future) -> XGrammarGrammar:
         """A fresh matcher from a done future; ValueError (a 400) naming the field when its text did not compile."""
+        if future.cancelled():  # (never for a request still waiting: see Scheduler._release_grammar_future)
+            raise ValueError("its grammar's compile was cancelled")
+        error = future.exception()
+        if error is not None:
+            # a fresh exception: re-raising the cached one grew its traceback at every refusal,
+            # keeping each refused request (and its frames) alive
+            raise ValueError(str(error))
         return XGrammarGrammar(self._xgr.GrammarMatcher(future.result()))
 
     def _compile_loop(self) -> None:
@@ -189,10 +198,12 @@ class XGrammarGrammarBackend:
 
 
 def _first_line(message: str) -> str:
-    """xgrammar's message without its C++ source location ("[12:09:14] /project/cpp/x.cc:94: ")."""
+    """xgrammar's message without its C++ source location ("[12:09:14] /project/cpp/x.cc:94: ")
+    and its internal check ("Check failed: (lower >= 0) is false: "); never empty."""
     line = (message.strip().splitlines() or [""])[0]
     line = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", line)
-    return line.replace("Check failed: (error.empty()) is false: ", "")
+    line = re.sub(r"^Check failed: \(.*?\) is false:\s*", "", line)
+    return line or "xgrammar could not compile it"
 
 
 def allocate_vocab_mask(vocab_size: int, batch_size: int, device: Any = "cpu") -> torch.Tensor:

@@ -219,7 +219,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         a server that never sees one never imports xgrammar. ValueError (the request's 400)
         says why there is none."""
         if self.server_args.grammar_backend == "none":
-            raise ValueError("Structured output is off on this server (--grammar-backend none)")
+            raise ValueError("Structured output is off here (--grammar-backend none; grammar_backend='none' in an Engine)")
         if self._grammar_backend is None:
             if self.tokenizer is None:
                 raise ValueError("Structured output needs the tokenizer: the grammar is compiled against its vocabulary")

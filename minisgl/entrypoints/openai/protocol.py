@@ -122,7 +122,10 @@ class ResponseFormat(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _schema_given_directly(cls, data: Any) -> Any:
+    def _known_type_and_sglangs_unwrapped_schema(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("type") not in (None, "text", "json_object", "json_schema"):
+            # before the fields: a structural_tag format's own fields would be named instead
+            raise ValueError(f"response_format type {data.get('type')!r} is not supported by minisgl; use text, json_object or json_schema")
         # {"type": "json_schema", "schema": {...}} without the json_schema wrapper: SGLang takes it,
         # named after the schema's title (clients built for it send this shape)
         if isinstance(data, dict) and data.get("type") == "json_schema" and "json_schema" not in data and "schema" in data:
@@ -133,11 +136,7 @@ class ResponseFormat(BaseModel):
         return data
 
     @model_validator(mode="after")
-    def _known_type(self) -> "ResponseFormat":
-        if self.type not in ("text", "json_object", "json_schema"):
-            raise ValueError(
-                f"response_format type {self.type!r} is not supported by minisgl; use text, json_object or json_schema"
-            )
+    def _schema_for_json_schema(self) -> "ResponseFormat":
         if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
             raise ValueError('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}')
         return self
