@@ -72,6 +72,13 @@ def test_settings_that_cannot_work_are_one_line_errors_not_tracebacks() -> None:
         assert message in proc.stderr and "Traceback" not in proc.stderr, (argv, proc.stderr[-2000:])
 
 
+def test_an_engine_grammar_backend_minisgl_does_not_have_is_refused() -> None:
+    """SGLang's outlines / llguidance given to the Engine (argparse's choices only guard the CLI)."""
+    for name in ("outlines", "off"):
+        with pytest.raises(ValueError, match=f"--grammar-backend must be one of xgrammar, none, got '{name}'"):
+            ServerArgs(grammar_backend=name)
+
+
 def test_the_triton_backend_without_triton_installed_is_a_clear_refusal(monkeypatch: Any) -> None:
     # triton is no dependency of minisgl (~1 GB the CPU path never imports); CUDA torch brings it
     monkeypatch.setenv("TRITON_INTERPRET", "1")

@@ -168,6 +168,8 @@ def _chat(client: TestClient, **body: Any) -> Any:
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 'tool_choice "auto" (the default when tools are given)'),
         ({"functions": [{"name": "f"}]}, "'functions'"),
         ({"response_format": {"type": "structural_tag"}}, "response_format type 'structural_tag' is not supported"),
+        # (SGLang's own structural_tag shape: the type is named, not its unknown fields)
+        ({"response_format": {"type": "structural_tag", "structures": [], "triggers": []}}, "type 'structural_tag' is not supported"),
         ({"response_format": {"type": "json_schema"}}, "response_format json_schema needs"),
         ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "name"),
         ({"response_format": {"type": "json_object"}, "regex": "a+"}, "both constrain the output"),
