@@ -349,6 +349,7 @@ def test_response_format_takes_sglangs_schema_without_its_wrapper(tiny_model: st
     schema = {"title": "Pet", "type": "object"}
     with client:
         assert _post(client, "chat", response_format={"type": "json_schema", "schema": schema}).status_code == 200
+        assert _post(client, "chat", response_format={"type": "json_schema", "schema": schema, "strict": True}).status_code == 200
         r = _post(client, "chat", response_format={"type": "json_schema", "schema": schema, "json_schema": {"name": "x", "schema": {}}})
     assert json.loads(seen[0].sampling_params["json_schema"]) == schema
     assert r.status_code == 400  # (both shapes at once: the wrapper's, and an unknown "schema" beside it)

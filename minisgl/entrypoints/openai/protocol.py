@@ -133,6 +133,8 @@ class ResponseFormat(BaseModel):
             schema = data.pop("schema")
             title = schema.get("title") if isinstance(schema, dict) else None
             data["json_schema"] = {"name": title if isinstance(title, str) else "Schema", "schema": schema}
+            if "strict" in data:  # (its strict flag moves in with it)
+                data["json_schema"]["strict"] = data.pop("strict")
         return data
 
     @model_validator(mode="after")
