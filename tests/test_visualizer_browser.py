@@ -366,3 +366,29 @@ def test_a_page_reopening_its_stream_to_the_same_server_keeps_its_timeline(brows
         assert browser_page.errors == []
     finally:
         app.stop()
+
+
+def test_requests_whose_grammar_compiles_are_cards_in_the_waiting_column(browser_page: Any) -> None:
+    """Structured output: a request waits in the grammar queue before the waiting queue; the
+    page shows it there as a "compiling" card and counts it apart."""
+    from test_visualizer_sse import LiveApp, make_snapshot
+
+    from minisgl.visualizer.sse import SnapshotHub
+
+    hub = SnapshotHub()
+    app = LiveApp(hub)
+    try:
+        browser_page.goto(app.url + "/visualizer")
+        browser_page.wait_for_selector('#conn-status[data-state="open"]', timeout=15000)
+        hub.add({**make_snapshot(1), "grammar_queue": [{"rid": "g", "grammar": "json_schema", "waited_ms": 2.0}]})
+        _wait_step(browser_page, 1)
+        card = browser_page.locator('#waiting-queue .req-card[data-rid="g"]')
+        assert card.get_attribute("data-grammar") == "json_schema" and "compiling json_schema" in card.inner_text()
+        assert browser_page.locator("#waiting-count").inner_text() == "1 + 1 compiling"  # (make_snapshot's "w" waits)
+        hub.add(make_snapshot(2))  # compiled: it left the grammar queue
+        _wait_step(browser_page, 2)
+        assert browser_page.locator('#waiting-queue .req-card[data-rid="g"]').count() == 0
+        assert browser_page.locator("#waiting-count").inner_text() == "1"
+        assert browser_page.errors == []
+    finally:
+        app.stop()
