@@ -44,6 +44,7 @@ BUILTIN_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "as
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 GRAMMAR_BACKENDS = ("xgrammar", "none")
+TOOL_CALL_PARSERS = ("qwen25",)  # (entrypoints/openai/tool_calls.py)
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -127,6 +128,9 @@ class ServerArgs:
     grammar_backend: str = field(
         default="xgrammar", metadata=_opt("Grammar backend of structured output (json_schema, regex, ebnf): xgrammar, or none to refuse such requests.", choices=GRAMMAR_BACKENDS)
     )
+    tool_call_parser: Optional[str] = field(
+        default=None, metadata=_opt('Parse tool calls in the model\'s own format for tool_choice "auto": qwen25 (Qwen2.5/Qwen3\'s <tool_call>).', choices=TOOL_CALL_PARSERS)
+    )
     constrained_json_disable_any_whitespace: bool = field(
         default=False, metadata=_opt('JSON-schema outputs allow only the separators ", " and ": " between JSON tokens (no free whitespace).')
     )
@@ -159,6 +163,8 @@ class ServerArgs:
             )
         if self.stream_interval < 1:
             raise ValueError(f"--stream-interval must be >= 1, got {self.stream_interval}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}")
         if self.grammar_backend not in GRAMMAR_BACKENDS:  # (SGLang's outlines / llguidance are not built)
             raise ValueError(f"--grammar-backend must be one of {', '.join(GRAMMAR_BACKENDS)}, got {self.grammar_backend!r}")
         # Settings under which no request could ever be scheduled: refuse them, not hang.

@@ -213,3 +213,62 @@ def test_a_streamed_answer_cut_short_stays_content(tiny_model: str, tmp_path: An
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert [d.get("content") for d in deltas[1:-1]] == [CALL] and not any("tool_calls" in d for d in deltas)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+# --------------------------------------------------------------------------- tool_choice "auto", --tool-call-parser qwen25
+QWEN_ANSWER = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>'
+
+
+def _qwen_client(tiny_model: str, tmp_path: Any, outs: List[Dict[str, Any]]) -> Any:
+    from minisgl.server_args import ServerArgs, resolve_server_args
+
+    args = resolve_server_args(ServerArgs(model_path=tiny_model, device="cpu", tool_call_parser="qwen25"))
+    return _scripted_client(tiny_model, tmp_path, outs, server_args=args)
+
+
+def test_the_qwen25_parser_splits_text_and_calls() -> None:
+    from minisgl.entrypoints.openai.tool_calls import StreamedText, parse_qwen25
+
+    text, calls = parse_qwen25(QWEN_ANSWER)
+    assert text == "Let me check." and [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", '{"city": "Zürich"}')]
+    for plain in ("No tools needed.", QWEN_ANSWER[:-5], QWEN_ANSWER + " and more", "<tool_call>\n{not json}\n</tool_call>"):
+        assert parse_qwen25(plain) == (plain, None), plain
+    splitter, sent = StreamedText(), ""
+    for i in range(0, len(QWEN_ANSWER), 3):  # three characters at a time: "<tool_call>" arrives in pieces
+        sent += splitter.feed(QWEN_ANSWER[i : i + 3])
+    rest, calls = splitter.finish()
+    assert sent == "Let me check.\n" and rest == "" and calls[0].function.name == "get_weather"
+    splitter = StreamedText()
+    assert splitter.feed("a <tool") == "a " and splitter.feed("s> b") == "<tools> b" and splitter.finish() == ("", None)
+
+
+def test_auto_needs_a_parser_and_with_one_returns_text_and_calls(tiny_model: str, tmp_path: Any) -> None:
+    client, _ = _scripted_client(tiny_model, tmp_path, [_out("r", QWEN_ANSWER, 20, STOP)])
+    with client:
+        r = _chat(client, tools=[WEATHER])
+    assert r.status_code == 400 and "--tool-call-parser qwen25" in r.json()["error"]["message"]
+    client, seen = _qwen_client(tiny_model, tmp_path, [_out("r", QWEN_ANSWER, 20, STOP)])
+    with client:
+        choice = _chat(client, tools=[WEATHER]).json()["choices"][0]
+        plain = _chat(client, tools=[WEATHER], tool_choice="auto").json()["choices"][0]  # (same scripted answer)
+    assert "json_schema" not in seen[0].sampling_params and seen[0].sampling_params["skip_special_tokens"] is False
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me check."
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Zürich"}'} and plain["finish_reason"] == "tool_calls"
+    client, _ = _qwen_client(tiny_model, tmp_path, [_out("r", "Just text.", 3, STOP)])
+    with client:
+        choice = _chat(client, tools=[WEATHER]).json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] == "Just text." and choice["message"]["tool_calls"] is None
+
+
+def test_auto_streams_the_text_and_sends_the_calls_at_the_end(tiny_model: str, tmp_path: Any) -> None:
+    pieces = [QWEN_ANSWER[:16], QWEN_ANSWER[16:40], QWEN_ANSWER[40:]]  # (the first ends inside "<tool_call>")
+    outs = [_out("r", p, 5 * (i + 1), STOP if i == 2 else None) for i, p in enumerate(pieces)]
+    client, _ = _qwen_client(tiny_model, tmp_path, outs)
+    with client:
+        chunks = [c for c in _events(_chat(client, tools=[WEATHER], stream=True)) if c != "[DONE]"]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("content") or "" for d in deltas) == "Let me check.\n"
+    (call,) = next(d["tool_calls"] for d in deltas if "tool_calls" in d)
+    assert call["function"]["name"] == "get_weather" and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert not any("<tool" in (d.get("content") or "") for d in deltas)

@@ -46,7 +46,9 @@ from minisgl.entrypoints.openai.serving_base import (
     response_id,
     sse_data,
 )
-from minisgl.entrypoints.openai.tool_calls import parse_tool_calls, tool_call_constraint, validate_tools, visible_tools
+from minisgl.entrypoints.openai.tool_calls import (
+    StreamedText, parse_qwen25, parse_tool_calls, tool_call_constraint, validate_tools, visible_tools,
+)  # fmt: skip
 from minisgl.managers.io_struct import GenerateReqInput
 
 # apply_chat_template's own parameters: chat_template_kwargs may not pass them (they are not template variables)
@@ -122,6 +124,10 @@ def _choice_name(request: ChatCompletionRequest) -> str:
 
 
 class OpenAIServingChat(OpenAIServingBase):
+    def _parses_calls(self, request: ChatCompletionRequest) -> bool:
+        """tool_choice "auto" (or unset) with tools, on a server with a --tool-call-parser."""
+        return bool(request.tools) and request.tool_choice in (None, "auto") and self.tokenizer_manager.server_args.tool_call_parser is not None
+
     def _validate_request(self, request: ChatCompletionRequest) -> Optional[str]:
         if not request.messages:
             return "Messages cannot be empty."
@@ -136,7 +142,7 @@ class OpenAIServingChat(OpenAIServingBase):
         # SGLang's chat check, which holds only without auto-truncate (the gate then clamps it)
         if max_new is not None and max_new > context_len and not self.tokenizer_manager.server_args.allow_auto_truncate:
             return f"{field} is too large: {max_new}. This model supports at most {context_len} completion tokens."
-        return validate_tools(request)
+        return validate_tools(request, self.tokenizer_manager.server_args.tool_call_parser)
 
     def _apply_chat_template(self, request: ChatCompletionRequest) -> str:
         """Render the messages; each goes to the template whole (role, content and name, as in SGLang)."""
@@ -195,6 +201,8 @@ class OpenAIServingChat(OpenAIServingBase):
             if other:  # (SGLang 0.5.23 refuses it too: the call's schema and another grammar cannot both hold)
                 raise ValueError(f"tool_choice {_choice_name(request)} constrains the output to a tool call; drop {other} / response_format")
             sampling_params["json_schema"] = constraint
+        if self._parses_calls(request):
+            sampling_params["skip_special_tokens"] = False  # (SGLang's: a format's markers may be special tokens)
         return GenerateReqInput(
             text=self._apply_chat_template(request),
             add_special_tokens=False,  # the template writes the BOS itself where the model wants one
@@ -239,9 +247,14 @@ class OpenAIServingChat(OpenAIServingBase):
             finish_reason, matched = openai_finish_reason(meta["finish_reason"])
             message = ChatCompletionMessage(content=out["text"])
             # (an answer cut short, by max_tokens or a stop string, is no call: it stays content)
-            calls = parse_tool_calls(out["text"]) if _forces_calls(request) and finish_reason == "stop" else None
+            content, calls = out["text"], None
+            if finish_reason == "stop" and _forces_calls(request):
+                calls = parse_tool_calls(out["text"])
+                content = None if calls else out["text"]
+            elif finish_reason == "stop" and self._parses_calls(request):
+                content, calls = parse_qwen25(out["text"])
             if calls:  # SGLang's: finish_reason tool_calls, matched_stop dropped
-                message, finish_reason, matched = ChatCompletionMessage(content=None, tool_calls=calls), "tool_calls", None
+                message, finish_reason, matched = ChatCompletionMessage(content=content or None, tool_calls=calls), "tool_calls", None
             choices.append(
                 ChatCompletionResponseChoice(
                     index=index,
@@ -271,6 +284,7 @@ class OpenAIServingChat(OpenAIServingBase):
         # A forced tool call is held back until its choice ends: only the whole text says whether
         # it is a call (then one delta carries the calls, arguments whole) or content cut short.
         held: Dict[int, Tuple[str, List[ChatTokenLogprob]]] = {}
+        splitters: Dict[int, StreamedText] = {}  # tool_choice "auto" with --tool-call-parser
         async for out in prepend(first, rest):
             index = out.get("index", 0)
             meta = out["meta_info"]
@@ -283,6 +297,10 @@ class OpenAIServingChat(OpenAIServingBase):
             if _forces_calls(request):
                 text, tokens = held.get(index, ("", []))
                 held[index] = (text + out["text"], tokens + (logprobs.content if logprobs is not None else []))
+            elif self._parses_calls(request):  # "auto": content as it comes, up to a possible <tool_call>
+                text = splitters.setdefault(index, StreamedText()).feed(out["text"])
+                if text or (logprobs is not None and logprobs.content):
+                    yield chunk(index, DeltaMessage(content=text), logprobs=logprobs)
             elif out["text"] or (logprobs is not None and logprobs.content):
                 yield chunk(index, DeltaMessage(content=out["text"]), logprobs=logprobs)
             if reason is not None:
@@ -302,6 +320,18 @@ class OpenAIServingChat(OpenAIServingBase):
                         finish_reason, matched = "tool_calls", None
                     elif text or tokens:
                         yield chunk(index, DeltaMessage(content=text), logprobs=whole)
+                if index in splitters:
+                    splitter = splitters.pop(index)
+                    if finish_reason == "stop":
+                        text, calls = splitter.finish()
+                    else:  # (cut short: whatever was held back is content)
+                        text, calls = splitter.pending + (splitter.calls_text or ""), None
+                    if text:
+                        yield chunk(index, DeltaMessage(content=text))
+                    if calls:
+                        deltas = [DeltaToolCall(index=i, **call.model_dump()) for i, call in enumerate(calls)]
+                        yield chunk(index, DeltaMessage(tool_calls=deltas))
+                        finish_reason, matched = "tool_calls", None
                 yield chunk(index, DeltaMessage(), finish_reason=finish_reason, matched_stop=matched)
         if request.stream_options is not None and request.stream_options.include_usage:
             body = ChatCompletionStreamResponse(id=rid, created=created, model=request.model, choices=[], usage=usage.usage())

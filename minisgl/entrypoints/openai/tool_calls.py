@@ -7,29 +7,32 @@ of calls, `[{"name": ..., "parameters": {...}}, ...]`, whatever the model. When 
 comes back, `parse_tool_calls` turns that array into OpenAI's `tool_calls`.
 
 This is SGLang's path for these two choices (its `get_json_schema_constraint` and
-`JsonArrayParser`, which bypass the model-specific parsers). `tool_choice: "auto"` needs
-what minisgl does not have: a parser for each model family's own tool-call format
-(`<tool_call>...</tool_call>` for Qwen, `[TOOL_CALLS]` for Mistral, ...), so it is refused.
+`JsonArrayParser`, which bypass the model-specific parsers). `tool_choice: "auto"` needs a
+parser for the model family's own tool-call format (SGLang's --tool-call-parser): minisgl
+has Qwen2.5/Qwen3's (`<tool_call>{...}</tool_call>`, `--tool-call-parser qwen25`, at the end of
+this file); without one, "auto" is refused.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from minisgl.entrypoints.openai.protocol import ChatCompletionRequest, FunctionCall, Tool, ToolCall, ToolChoice
 
 AUTO_NOT_BUILT = (
-    'tool_choice "auto" (the default when tools are given) needs a parser for this model\'s own tool-call format, '
-    'which minisgl does not have: use tool_choice "required" or {"type": "function", "function": {"name": ...}} '
-    '(the call is then constrained to JSON), or "none"'
+    'tool_choice "auto" (the default when tools are given) needs a parser for this model\'s own tool-call format: '
+    "start the server with --tool-call-parser qwen25 for Qwen2.5/Qwen3 models (the only format minisgl parses), or "
+    'use tool_choice "required" or {"type": "function", "function": {"name": ...}} (the call is then constrained '
+    'to JSON), or "none"'
 )
 
 
-def validate_tools(request: ChatCompletionRequest) -> Optional[str]:
+def validate_tools(request: ChatCompletionRequest, parser: Optional[str] = None) -> Optional[str]:
     """SGLang's messages for a tool_choice the tools cannot satisfy (sglang-facts.md §10.1), and
-    minisgl's for "auto"; None when the request is fine."""
+    minisgl's for "auto" without a --tool-call-parser; None when the request is fine."""
     choice = request.tool_choice
     if not request.tools and choice in (None, "none", "auto"):  # (nothing to call: a plain chat)
         return None
@@ -40,7 +43,7 @@ def validate_tools(request: ChatCompletionRequest) -> Optional[str]:
             return "Tools cannot be empty if tool choice is set to a specific tool."
         if all(tool.function.name != choice.function.name for tool in request.tools):
             return f"Tool '{choice.function.name}' not found in tools list."
-    if choice in (None, "auto"):
+    if choice in (None, "auto") and parser is None:
         return AUTO_NOT_BUILT
     return None
 
@@ -109,3 +112,63 @@ def parse_tool_calls(text: str) -> Optional[List[ToolCall]]:
                  function=FunctionCall(name=c["name"], arguments=json.dumps(c["parameters"], ensure_ascii=False)))  # fmt: skip
         for c in calls
     ]
+
+
+# --------------------------------------------------------------------------- tool_choice "auto"
+# Model families' own tool-call formats (SGLang's --tool-call-parser). With "auto" nothing is
+# constrained: the model writes text, calls in its format, or both, and the parser splits them.
+_QWEN_START, _QWEN_END = "<tool_call>", "</tool_call>"
+_QWEN_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def parse_qwen25(text: str) -> Tuple[str, Optional[List[ToolCall]]]:
+    """Qwen2.5 / Qwen3's format: (the text before the first `<tool_call>`, the calls), each call
+    `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`; (text, None) when there is
+    none, or one is not such a JSON object (an answer cut inside a call stays text)."""
+    start = text.find(_QWEN_START)
+    if start < 0:
+        return text, None
+    calls: List[ToolCall] = []
+    for body in _QWEN_CALL.findall(text[start:]):
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError:
+            return text, None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return text, None
+        arguments = call.get("arguments", call.get("parameters", {}))
+        calls.append(ToolCall(id=f"call_{uuid.uuid4().hex[:24]}",
+                              function=FunctionCall(name=call["name"], arguments=json.dumps(arguments, ensure_ascii=False))))  # fmt: skip
+    if not calls or _QWEN_CALL.sub("", text[start:]).strip():  # (text after or between the calls: not a call answer)
+        return text, None
+    return text[:start].rstrip(), calls
+
+
+class StreamedText:
+    """Splits a streamed answer of tool_choice "auto" into the content to send now and the tool
+    calls held back: text that could be the start of `<tool_call>` waits until it is known."""
+
+    def __init__(self) -> None:
+        self.pending = ""  # held back: a suffix that may begin `<tool_call>`
+        self.calls_text: Optional[str] = None  # from the first `<tool_call>` on
+
+    def feed(self, delta: str) -> str:
+        """The part of `delta` (with what was held back) that is content for sure."""
+        if self.calls_text is not None:
+            self.calls_text += delta
+            return ""
+        text = self.pending + delta
+        start = text.find(_QWEN_START)
+        if start >= 0:
+            self.calls_text, self.pending = text[start:], ""
+            return text[:start]
+        held = next((k for k in range(min(len(_QWEN_START) - 1, len(text)), 0, -1) if _QWEN_START.startswith(text[-k:])), 0)
+        self.pending = text[len(text) - held :]
+        return text[: len(text) - held]
+
+    def finish(self) -> Tuple[str, Optional[List[ToolCall]]]:
+        """At the end of the choice: (content still to send, the calls or None)."""
+        if self.calls_text is None:
+            return self.pending, None
+        rest, calls = parse_qwen25(self.calls_text)
+        return ("", calls) if calls else (rest, None)
