@@ -229,16 +229,22 @@ def _qwen_client(tiny_model: str, tmp_path: Any, outs: List[Dict[str, Any]]) -> 
 def test_the_qwen25_parser_splits_text_and_calls() -> None:
     from minisgl.entrypoints.openai.tool_calls import StreamedText, parse_qwen25
 
-    text, calls = parse_qwen25(QWEN_ANSWER)
+    names = {"get_weather"}
+    text, calls = parse_qwen25("\n" + QWEN_ANSWER, names)
     assert text == "Let me check." and [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", '{"city": "Zürich"}')]
     for plain in ("No tools needed.", QWEN_ANSWER[:-5], QWEN_ANSWER + " and more", "<tool_call>\n{not json}\n</tool_call>"):
-        assert parse_qwen25(plain) == (plain, None), plain
-    splitter, sent = StreamedText(), ""
+        assert parse_qwen25(plain, names) == (plain, None), plain
+    # a function it was not offered is dropped (SGLang's rule), and with no call left it is text
+    rogue = QWEN_ANSWER.replace("get_weather", "delete_all_files")
+    assert parse_qwen25(rogue, names) == (rogue, None)
+    _, calls = parse_qwen25(QWEN_ANSWER + "\n" + rogue[rogue.index("<tool_call>"):], names)
+    assert [c.function.name for c in calls] == ["get_weather"]
+    splitter, sent = StreamedText(names), ""
     for i in range(0, len(QWEN_ANSWER), 3):  # three characters at a time: "<tool_call>" arrives in pieces
         sent += splitter.feed(QWEN_ANSWER[i : i + 3])
     rest, calls = splitter.finish()
     assert sent == "Let me check.\n" and rest == "" and calls[0].function.name == "get_weather"
-    splitter = StreamedText()
+    splitter = StreamedText(names)
     assert splitter.feed("a <tool") == "a " and splitter.feed("s> b") == "<tools> b" and splitter.finish() == ("", None)
 
 

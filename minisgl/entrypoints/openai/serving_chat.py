@@ -119,6 +119,10 @@ def _forces_calls(request: ChatCompletionRequest) -> bool:
     return bool(request.tools) and request.tool_choice not in (None, "none", "auto")
 
 
+def _tool_names(request: ChatCompletionRequest) -> set:
+    return {tool.function.name for tool in request.tools or []}
+
+
 def _choice_name(request: ChatCompletionRequest) -> str:
     return repr(request.tool_choice) if isinstance(request.tool_choice, str) else f"function {request.tool_choice.function.name!r}"
 
@@ -252,7 +256,7 @@ class OpenAIServingChat(OpenAIServingBase):
                 calls = parse_tool_calls(out["text"])
                 content = None if calls else out["text"]
             elif finish_reason == "stop" and self._parses_calls(request):
-                content, calls = parse_qwen25(out["text"])
+                content, calls = parse_qwen25(out["text"], _tool_names(request))
             if calls:  # SGLang's: finish_reason tool_calls, matched_stop dropped
                 message, finish_reason, matched = ChatCompletionMessage(content=content or None, tool_calls=calls), "tool_calls", None
             choices.append(
@@ -298,7 +302,7 @@ class OpenAIServingChat(OpenAIServingBase):
                 text, tokens = held.get(index, ("", []))
                 held[index] = (text + out["text"], tokens + (logprobs.content if logprobs is not None else []))
             elif self._parses_calls(request):  # "auto": content as it comes, up to a possible <tool_call>
-                text = splitters.setdefault(index, StreamedText()).feed(out["text"])
+                text = splitters.setdefault(index, StreamedText(_tool_names(request))).feed(out["text"])
                 if text or (logprobs is not None and logprobs.content):
                     yield chunk(index, DeltaMessage(content=text), logprobs=logprobs)
             elif out["text"] or (logprobs is not None and logprobs.content):

@@ -16,11 +16,14 @@ this file); without one, "auto" is refused.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import uuid
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Collection, Dict, List, Optional, Tuple
 
 from minisgl.entrypoints.openai.protocol import ChatCompletionRequest, FunctionCall, Tool, ToolCall, ToolChoice
+
+logger = logging.getLogger("minisgl.tool_calls")
 
 AUTO_NOT_BUILT = (
     'tool_choice "auto" (the default when tools are given) needs a parser for this model\'s own tool-call format: '
@@ -121,10 +124,12 @@ _QWEN_START, _QWEN_END = "<tool_call>", "</tool_call>"
 _QWEN_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
-def parse_qwen25(text: str) -> Tuple[str, Optional[List[ToolCall]]]:
+def parse_qwen25(text: str, tool_names: Collection[str]) -> Tuple[str, Optional[List[ToolCall]]]:
     """Qwen2.5 / Qwen3's format: (the text before the first `<tool_call>`, the calls), each call
     `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`; (text, None) when there is
-    none, or one is not such a JSON object (an answer cut inside a call stays text)."""
+    none, or one is not such a JSON object (an answer cut inside a call stays text). A call of a
+    function not in `tool_names` is dropped (SGLang's "Model attempted to call undefined
+    function"): an agent must never be handed a function it did not offer."""
     start = text.find(_QWEN_START)
     if start < 0:
         return text, None
@@ -136,19 +141,23 @@ def parse_qwen25(text: str) -> Tuple[str, Optional[List[ToolCall]]]:
             return text, None
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             return text, None
+        if call["name"] not in tool_names:
+            logger.warning("Model attempted to call undefined function: %s", call["name"])
+            continue
         arguments = call.get("arguments", call.get("parameters", {}))
         calls.append(ToolCall(id=f"call_{uuid.uuid4().hex[:24]}",
                               function=FunctionCall(name=call["name"], arguments=json.dumps(arguments, ensure_ascii=False))))  # fmt: skip
     if not calls or _QWEN_CALL.sub("", text[start:]).strip():  # (text after or between the calls: not a call answer)
         return text, None
-    return text[:start].rstrip(), calls
+    return text[:start].strip(), calls
 
 
 class StreamedText:
     """Splits a streamed answer of tool_choice "auto" into the content to send now and the tool
     calls held back: text that could be the start of `<tool_call>` waits until it is known."""
 
-    def __init__(self) -> None:
+    def __init__(self, tool_names: Collection[str]) -> None:
+        self.tool_names = tool_names
         self.pending = ""  # held back: a suffix that may begin `<tool_call>`
         self.calls_text: Optional[str] = None  # from the first `<tool_call>` on
 
@@ -170,5 +179,5 @@ class StreamedText:
         """At the end of the choice: (content still to send, the calls or None)."""
         if self.calls_text is None:
             return self.pending, None
-        rest, calls = parse_qwen25(self.calls_text)
+        rest, calls = parse_qwen25(self.calls_text, self.tool_names)
         return ("", calls) if calls else (rest, None)
