@@ -127,7 +127,56 @@ def _choice_name(request: ChatCompletionRequest) -> str:
     return repr(request.tool_choice) if isinstance(request.tool_choice, str) else f"function {request.tool_choice.function.name!r}"
 
 
+class _StreamedCalls:
+    """One streamed choice's text as content: all of it, as it comes (no tools to call)."""
+
+    def feed(self, text: str, tokens: List[ChatTokenLogprob]) -> Tuple[str, List[ChatTokenLogprob]]:
+        """What to send now of a chunk's text and its tokens' logprobs."""
+        return text, tokens
+
+    def finish(self, stopped: bool) -> Tuple[str, List[ChatTokenLogprob], Optional[List[Any]]]:
+        """At the choice's end: (text still to send, logprobs still to send, its tool calls or None)."""
+        return "", [], None
+
+
+class _HeldForcedCall(_StreamedCalls):
+    """A forced tool call: held back whole, since only the whole text says whether it is a call
+    (then one delta carries the calls, arguments whole) or content cut short."""
+
+    def __init__(self) -> None:
+        self.text, self.tokens = "", []
+
+    def feed(self, text: str, tokens: List[ChatTokenLogprob]) -> Tuple[str, List[ChatTokenLogprob]]:
+        self.text, self.tokens = self.text + text, self.tokens + tokens
+        return "", []
+
+    def finish(self, stopped: bool) -> Tuple[str, List[ChatTokenLogprob], Optional[List[Any]]]:
+        calls = parse_tool_calls(self.text) if stopped else None
+        return ("" if calls else self.text), self.tokens, calls
+
+
+class _ParsedCalls(_StreamedCalls):
+    """tool_choice "auto" with --tool-call-parser: the text as it comes, up to a possible <tool_call>."""
+
+    def __init__(self, tool_names: set) -> None:
+        self.splitter = StreamedText(tool_names)
+
+    def feed(self, text: str, tokens: List[ChatTokenLogprob]) -> Tuple[str, List[ChatTokenLogprob]]:
+        return self.splitter.feed(text), tokens
+
+    def finish(self, stopped: bool) -> Tuple[str, List[ChatTokenLogprob], Optional[List[Any]]]:
+        if stopped:
+            text, calls = self.splitter.finish()
+            return text, [], calls
+        return self.splitter.pending + (self.splitter.calls_text or ""), [], None  # (cut short: all of it is content)
+
+
 class OpenAIServingChat(OpenAIServingBase):
+    def _streamed_calls(self, request: ChatCompletionRequest) -> _StreamedCalls:
+        if _forces_calls(request):
+            return _HeldForcedCall()
+        return _ParsedCalls(_tool_names(request)) if self._parses_calls(request) else _StreamedCalls()
+
     def _parses_calls(self, request: ChatCompletionRequest) -> bool:
         """tool_choice "auto" (or unset) with tools, on a server with a --tool-call-parser."""
         return bool(request.tools) and request.tool_choice in (None, "auto") and self.tokenizer_manager.server_args.tool_call_parser is not None
@@ -285,10 +334,7 @@ class OpenAIServingChat(OpenAIServingBase):
             body = ChatCompletionStreamResponse(id=rid, created=created, model=request.model, choices=[choice])
             return sse_data(body)
 
-        # A forced tool call is held back until its choice ends: only the whole text says whether
-        # it is a call (then one delta carries the calls, arguments whole) or content cut short.
-        held: Dict[int, Tuple[str, List[ChatTokenLogprob]]] = {}
-        splitters: Dict[int, StreamedText] = {}  # tool_choice "auto" with --tool-call-parser
+        calls_of: Dict[int, _StreamedCalls] = {}  # per choice: its text, held back where it may be a call
         async for out in prepend(first, rest):
             index = out.get("index", 0)
             meta = out["meta_info"]
@@ -298,45 +344,29 @@ class OpenAIServingChat(OpenAIServingBase):
                 role_sent.add(index)
                 yield chunk(index, DeltaMessage(role="assistant", content=""))
             logprobs = self._logprobs(meta, request)
-            if _forces_calls(request):
-                text, tokens = held.get(index, ("", []))
-                held[index] = (text + out["text"], tokens + (logprobs.content if logprobs is not None else []))
-            elif self._parses_calls(request):  # "auto": content as it comes, up to a possible <tool_call>
-                text = splitters.setdefault(index, StreamedText(_tool_names(request))).feed(out["text"])
-                if text or (logprobs is not None and logprobs.content):
-                    yield chunk(index, DeltaMessage(content=text), logprobs=logprobs)
-            elif out["text"] or (logprobs is not None and logprobs.content):
-                yield chunk(index, DeltaMessage(content=out["text"]), logprobs=logprobs)
-            if reason is not None:
-                status = abort_status(reason)
-                if status is not None:
-                    yield sse_data(error_body(reason.get("message") or "Aborted", status))
-                    yield sse_data("[DONE]")
-                    return
-                finish_reason, matched = openai_finish_reason(reason)
-                if index in held:
-                    text, tokens = held.pop(index)
-                    calls = parse_tool_calls(text) if finish_reason == "stop" else None
-                    whole = ChatChoiceLogprobs(content=tokens) if request.logprobs else None
-                    if calls:
-                        deltas = [DeltaToolCall(index=i, **call.model_dump()) for i, call in enumerate(calls)]
-                        yield chunk(index, DeltaMessage(tool_calls=deltas), logprobs=whole)
-                        finish_reason, matched = "tool_calls", None
-                    elif text or tokens:
-                        yield chunk(index, DeltaMessage(content=text), logprobs=whole)
-                if index in splitters:
-                    splitter = splitters.pop(index)
-                    if finish_reason == "stop":
-                        text, calls = splitter.finish()
-                    else:  # (cut short: whatever was held back is content)
-                        text, calls = splitter.pending + (splitter.calls_text or ""), None
-                    if text:
-                        yield chunk(index, DeltaMessage(content=text))
-                    if calls:
-                        deltas = [DeltaToolCall(index=i, **call.model_dump()) for i, call in enumerate(calls)]
-                        yield chunk(index, DeltaMessage(tool_calls=deltas))
-                        finish_reason, matched = "tool_calls", None
-                yield chunk(index, DeltaMessage(), finish_reason=finish_reason, matched_stop=matched)
+            calls = calls_of.setdefault(index, self._streamed_calls(request))
+            text, tokens = calls.feed(out["text"], logprobs.content if logprobs is not None else [])
+            if text or tokens:
+                yield chunk(index, DeltaMessage(content=text), logprobs=ChatChoiceLogprobs(content=tokens) if logprobs else None)
+            if reason is None:
+                continue
+            status = abort_status(reason)
+            if status is not None:
+                yield sse_data(error_body(reason.get("message") or "Aborted", status))
+                yield sse_data("[DONE]")
+                return
+            finish_reason, matched = openai_finish_reason(reason)
+            text, tokens, found = calls_of.pop(index).finish(stopped=finish_reason == "stop")
+            whole = ChatChoiceLogprobs(content=tokens) if request.logprobs and tokens else None
+            if found:
+                if text:
+                    yield chunk(index, DeltaMessage(content=text))
+                deltas = [DeltaToolCall(index=i, **call.model_dump()) for i, call in enumerate(found)]
+                yield chunk(index, DeltaMessage(tool_calls=deltas), logprobs=whole)
+                finish_reason, matched = "tool_calls", None  # (SGLang's)
+            elif text or tokens:
+                yield chunk(index, DeltaMessage(content=text), logprobs=whole)
+            yield chunk(index, DeltaMessage(), finish_reason=finish_reason, matched_stop=matched)
         if request.stream_options is not None and request.stream_options.include_usage:
             body = ChatCompletionStreamResponse(id=rid, created=created, model=request.model, choices=[], usage=usage.usage())
             yield sse_data(body)
