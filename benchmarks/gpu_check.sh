@@ -5,11 +5,12 @@
 #   2. kernel tests on CUDA (tests/test_kernels.py: the same tests as on CPU, device cuda),
 #   3. the engine with the triton backend against the torch backend (tests/test_triton_backend.py),
 #   4. the transformers parity tests (tests/test_model_parity.py: on the CPU, except the triton
-#      layer hooks, which run on the GPU here),
+#      layer hooks, which run on the GPU here), and structured output's vocab mask on the GPU
+#      (tests/test_structured_output.py -k apply_vocab_mask; skipped without xgrammar),
 #   5. each kernel's benchmark (benchmarks/bench_kernels.py: GB/s, vs torch, vs device copy),
 #   6. the offline throughput benchmark (benchmarks/bench_offline.py) when it exists.
-# Each step has its own time limit (470 s in all, 5 s more each to kill one) so the whole script
-# ends in about 8 minutes; a step that fails does not stop the others. The summary table is
+# Each step has its own time limit (510 s in all, 5 s more each to kill one) so the whole script
+# ends in about 9 minutes; a step that fails does not stop the others. The summary table is
 # printed last.
 #   usage: bash benchmarks/gpu_check.sh [LOG_DIR]     (LOG_DIR defaults to a temp dir)
 set -u
@@ -40,6 +41,8 @@ step install 40 "$PY" -m pip install -q --no-deps --no-build-isolation --no-inde
 step kernels 110 "${PYTEST[@]}" tests/test_kernels.py
 step triton_engine 80 "${PYTEST[@]}" tests/test_triton_backend.py
 step parity 90 "${PYTEST[@]}" tests/test_model_parity.py
+# structured output's vocab mask on the GPU (skipped where xgrammar is not installed)
+step grammar_mask 40 "${PYTEST[@]}" tests/test_structured_output.py -k apply_vocab_mask
 step bench_kernels 90 "$PY" benchmarks/bench_kernels.py
 if [ -f benchmarks/bench_offline.py ]; then
     step bench_offline 60 "$PY" benchmarks/bench_offline.py --device cuda --dtype bfloat16

@@ -52,11 +52,13 @@ def engine(tiny_model: str) -> Iterator[Any]:
 
 
 # --------------------------------------------------------------------------- the mask
+# (cuda: xgrammar's GPU kernel, run by benchmarks/gpu_check.sh; the mask is filled on the host)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))])
 @pytest.mark.parametrize("vocab_size", [4096, 1000, 33])
-def test_apply_vocab_mask_matches_its_torch_reference_on_the_grammar_rows(vocab_size: int) -> None:
+def test_apply_vocab_mask_matches_its_torch_reference_on_the_grammar_rows(vocab_size: int, device: str) -> None:
     g = torch.Generator().manual_seed(vocab_size)
     mask = torch.randint(-(2**31), 2**31 - 1, (3, (vocab_size + 31) // 32), dtype=torch.int32, generator=g)
-    logits = torch.randn(3, vocab_size, generator=g)
+    logits = torch.randn(3, vocab_size, generator=g).to(device)
     expected = logits.clone()
     apply_vocab_mask_reference(expected, mask)
     kernel = logits.clone()
