@@ -100,6 +100,15 @@ def abort_status(reason: Optional[Dict[str, Any]]) -> Optional[int]:
     return None
 
 
+def abort_events(reason: Optional[Dict[str, Any]]) -> List[str]:
+    """The SSE events that end a stream whose request was refused with a status (the error, then
+    [DONE]); [] for any other finish, which the stream renders itself."""
+    status = abort_status(reason)
+    if status is None:
+        return []
+    return [sse_data(error_body(reason.get("message") or "Aborted", status)), sse_data("[DONE]")]
+
+
 def response_id(out: Dict[str, Any], n: int) -> str:
     """The response id: the request's rid (the samples of n > 1 are `<rid>-<j>`; a batch's
     prompts keep their own rids, and the response takes the first one's)."""

@@ -39,8 +39,8 @@ from minisgl.entrypoints.openai.protocol import (
 from minisgl.entrypoints.openai.serving_base import (
     OpenAIServingBase,
     UsageCounter,
+    abort_events,
     abort_status,
-    error_body,
     openai_finish_reason,
     prepend,
     response_id,
@@ -350,10 +350,10 @@ class OpenAIServingChat(OpenAIServingBase):
                 yield chunk(index, DeltaMessage(content=text), logprobs=ChatChoiceLogprobs(content=tokens) if logprobs else None)
             if reason is None:
                 continue
-            status = abort_status(reason)
-            if status is not None:
-                yield sse_data(error_body(reason.get("message") or "Aborted", status))
-                yield sse_data("[DONE]")
+            refused = abort_events(reason)
+            if refused:
+                for event in refused:
+                    yield event
                 return
             finish_reason, matched = openai_finish_reason(reason)
             text, tokens, found = calls_of.pop(index).finish(stopped=finish_reason == "stop")

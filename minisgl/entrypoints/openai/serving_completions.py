@@ -28,8 +28,7 @@ from minisgl.entrypoints.openai.protocol import (
 from minisgl.entrypoints.openai.serving_base import (
     OpenAIServingBase,
     UsageCounter,
-    abort_status,
-    error_body,
+    abort_events,
     openai_finish_reason,
     prepend,
     response_id,
@@ -151,10 +150,10 @@ class OpenAIServingCompletions(OpenAIServingBase):
                 text_offsets[index] = len(echoed)
             text = echoed + out["text"]
             reason = meta["finish_reason"]
-            status = abort_status(reason)
-            if status is not None:
-                yield sse_data(error_body(reason.get("message") or "Aborted", status))
-                yield sse_data("[DONE]")
+            refused = abort_events(reason)
+            if refused:
+                for event in refused:
+                    yield event
                 return
             finish_reason, matched = openai_finish_reason(reason)
             logprobs = self._logprobs(meta, request, echoed, out["text"], text_offsets[index])
