@@ -51,6 +51,7 @@ def token_msg(rows: Sequence[Dict[str, Any]]) -> BatchTokenIDOutput:
         spaces_between_special_tokens=[r.get("spaces_between_special_tokens", True) for r in rows],
         no_stop_trim=[r.get("no_stop_trim", False) for r in rows],
         stop_strs=[r.get("stop_strs", []) for r in rows],
+        stop_regexes=[r.get("stop_regexes", []) for r in rows],
         prompt_tokens=[r.get("prompt_tokens", 0) for r in rows],
         completion_tokens=[r.get("completion_tokens", 0) for r in rows],
         cached_tokens=[0 for _ in rows],

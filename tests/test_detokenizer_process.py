@@ -65,6 +65,7 @@ def _msg(rid: str, decode_ids: List[int], read_offset: int, finished: bool) -> B
         spaces_between_special_tokens=[True],
         no_stop_trim=[False],
         stop_strs=[[]],
+        stop_regexes=[[]],
         prompt_tokens=[read_offset],
         completion_tokens=[len(decode_ids) - read_offset],
         cached_tokens=[0],

@@ -72,6 +72,7 @@ SAMPLES: Dict[str, Any] = {
         spaces_between_special_tokens=[True, True],
         no_stop_trim=[False, True],
         stop_strs=[["\n"], []],
+        stop_regexes=[[], [r"\d{3}"]],
         prompt_tokens=[5, 6],
         completion_tokens=[1, 4],
         cached_tokens=[0, 3],

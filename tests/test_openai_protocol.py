@@ -1368,6 +1368,8 @@ def test_a_prompt_too_long_by_its_characters_alone_is_refused_before_tokenizing(
         ({"text": ["hi"] * 40, "sampling_params": {"n": 128, "max_new_tokens": 1}}, "fans out into 5120 generations"),
         ({"text": "hi", "sampling_params": {"stop": ["s"] * 65}}, "stop takes at most 64 strings"),
         ({"text": "hi", "sampling_params": {"stop_token_ids": [7] * 1025}}, "stop_token_ids takes at most 1024 ids"),
+        ({"text": "hi", "sampling_params": {"stop_regex": ["a"] * 65}}, "stop_regex takes at most 64 patterns"),
+        ({"text": "hi", "sampling_params": {"stop_regex": "a" * 200_000}}, "at most 4096 characters in all, got 200000"),
         ({"text": "hi", "sampling_params": {"logit_bias": {str(t): 1 for t in range(1025)}}}, "logit_bias takes at most 1024 token ids"),
     ],
 )

@@ -214,6 +214,25 @@ def test_stop_string_cuts_the_text(server: Server, engine: Any) -> None:
     assert r.choices[0].finish_reason == "stop"
 
 
+def test_stop_regex_cuts_the_text_streamed_or_not(server: Server, engine: Any) -> None:
+    """SGLang's stop_regex: the text ends where the first match begins; matched_stop is the pattern."""
+    p = PROMPTS[2]
+    full = engine.generate(p, {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True})["text"]
+    piece = full[len(full) // 2 : len(full) // 2 + 2]
+    pattern = re.escape(piece[0]) + "."  # (may first match before the piece: the search decides)
+    expected = full[: re.search(pattern, full).start()]
+    client = _client(server)
+    kwargs: Dict[str, Any] = dict(model=server.model, prompt=p, max_tokens=24, temperature=0)
+    body = {"ignore_eos": True, "stop_regex": [pattern, "never (matches)"]}
+    r = client.completions.create(**kwargs, extra_body=body)
+    assert r.choices[0].text == expected
+    assert (r.choices[0].finish_reason, r.choices[0].matched_stop) == ("stop", pattern)
+    chunks = list(client.completions.create(**kwargs, stream=True, extra_body=body))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    with pytest.raises(openai.BadRequestError, match=r"stop_regex '\(' is not a valid regular expression"):
+        client.completions.create(**kwargs, extra_body={"stop_regex": "("})
+
+
 def test_n2_returns_two_choices(server: Server, reference: Dict[str, Any]) -> None:
     p = PROMPTS[0]
     r = _client(server).chat.completions.create(model=server.model, messages=_chat_msgs(p), max_tokens=MAX_TOKENS, temperature=0, n=2)

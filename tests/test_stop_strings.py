@@ -1,4 +1,4 @@
-"""Stop strings end to end, with the sampled tokens scripted.
+"""Stop strings and stop regexes end to end, with the sampled tokens scripted.
 
 Each test feeds a fixed token sequence through the real chain a sampled token takes:
 `Req.check_finished` (the scheduler decides), `stream_output` (what is emitted) and the
@@ -9,6 +9,7 @@ where the scheduler's decoded tail and the user's text used to disagree.
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -46,9 +47,10 @@ def sp_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def run_script(
-    tokenizer_dir: str, script: List[int], stream: bool, prompt: str = "Prompt:", **params: Any
+    tokenizer_dir: str, script: List[int], stream: bool, prompt: str = "Prompt:", deltas: Optional[List[str]] = None, **params: Any
 ) -> Tuple[str, Optional[Dict[str, Any]]]:
-    """(the text the user gets, the finish reason) for `script` sampled one token per step."""
+    """(the text the user gets, the finish reason) for `script` sampled one token per step;
+    `deltas`, when given, collects the text each step sent."""
     detok = DetokenizerManager(ServerArgs(tokenizer_path=tokenizer_dir))
     tokenizer = detok.tokenizer
     sampling = SamplingParams.from_dict({"max_new_tokens": len(script) + 5, "ignore_eos": True, **params})
@@ -64,6 +66,8 @@ def run_script(
         for out in emitter._outputs:
             str_out = detok.handle_batch_token_id_out(out)
             text += "".join(str_out.output_strs)
+            if deltas is not None:
+                deltas.append("".join(str_out.output_strs))
             finish = str_out.finished_reasons[-1] or finish
         emitter._outputs.clear()
         if req.finished():
@@ -179,3 +183,89 @@ def test_a_long_stop_string_costs_what_the_text_does_not_its_own_length_squared(
     assert req.check_match_stop_str_prefix() is False
     assert stop_str_safe_len("a few words", [stop], start=3) == len("a few words")
     assert _CountingStr.slices <= 2 * (len("a few words") + 1)  # prefixes no longer than the text
+
+
+# --------------------------------------------------------------------------- stop regexes
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("no_stop_trim", [False, True])
+def test_a_stop_regex_cuts_the_text_where_its_match_begins(tokenizer_dir: str, stream: bool, no_stop_trim: bool) -> None:
+    """Like a stop string: the match is cut (kept with no_stop_trim), the pattern is what matched."""
+    script = byte_ids(tokenizer_dir, "Order 123 shipped")
+    text, finish = run_script(tokenizer_dir, script, stream, stop_regex=r"\d{3}", no_stop_trim=no_stop_trim)
+    assert (text, finish) == ("Order 123" if no_stop_trim else "Order ", {"type": "stop", "matched": r"\d{3}"})
+
+
+def test_a_stream_holds_back_what_a_stop_regex_may_still_match_then_releases_it(tokenizer_dir: str) -> None:
+    deltas: List[str] = []
+    script = byte_ids(tokenizer_dir, "Order 12 shipped")
+    text, finish = run_script(tokenizer_dir, script, True, deltas=deltas, stop_regex=r"\d{3}", max_new_tokens=len(script))
+    assert text == "Order 12 shipped" and finish == {"type": "length", "length": len(script)}
+    sent = ["".join(deltas[: i + 1]) for i in range(len(deltas))]
+    assert "Order 1" not in sent and "Order 12" not in sent  # held while a third digit could come
+    assert "Order 12 " in sent  # released by the space
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_an_unbounded_stop_regex_matches_across_the_whole_output(tokenizer_dir: str, stream: bool) -> None:
+    """"Order.*shipped" is searched in the whole output (a window could not hold every match),
+    and a stream sends nothing from "Order" on while the match may still complete."""
+    deltas: List[str] = []
+    script = byte_ids(tokenizer_dir, "Hi. Order 12345678901234567890 shipped today")
+    text, finish = run_script(tokenizer_dir, script, stream, deltas=deltas, stop_regex="Order.*shipped")
+    assert (text, finish) == ("Hi. ", {"type": "stop", "matched": "Order.*shipped"})
+    assert all("O" not in d for d in deltas)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_an_anchored_stop_regex_sees_the_start_of_the_output_not_of_a_window(tokenizer_dir: str, stream: bool) -> None:
+    text, finish = run_script(tokenizer_dir, byte_ids(tokenizer_dir, "Order 1"), stream, stop_regex="^Or")
+    assert (text, finish) == ("", {"type": "stop", "matched": "^Or"})
+    script = byte_ids(tokenizer_dir, "No Order")
+    text, finish = run_script(tokenizer_dir, script, stream, stop_regex="^Or", max_new_tokens=len(script))
+    assert text == "No Order" and finish is not None and finish["type"] == "length"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_the_first_stop_in_the_text_wins_between_strings_and_regexes(tokenizer_dir: str, stream: bool) -> None:
+    script = byte_ids(tokenizer_dir, "ab1 cd")
+    text, finish = run_script(tokenizer_dir, script, stream, stop="b1", stop_regex=[r"\d", "zz"])
+    assert (text, finish) == ("a", {"type": "stop", "matched": "b1"})
+    text, finish = run_script(tokenizer_dir, script, stream, stop=" cd", stop_regex=[r"\d", "zz"])
+    assert (text, finish) == ("ab", {"type": "stop", "matched": r"\d"})
+
+
+def test_a_stop_regex_whose_search_runs_too_long_ends_its_own_request_with_an_error(
+    tokenizer_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from minisgl.sampling import stop_regex
+
+    monkeypatch.setattr(stop_regex, "SEARCH_TIMEOUT_S", 0)  # (every search times out)
+    text, finish = run_script(tokenizer_dir, byte_ids(tokenizer_dir, "abc"), False, stop_regex="b+c")
+    assert finish is not None and finish["type"] == "abort" and finish["status_code"] == 400
+    assert "stop_regex 'b+c' took more than 0 s to search the output" in finish["message"]
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("(", "stop_regex '(' is not a valid regular expression: missing )"),
+        ("x*", "stop_regex 'x*' can match the empty string"),
+        (r"\b", "can match the empty string"),
+        (["a", 3], "stop_regex must be a string or a list of strings"),
+    ],
+)
+def test_a_bad_stop_regex_is_refused_saying_what_to_change(value: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        p = SamplingParams.from_dict({"stop_regex": value})
+        p.normalize()
+        p.verify()
+
+
+def test_a_stop_regex_window_holds_every_match_a_new_token_completes() -> None:
+    from minisgl.sampling.stop_regex import WHOLE_OUTPUT, stop_regex_window
+
+    assert stop_regex_window(r"\d{3}") == 12  # 3 characters of up to 4 UTF-8 bytes (a token each at worst)
+    assert stop_regex_window("END|STOP") == 16
+    # unbounded, or depending on text around the match, or beyond the stdlib's parser: everything
+    for pattern in [r"\d+", "^Or", r"\bcat\b", r"(?<=a)b", r"(a)\1", r"\p{L}{2}", "x{2,5000}"]:
+        assert stop_regex_window(pattern) == WHOLE_OUTPUT, pattern

@@ -15,7 +15,9 @@ from fastapi.testclient import TestClient
 from minisgl.entrypoints.http_server import create_app
 from minisgl.managers.io_struct import BatchStrOutput, FlushCacheReqOutput, GenerateReqInput, TokenizedGenerateReqInput
 from minisgl.managers.tokenization import validate_context_length
-from minisgl.managers.tokenizer_manager import MAX_STOP_STRINGS, MAX_SUB_REQUESTS, MAX_TOP_LOGPROBS_NUM, TokenizerManager
+from minisgl.managers.tokenizer_manager import (
+    MAX_STOP_REGEX_CHARS, MAX_STOP_REGEXES, MAX_STOP_STRINGS, MAX_SUB_REQUESTS, MAX_TOP_LOGPROBS_NUM, TokenizerManager,
+)  # fmt: skip
 from minisgl.sampling.sampling_params import SamplingParams
 from test_openai_protocol import CONTEXT_LEN, _make_tm, _out, _recording_tm, _scripted_client, _str_out
 
@@ -81,7 +83,8 @@ def test_a_non_streaming_request_whose_client_left_is_aborted_at_its_next_messag
 
 
 def test_the_request_size_caps_take_their_bound_itself() -> None:
-    """top_logprobs 20 (OpenAI's maximum), 64 stop strings and 4,096 generations are allowed; one more is not."""
+    """top_logprobs 20 (OpenAI's maximum), 64 stop strings, 64 stop regexes of 4,096 characters and
+    4,096 generations are allowed; one more is not."""
 
     def check(**kw: Any) -> None:
         obj = GenerateReqInput(**kw)
@@ -90,10 +93,14 @@ def test_the_request_size_caps_take_their_bound_itself() -> None:
 
     check(text="hi", return_logprob=True, top_logprobs_num=MAX_TOP_LOGPROBS_NUM)
     check(text="hi", sampling_params={"stop": ["s"] * MAX_STOP_STRINGS})
+    check(text="hi", sampling_params={"stop_regex": ["s"] * MAX_STOP_REGEXES})
+    check(text="hi", sampling_params={"stop_regex": "s" * MAX_STOP_REGEX_CHARS})
     check(text=["hi"] * (MAX_SUB_REQUESTS // 128), sampling_params={"n": 128})
     for kw in (
         dict(text="hi", return_logprob=True, top_logprobs_num=MAX_TOP_LOGPROBS_NUM + 1),
         dict(text="hi", sampling_params={"stop": ["s"] * (MAX_STOP_STRINGS + 1)}),
+        dict(text="hi", sampling_params={"stop_regex": ["s"] * (MAX_STOP_REGEXES + 1)}),
+        dict(text="hi", sampling_params={"stop_regex": ["s" * MAX_STOP_REGEX_CHARS, "t"]}),
         dict(text=["hi"] * (MAX_SUB_REQUESTS // 128) + ["one more"], sampling_params={"n": 128}),
     ):
         with pytest.raises(ValueError):

@@ -45,6 +45,7 @@ from minisgl.managers.io_struct import (
     encode,
 )
 from minisgl.managers.watchdog import SoftWatchdog
+from minisgl.sampling import stop_regex
 from minisgl.server_args import PortArgs, ServerArgs
 from minisgl.utils import (
     configure_logging,
@@ -105,36 +106,61 @@ def find_printable_text(text: str) -> str:
 
 
 def trim_matched_stop(
-    output: Union[str, List[int]], finished_reason: Optional[Dict[str, Any]], no_stop_trim: bool
+    output: Union[str, List[int]],
+    finished_reason: Optional[Dict[str, Any]],
+    no_stop_trim: bool,
+    stop_strs: Sequence[str] = (),
+    stop_regexes: Sequence[str] = (),
 ) -> Union[str, List[int]]:
-    """Cut the matched stop from a finished request: a stop string from text, a stop token from ids.
+    """Cut the matched stop from a finished request: a stop string or a stop regex's match from
+    text, a stop token from ids.
 
-    With `no_stop_trim` a stop token stays, and a stop string stays but what follows it
-    in the same step is still cut (generation stopped there).
+    With `no_stop_trim` a stop token stays, and a stop string (or match) stays but what follows
+    it in the same step is still cut (generation stopped there). A finish reason names a regex
+    by its pattern, as SGLang's does: `stop_regexes` (the request's) says which patterns to
+    search for rather than find as they are spelled.
     """
     if not finished_reason or finished_reason.get("type") != "stop":
         return output
     matched = finished_reason.get("matched")
     if isinstance(matched, str) and isinstance(output, str):
-        pos = output.find(matched)
-        if pos == -1:
+        spans = []
+        if matched in stop_regexes:
+            try:
+                span = stop_regex.search(matched, output)
+            except stop_regex.StopRegexTimeout:  # (the scheduler's search of it would have timed out first)
+                span = None
+            if span is not None:
+                spans.append(span)
+        if matched not in stop_regexes or matched in stop_strs:
+            pos = output.find(matched)
+            if pos != -1:
+                spans.append((pos, pos + len(matched)))
+        if not spans:
             return output
-        return output[: pos + len(matched)] if no_stop_trim else output[:pos]
+        start, end = min(spans)
+        return output[:end] if no_stop_trim else output[:start]
     if isinstance(matched, int) and isinstance(output, list) and not no_stop_trim:
         # The scheduler puts the stop token last in output_ids; it finished on it.
         return output[:-1] if output and output[-1] == matched else output
     return output
 
 
-def stop_str_safe_len(text: str, stop_strs: Sequence[str], start: int = 0) -> int:
-    """How many leading chars of a streaming `text` cannot be part of a stop string.
+def stop_str_safe_len(text: str, stop_strs: Sequence[str], start: int = 0, stop_regexes: Sequence[str] = ()) -> int:
+    """How many leading chars of a streaming `text` cannot be part of a stop string or a stop
+    regex's match.
 
     Everything from the first full occurrence of a stop string on, and any tail that is
-    a prefix of a stop string, is held back: a later step decides whether it was one.
+    a prefix of a stop string, is held back: a later step decides whether it was one; so is
+    everything from where a regex matches, or could still match if more text came.
     `start` (the sent offset) bounds the search: no occurrence can begin before it,
     because the start of every occurrence was a held-back prefix when it arrived.
     """
     safe = len(text)
+    for pattern in stop_regexes:
+        pos = stop_regex.partial_match_start(pattern, text, start)
+        if pos is not None:
+            safe = min(safe, pos)
     for stop in stop_strs:
         if not stop:
             continue
@@ -225,7 +251,7 @@ class DetokenizerManager:
         read_ids: List[List[int]] = []
         surr_ids: List[List[int]] = []
         for i, s in enumerate(states):
-            read_ids.append(trim_matched_stop(s.decode_ids[s.surr_offset :], recv.finished_reasons[i], recv.no_stop_trim[i]))
+            read_ids.append(trim_matched_stop(s.decode_ids[s.surr_offset :], recv.finished_reasons[i], recv.no_stop_trim[i]))  # (ids: a stop token)
             surr_ids.append(s.decode_ids[s.surr_offset : s.read_offset])
         # One decode call per flag group for both lists together.
         texts = self._grouped_batch_decode(
@@ -293,7 +319,9 @@ class DetokenizerManager:
             if new_text.endswith("\ufffd"):  # the answer ends inside a character (cut by max_tokens)
                 new_text = self._commit_whole_characters(recv, i, s)
             # Flush everything, trim the matched stop string, forget the request.
-            output_str = trim_matched_stop(s.decoded_text + new_text, recv.finished_reasons[i], recv.no_stop_trim[i])
+            output_str = trim_matched_stop(
+                s.decoded_text + new_text, recv.finished_reasons[i], recv.no_stop_trim[i], recv.stop_strs[i], recv.stop_regexes[i]
+            )
             del self.decode_status[recv.rids[i]]
             return output_str[s.sent_offset :]
 
@@ -308,7 +336,7 @@ class DetokenizerManager:
             new_text = find_printable_text(new_text)
         output_str = s.decoded_text + new_text
         # invariant: the sent text is a prefix of every later output_str of this request.
-        safe = stop_str_safe_len(output_str, recv.stop_strs[i], s.sent_offset)
+        safe = stop_str_safe_len(output_str, recv.stop_strs[i], s.sent_offset, recv.stop_regexes[i])
         if safe <= s.sent_offset:
             return ""
         delta = output_str[s.sent_offset : safe]

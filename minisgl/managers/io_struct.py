@@ -375,6 +375,7 @@ class BatchTokenIDOutput(LogprobLists):
     spaces_between_special_tokens: List[bool]
     no_stop_trim: List[bool]
     stop_strs: List[List[str]]
+    stop_regexes: List[List[str]]
     prompt_tokens: List[int]
     completion_tokens: List[int]
     cached_tokens: List[int]

@@ -21,12 +21,13 @@ from abc import ABC, abstractmethod
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
 from minisgl.mem_cache.allocator import decode_starts_page, new_page_slots
 from minisgl.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from minisgl.sampling import stop_regex
 from minisgl.sampling.sampling_params import SamplingParams, stop_token_set
 
 if TYPE_CHECKING:
@@ -59,6 +60,16 @@ class FINISH_MATCHED_TOKEN(BaseFinishReason):
 
 @dataclass
 class FINISH_MATCHED_STR(BaseFinishReason):
+    matched: str
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"type": "stop", "matched": self.matched}
+
+
+@dataclass
+class FINISHED_MATCHED_REGEX(BaseFinishReason):
+    """A stop regex matched; `matched` is the pattern, as SGLang reports it (not the text it matched)."""
+
     matched: str
 
     def to_json(self) -> Dict[str, Any]:
@@ -304,9 +315,9 @@ class Req:
     def check_finished(self) -> None:
         """Decide whether the token just appended ends the request (0.5.23 order, §6.3).
 
-        Stop strings and stop tokens come before length, as in SGLang 0.5.23: a stop the
-        last allowed token completes is a stop (trimmed), not a length finish that would
-        hand the stop string to the user.
+        Stop strings, stop regexes and stop tokens come before length, as in SGLang 0.5.23: a
+        stop the last allowed token completes is a stop (trimmed), not a length finish that
+        would hand the stop string to the user.
         """
         if self.finished():
             return
@@ -320,19 +331,31 @@ class Req:
         if self.vocab_size is not None and not 0 <= last_token < self.vocab_size:
             self.finished_reason = FINISH_MATCHED_STR(matched="NaN happened")
             return
-        if self.sampling_params.stop_strs:
+        params = self.sampling_params
+        if params.stop_strs or params.stop_regex_strs:
             tail = self.tail_str()
-            found = [(tail.find(s), -len(s), s) for s in self.sampling_params.stop_strs if s in tail]
+            # (start, -length, stop, is a regex) of every stop in the tail
+            found: List[Tuple[int, int, str, bool]] = [(tail.find(s), -len(s), s, False) for s in params.stop_strs if s in tail]
+            for pattern in params.stop_regex_strs:
+                try:
+                    span = stop_regex.search(pattern, tail)
+                except stop_regex.StopRegexTimeout as e:  # its own request pays, once; nobody else waits again
+                    self.finished_reason = FINISH_ABORT(str(e), 400, "BadRequestError")
+                    self.finished_len = len(self.output_ids)
+                    return
+                if span is not None:
+                    found.append((span[0], span[0] - span[1], pattern, True))
             special_stops = self._stops_spelling_special_tokens()
             if not found and special_stops:
                 # "<|im_end|>" as a stop, which the text the user sees skips: SGLang matches its
                 # stops against a decode that keeps special tokens, so it stops here too
                 raw = self.tail_str(skip_special_tokens=False)
-                found = [(raw.find(s), -len(s), s) for s in special_stops if s in raw]
+                found = [(raw.find(s), -len(s), s, False) for s in special_stops if s in raw]
             if found:
                 # the stop that starts first in the text (then the longest), whatever its place in
                 # the list: the detokenizer cuts the text there
-                self.finished_reason = FINISH_MATCHED_STR(matched=min(found)[2])
+                _, _, matched, is_regex = min(found)
+                self.finished_reason = FINISHED_MATCHED_REGEX(matched=matched) if is_regex else FINISH_MATCHED_STR(matched=matched)
                 self.finished_len = len(self.output_ids)
                 return
         if last_token in self._stop_token_ids() or (self.grammar is not None and self.grammar.is_terminated()):
@@ -367,7 +390,7 @@ class Req:
         Mistral) decodes as U+FFFD throughout that run of bytes, a stop inside it unseen.
         """
         out = self.output_ids
-        tail_len = min(self.sampling_params.stop_str_max_len + 2, len(out))
+        tail_len = min(self.sampling_params.stop_tail_len + 2, len(out))
         if tail_len == 0:
             return ""
         if self.tokenizer is None:

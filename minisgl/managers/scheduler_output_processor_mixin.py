@@ -173,7 +173,7 @@ class SchedulerOutputProcessorMixin:
         with_logprobs = any(r.return_logprob for r in emitting)
         out = BatchTokenIDOutput(
             rids=[], finished_reasons=[], decode_ids=[], read_offsets=[], output_ids=[], skip_special_tokens=[],
-            spaces_between_special_tokens=[], no_stop_trim=[], stop_strs=[], prompt_tokens=[],
+            spaces_between_special_tokens=[], no_stop_trim=[], stop_strs=[], stop_regexes=[], prompt_tokens=[],
             completion_tokens=[], cached_tokens=[],
         )  # fmt: skip
         for req in emitting:
@@ -192,6 +192,7 @@ class SchedulerOutputProcessorMixin:
             out.spaces_between_special_tokens.append(params.spaces_between_special_tokens)
             out.no_stop_trim.append(params.no_stop_trim)
             out.stop_strs.append(list(params.stop_strs))
+            out.stop_regexes.append(list(params.stop_regex_strs))
             out.prompt_tokens.append(len(req.origin_input_ids))
             out.completion_tokens.append(len(through_stop))
             out.cached_tokens.append(req.cached_tokens)

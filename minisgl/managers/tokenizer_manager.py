@@ -71,6 +71,10 @@ LOG_REQUEST_CHARS = 2048
 # The server's caps on one request's size (the in-process Engine, one user's, has none).
 MAX_SUB_REQUESTS = 4096  # prompts x n
 MAX_STOP_STRINGS = 64  # OpenAI takes 4
+# stop_regex: searched at every step too, and compiled on the event loop (a 200k-character
+# pattern took 0.9 s, once here and once in the scheduler)
+MAX_STOP_REGEXES = 64
+MAX_STOP_REGEX_CHARS = 4096  # all of one prompt's patterns together
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS_IDS = 1024  # read into a tensor row at every step of the request's batch
 MAX_RID_CHARS = 256  # a rid rides in every step's output message and snapshot: 4 MB ones cost GBs
@@ -329,6 +333,7 @@ class TokenizerManager:
         checked SamplingParams, one per prompt."""
         obj.check_rids(MAX_RID_CHARS)
         param_dicts = [obj.sampling_params] if obj.is_single else obj.sampling_params
+        TokenizerManager._check_stop_regex_size(param_dicts)  # (before verify, which compiles them)
         params = [SamplingParams.from_dict(d) for d in param_dicts]  # unknown keys and wrong types
         for p in params:
             p.verify()  # ranges, n >= 1 among them
@@ -371,6 +376,19 @@ class TokenizerManager:
             bias = d.get("logit_bias")
             if isinstance(bias, dict) and len(bias) > MAX_LOGIT_BIAS_IDS:
                 raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS_IDS} token ids, got {len(bias)}")
+
+    @staticmethod
+    def _check_stop_regex_size(param_dicts: List[Any]) -> None:
+        """The server's bounds on stop_regex: every step searches each pattern, and verify compiles
+        them on this event loop."""
+        for d in param_dicts or []:
+            patterns = d.get("stop_regex") if isinstance(d, dict) else None
+            patterns = [patterns] if isinstance(patterns, str) else patterns if isinstance(patterns, list) else []
+            if len(patterns) > MAX_STOP_REGEXES:
+                raise ValueError(f"stop_regex takes at most {MAX_STOP_REGEXES} patterns, got {len(patterns)}")
+            chars = sum(len(p) for p in patterns if isinstance(p, str))
+            if chars > MAX_STOP_REGEX_CHARS:
+                raise ValueError(f"stop_regex patterns take at most {MAX_STOP_REGEX_CHARS} characters in all, got {chars}")
 
     async def _generate_one(
         self,

@@ -19,6 +19,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
+from minisgl.sampling.stop_regex import compile_stop_regex, stop_regex_window
 from minisgl.utils import lone_surrogate_at
 
 TOP_K_ALL = 1 << 30
@@ -29,9 +30,9 @@ FLOAT32_MAX = 3.4028234663852886e38
 MAX_N = 128  # samples per prompt: each is a whole request, and one client must not fill the server
 MAX_TOP_LOGPROBS_NUM = 20  # OpenAI's bound on top_logprobs; the server holds /generate to it too
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value, [-100, 100]: -100 bans a token, 100 forces it
-# SGLang's sampling keys for what minisgl does not build (structural tags, stop regexes, custom
-# processors): null, their default, is accepted as leaving them out; any other value is refused by name
-UNSUPPORTED_SAMPLING_KEYS = frozenset({"structural_tag", "stop_regex", "custom_params"})
+# SGLang's sampling keys for what minisgl does not build (structural tags, custom processors):
+# null, their default, is accepted as leaving them out; any other value is refused by name
+UNSUPPORTED_SAMPLING_KEYS = frozenset({"structural_tag", "custom_params"})
 # the keys that constrain the output to a grammar (structured output; at most one per request)
 GRAMMAR_KEYS = ("json_schema", "regex", "ebnf")
 # the knobs a model's generation_config.json may set (SGLang's get_default_sampling_params)
@@ -50,6 +51,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     stop: Optional[Union[str, List[str]]] = None
+    # regular expressions searched in the output like stop strings (stop_regex.py)
+    stop_regex: Optional[Union[str, List[str]]] = None
     stop_token_ids: Optional[List[int]] = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -65,13 +68,16 @@ class SamplingParams:
     json_schema: Optional[str] = None
     regex: Optional[str] = None
     ebnf: Optional[str] = None
-    # filled by normalize(): stop strings as a list, and their longest length in tokens
+    # filled by normalize(): stop strings and stop regexes as lists, and how many output tokens
+    # hold their longest match (stop_regex.WHOLE_OUTPUT: all of them)
     stop_strs: List[str] = field(default_factory=list)
     stop_str_max_len: int = 0
+    stop_regex_strs: List[str] = field(default_factory=list)
+    stop_regex_max_len: int = 0
 
     KEYS = (
         "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p",
-        "frequency_penalty", "presence_penalty", "repetition_penalty", "stop", "stop_token_ids",
+        "frequency_penalty", "presence_penalty", "repetition_penalty", "stop", "stop_regex", "stop_token_ids",
         "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
         "seed", "n", "stream_interval", "logit_bias", "json_schema", "regex", "ebnf",
     )  # fmt: skip
@@ -97,7 +103,7 @@ class SamplingParams:
         if unsupported:
             raise ValueError(
                 f"Sampling parameter(s) {unsupported} are not supported by minisgl (structured output takes "
-                f"json_schema, regex or ebnf; there are no structural tags, stop regexes or custom processors)"
+                f"json_schema, regex or ebnf; there are no structural tags or custom processors)"
             )
         unknown = sorted(set(d) - set(cls.KEYS))
         if unknown:
@@ -117,6 +123,13 @@ class SamplingParams:
             self.stop_strs = [self.stop]
         elif self.stop:
             self.stop_strs = list(self.stop)
+        if isinstance(self.stop_regex, str):
+            self.stop_regex_strs = [self.stop_regex]
+        elif self.stop_regex:
+            self.stop_regex_strs = list(self.stop_regex)
+        # (a pattern stop_regex_window cannot size is searched in the whole output; verify()
+        # refuses one that does not compile)
+        self.stop_regex_max_len = max((stop_regex_window(p) for p in self.stop_regex_strs), default=0)
         if self.stop_token_ids is not None:
             self.stop_token_ids = sorted(set(int(t) for t in self.stop_token_ids))
         if self.logit_bias is not None:
@@ -171,6 +184,8 @@ class SamplingParams:
                 bad = sorted(int(k) for k in self.logit_bias if not 0 <= int(k) < vocab_size)
                 if bad:
                     raise ValueError(f"logit_bias token ids {bad} are outside the vocabulary [0, {vocab_size})")
+        for pattern in self.stop_regex_strs or _as_list(self.stop_regex) or []:
+            compile_stop_regex(pattern)  # (ValueError: not a regex, or one that matches the empty string)
         grammars = [key for key in GRAMMAR_KEYS if getattr(self, key) is not None]
         if len(grammars) > 1:
             raise ValueError(f"Only one of regex, json_schema, or ebnf can be set, got {grammars}")
@@ -209,7 +224,12 @@ class SamplingParams:
         return cached[1], cached[2]
 
     def copy(self) -> "SamplingParams":
-        return dataclasses.replace(self, stop_strs=list(self.stop_strs))
+        return dataclasses.replace(self, stop_strs=list(self.stop_strs), stop_regex_strs=list(self.stop_regex_strs))
+
+    @property
+    def stop_tail_len(self) -> int:
+        """How many of the last output tokens the scheduler decodes to look for a stop string or regex."""
+        return max(self.stop_str_max_len, self.stop_regex_max_len)
 
 
 # The JSON type of each key. JSON has one number type, so a float field takes an int;
@@ -218,6 +238,11 @@ _INT_KEYS = frozenset({"min_new_tokens", "top_k", "n"})
 _OPTIONAL_INT_KEYS = frozenset({"max_new_tokens", "seed", "stream_interval"})
 _FLOAT_KEYS = frozenset({"temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"})
 _BOOL_KEYS = frozenset({"ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"})
+
+
+def _as_list(value: Any) -> Any:
+    """A str as a one-element list; anything else as it is."""
+    return [value] if isinstance(value, str) else value
 
 
 def _is_int(value: Any) -> bool:
@@ -244,6 +269,13 @@ def check_type(key: str, value: Any) -> None:
         for s in strs:
             if lone_surrogate_at(s) is not None:  # (JSON "\\ud800"): no tokenizer can encode it
                 raise ValueError(f"stop strings must be valid Unicode, got {s!r} (a lone surrogate)")
+    if key == "stop_regex" and value is not None:
+        patterns = _as_list(value)
+        if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
+            raise ValueError(f"stop_regex must be a string or a list of strings (regular expressions), {got}")
+        for p in patterns:
+            if lone_surrogate_at(p) is not None:
+                raise ValueError(f"stop_regex patterns must be valid Unicode, got {p!r} (a lone surrogate)")
     if key in GRAMMAR_KEYS and value is not None and not isinstance(value, str):
         hint = " (its JSON text: json.dumps(schema))" if key == "json_schema" else ""
         raise ValueError(f"{key} must be a string{hint}, {got}")

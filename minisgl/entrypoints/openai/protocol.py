@@ -176,6 +176,7 @@ class _SamplingFields(BaseModel):
     repetition_penalty: Optional[float] = Field(default=None, gt=0.0, le=2.0)
     min_tokens: int = Field(default=0, ge=0)
     stop: Optional[Union[str, List[str]]] = None
+    stop_regex: Optional[Union[str, List[str]]] = None  # SGLang's: patterns that stop like stop strings
     stop_token_ids: Optional[List[int]] = None
     seed: Optional[int] = None
     # token id (a decimal string: JSON keys are strings) -> bias added to its logit, in [-100, 100]
@@ -210,6 +211,7 @@ class _SamplingFields(BaseModel):
             "frequency_penalty": self.frequency_penalty,
             "presence_penalty": self.presence_penalty,
             "stop": self.stop,
+            "stop_regex": self.stop_regex,
             "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
