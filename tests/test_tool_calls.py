@@ -267,6 +267,18 @@ def test_auto_needs_a_parser_and_with_one_returns_text_and_calls(tiny_model: str
     assert choice["finish_reason"] == "stop" and choice["message"]["content"] == "Just text." and choice["message"]["tool_calls"] is None
 
 
+def test_a_strict_tool_under_auto_is_a_400_not_an_unchecked_call(tiny_model: str, tmp_path: Any) -> None:
+    """SGLang constrains a strict tool's "auto" call (a structural tag); parsed from free text, its
+    arguments would go unchecked: a 400 that says what to use instead. Forced, it is constrained."""
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    client, seen = _qwen_client(tiny_model, tmp_path, [_out("r", '[{"name": "get_weather", "parameters": {"city": "Bern"}}]', 9, STOP)])
+    with client:
+        r = _chat(client, tools=[strict])
+        forced = _chat(client, tools=[strict], tool_choice="required")
+    assert r.status_code == 400 and "['get_weather'] are strict" in r.json()["error"]["message"]
+    assert forced.status_code == 200 and "json_schema" in seen[0].sampling_params
+
+
 def test_auto_streams_the_text_and_sends_the_calls_at_the_end(tiny_model: str, tmp_path: Any) -> None:
     pieces = [QWEN_ANSWER[:16], QWEN_ANSWER[16:40], QWEN_ANSWER[40:]]  # (the first ends inside "<tool_call>")
     outs = [_out("r", p, 5 * (i + 1), STOP if i == 2 else None) for i, p in enumerate(pieces)]

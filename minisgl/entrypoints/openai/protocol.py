@@ -5,7 +5,7 @@ Where it sits: the HTTP routes validate the body into `ChatCompletionRequest` /
 `to_sampling_params`, and build the responses and stream chunks defined here.
 
 Every request model is `extra="forbid"` and `strict=True`: a field minisgl does not
-implement (tools, audio, ...) or a value of the wrong type is a
+implement (functions, audio, ...) or a value of the wrong type is a
 400 that names the field, never silently ignored (STYLE.md). Only int -> float is
 coerced, as JSON has a single number type.
 """
@@ -34,7 +34,7 @@ UNSUPPORTED_FIELDS = frozenset(
         # SGLang's own, on /generate or the OpenAI routes
         "audio_data", "video_data", "input_embeds", "session_params", "separate_reasoning", "bootstrap_host",
         "bootstrap_port", "bootstrap_room", "data_parallel_rank", "extra_key", "cache_salt", "continuous_usage_stats",
-        # chat's fields (forced tool calls, tool_calls.py), not /v1/completions' or /generate's
+        # chat's fields (tool calls, tool_calls.py), not /v1/completions' or /generate's
         "tools", "tool_choice", "parallel_tool_calls",
     }
     | UNSUPPORTED_SAMPLING_KEYS  # (SGLang's sampling keys on /generate, top-level fields here)
@@ -244,7 +244,7 @@ class FunctionDefinition(BaseModel):
     name: str
     description: Optional[str] = None
     parameters: Optional[Dict[str, Any]] = None  # a JSON schema of the arguments object
-    strict: Optional[bool] = None  # (the call is always constrained to `parameters`)
+    strict: Optional[bool] = None  # (a forced call is always constrained to `parameters`; under "auto", a 400)
 
 
 class Tool(BaseModel):
@@ -347,7 +347,7 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     # SGLang's: extra variables for the chat template (Qwen3's {"enable_thinking": false})
     chat_template_kwargs: Optional[Dict[str, Any]] = None
-    # tools the model may call; only forced calls are built (tool_calls.py)
+    # tools the model may call: forced calls are constrained, "auto" ones need --tool-call-parser (tool_calls.py)
     tools: Optional[List[Tool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], ToolChoice]] = None
     parallel_tool_calls: bool = True

@@ -1,4 +1,5 @@
-"""Forced tool calls (stage 1, chat only): `tool_choice` "required" or a named function.
+"""Tool calls (stage 1, chat only): forced (`tool_choice` "required" or a named function,
+constrained) and "auto" (parsed from the model's own format).
 
 Where it sits: OpenAIServingChat turns the request's `tools` + `tool_choice` into a JSON
 schema (`tool_call_constraint`), which goes down as the request's `json_schema` sampling
@@ -48,6 +49,16 @@ def validate_tools(request: ChatCompletionRequest, parser: Optional[str] = None)
             return f"Tool '{choice.function.name}' not found in tools list."
     if choice in (None, "auto") and parser is None:
         return AUTO_NOT_BUILT
+    if choice in (None, "auto"):
+        strict = [tool.function.name for tool in request.tools if tool.function.strict]
+        if strict:
+            # SGLang constrains a strict tool's "auto" call with a structural tag, which minisgl does not
+            # build: parsed from free text, the call's arguments would go unchecked, its strict ignored
+            return (
+                f"Tools {strict} are strict, which under tool_choice \"auto\" needs a structural-tag constraint "
+                f"(SGLang's), not built by minisgl: drop strict, or use tool_choice \"required\" or a named "
+                f"function (the call is then constrained to its parameters)"
+            )
     return None
 
 
@@ -62,7 +73,7 @@ def _tool_schema(tool: Tool) -> Dict[str, Any]:
 
 def tool_call_constraint(request: ChatCompletionRequest) -> Optional[str]:
     """The json_schema text the output must match for a forced call, or None when no call is
-    forced (no tools, or tool_choice "none"). SGLang's shape: an array of at least one call, of
+    forced (no tools, or tool_choice unset, "auto" or "none"). SGLang's shape: an array of at least one call, of
     the named tool or of any tool; at most one with parallel_tool_calls false."""
     choice = request.tool_choice
     if not request.tools or choice in (None, "none", "auto"):
