@@ -76,7 +76,6 @@ class _ReqState:
     output_ids: List[int] = field(default_factory=list)
     finished: bool = False
     meta_info: Dict[str, Any] = field(default_factory=dict)  # the latest message's, logprobs left out
-    finished_time: float = 0.0
     # accumulated over every message: the scheduler emits at least every 50 tokens even
     # for a non-streaming request, so one message holds only part of the answer
     logprobs: Dict[str, List[Any]] = field(default_factory=lambda: {key: [] for key in LOGPROB_META_KEYS})
@@ -584,7 +583,6 @@ class Engine:
             }
             if finish is not None:
                 state.finished = True
-                state.finished_time = now
             state.meta_info["e2e_latency"] = (now - state.created_time) if state.finished else None
             # TTFT is the scheduler's queue + schedule + forward (prefill_finished - recv) for every
             # request, streamed or not (SGLang 0.5.23 takes prefill_finished for non-streaming ones)
