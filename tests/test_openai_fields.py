@@ -89,6 +89,21 @@ def test_a_stream_without_include_usage_has_no_usage_chunk(tiny_model: str, tmp_
                 assert all(c["choices"] and c["usage"] is None for c in chunks), (route, options, chunks)
 
 
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_continuous_usage_stats_puts_each_choices_usage_so_far_on_its_chunks(tiny_model: str, tmp_path: Any, route: str) -> None:
+    """SGLang's and vLLM's stream_options.continuous_usage_stats (GuideLLM's throughput probe reads it)."""
+    outs = [_out("r-0", "Hel", 1, index=0), _out("r-1", "A", 1, index=1), _out("r-0", "lo", 2, LENGTH, index=0),
+            _out("r-1", "B", 2, LENGTH, index=1)]  # fmt: skip
+    client, _ = _scripted_client(tiny_model, tmp_path, outs)
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    with client:
+        events = _events(_post(client, route, n=2, stream=True, stream_options=options))[:-1]
+    *chunks, final = events
+    seen = {(c["choices"][0]["index"], c["usage"]["completion_tokens"], c["usage"]["total_tokens"]) for c in chunks}
+    assert {(0, 1, 4), (0, 2, 5), (1, 1, 4), (1, 2, 5)} <= seen  # (prompt: 3 tokens, once per choice)
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 4 and final["usage"]["prompt_tokens"] == 3
+
+
 def test_a_completions_stream_ends_with_its_finish_reason_even_with_no_text_left(tiny_model: str, tmp_path: Any) -> None:
     client, _ = _scripted_client(tiny_model, tmp_path, [_out("r", "Hel", 1), _out("r", "", 1, LENGTH)])
     with client:

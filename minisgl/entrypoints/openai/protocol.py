@@ -33,7 +33,7 @@ UNSUPPORTED_FIELDS = frozenset(
         "priority", "lora_path", "image_data", "return_hidden_states", "custom_logit_processor",
         # SGLang's own, on /generate or the OpenAI routes
         "audio_data", "video_data", "input_embeds", "session_params", "separate_reasoning", "bootstrap_host",
-        "bootstrap_port", "bootstrap_room", "data_parallel_rank", "extra_key", "cache_salt", "continuous_usage_stats",
+        "bootstrap_port", "bootstrap_room", "data_parallel_rank", "extra_key", "cache_salt",
         # chat's fields (tool calls, tool_calls.py), not /v1/completions' or /generate's
         "tools", "tool_choice", "parallel_tool_calls",
     }
@@ -69,6 +69,8 @@ class ErrorResponse(BaseModel):
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False
+    # SGLang's and vLLM's: every chunk of a choice also carries that choice's usage so far
+    continuous_usage_stats: bool = False
 
 
 class PromptTokensDetails(BaseModel):

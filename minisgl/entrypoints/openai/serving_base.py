@@ -137,6 +137,16 @@ class UsageCounter:
         self.completion_tokens[index] = meta_info["completion_tokens"]
         self.cached_tokens[index] = meta_info.get("cached_tokens", 0)
 
+    def choice_usage(self, index: int) -> UsageInfo:
+        """One choice's usage so far (stream_options.continuous_usage_stats: its prompt, its tokens)."""
+        prompt, completion = self.prompt_tokens.get(index, 0), self.completion_tokens.get(index, 0)
+        return UsageInfo(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens.get(index, 0)),
+        )
+
     def usage(self) -> UsageInfo:
         prompt = sum(v for i, v in self.prompt_tokens.items() if i % self.n == 0)
         cached = sum(v for i, v in self.cached_tokens.items() if i % self.n == 0)

@@ -329,9 +329,12 @@ class OpenAIServingChat(OpenAIServingBase):
         usage = UsageCounter(request.n)
         role_sent: set = set()
 
+        continuous = request.stream_options is not None and request.stream_options.continuous_usage_stats
+
         def chunk(index: int, delta: DeltaMessage, **kw: Any) -> str:
             choice = ChatCompletionResponseStreamChoice(index=index, delta=delta, **kw)
-            body = ChatCompletionStreamResponse(id=rid, created=created, model=request.model, choices=[choice])
+            so_far = usage.choice_usage(index) if continuous else None
+            body = ChatCompletionStreamResponse(id=rid, created=created, model=request.model, choices=[choice], usage=so_far)
             return sse_data(body)
 
         calls_of: Dict[int, _StreamedCalls] = {}  # per choice: its text, held back where it may be a call

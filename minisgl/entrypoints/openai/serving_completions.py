@@ -136,9 +136,11 @@ class OpenAIServingCompletions(OpenAIServingBase):
         created = int(time.time())  # one timestamp for every chunk of the stream, as OpenAI's
         usage = UsageCounter(request.n)
         text_offsets: Dict[int, int] = {}
+        continuous = request.stream_options is not None and request.stream_options.continuous_usage_stats
 
         def chunk(choice: CompletionResponseChoice) -> str:
-            return sse_data(CompletionStreamResponse(id=rid, created=created, model=request.model, choices=[choice]))
+            so_far = usage.choice_usage(choice.index) if continuous else None
+            return sse_data(CompletionStreamResponse(id=rid, created=created, model=request.model, choices=[choice], usage=so_far))
 
         async for out in prepend(first, rest):
             index = out.get("index", 0)
