@@ -402,3 +402,24 @@ def test_a_repeated_bad_grammar_is_refused_without_keeping_the_requests(engine: 
     gc.collect()
     assert len(refs) == 3 and all(isinstance(r(), (Req, type(None))) for r in refs)
     assert [r() for r in refs[:2]] == [None, None]
+
+
+def test_an_engine_dropped_without_shutdown_lets_its_compile_threads_end(tiny_model: str) -> None:
+    """A notebook cell `e = Engine(...)` run again drops the old Engine without shutdown(): its
+    grammar backend's threads held the backend (and its compiler and cache) for good, two more
+    threads at every run."""
+    import gc
+    import weakref
+
+    from minisgl import Engine
+
+    e = Engine(tiny_model, device="cpu", max_total_tokens=1024)
+    e.generate("a", {**SAMPLED, "regex": "(yes|no)"})
+    backend = e.scheduler.get_grammar_backend()
+    threads, gone = backend._threads, weakref.ref(backend)
+    del e, backend
+    gc.collect()
+    assert gone() is None
+    for thread in threads:
+        thread.join(10)
+    assert not any(t.is_alive() for t in threads)

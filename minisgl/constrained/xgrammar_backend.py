@@ -112,13 +112,18 @@ class XGrammarGrammarBackend:
         # Several threads, so that a huge schema does not hold up every small grammar behind it.
         # Daemon threads, joined by shutdown() (Engine.shutdown, and at exit: a daemon thread
         # that comes back from xgrammar's C++ while the interpreter finalizes aborts the process
-        # with "terminate called without an active exception").
+        # with "terminate called without an active exception"). They hold the backend only while
+        # they compile: an Engine dropped without shutdown() (a notebook cell run again) lets it
+        # go, and its finalizer ends them, where they kept it, its compiler and its cache, for good.
         self._threads = [
-            threading.Thread(target=self._compile_loop, name=f"minisgl-grammar-compiler-{i}", daemon=True)
+            threading.Thread(
+                target=_compile_loop, args=(weakref.ref(self), self._jobs), name=f"minisgl-grammar-compiler-{i}", daemon=True
+            )
             for i in range(GRAMMAR_COMPILE_THREADS)
         ]
         for thread in self._threads:
             thread.start()
+        weakref.finalize(self, _end_threads, self._jobs, len(self._threads))
         _LIVE_BACKENDS.add(self)
 
     def get_future(self, key: Tuple[str, str]) -> Future:
@@ -169,19 +174,6 @@ class XGrammarGrammarBackend:
             raise ValueError(str(error))
         return XGrammarGrammar(self._xgr.GrammarMatcher(future.result()))
 
-    def _compile_loop(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:  # (shutdown)
-                return
-            key, future = job
-            if not future.set_running_or_notify_cancel():  # (released before its turn)
-                continue
-            try:
-                future.set_result(self._compile(*key))
-            except BaseException as e:  # (delivered to the request that waits for it)
-                future.set_exception(e)
-
     def _compile(self, kind: str, text: str) -> Any:
         try:
             if kind == "json_schema":
@@ -195,6 +187,33 @@ class XGrammarGrammarBackend:
         except RecursionError:
             raise ValueError(f"Invalid {kind}: nested too deeply") from None
         raise ValueError(f"unknown grammar type {kind!r}; expected json_schema, regex or ebnf")
+
+
+def _compile_loop(backend_ref: "weakref.ref[XGrammarGrammarBackend]", jobs: "queue.Queue[Any]") -> None:
+    """A compile thread: takes jobs until a None (shutdown, or the backend was collected)."""
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        key, future = job
+        if not future.set_running_or_notify_cancel():  # (released before its turn)
+            continue
+        backend = backend_ref()
+        if backend is None:  # (collected after the job was queued: nobody waits for it)
+            future.set_exception(RuntimeError("the grammar backend was shut down"))
+            return
+        try:
+            future.set_result(backend._compile(*key))
+        except BaseException as e:  # (delivered to the request that waits for it; without the
+            # traceback, whose frames would hold the backend from its own cache)
+            future.set_exception(e.with_traceback(None))
+        del backend
+
+
+def _end_threads(jobs: "queue.Queue[Any]", n: int) -> None:
+    """A collected backend's finalizer: one None per compile thread, each ends at its first."""
+    for _ in range(n):
+        jobs.put(None)
 
 
 def _first_line(message: str) -> str:
