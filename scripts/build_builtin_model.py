@@ -183,6 +183,19 @@ def sample(model: Any, tok: Any, prompt: str, seed: int, max_new_tokens: int = 6
     return tok.decode(out[0, input_ids.shape[1]:], skip_special_tokens=False)
 
 
+def builtin_tokenizer() -> Any:
+    """The shipped tokenizer: trained here (seeded), with the shipped chat template.
+
+    The template is the asset's own file, the one source of it: it renders `tools` and an
+    assistant's `tool_calls` (docs/structured_output.md), which the tests' plain ChatML template
+    (test_utils.CHAT_TEMPLATE) does not; a rebuild wrote that one and lost both. A plain chat
+    renders the same under either, so the training data does not change."""
+    tok = train_tokenizer(vocab_size=VOCAB_SIZE)
+    with open(os.path.join(BUILTIN_MODEL_DIR, "chat_template.jinja")) as f:
+        tok.chat_template = f.read()
+    return tok
+
+
 def save(model: Any, tok: Any, out_dir: str) -> None:
     """bf16 safetensors (tied embeddings are stored once), tokenizer, generation config."""
     os.makedirs(out_dir, exist_ok=True)
@@ -268,7 +281,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
-    tok = train_tokenizer(vocab_size=VOCAB_SIZE)
+    tok = builtin_tokenizer()
     doc_ids, chats = build_streams(tok)
     print(f"corpus: {len(doc_ids)} doc tokens, {len(chats)} chat samples", flush=True)
     torch.manual_seed(args.seed)

@@ -170,3 +170,24 @@ def test_chat_template_shows_tools_and_earlier_calls_in_the_forced_call_format(b
         '<|im_start|>assistant\n[{"name": "get_weather", "parameters": {"city": "Zürich"}}]<|im_end|>\n'
         "<|im_start|>tool\n18C<|im_end|>\n<|im_start|>assistant\n"
     )
+
+
+def test_the_build_script_writes_the_shipped_tokenizer_and_template() -> None:
+    """A rebuild (docs/builtin_model.md) wrote the tests' plain ChatML template over the shipped
+    one, which renders tools: the tool-call loop the docs describe then broke on the rebuilt model."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "build_builtin_model.py")
+    spec = importlib.util.spec_from_file_location("build_builtin_model", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    tok = script.builtin_tokenizer()
+    with open(os.path.join(BUILTIN_MODEL_DIR, "chat_template.jinja")) as f:
+        assert tok.chat_template == f.read()
+    from transformers import AutoTokenizer
+
+    shipped = AutoTokenizer.from_pretrained(BUILTIN_MODEL_DIR)
+    assert tok.get_vocab() == shipped.get_vocab()
+    plain = [{"role": "user", "content": "Hello"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    assert "get_weather" in tok.apply_chat_template(plain, tools=tools, tokenize=False, add_generation_prompt=True)
