@@ -234,9 +234,12 @@ def test_the_qwen25_parser_splits_text_and_calls() -> None:
     assert text == "Let me check." and [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", '{"city": "Zürich"}')]
     for plain in ("No tools needed.", QWEN_ANSWER[:-5], QWEN_ANSWER + " and more", "<tool_call>\n{not json}\n</tool_call>"):
         assert parse_qwen25(plain, names) == (plain, None), plain
-    # a function it was not offered is dropped (SGLang's rule), and with no call left it is text
+    # a function it was not offered is dropped (SGLang's rule), its markup too: with no call left,
+    # the answer is the text before it
     rogue = QWEN_ANSWER.replace("get_weather", "delete_all_files")
-    assert parse_qwen25(rogue, names) == (rogue, None)
+    assert parse_qwen25(rogue, names) == ("Let me check.", None)
+    splitter = StreamedText(names)
+    assert splitter.feed(rogue) == "Let me check.\n" and splitter.finish() == ("", None)
     _, calls = parse_qwen25(QWEN_ANSWER + "\n" + rogue[rogue.index("<tool_call>"):], names)
     assert [c.function.name for c in calls] == ["get_weather"]
     splitter, sent = StreamedText(names), ""

@@ -140,11 +140,14 @@ def parse_qwen25(text: str, tool_names: Collection[str]) -> Tuple[str, Optional[
     `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`; (text, None) when there is
     none, or one is not such a JSON object (an answer cut inside a call stays text). A call of a
     function not in `tool_names` is dropped (SGLang's "Model attempted to call undefined
-    function"): an agent must never be handed a function it did not offer."""
+    function"): an agent must never be handed a function it did not offer; when every call is
+    dropped, the answer is its text before the first block, with no calls (SGLang's too: the
+    markup of a call that was dropped is not handed over as text either)."""
     start = text.find(_QWEN_START)
     if start < 0:
         return text, None
     calls: List[ToolCall] = []
+    dropped = 0
     for body in _QWEN_CALL.findall(text[start:]):
         try:
             call = json.loads(body)
@@ -154,13 +157,14 @@ def parse_qwen25(text: str, tool_names: Collection[str]) -> Tuple[str, Optional[
             return text, None
         if call["name"] not in tool_names:
             logger.warning("Model attempted to call undefined function: %s", call["name"])
+            dropped += 1
             continue
         arguments = call.get("arguments", call.get("parameters", {}))
         calls.append(ToolCall(id=f"call_{uuid.uuid4().hex[:24]}",
                               function=FunctionCall(name=call["name"], arguments=json.dumps(arguments, ensure_ascii=False))))  # fmt: skip
-    if not calls or _QWEN_CALL.sub("", text[start:]).strip():  # (text after or between the calls: not a call answer)
+    if (not calls and not dropped) or _QWEN_CALL.sub("", text[start:]).strip():  # (text after or between the calls: not a call answer)
         return text, None
-    return text[:start].strip(), calls
+    return text[:start].strip(), calls or None
 
 
 class StreamedText:
