@@ -61,7 +61,9 @@ def test_parse_tool_calls_takes_only_a_whole_array_of_calls() -> None:
         ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "Tools cannot be empty if tool choice is set to a specific tool."),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "Tool 'nope' not found in tools list."),
         ({"tools": [WEATHER]}, 'tool_choice "auto" (the default when tools are given) needs a parser'),
-        ({"tools": [WEATHER], "tool_choice": "required", "regex": "a+"}, "constrains the output to a tool call"),
+        ({"tools": [WEATHER], "tool_choice": "required", "regex": "a+"}, "constrains the output to a tool call; drop regex"),
+        # (response_format becomes a json_schema inside: the message names what the user sent)
+        ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool call; drop response_format"),
         ({"tools": [{"type": "function", "function": {"parameters": {}}}], "tool_choice": "required"}, "name"),
         ({"messages": [{"role": "tool", "content": "18C"}]}, "tool_call_id"),
         ({"messages": [{"role": "user"}]}, "a user message needs content"),

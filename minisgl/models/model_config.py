@@ -190,8 +190,8 @@ def _context_len(window: Optional[int], derived: int, requested: Optional[int]) 
         # context is refused unless the user says they know (SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN)
         if os.environ.get("MINISGL_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "0") not in ("1", "true", "True"):
             raise ValueError(
-                f"--context-length {requested} is longer than the model's context ({derived}: "
-                "max_position_embeddings, times a linear rope scaling's factor), which may give incorrect "
+                f"--context-length {requested} is longer than the model's context ({derived}: its "
+                "max_position_embeddings, times its rope scaling's factor if it has one), which may give incorrect "
                 "outputs; use a shorter one, or set MINISGL_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 to allow it"
             )
         logger.warning("context_length %d exceeds the model's context %d", requested, derived)

@@ -250,9 +250,12 @@ class OpenAIServingChat(OpenAIServingBase):
         sampling_params = request.to_sampling_params(self.tokenizer_manager.default_sampling_params)
         constraint = tool_call_constraint(request)
         if constraint is not None:
-            other = sorted(k for k in ("json_schema", "regex", "ebnf") if k in sampling_params)
+            # the fields the user set that constrain the output too (response_format becomes json_schema)
+            other = sorted(k for k in ("json_schema", "regex", "ebnf") if getattr(request, k) is not None)
+            if request.response_format is not None and request.response_format.grammar():
+                other.append("response_format")
             if other:  # (SGLang 0.5.23 refuses it too: the call's schema and another grammar cannot both hold)
-                raise ValueError(f"tool_choice {_choice_name(request)} constrains the output to a tool call; drop {other} / response_format")
+                raise ValueError(f"tool_choice {_choice_name(request)} constrains the output to a tool call; drop {', '.join(other)}")
             sampling_params["json_schema"] = constraint
         if self._parses_calls(request):
             sampling_params["skip_special_tokens"] = False  # (SGLang's: a format's markers may be special tokens)
