@@ -370,6 +370,18 @@ def test_response_format_takes_sglangs_schema_without_its_wrapper(tiny_model: st
     assert r.status_code == 400  # (both shapes at once: the wrapper's, and an unknown "schema" beside it)
 
 
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_response_format_structural_tag_goes_down_as_sglangs_key_in_either_shape(tiny_model: str, tmp_path: Any, route: str) -> None:
+    client, seen = _scripted_client(tiny_model, tmp_path, [_out("r", "ok", 1, LENGTH)])
+    structures = [{"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}]
+    fmt = {"type": "triggered_tags", "triggers": ["<f"], "tags": [{"type": "tag", "begin": "<f>", "content": {"type": "any_text"}, "end": "</f>"}]}
+    with client:
+        assert _post(client, route, response_format={"type": "structural_tag", "structures": structures, "triggers": ["<f"]}).status_code == 200
+        assert _post(client, route, response_format={"type": "structural_tag", "format": fmt}).status_code == 200
+    assert json.loads(seen[0].sampling_params["structural_tag"]) == {"structures": structures, "triggers": ["<f"]}
+    assert json.loads(seen[1].sampling_params["structural_tag"]) == {"type": "structural_tag", "format": fmt}
+
+
 def test_a_stream_refused_by_the_scheduler_is_its_error_event_alone(tiny_model: str, tmp_path: Any) -> None:
     """A grammar that does not compile: the error event and [DONE], no role chunk before them (SGLang's order)."""
     refused = {"type": "abort", "message": "Invalid regex: Unclosed '['", "status_code": 400, "err_type": "BadRequestError"}

@@ -87,10 +87,12 @@ def test_sampling_params_take_one_grammar_as_text() -> None:
     assert SamplingParams().grammar_key is None
     with pytest.raises(ValueError, match=r"json_schema must be a string \(its JSON text: json.dumps\(schema\)\)"):
         SamplingParams.from_dict({"json_schema": SCHEMA})
-    with pytest.raises(ValueError, match=r"Only one of regex, json_schema, or ebnf can be set, got \['json_schema', 'regex'\]"):
+    with pytest.raises(ValueError, match=r"Only one of regex, json_schema, ebnf, or structural_tag can be set, got \['json_schema', 'regex'\]"):
         SamplingParams.from_dict({"regex": "a", "json_schema": "{}"}).verify()
     with pytest.raises(ValueError, match="json_schema must be the JSON text of a JSON schema"):
         SamplingParams.from_dict({"json_schema": "{'single': 'quotes'}"}).verify()
+    with pytest.raises(ValueError, match="structural_tag must be the JSON text of an object, got list"):
+        SamplingParams.from_dict({"structural_tag": "[]"}).verify()
 
 
 # --------------------------------------------------------------------------- the Engine
@@ -110,6 +112,42 @@ def test_regex_json_schema_and_ebnf_outputs_match_their_grammars(engine: Any) ->
 
     out = engine.generate("Answer:", {**SAMPLED, "ebnf": 'root ::= "yes" | "no"'})
     assert out["text"] in ("yes", "no")
+
+
+# what follows "<" must be <f>{"a": <integer>}</f>; anything else is free text
+TAG = {
+    "structures": [{"begin": "<f>", "end": "</f>", "schema": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                                              "required": ["a"], "additionalProperties": False}}],
+    "triggers": ["<"],
+}  # fmt: skip
+
+
+def test_a_structural_tag_constrains_what_follows_its_trigger(engine: Any) -> None:
+    """SGLang's structural_tag (its tool-call constraint for strict tools under "auto"): free text,
+    but from a trigger on, one of the structures. A logit bias makes "<" the first token; the
+    random model then writes the structure, which it would never do on its own."""
+    lt = engine.tokenizer.convert_tokens_to_ids("<")
+    params = {**SAMPLED, "max_new_tokens": 48, "logit_bias": {str(lt): 100}}
+    free = engine.generate("Call:", params)["text"]
+    assert not free.startswith("<f>")  # (without the tag: "<<<<...")
+    for tag in (TAG, {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<"], "tags": [
+            {"type": "tag", "begin": "<f>", "content": {"type": "json_schema", "json_schema": TAG["structures"][0]["schema"]},
+             "end": "</f>"}]}}):  # fmt: skip
+        for text in (o["text"] for o in engine.generate(["Call:"] * 3, {**params, "structural_tag": json.dumps(tag)})):
+            assert text.startswith("<f>"), text
+            if "</f>" in text:  # (a random model may not close it within max_new_tokens)
+                assert isinstance(json.loads(text[3 : text.index("</f>")])["a"], int), text
+
+
+def test_a_bad_structural_tag_is_a_400_that_says_what_is_wrong(engine: Any) -> None:
+    for tag, message in [
+        ({"structures": [{"begin": "<f>", "end": "</f>"}]}, 'Invalid structural_tag: needs "structures" (a list of'),
+        ({"structures": [{"begin": "<f>"}], "triggers": ["<"]}, 'Invalid structural_tag: each structure needs a "begin" and an "end"'),
+        ({"structures": [{"begin": "<f>", "end": "</f>"}], "triggers": ["#"]}, "One tag does not match any trigger"),
+        ({"type": "structural_tag", "format": {"type": "bogus"}}, "Format type not recognized: bogus"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            engine.generate("a", {**SAMPLED, "structural_tag": json.dumps(tag)})
 
 
 def test_greedy_grammar_output_is_the_best_allowed_token_at_each_step(engine: Any) -> None:

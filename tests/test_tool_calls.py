@@ -272,16 +272,36 @@ def test_auto_needs_a_parser_and_with_one_returns_text_and_calls(tiny_model: str
     assert choice["finish_reason"] == "stop" and choice["message"]["content"] == "Just text." and choice["message"]["tool_calls"] is None
 
 
-def test_a_strict_tool_under_auto_is_a_400_not_an_unchecked_call(tiny_model: str, tmp_path: Any) -> None:
-    """SGLang constrains a strict tool's "auto" call (a structural tag); parsed from free text, its
-    arguments would go unchecked: a 400 that says what to use instead. Forced, it is constrained."""
+def test_a_strict_tool_under_auto_has_its_calls_constrained_by_a_structural_tag(tiny_model: str, tmp_path: Any) -> None:
+    """SGLang's: free text, but from `<tool_call>` on, one of the tools' calls in Qwen's format, a
+    strict tool's arguments matching its parameters (any JSON for one that is not strict)."""
+    from transformers import AutoTokenizer
+
+    from minisgl.constrained.xgrammar_backend import XGrammarGrammarBackend
+
     strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
-    client, seen = _qwen_client(tiny_model, tmp_path, [_out("r", '[{"name": "get_weather", "parameters": {"city": "Bern"}}]', 9, STOP)])
+    client, seen = _qwen_client(tiny_model, tmp_path, [_out("r", QWEN_ANSWER.replace("Zürich", "Paris"), 20, STOP)])
     with client:
-        r = _chat(client, tools=[strict])
-        forced = _chat(client, tools=[strict], tool_choice="required")
-    assert r.status_code == 400 and "['get_weather'] are strict" in r.json()["error"]["message"]
-    assert forced.status_code == 200 and "json_schema" in seen[0].sampling_params
+        choice = _chat(client, tools=[strict, TIME]).json()["choices"][0]
+        plain = _chat(client, tools=[WEATHER, TIME])  # (no strict tool: nothing constrained)
+    assert choice["finish_reason"] == "tool_calls" and plain.status_code == 200
+    tag = json.loads(seen[0].sampling_params["structural_tag"])
+    assert "structural_tag" not in seen[1].sampling_params
+    assert tag["triggers"] == ["<tool_call>"] and [s["schema"] for s in tag["structures"]] == [WEATHER["function"]["parameters"], {}]
+    backend = XGrammarGrammarBackend(AutoTokenizer.from_pretrained(tiny_model), 512, [0])
+    try:
+        future = backend.get_future(("structural_tag", seen[0].sampling_params["structural_tag"]))
+        future.result(60)
+
+        def accepts(text: str) -> bool:  # (a fresh matcher each time)
+            return backend.get_grammar(future).matcher.accept_string(text)
+
+        call = 'Sure. <tool_call>\n{"name":"get_weather", "arguments":{"city": "%s"}}\n</tool_call>'
+        assert accepts(call % "Paris") and not accepts(call % "Rome")  # (its parameters: Paris or Oslo)
+        assert accepts('<tool_call>\n{"name":"get_time", "arguments":[1, "any JSON"]}\n</tool_call>')
+        assert not accepts('<tool_call>\n{"name":"rm_rf", "arguments":{}}')  # only the tools offered
+    finally:
+        backend.shutdown()
 
 
 def test_auto_streams_the_text_and_sends_the_calls_at_the_end(tiny_model: str, tmp_path: Any) -> None:

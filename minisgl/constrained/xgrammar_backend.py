@@ -1,5 +1,5 @@
-"""Grammar backend (stage 3, inside the Scheduler): a request's json_schema / regex / ebnf ->
-a matcher that says, before every sample, which tokens keep the output inside the grammar.
+"""Grammar backend (stage 3, inside the Scheduler): a request's json_schema / regex / ebnf /
+structural_tag -> a matcher that says, before every sample, which tokens keep the output inside the grammar.
 
 Where it sits: Scheduler.handle_generate_request -> XGrammarGrammarBackend.get_future(key)
 (compiled on one of the backend's threads; the request waits in the scheduler's grammar_queue
@@ -27,15 +27,17 @@ releases the GIL while it compiles, so the scheduler's steps go on meanwhile.
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import queue
 import re
 import threading
 import time
+import warnings
 import weakref
 from collections import OrderedDict
 from concurrent.futures import Future
-from typing import Any, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -174,6 +176,17 @@ class XGrammarGrammarBackend:
             raise ValueError(str(error))
         return XGrammarGrammar(self._xgr.GrammarMatcher(future.result()))
 
+    def _compile_structural_tag(self, text: str) -> Any:
+        """Free text in which what follows a trigger must be one of the tagged structures: SGLang's
+        shape ("structures" + "triggers", its tool-call constraint's too) or xgrammar's ("format")."""
+        tag = json.loads(text)
+        if isinstance(tag, dict) and "format" not in tag:
+            tags, triggers = _legacy_tags(tag, self._xgr)
+            with warnings.catch_warnings():  # (xgrammar calls this shape deprecated; SGLang sends it)
+                warnings.simplefilter("ignore", DeprecationWarning)
+                return self.compiler.compile_structural_tag(tags, triggers)
+        return self.compiler.compile_structural_tag(text)
+
     def _compile(self, kind: str, text: str) -> Any:
         try:
             if kind == "json_schema":
@@ -182,11 +195,28 @@ class XGrammarGrammarBackend:
                 return self.compiler.compile_regex(text)
             if kind == "ebnf":
                 return self.compiler.compile_grammar(text)
+            if kind == "structural_tag":
+                return self._compile_structural_tag(text)
         except (RuntimeError, ValueError) as e:  # xgrammar's parse errors are RuntimeErrors
             raise ValueError(f"Invalid {kind}: {_first_line(str(e))}") from None
         except RecursionError:
             raise ValueError(f"Invalid {kind}: nested too deeply") from None
-        raise ValueError(f"unknown grammar type {kind!r}; expected json_schema, regex or ebnf")
+        raise ValueError(f"unknown grammar type {kind!r}; expected json_schema, regex, ebnf or structural_tag")
+
+
+def _legacy_tags(tag: Dict[str, Any], xgrammar: Any) -> Tuple[List[Any], List[str]]:
+    """SGLang's structural tag shape, {"structures": [{"begin", "schema", "end"}], "triggers": [...]},
+    as xgrammar's (tags, triggers); ValueError naming what is missing."""
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    if not isinstance(structures, list) or not isinstance(triggers, list) or not all(isinstance(t, str) for t in triggers):
+        raise ValueError('needs "structures" (a list of {"begin", "schema", "end"}) and "triggers" (a list of strings)')
+    tags = []
+    for s in structures:
+        if not (isinstance(s, dict) and isinstance(s.get("begin"), str) and isinstance(s.get("end"), str)):
+            raise ValueError(f'each structure needs a "begin" and an "end" string, got {json.dumps(s)[:200]}')
+        schema = s.get("schema")
+        tags.append(xgrammar.StructuralTagItem(begin=s["begin"], schema=json.dumps(schema if schema is not None else {}), end=s["end"]))
+    return tags, triggers
 
 
 def _compile_loop(backend_ref: "weakref.ref[XGrammarGrammarBackend]", jobs: "queue.Queue[Any]") -> None:

@@ -30,11 +30,11 @@ FLOAT32_MAX = 3.4028234663852886e38
 MAX_N = 128  # samples per prompt: each is a whole request, and one client must not fill the server
 MAX_TOP_LOGPROBS_NUM = 20  # OpenAI's bound on top_logprobs; the server holds /generate to it too
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value, [-100, 100]: -100 bans a token, 100 forces it
-# SGLang's sampling keys for what minisgl does not build (structural tags, custom processors):
-# null, their default, is accepted as leaving them out; any other value is refused by name
-UNSUPPORTED_SAMPLING_KEYS = frozenset({"structural_tag", "custom_params"})
+# SGLang's sampling key for what minisgl does not build (custom logit processors' parameters):
+# null, its default, is accepted as leaving it out; any other value is refused by name
+UNSUPPORTED_SAMPLING_KEYS = frozenset({"custom_params"})
 # the keys that constrain the output to a grammar (structured output; at most one per request)
-GRAMMAR_KEYS = ("json_schema", "regex", "ebnf")
+GRAMMAR_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
 # the knobs a model's generation_config.json may set (SGLang's get_default_sampling_params)
 GENERATION_CONFIG_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -68,6 +68,10 @@ class SamplingParams:
     json_schema: Optional[str] = None
     regex: Optional[str] = None
     ebnf: Optional[str] = None
+    # free text in which the text after a trigger must be one of the tagged structures (the JSON
+    # text of SGLang's structural tag: {"structures": [{"begin", "schema", "end"}], "triggers"},
+    # or xgrammar's {"type": "structural_tag", "format": {...}})
+    structural_tag: Optional[str] = None
     # filled by normalize(): stop strings and stop regexes as lists, and how many output tokens
     # hold their longest match (stop_regex.WHOLE_OUTPUT: all of them)
     stop_strs: List[str] = field(default_factory=list)
@@ -79,7 +83,7 @@ class SamplingParams:
         "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p",
         "frequency_penalty", "presence_penalty", "repetition_penalty", "stop", "stop_regex", "stop_token_ids",
         "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
-        "seed", "n", "stream_interval", "logit_bias", "json_schema", "regex", "ebnf",
+        "seed", "n", "stream_interval", "logit_bias", "json_schema", "regex", "ebnf", "structural_tag",
     )  # fmt: skip
 
     @classmethod
@@ -102,8 +106,8 @@ class SamplingParams:
         unsupported = sorted(set(d) & UNSUPPORTED_SAMPLING_KEYS)
         if unsupported:
             raise ValueError(
-                f"Sampling parameter(s) {unsupported} are not supported by minisgl (structured output takes "
-                f"json_schema, regex or ebnf; there are no structural tags or custom processors)"
+                f"Sampling parameter(s) {unsupported} are not supported by minisgl (there are no custom logit "
+                f"processors; structured output takes json_schema, regex, ebnf or structural_tag)"
             )
         unknown = sorted(set(d) - set(cls.KEYS))
         if unknown:
@@ -188,14 +192,19 @@ class SamplingParams:
             compile_stop_regex(pattern)  # (ValueError: not a regex, or one that matches the empty string)
         grammars = [key for key in GRAMMAR_KEYS if getattr(self, key) is not None]
         if len(grammars) > 1:
-            raise ValueError(f"Only one of regex, json_schema, or ebnf can be set, got {grammars}")
-        if self.json_schema is not None:
+            raise ValueError(f"Only one of regex, json_schema, ebnf, or structural_tag can be set, got {grammars}")
+        for key, what in (("json_schema", "a JSON schema"), ("structural_tag", "a structural tag (an object)")):
+            text = getattr(self, key)
+            if text is None:
+                continue
             try:
-                json.loads(self.json_schema)
+                value = json.loads(text)
             except json.JSONDecodeError as e:
-                raise ValueError(f"json_schema must be the JSON text of a JSON schema: {e}") from None
+                raise ValueError(f"{key} must be the JSON text of {what}: {e}") from None
             except RecursionError:  # ("[" * 100000: json's parser recurses once per level)
-                raise ValueError("json_schema is nested too deeply to parse") from None
+                raise ValueError(f"{key} is nested too deeply to parse") from None
+            if key == "structural_tag" and not isinstance(value, dict):
+                raise ValueError(f"structural_tag must be the JSON text of an object, got {type(value).__name__}")
 
     @property
     def grammar_key(self) -> Optional[Tuple[str, str]]:

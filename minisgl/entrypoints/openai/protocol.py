@@ -115,19 +115,36 @@ class JsonSchemaResponseFormat(BaseModel):
     strict: Optional[bool] = False
 
 
+class StructureFormat(BaseModel):
+    """One structure of SGLang's structural_tag response format: `begin`, JSON matching `schema`, `end`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    begin: str
+    schema_: Optional[Dict[str, Any]] = Field(default=None, alias="schema")
+    end: str
+
+
 class ResponseFormat(BaseModel):
-    """OpenAI's response_format: plain text, any JSON object, or JSON matching a schema."""
+    """OpenAI's response_format: plain text, any JSON object, or JSON matching a schema; and
+    SGLang's structural_tag: free text in which whatever follows a trigger is one of the
+    structures (its `structures` + `triggers`, or xgrammar's own `format` object)."""
 
     model_config = _STRICT
     type: str
     json_schema: Optional[JsonSchemaResponseFormat] = None
+    structures: Optional[List[StructureFormat]] = None
+    triggers: Optional[List[str]] = None
+    format: Optional[Dict[str, Any]] = None
 
     @model_validator(mode="before")
     @classmethod
     def _known_type_and_sglangs_unwrapped_schema(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("type") not in (None, "text", "json_object", "json_schema"):
-            # before the fields: a structural_tag format's own fields would be named instead
-            raise ValueError(f"response_format type {data.get('type')!r} is not supported by minisgl; use text, json_object or json_schema")
+        if isinstance(data, dict) and data.get("type") not in (None, "text", "json_object", "json_schema", "structural_tag"):
+            # before the fields: another type's own fields would be named instead
+            raise ValueError(
+                f"response_format type {data.get('type')!r} is not supported by minisgl; use text, json_object, "
+                f"json_schema or structural_tag"
+            )
         # {"type": "json_schema", "schema": {...}} without the json_schema wrapper: SGLang takes it,
         # named after the schema's title (clients built for it send this shape)
         if isinstance(data, dict) and data.get("type") == "json_schema" and "json_schema" not in data and "schema" in data:
@@ -140,9 +157,17 @@ class ResponseFormat(BaseModel):
         return data
 
     @model_validator(mode="after")
-    def _schema_for_json_schema(self) -> "ResponseFormat":
+    def _fields_of_its_type(self) -> "ResponseFormat":
         if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
             raise ValueError('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}')
+        tag_fields = [name for name in ("structures", "triggers", "format") if getattr(self, name) is not None]
+        if self.type != "structural_tag" and tag_fields:
+            raise ValueError(f"response_format {tag_fields} belong to type structural_tag, not {self.type}")
+        if self.type == "structural_tag" and sorted(tag_fields) not in (["structures", "triggers"], ["format"]):
+            raise ValueError(
+                'response_format structural_tag needs "structures" ([{"begin", "schema", "end"}]) and "triggers" '
+                '(SGLang\'s shape), or a "format" object (xgrammar\'s), not both'
+            )
         return self
 
     def grammar(self) -> Dict[str, str]:
@@ -152,6 +177,11 @@ class ResponseFormat(BaseModel):
             return {"json_schema": '{"type": "object"}'}
         if self.type == "json_schema" and self.json_schema is not None:
             return {"json_schema": json.dumps(self.json_schema.schema_)}
+        if self.type == "structural_tag" and self.format is not None:
+            return {"structural_tag": json.dumps({"type": "structural_tag", "format": self.format})}
+        if self.type == "structural_tag":
+            structures = [s.model_dump(by_alias=True) for s in self.structures or []]
+            return {"structural_tag": json.dumps({"structures": structures, "triggers": self.triggers})}
         return {}
 
 
@@ -246,7 +276,7 @@ class FunctionDefinition(BaseModel):
     name: str
     description: Optional[str] = None
     parameters: Optional[Dict[str, Any]] = None  # a JSON schema of the arguments object
-    strict: Optional[bool] = None  # (a forced call is always constrained to `parameters`; under "auto", a 400)
+    strict: Optional[bool] = None  # (a forced call is always constrained to `parameters`; an "auto" one when strict)
 
 
 class Tool(BaseModel):

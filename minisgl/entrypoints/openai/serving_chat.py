@@ -47,7 +47,7 @@ from minisgl.entrypoints.openai.serving_base import (
     sse_data,
 )
 from minisgl.entrypoints.openai.tool_calls import (
-    StreamedText, parse_qwen25, parse_tool_calls, tool_call_constraint, validate_tools, visible_tools,
+    StreamedText, auto_call_constraint, parse_qwen25, parse_tool_calls, tool_call_constraint, validate_tools, visible_tools,
 )  # fmt: skip
 from minisgl.managers.io_struct import GenerateReqInput
 
@@ -124,7 +124,10 @@ def _tool_names(request: ChatCompletionRequest) -> set:
 
 
 def _choice_name(request: ChatCompletionRequest) -> str:
-    return repr(request.tool_choice) if isinstance(request.tool_choice, str) else f"function {request.tool_choice.function.name!r}"
+    choice = request.tool_choice
+    if choice is None or isinstance(choice, str):
+        return repr(choice or "auto")  # (unset with tools: OpenAI's default)
+    return f"function {choice.function.name!r}"
 
 
 class _StreamedCalls:
@@ -248,15 +251,19 @@ class OpenAIServingChat(OpenAIServingBase):
 
     def _convert_to_internal_request(self, request: ChatCompletionRequest) -> GenerateReqInput:
         sampling_params = request.to_sampling_params(self.tokenizer_manager.default_sampling_params)
-        constraint = tool_call_constraint(request)
+        # a forced call's JSON array, or the structural tag that holds "auto" calls of strict tools
+        key, constraint = "json_schema", tool_call_constraint(request)
+        if constraint is None and self._parses_calls(request):
+            key, constraint = "structural_tag", auto_call_constraint(request)
         if constraint is not None:
             # the fields the user set that constrain the output too (response_format becomes json_schema)
             other = sorted(k for k in ("json_schema", "regex", "ebnf") if getattr(request, k) is not None)
             if request.response_format is not None and request.response_format.grammar():
                 other.append("response_format")
             if other:  # (SGLang 0.5.23 refuses it too: the call's schema and another grammar cannot both hold)
-                raise ValueError(f"tool_choice {_choice_name(request)} constrains the output to a tool call; drop {', '.join(other)}")
-            sampling_params["json_schema"] = constraint
+                what = "a tool call" if key == "json_schema" else "strict tools' calls"
+                raise ValueError(f"tool_choice {_choice_name(request)} constrains the output to {what}; drop {', '.join(other)}")
+            sampling_params[key] = constraint
         if self._parses_calls(request):
             sampling_params["skip_special_tokens"] = False  # (SGLang's: a format's markers may be special tokens)
         return GenerateReqInput(

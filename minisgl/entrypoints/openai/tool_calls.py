@@ -49,16 +49,6 @@ def validate_tools(request: ChatCompletionRequest, parser: Optional[str] = None)
             return f"Tool '{choice.function.name}' not found in tools list."
     if choice in (None, "auto") and parser is None:
         return AUTO_NOT_BUILT
-    if choice in (None, "auto"):
-        strict = [tool.function.name for tool in request.tools if tool.function.strict]
-        if strict:
-            # SGLang constrains a strict tool's "auto" call with a structural tag, which minisgl does not
-            # build: parsed from free text, the call's arguments would go unchecked, its strict ignored
-            return (
-                f"Tools {strict} are strict, which under tool_choice \"auto\" needs a structural-tag constraint "
-                f"(SGLang's), not built by minisgl: drop strict, or use tool_choice \"required\" or a named "
-                f"function (the call is then constrained to its parameters)"
-            )
     return None
 
 
@@ -99,6 +89,25 @@ def tool_call_constraint(request: ChatCompletionRequest) -> Optional[str]:
         if merged:
             schema[section] = merged
     return json.dumps(schema)
+
+
+def auto_call_constraint(request: ChatCompletionRequest) -> Optional[str]:
+    """The structural tag (its JSON text) that constrains "auto" calls when a tool is strict, or None.
+
+    SGLang's: the model writes free text, but from a `<tool_call>` trigger on, what follows is one
+    of the tools' calls in Qwen's format, a strict tool's arguments matching its parameters (a
+    tool that is not strict takes any JSON). Without a strict tool nothing is constrained."""
+    if not request.tools or request.tool_choice not in (None, "auto") or not any(t.function.strict for t in request.tools):
+        return None
+    structures = [
+        {
+            "begin": '<tool_call>\n{"name":"' + tool.function.name + '", "arguments":',
+            "schema": (tool.function.parameters or {"type": "object", "properties": {}}) if tool.function.strict else {},
+            "end": "}\n</tool_call>",
+        }
+        for tool in request.tools
+    ]
+    return json.dumps({"structures": structures, "triggers": [_QWEN_START]})
 
 
 def visible_tools(request: ChatCompletionRequest) -> List[Tool]:
