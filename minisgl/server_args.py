@@ -37,6 +37,7 @@ SGLANG_OPTIONS_ALREADY_SO = {
 SERVER_ONLY_FIELDS = (
     "host", "port", "api_key", "visualize", "enable_dynamic_batch_tokenizer", "soft_watchdog_timeout",
     "watchdog_timeout", "log_requests", "served_model_name",
+    "tool_call_parser", "reasoning_parser",  # (the chat route's: the Engine has no chat)
 )  # fmt: skip
 
 # The built-in model ships inside the package (DESIGN.md, "The built-in model").
@@ -45,6 +46,7 @@ BUILTIN_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "as
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 GRAMMAR_BACKENDS = ("xgrammar", "none")
 TOOL_CALL_PARSERS = ("qwen25",)  # (entrypoints/openai/tool_calls.py)
+REASONING_PARSERS = ("qwen3", "deepseek-r1")  # (entrypoints/openai/reasoning.py)
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -131,6 +133,9 @@ class ServerArgs:
     tool_call_parser: Optional[str] = field(
         default=None, metadata=_opt('Parse tool calls in the model\'s own format for tool_choice "auto": qwen25 (Qwen2.5/Qwen3\'s <tool_call>).', choices=TOOL_CALL_PARSERS)
     )
+    reasoning_parser: Optional[str] = field(
+        default=None, metadata=_opt("Put a thinking model's <think>...</think> in the chat answer's reasoning_content: qwen3 or deepseek-r1.", choices=REASONING_PARSERS)
+    )
     constrained_json_disable_any_whitespace: bool = field(
         default=False, metadata=_opt('JSON-schema outputs allow only the separators ", " and ": " between JSON tokens (no free whitespace).')
     )
@@ -165,6 +170,8 @@ class ServerArgs:
             raise ValueError(f"--stream-interval must be >= 1, got {self.stream_interval}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
         if self.grammar_backend not in GRAMMAR_BACKENDS:  # (SGLang's outlines / llguidance are not built)
             raise ValueError(f"--grammar-backend must be one of {', '.join(GRAMMAR_BACKENDS)}, got {self.grammar_backend!r}")
         # Settings under which no request could ever be scheduled: refuse them, not hang.

@@ -93,7 +93,7 @@ def test_a_call_cut_by_max_tokens_stays_content_with_finish_length(tiny_model: s
     client, _ = _scripted_client(tiny_model, tmp_path, [_out("r", CALL[:20], 5, {"type": "length", "length": 5})])
     with client:
         choice = _chat(client, tools=[WEATHER], tool_choice="required").json()["choices"][0]
-    assert choice["finish_reason"] == "length" and choice["message"] == {"role": "assistant", "content": CALL[:20], "tool_calls": None}
+    assert choice["finish_reason"] == "length" and choice["message"] == {"role": "assistant", "content": CALL[:20], "reasoning_content": None, "tool_calls": None}
 
 
 def test_a_streamed_call_is_one_tool_calls_delta_then_the_finish(tiny_model: str, tmp_path: Any) -> None:

@@ -32,7 +32,7 @@ UNSUPPORTED_FIELDS = frozenset(
         "metadata", "service_tier", "web_search_options", "suffix", "best_of", "user",
         "priority", "lora_path", "image_data", "return_hidden_states", "custom_logit_processor",
         # SGLang's own, on /generate or the OpenAI routes
-        "audio_data", "video_data", "input_embeds", "session_params", "separate_reasoning", "bootstrap_host",
+        "audio_data", "video_data", "input_embeds", "session_params", "bootstrap_host",
         "bootstrap_port", "bootstrap_room", "data_parallel_rank", "extra_key", "cache_salt",
         # chat's fields (tool calls, tool_calls.py), not /v1/completions' or /generate's
         "tools", "tool_choice", "parallel_tool_calls",
@@ -343,6 +343,9 @@ class ChatMessage(BaseModel):
     name: Optional[str] = None
     tool_calls: Optional[List[MessageToolCall]] = None  # an assistant's earlier calls
     tool_call_id: Optional[str] = None  # a tool message: the call it answers
+    # an assistant's earlier thinking, as a --reasoning-parser answer returned it: the template decides
+    # (Qwen3's shows the latest turn's, DeepSeek-R1's leaves reasoning out of the history on purpose)
+    reasoning_content: Optional[str] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -357,6 +360,8 @@ class ChatMessage(BaseModel):
             raise ValueError(f"a {self.role} message needs content (only an assistant message with tool_calls may leave it out)")
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
+        if self.reasoning_content is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry reasoning_content")
         if (self.role == "tool") != (self.tool_call_id is not None):
             raise ValueError("a tool message needs tool_call_id (the id of the call it answers), and only a tool message has one")
         return self
@@ -379,6 +384,8 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     # SGLang's: extra variables for the chat template (Qwen3's {"enable_thinking": false})
     chat_template_kwargs: Optional[Dict[str, Any]] = None
+    # SGLang's: with --reasoning-parser, the thinking goes to reasoning_content (false: all of it in content)
+    separate_reasoning: bool = True
     # tools the model may call: forced calls are constrained, "auto" ones need --tool-call-parser (tool_calls.py)
     tools: Optional[List[Tool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], ToolChoice]] = None
@@ -395,6 +402,7 @@ class ChatCompletionRequest(_SamplingFields):
 class ChatCompletionMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None  # (SGLang's and DeepSeek's field; --reasoning-parser)
     tool_calls: Optional[List[ToolCall]] = None
 
 
@@ -436,6 +444,7 @@ class DeltaToolCall(ToolCall):
 class DeltaMessage(BaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
     tool_calls: Optional[List[DeltaToolCall]] = None
 
     @model_serializer(mode="wrap")

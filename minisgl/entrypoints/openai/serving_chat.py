@@ -46,6 +46,7 @@ from minisgl.entrypoints.openai.serving_base import (
     response_id,
     sse_data,
 )
+from minisgl.entrypoints.openai.reasoning import ReasoningSplitter, split_reasoning
 from minisgl.entrypoints.openai.tool_calls import (
     StreamedText, auto_call_constraint, parse_qwen25, parse_tool_calls, tool_call_constraint, validate_tools, visible_tools,
 )  # fmt: skip
@@ -93,8 +94,8 @@ class _GenerationBlock(jinja2.ext.Extension):
 
 
 def _template_message(m: ChatMessage) -> Dict[str, Any]:
-    """A message as the chat template reads it: role and content, and name, tool_calls and
-    tool_call_id when given; a call's arguments as a dict (SGLang's: templates index into them)."""
+    """A message as the chat template reads it: role and content, and name, tool_calls,
+    tool_call_id and reasoning_content when given; a call's arguments as a dict (SGLang's: templates index into them)."""
     message: Dict[str, Any] = {"role": m.role, "content": m.text()}
     if m.name is not None:
         message["name"] = m.name
@@ -105,6 +106,8 @@ def _template_message(m: ChatMessage) -> Dict[str, Any]:
         ]
     if m.tool_call_id is not None:
         message["tool_call_id"] = m.tool_call_id
+    if m.reasoning_content is not None:  # (Qwen3's template shows the latest turn's; DeepSeek-R1's drops it, by design)
+        message["reasoning_content"] = m.reasoning_content
     return message
 
 
@@ -179,6 +182,20 @@ class OpenAIServingChat(OpenAIServingBase):
         if _forces_calls(request):
             return _HeldForcedCall()
         return _ParsedCalls(_tool_names(request)) if self._parses_calls(request) else _StreamedCalls()
+
+    def _reasoning_splitter(self, request: ChatCompletionRequest) -> Optional[ReasoningSplitter]:
+        """A choice's splitter of <think>...</think>, with --reasoning-parser unless the request
+        says separate_reasoning: false (SGLang's)."""
+        parser = self.tokenizer_manager.server_args.reasoning_parser
+        return ReasoningSplitter(parser) if parser is not None and request.separate_reasoning else None
+
+    def _split_reasoning(self, request: ChatCompletionRequest, text: str) -> Tuple[Optional[str], str]:
+        """(reasoning_content or None, the answer) of a whole choice's text."""
+        parser = self.tokenizer_manager.server_args.reasoning_parser
+        if parser is None or not request.separate_reasoning:
+            return None, text
+        reasoning, answer = split_reasoning(parser, text)
+        return reasoning or None, answer
 
     def _parses_calls(self, request: ChatCompletionRequest) -> bool:
         """tool_choice "auto" (or unset) with tools, on a server with a --tool-call-parser."""
@@ -308,16 +325,18 @@ class OpenAIServingChat(OpenAIServingBase):
             meta = out["meta_info"]
             usage.update(index, meta)
             finish_reason, matched = openai_finish_reason(meta["finish_reason"])
-            message = ChatCompletionMessage(content=out["text"])
+            reasoning, answer = self._split_reasoning(request, out["text"])
+            message = ChatCompletionMessage(content=answer, reasoning_content=reasoning)
             # (an answer cut short, by max_tokens or a stop string, is no call: it stays content)
-            content, calls = out["text"], None
+            content, calls = answer, None
             if finish_reason == "stop" and _forces_calls(request):
-                calls = parse_tool_calls(out["text"])
-                content = None if calls else out["text"]
+                calls = parse_tool_calls(answer)
+                content = None if calls else answer
             elif finish_reason == "stop" and self._parses_calls(request):
-                content, calls = parse_qwen25(out["text"], _tool_names(request))
+                content, calls = parse_qwen25(answer, _tool_names(request))
             if calls:  # SGLang's: finish_reason tool_calls, matched_stop dropped
-                message, finish_reason, matched = ChatCompletionMessage(content=content or None, tool_calls=calls), "tool_calls", None
+                message = ChatCompletionMessage(content=content or None, reasoning_content=reasoning, tool_calls=calls)
+                finish_reason, matched = "tool_calls", None
             choices.append(
                 ChatCompletionResponseChoice(
                     index=index,
@@ -348,6 +367,7 @@ class OpenAIServingChat(OpenAIServingBase):
             return sse_data(body)
 
         calls_of: Dict[int, _StreamedCalls] = {}  # per choice: its text, held back where it may be a call
+        thinking_of: Dict[int, Optional[ReasoningSplitter]] = {}  # per choice: its reasoning, apart
         async for out in prepend(first, rest):
             index = out.get("index", 0)
             meta = out["meta_info"]
@@ -358,7 +378,16 @@ class OpenAIServingChat(OpenAIServingBase):
                 yield chunk(index, DeltaMessage(role="assistant", content=""))
             logprobs = self._logprobs(meta, request)
             calls = calls_of.setdefault(index, self._streamed_calls(request))
-            text, tokens = calls.feed(out["text"], logprobs.content if logprobs is not None else [])
+            thinking = thinking_of.setdefault(index, self._reasoning_splitter(request))
+            tokens_in = logprobs.content if logprobs is not None else []
+            answer = out["text"]
+            if thinking is not None:
+                reasoning, answer = thinking.feed(answer)
+                if reasoning:  # (a chunk's tokens go with its reasoning unless some of its text is the answer)
+                    yield chunk(index, DeltaMessage(reasoning_content=reasoning),
+                                logprobs=ChatChoiceLogprobs(content=tokens_in) if logprobs and not answer else None)  # fmt: skip
+                    tokens_in = tokens_in if answer else []
+            text, tokens = calls.feed(answer, tokens_in)
             if text or tokens:
                 yield chunk(index, DeltaMessage(content=text), logprobs=ChatChoiceLogprobs(content=tokens) if logprobs else None)
             if reason is None:
@@ -369,6 +398,14 @@ class OpenAIServingChat(OpenAIServingBase):
                     yield event
                 return
             finish_reason, matched = openai_finish_reason(reason)
+            thinking = thinking_of.pop(index)
+            if thinking is not None:  # what it held: the end of the reasoning, or of an answer's first blanks
+                reasoning, answer = thinking.finish()
+                if reasoning:
+                    yield chunk(index, DeltaMessage(reasoning_content=reasoning))
+                text, tokens = calls_of[index].feed(answer, [])
+                if text or tokens:
+                    yield chunk(index, DeltaMessage(content=text))
             text, tokens, found = calls_of.pop(index).finish(stopped=finish_reason == "stop")
             whole = ChatChoiceLogprobs(content=tokens) if request.logprobs and tokens else None
             if found:

@@ -1,0 +1,132 @@
+"""--reasoning-parser: a thinking model's <think>...</think> as reasoning_content, apart from the answer."""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Dict, List, Optional, Tuple
+
+import pytest
+
+from test_openai_fields import _events
+from test_openai_protocol import _out, _scripted_client
+
+from minisgl.entrypoints.openai.reasoning import ReasoningSplitter, split_reasoning
+
+STOP = {"type": "stop", "matched": 2}
+THOUGHT = "<think>\nThe user greets me.\nI greet back.\n</think>\n\nHello there!"
+
+
+@pytest.mark.parametrize(
+    "parser, text, expected",
+    [
+        ("qwen3", THOUGHT, ("The user greets me.\nI greet back.", "Hello there!")),
+        ("qwen3", "Hello there!", ("", "Hello there!")),  # (enable_thinking false: no tags at all)
+        ("qwen3", "  <think>cut off before the end", ("cut off before the end", "")),
+        ("qwen3", "<think></think>\n\nJust the answer.", ("", "Just the answer.")),
+        ("qwen3", "A <think> later is text", ("", "A <think> later is text")),
+        # the template opened the reasoning: the output starts inside it
+        ("deepseek-r1", "Let me see.\n</think>\n\n42", ("Let me see.", "42")),
+        ("deepseek-r1", "<think>Let me see.</think>42", ("Let me see.", "42")),
+        ("deepseek-r1", "thinking, and cut off", ("thinking, and cut off", "")),
+    ],
+)
+def test_a_whole_answer_splits_into_reasoning_and_content(parser: str, text: str, expected: Tuple[str, str]) -> None:
+    assert split_reasoning(parser, text) == expected
+
+
+def _streamed(parser: str, pieces: List[str]) -> Tuple[str, str]:
+    splitter, reasoning, content = ReasoningSplitter(parser), "", ""
+    for piece in pieces:
+        r, c = splitter.feed(piece)
+        reasoning, content = reasoning + r, content + c
+    r, c = splitter.finish()
+    return reasoning + r, content + c
+
+
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek-r1"])
+def test_a_stream_cut_anywhere_adds_up_to_the_whole_answer(parser: str) -> None:
+    """Pieces of one or more characters, cut inside the tags and inside the blanks around them."""
+    rng = random.Random(0)
+    texts = [THOUGHT, "<think> a </think>", "x</think>", " \n <think>\n\n</think>\n \nend \n", "<thi", "</think", "plain text"]
+    for text in texts:
+        for _ in range(50):
+            cuts = sorted(rng.sample(range(1, len(text)), k=rng.randint(0, min(6, len(text) - 1)))) if len(text) > 1 else []
+            pieces = [text[i:j] for i, j in zip([0] + cuts, cuts + [len(text)])]
+            assert _streamed(parser, pieces) == split_reasoning(parser, text), (text, pieces)
+
+
+def _client(tiny_model: str, tmp_path: Any, outs: List[Dict[str, Any]], parser: Optional[str] = "qwen3", tools: Optional[str] = None) -> Any:
+    from minisgl.server_args import ServerArgs, resolve_server_args
+
+    args = resolve_server_args(ServerArgs(model_path=tiny_model, device="cpu", reasoning_parser=parser, tool_call_parser=tools))
+    return _scripted_client(tiny_model, tmp_path, outs, server_args=args)
+
+
+def _chat(client: Any, **body: Any) -> Any:
+    payload = {"model": client.model, "messages": [{"role": "user", "content": "hi"}], **body}
+    return client.post("/v1/chat/completions", json=payload)
+
+
+def test_the_thinking_comes_back_as_reasoning_content(tiny_model: str, tmp_path: Any) -> None:
+    client, _ = _client(tiny_model, tmp_path, [_out("r", THOUGHT, 12, STOP)])
+    with client:
+        message = _chat(client).json()["choices"][0]["message"]
+        kept = _chat(client, separate_reasoning=False).json()["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("The user greets me.\nI greet back.", "Hello there!")
+    assert (kept["reasoning_content"], kept["content"]) == (None, THOUGHT)  # (SGLang's separate_reasoning: false)
+    client, _ = _client(tiny_model, tmp_path, [_out("r", THOUGHT, 12, STOP)], parser=None)
+    with client:
+        message = _chat(client).json()["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == (None, THOUGHT)  # no parser: the text as it is
+
+
+def test_a_stream_sends_reasoning_deltas_then_content_deltas(tiny_model: str, tmp_path: Any) -> None:
+    pieces = ["<think>\nThe user ", "greets me.\nI greet back.\n</th", "ink>\n\nHello", " there!"]
+    outs = [_out("r", p, i + 1, STOP if i == len(pieces) - 1 else None) for i, p in enumerate(pieces)]
+    client, _ = _client(tiny_model, tmp_path, outs)
+    with client:
+        chunks = [e for e in _events(_chat(client, stream=True)) if e != "[DONE]"]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    reasoning = [d["reasoning_content"] for d in deltas if "reasoning_content" in d]
+    content = [d["content"] for d in deltas if d.get("content")]
+    assert "".join(reasoning) == "The user greets me.\nI greet back." and "".join(content) == "Hello there!"
+    first_content = next(i for i, d in enumerate(deltas) if d.get("content"))
+    assert all("reasoning_content" not in d for d in deltas[first_content:])  # reasoning first, then the answer
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_tool_calls_are_parsed_from_the_answer_after_the_thinking(tiny_model: str, tmp_path: Any) -> None:
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    client, _ = _client(tiny_model, tmp_path, [_out("r", "<think>Weather: ask the tool.</think>\n" + call, 30, STOP)], tools="qwen25")
+    with client:
+        choice = _chat(client, tools=tools).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["reasoning_content"] == "Weather: ask the tool."
+    assert choice["message"]["content"] is None and choice["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+def test_the_parser_is_a_server_option_and_checked() -> None:
+    from minisgl import Engine
+    from minisgl.server_args import ServerArgs
+
+    with pytest.raises(ValueError, match="--reasoning-parser must be one of qwen3, deepseek-r1, got 'r1'"):
+        ServerArgs(reasoning_parser="r1")
+    with pytest.raises(ValueError, match="reasoning_parser: option"):  # (the Engine has no chat route to parse for)
+        Engine(device="cpu", reasoning_parser="qwen3")
+
+
+def test_the_answer_goes_back_into_the_next_turn_as_the_sdk_returns_it(tiny_model: str, tmp_path: Any) -> None:
+    """`messages.append(choice.message.model_dump())`: its reasoning_content (null without a
+    parser) goes to the template, which decides what to show (Qwen3's shows the latest turn's)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tokenizer.chat_template = "{% for m in messages %}{{ m.role }}:{{ m.reasoning_content or '' }}|{{ m.content }};{% endfor %}"
+    turn = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello!", "reasoning_content": "Greet back."},
+            {"role": "assistant", "content": "More?", "reasoning_content": None}, {"role": "user", "content": "bye"}]  # fmt: skip
+    client, seen = _scripted_client(tiny_model, tmp_path, [_out("r", "ok", 1, STOP)], tokenizer=tokenizer)
+    with client:
+        assert _chat(client, messages=turn).status_code == 200
+        r = _chat(client, messages=[{"role": "user", "content": "hi", "reasoning_content": "no"}])
+    assert seen[0].text == "user:|hi;assistant:Greet back.|Hello!;assistant:|More?;user:|bye;"
+    assert r.status_code == 400 and "only assistant messages carry reasoning_content" in r.text
