@@ -125,10 +125,12 @@ class SchedulerOutputProcessorMixin:
             return
         try:
             req.grammar.accept_token(req.output_ids[-1])
-        except ValueError as e:
+        except ValueError:
+            # (not the token's id: with every token masked, the sampler's pick among -inf logits is
+            # arbitrary, and named a different id alone than beside another request)
             held_back = len(req.output_ids) <= req.sampling_params.min_new_tokens
             why = "min_new_tokens held back the stop token the finished output needed" if held_back else "the grammar allows no token here"
-            req.to_finish = FINISH_ABORT(f"Structured output stopped: {e} ({why})")
+            req.to_finish = FINISH_ABORT(f"Structured output stopped: no token continues the output inside its grammar ({why})")
 
     def _release_finished(self, req: Req, detail: Optional[str] = None) -> None:
         """Finished: KV of origin + output[:-1] goes into the tree, the row is freed; one
