@@ -111,6 +111,19 @@ class ServerArgs:
 
     # --- scheduling ---
     schedule_policy: str = field(default="fcfs", metadata=_opt("Waiting-queue order.", choices=SCHEDULE_POLICIES))
+    enable_priority_scheduling: bool = field(
+        default=False,
+        metadata=_opt(
+            "Requests may carry a priority: the waiting queue is ordered by it first (then by the policy), and a "
+            "waiting request may preempt running ones less important by more than --priority-scheduling-preemption-threshold."
+        ),
+    )
+    schedule_low_priority_values_first: bool = field(
+        default=False, metadata=_opt("With priority scheduling, a lower priority value is more important (default: a higher one).")
+    )
+    priority_scheduling_preemption_threshold: int = field(
+        default=10, metadata=_opt("How much more important a waiting request must be than a running one to preempt it.")
+    )
     chunked_prefill_size: Optional[int] = field(
         default=None, metadata=_opt("Max prompt tokens per prefill batch, shared by its requests; a longer prompt is split into chunks (-1 disables chunking). Default: 2048 CPU, 8192 CUDA.")
     )
@@ -170,6 +183,8 @@ class ServerArgs:
             raise ValueError(f"--stream-interval must be >= 1, got {self.stream_interval}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}")
+        if self.priority_scheduling_preemption_threshold < 0:
+            raise ValueError(f"--priority-scheduling-preemption-threshold must be >= 0, got {self.priority_scheduling_preemption_threshold}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
         if self.grammar_backend not in GRAMMAR_BACKENDS:  # (SGLang's outlines / llguidance are not built)

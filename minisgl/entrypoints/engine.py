@@ -41,7 +41,7 @@ from minisgl.managers.io_struct import (
     LOGPROB_META_KEYS, AbortReq, BatchStrOutput, GenerateReqInput, TokenizedGenerateReqInput, check_logprob_args,
     expand_samples, logprobs_of, new_rid, prefix_warmups,
 )  # fmt: skip
-from minisgl.managers.tokenization import tokenize_one_request, validate_context_length
+from minisgl.managers.tokenization import check_priority, tokenize_one_request, validate_context_length
 from minisgl.sampling.sampling_params import SamplingParams
 from minisgl.server_args import SERVER_ONLY_FIELDS, SGLANG_OPTIONS_ALREADY_SO, ServerArgs, resolve_server_args
 
@@ -143,8 +143,11 @@ class Engine:
         top_logprobs_num: Optional[int] = 0,
         logprob_start_len: Optional[int] = -1,
         token_ids_logprob: Optional[List[int]] = None,
+        priority: Optional[int] = None,
     ) -> str:
         """Tokenize one request and queue it in the scheduler; returns its rid.
+
+        priority: with enable_priority_scheduling, how important the request is (docs/scheduler.md).
 
         With return_logprob, logprob_start_len >= 0 asks for the prompt's logprobs from that
         position on too (meta_info["input_token_logprobs"]); -1 for output logprobs only.
@@ -160,9 +163,10 @@ class Engine:
         obj = GenerateReqInput(
             text=prompt, input_ids=input_ids, sampling_params=dict(sampling_params or {}), rid=rid or new_rid(),
             return_logprob=return_logprob, logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-            token_ids_logprob=token_ids_logprob, stream=stream,
+            token_ids_logprob=token_ids_logprob, stream=stream, priority=priority,
         )  # fmt: skip
         obj.normalize_batch_and_arguments()
+        check_priority(priority, self.server_args.enable_priority_scheduling)
         tokenized = self._tokenize(obj)
         try:
             self._enqueue([tokenized])
@@ -213,7 +217,7 @@ class Engine:
     @_locked
     def _submit(
         self, prompt: Prompt, sampling_params: Any, input_ids: InputIds, stream: bool, return_logprob: Any,
-        top_logprobs_num: Any, logprob_start_len: Any, token_ids_logprob: Any, rid: Any = None,
+        top_logprobs_num: Any, logprob_start_len: Any, token_ids_logprob: Any, rid: Any = None, priority: Any = None,
     ) -> tuple[List[str], bool]:
         """Fan a generate() call out into single requests (n copies each). Returns (rids, single).
 
@@ -227,8 +231,9 @@ class Engine:
         obj = GenerateReqInput(
             text=prompt, input_ids=input_ids, sampling_params=sampling_params, return_logprob=return_logprob,
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, token_ids_logprob=token_ids_logprob,
-            stream=stream, rid=rid,
+            stream=stream, rid=rid, priority=priority,
         )  # fmt: skip
+        check_priority(priority, self.server_args.enable_priority_scheduling)
         obj.normalize_batch_and_arguments()  # single or batch, lists per prompt, the same n for all
         obj.check_rids()  # the server's rules (in-process, without its length bound)
         for single in obj.singles():  # before any prompt is tokenized
@@ -266,17 +271,19 @@ class Engine:
         logprob_start_len: Optional[Union[int, List[int]]] = -1,
         token_ids_logprob: Optional[Union[List[int], List[Optional[List[int]]]]] = None,
         rid: Optional[Union[str, List[str]]] = None,
+        priority: Optional[int] = None,
     ) -> Any:
         """SGLang's shapes: one prompt -> dict; a list (or n > 1) -> list; stream -> iterator.
 
         logprob_start_len and token_ids_logprob (with return_logprob): as add_request's. For a
         list of prompts each logprob field is one value for all, or a list of one per prompt.
         rid: the request's id (a list of one per prompt for a batch), for abort(rid) from another
-        thread; generated when left out."""
+        thread; generated when left out. priority: with enable_priority_scheduling, how important
+        the request is (all prompts of a batch; docs/scheduler.md)."""
         rids, single = self._submit(
             prompt, sampling_params, input_ids, stream, return_logprob=return_logprob,
             top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, token_ids_logprob=token_ids_logprob,
-            rid=rid,
+            rid=rid, priority=priority,
         )  # fmt: skip
         if stream:
             chunks = self._stream(rids, single)
@@ -304,6 +311,7 @@ class Engine:
         logprob_start_len: Optional[Union[int, List[int]]] = -1,
         token_ids_logprob: Optional[Union[List[int], List[Optional[List[int]]]]] = None,
         rid: Optional[Union[str, List[str]]] = None,
+        priority: Optional[int] = None,
     ) -> Any:
         """generate() for asyncio code (SGLang's async_generate): `await` it for the result, or
         with stream=True for an async iterator of the same chunks.
@@ -318,7 +326,7 @@ class Engine:
         submit = functools.partial(
             self._submit, prompt, sampling_params, input_ids, stream, return_logprob=return_logprob,
             top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, token_ids_logprob=token_ids_logprob,
-            rid=rid,
+            rid=rid, priority=priority,
         )  # fmt: skip
         submitted = loop.run_in_executor(None, submit)
         try:

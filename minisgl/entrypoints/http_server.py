@@ -315,6 +315,7 @@ async def _native_generate(tm: TokenizerManager, request: GenerateRequest, raw_r
         return_text_in_logprobs=request.return_text_in_logprobs,
         token_ids_logprob=request.token_ids_logprob,
         stream=request.stream,
+        priority=request.priority,
     )
     try:
         gen = tm.generate_request(obj, raw_request)

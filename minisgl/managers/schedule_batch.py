@@ -144,6 +144,7 @@ class Req:
         token_ids_logprob: Optional[List[int]] = None,
         vocab_size: Optional[int] = None,
         tokenizer: Any = None,
+        priority: Optional[int] = None,
     ) -> None:
         self.rid = rid
         self.origin_input_text = origin_input_text
@@ -161,6 +162,8 @@ class Req:
         self.eos_token_ids: Set[int] = set(eos_token_ids or ())
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
+        # --enable-priority-scheduling: how important the request is (the scheduler fills in the default)
+        self.priority = priority
         self._special_stops: Optional[List[str]] = None  # (_stops_spelling_special_tokens, once)
         # structured output: where the output stands in its grammar (constrained/xgrammar_backend.py),
         # advanced by the output processor with every token; None without json_schema/regex/ebnf

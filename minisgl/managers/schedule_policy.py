@@ -74,6 +74,7 @@ class PrefillAdder:
         self.rem_total_token_offset = mixed_with_decode_tokens
         self.cur_rem_token_offset = mixed_with_decode_tokens
         self.can_run_list: List[Req] = []
+        self.preempt_list: List[Req] = []  # running requests sent back to the queue (priority preemption)
         self.new_chunked_req: Optional[Req] = None
         self.log_hit_tokens = 0
         self.log_input_tokens = 0
@@ -170,6 +171,42 @@ class PrefillAdder:
         )
         return req if truncated else None
 
+    def _reservation(self, r: Req) -> float:
+        """What the budget holds back for running request `r`'s remaining output."""
+        return min(r.sampling_params.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS) * self.new_token_ratio
+
+    def preempt_to_schedule(self, req: Req, threshold: int, order: int, need_slot: bool) -> bool:
+        """Priority preemption (SGLang's preempt_to_schedule, §2.8): make room for `req` by sending
+        running requests back to the queue, each less important than `req` by more than
+        `threshold` (`order`: +1 when lower values are more important, -1 when higher ones are).
+        The least important go first, the latest to arrive first among equals; only as many as
+        `req` needs (its extend and clipped output, and a request slot when `need_slot`), and
+        none unless that many suffice. Returns whether any was preempted."""
+        running = sorted(
+            (r for r in self.running_batch.reqs if r not in self.preempt_list and not r.finished()),
+            key=lambda r: (-order * r.priority, -r.time_stats.wait_queue_entry_time),
+        )
+        need = req.extend_input_len + min(req.sampling_params.max_new_tokens, CLIP_MAX_NEW_TOKENS) - self.rem_total_tokens
+        chosen: List[Req] = []
+        for r in running:
+            if need <= 0 and (chosen or not need_slot):
+                break
+            if -order * (req.priority - r.priority) <= threshold:
+                break  # (sorted: no later one is less important)
+            chosen.append(r)
+            need -= self._reservation(r) + r.seqlen  # (its output budget, and the KV it holds comes back)
+        if not chosen or need > 0:
+            return False
+        indices = {id(r) for r in chosen}
+        keep = [i for i, r in enumerate(self.running_batch.reqs) if id(r) not in indices]
+        for i, r in enumerate(list(self.running_batch.reqs)):
+            if id(r) in indices:
+                self.rem_total_token_offset -= self._reservation(r)
+                self.running_batch.release_req(i, remaining_count=len(keep))
+        self.running_batch.filter_batch(keep_indices=keep)
+        self.preempt_list.extend(chosen)
+        return True
+
     def add_one_req(self, req: Req) -> AddReqResult:
         """Admit `req` whole, or truncated to a chunk, or say which budget stops it (§2.5)."""
         if self.prefill_max_requests is not None and len(self.can_run_list) >= self.prefill_max_requests:
@@ -222,7 +259,9 @@ def _common_prefix_len(a: List[int], b: List[int]) -> int:
 class SchedulePolicy:
     """Orders the waiting queue before each prefill pass (§3)."""
 
-    def __init__(self, policy: str, tree_cache: Any, seed: int = 0) -> None:
+    def __init__(self, policy: str, tree_cache: Any, seed: int = 0, priority_order: Optional[int] = None) -> None:
+        """priority_order (--enable-priority-scheduling): +1 when lower priority values go first,
+        -1 when higher ones do; None orders by the policy alone."""
         if policy not in SCHEDULE_POLICIES:
             raise ValueError(f"unknown schedule policy {policy!r}")
         # a cache-aware policy without a cache is fcfs (SGLang's rule; said once, at start)
@@ -232,9 +271,17 @@ class SchedulePolicy:
         self.policy = policy
         self.tree_cache = tree_cache
         self.rng = random.Random(seed)  # "random": its own RNG, not the process's (an Engine shares that with its user)
+        self.priority_order = priority_order
 
     def calc_priority(self, waiting_queue: List[Req]) -> None:
-        """Sort waiting_queue in place. fcfs keeps arrival order (retracted requests at the tail)."""
+        """Sort waiting_queue in place. fcfs keeps arrival order (retracted requests at the tail).
+        With priority scheduling the requests' priorities order it first, the policy within one
+        priority (a stable sort after the policy's: SGLang's fcfs sorts by (priority, arrival))."""
+        self._order_by_policy(waiting_queue)
+        if self.priority_order is not None:
+            waiting_queue.sort(key=lambda r: self.priority_order * r.priority)
+
+    def _order_by_policy(self, waiting_queue: List[Req]) -> None:
         policy = self.policy
         if policy == "lpm" and len(waiting_queue) > LPM_FALLBACK_QUEUE_LEN:
             policy = "fcfs"

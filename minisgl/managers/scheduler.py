@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any, Dict, List, Optional, Union
@@ -51,6 +52,8 @@ logger = logging.getLogger("minisgl.scheduler")
 
 # a request whose grammar has not compiled after this long is aborted (SGLang's limit is
 # 10,000 polls of 5 ms: about 50 s); while it waits, the scheduler polls every 5 ms when idle
+# --enable-priority-scheduling: a request without a priority gets the least important one (SGLang's)
+LEAST_PRIORITY = sys.maxsize
 GRAMMAR_TIMEOUT = 60.0
 GRAMMAR_POLL_INTERVAL = 0.005
 
@@ -73,7 +76,9 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         self.tree_cache = RadixCache(
             self.req_to_token_pool, self.token_to_kv_pool_allocator, self.page_size, disable=server_args.disable_radix_cache
         )
-        self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, server_args.random_seed)
+        # --enable-priority-scheduling: +1 orders lower values first, -1 higher ones (SGLang's default)
+        self.priority_order = (1 if server_args.schedule_low_priority_values_first else -1) if server_args.enable_priority_scheduling else None
+        self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, server_args.random_seed, self.priority_order)
         # max_req_len bounds prompt + output; prompts stay 5 tokens below it (tp_worker.py)
         self.max_req_len = min(self.model_config.context_len - 1, self.max_total_num_tokens - 1)
         self.max_req_input_len = self.max_req_len - 5
@@ -178,7 +183,10 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             eos_token_ids=self.eos_token_ids,
             vocab_size=self.model_config.vocab_size,
             tokenizer=self.tokenizer,
+            priority=recv_req.priority,
         )
+        if self.priority_order is not None and req.priority is None:
+            req.priority = self.priority_order * LEAST_PRIORITY  # (SGLang's default: the least important)
         self._event("arrive", req, f"input_len={len(req.origin_input_ids)}")
         # SGLang clamps max_new_tokens first, on the prompt as it came; a prompt that
         # --allow-auto-truncate then cuts would keep that clamp and have no room to generate.
@@ -488,11 +496,14 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
     def get_new_batch_prefill(self) -> Optional[ScheduleBatch]:
         """Admit the chunked request first, then the waiting queue in policy order (§1.4)."""
         running_bs = len(self.running_batch.reqs)
+        try_preemption = self.priority_order is not None
+        if try_preemption:  # (SGLang's: a full batch may still make room for a more important request)
+            self.running_batch.batch_is_full = False
         if (self.running_batch.batch_is_full or not self.waiting_queue) and self.chunked_req is None:
             reason = "BATCH_FULL" if self.running_batch.batch_is_full else "QUEUE_EMPTY"
             self.adder_record = self._record_without_adder(reason, running_bs)
             return None
-        if self.get_num_allocatable_reqs(running_bs) <= 0 and self.chunked_req is None:
+        if self.get_num_allocatable_reqs(running_bs) <= 0 and self.chunked_req is None and not try_preemption:
             self.running_batch.batch_is_full = True
             self.adder_record = self._record_without_adder("BATCH_FULL", running_bs)
             return None
@@ -516,6 +527,9 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             self.chunked_req.init_next_round_input()
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
         self._admit_waiting(adder, running_bs, rows_held)
+        for req in adder.preempt_list:  # (back to the queue after the pass, which walked it)
+            self._requeue_retracted(req)
+        running_bs = len(self.running_batch.reqs)
         self.adder_record = adder.record()
         slots_left = self.get_num_allocatable_reqs(running_bs, rows_held) - len(adder.can_run_list)
         self.adder_record["budgets"]["request_slots_left"] = slots_left
@@ -525,15 +539,23 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         return self._build_prefill_batch(adder, running_bs)
 
     def _admit_waiting(self, adder: PrefillAdder, running_bs: int, rows_held: int) -> None:
-        """Offer queued requests until the first one that does not fit (head-of-line blocking)."""
+        """Offer queued requests until the first one that does not fit (head-of-line blocking);
+        with priority scheduling, one that does not fit may preempt less important running ones."""
         for req in self.waiting_queue:
-            if len(adder.can_run_list) >= self.get_num_allocatable_reqs(running_bs, rows_held):
+            no_slot = len(adder.can_run_list) >= self.get_num_allocatable_reqs(running_bs, rows_held)
+            if no_slot:
                 self.running_batch.batch_is_full = True
             if self.running_batch.batch_is_full:
-                adder.record_stop("BATCH_FULL", f"no request slot left (max_running_requests={self.max_running_requests})")
-                return
+                if not self._preempt_for(adder, req, no_slot):
+                    adder.record_stop("BATCH_FULL", f"no request slot left (max_running_requests={self.max_running_requests})")
+                    return
+                running_bs = len(self.running_batch.reqs)
             req.init_next_round_input(self.tree_cache)
             res = adder.add_one_req(req)
+            if res == AddReqResult.NO_TOKEN and self._preempt_for(adder, req, no_slot=False):
+                adder.stop_reason = None  # (room was made: offered again)
+                running_bs = len(self.running_batch.reqs)
+                res = adder.add_one_req(req)
             if res != AddReqResult.CONTINUE:
                 if res == AddReqResult.NO_TOKEN:
                     # only "full" if something holds memory that will come back (0.5.23)
@@ -544,6 +566,31 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
                     adder.record_stop("QUEUE_EMPTY", "every waiting request was admitted (the last one used up a budget)", replace=True)
                 return
         adder.record_stop("QUEUE_EMPTY", "every waiting request was admitted")
+
+    def _preempt_for(self, adder: PrefillAdder, req: Req, no_slot: bool) -> bool:
+        """Priority preemption for `req` (--enable-priority-scheduling): whether it freed room."""
+        if self.priority_order is None:
+            return False
+        req.init_next_round_input(self.tree_cache)  # (its extend length, against the tree as it is now)
+        before = len(adder.preempt_list)
+        threshold = self.server_args.priority_scheduling_preemption_threshold
+        if not adder.preempt_to_schedule(req, threshold, self.priority_order, need_slot=no_slot):
+            return False
+        victims = adder.preempt_list[before:]
+        for victim in victims:
+            self._event("retract", victim, f"preempted by {req.rid} (priority {req.priority} over {victim.priority})")
+        logger.info("Priority preemption: rid=%s (priority %s) sent %d running request(s) back to the queue", req.rid, req.priority, len(victims))
+        return True
+
+    def _requeue_retracted(self, req: Req) -> None:
+        """A retracted (or preempted) request goes back to the queue, its KV freed already; one
+        aborted while running ends here instead, with what it has (queued again, it would be
+        prefilled once more only to finish then)."""
+        if req.to_finish is not None:
+            req.finished_reason, req.to_finish = req.to_finish, None
+            self._finish_without_running(req, "aborted while retracted")
+        else:
+            self._add_request_to_queue(req, is_retracted=True)
 
     def _record_without_adder(self, reason: str, running_bs: int) -> Dict[str, Any]:
         slots = self.get_num_allocatable_reqs(running_bs)
@@ -644,13 +691,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             )
             for req in retracted:
                 self._event("retract", req, f"output_len={len(req.output_ids)}")
-                if req.to_finish is not None:
-                    # aborted while running: queued again, it would be prefilled once more only
-                    # to finish then; its KV is freed already, so it ends here, with what it has
-                    req.finished_reason, req.to_finish = req.to_finish, None
-                    self._finish_without_running(req, "aborted while retracted")
-                else:
-                    self._add_request_to_queue(req, is_retracted=True)
+                self._requeue_retracted(req)
         else:
             self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
         if batch.batch_size() < initial_bs:

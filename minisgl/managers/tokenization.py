@@ -32,6 +32,20 @@ def check_text(text: str) -> None:
         raise ValueError(f"The prompt is not valid Unicode: character {at} is a lone surrogate ({text[at]!r}); send UTF-8 text")
 
 
+def check_priority(priority: Any, enabled: bool) -> None:
+    """A request's priority: an integer, and only where priority scheduling is on (SGLang's
+    scheduler refuses it otherwise, with a 503; a request it cannot serve as asked is a 400 here)."""
+    if priority is None:
+        return
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ValueError(f"priority must be an integer, got {priority!r} ({type(priority).__name__})")
+    if not enabled:
+        raise ValueError(
+            "priority needs priority scheduling, which this server does not run: start it with "
+            "--enable-priority-scheduling (the Engine: enable_priority_scheduling=True), or send no priority"
+        )
+
+
 def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True) -> List[int]:
     """Prompt text -> ids. Special tokens in the text (e.g. a rendered chat template) stay special;
     add_special_tokens adds the tokenizer's own around it (a Llama tokenizer's BOS: without it such

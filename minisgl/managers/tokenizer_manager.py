@@ -313,11 +313,11 @@ class TokenizerManager:
 
     # ------------------------------------------------------------------ generate
     async def generate_request(self, obj: GenerateReqInput, request: Any = None) -> AsyncIterator[Dict[str, Any]]:
-        """Seed 000's order: normalize, rid and field checks, default priority, state, tokenize, send, wait."""
+        """Seed 000's order: normalize, rid and field checks, priority, state, tokenize, send, wait."""
         obj.normalize_batch_and_arguments()
         params = self._validate_request_shape(obj)
-        if obj.priority is None:
-            obj.priority = 0
+        # (a request without one gets the scheduler's default: the least important, SGLang's)
+        tokenization.check_priority(obj.priority, self.server_args.enable_priority_scheduling)
         n = params[0].n if obj.is_single else 1
         if obj.is_single and n == 1:
             async for out in self._generate_one(obj, request):

@@ -30,7 +30,7 @@ UNSUPPORTED_FIELDS = frozenset(
     {
         "functions", "function_call", "audio", "modalities", "prediction", "reasoning_effort", "store",
         "metadata", "service_tier", "web_search_options", "suffix", "best_of", "user",
-        "priority", "lora_path", "image_data", "return_hidden_states", "custom_logit_processor",
+        "lora_path", "image_data", "return_hidden_states", "custom_logit_processor",
         # SGLang's own, on /generate or the OpenAI routes
         "audio_data", "video_data", "input_embeds", "session_params", "bootstrap_host",
         "bootstrap_port", "bootstrap_room", "data_parallel_rank", "extra_key", "cache_salt",
@@ -226,6 +226,7 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     rid: Optional[str] = None
+    priority: Optional[int] = None  # SGLang's: with --enable-priority-scheduling (docs/scheduler.md)
 
     def _common_sampling_params(self, max_new_tokens: Optional[int], defaults: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
         """The SGLang sampling_params dict. An unset knob takes `defaults` (the model's
@@ -562,3 +563,4 @@ class GenerateRequest(BaseModel):
     return_text_in_logprobs: bool = False  # each (logprob, id, text) entry with its token's text
     token_ids_logprob: Optional[Union[List[int], List[Optional[List[int]]]]] = None  # ids every position reports
     stream: bool = False
+    priority: Optional[int] = None  # with --enable-priority-scheduling: how important (all prompts of a batch)

@@ -291,6 +291,7 @@ class OpenAIServingChat(OpenAIServingBase):
             return_logprob=request.logprobs,
             top_logprobs_num=request.top_logprobs or 0,
             stream=request.stream,
+            priority=request.priority,
         )
 
     # ------------------------------------------------------------------ logprobs

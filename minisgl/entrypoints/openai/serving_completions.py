@@ -60,6 +60,7 @@ class OpenAIServingCompletions(OpenAIServingBase):
             logprob_start_len=0 if request.echo and request.logprobs is not None else -1,
             top_logprobs_num=request.logprobs or 0,
             stream=request.stream,
+            priority=request.priority,
         )
 
     def _prompt_text(self, request: CompletionRequest, index: int) -> str:

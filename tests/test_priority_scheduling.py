@@ -1,0 +1,122 @@
+"""--enable-priority-scheduling (SGLang's): the waiting queue ordered by priority, and preemption."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, List
+
+import pytest
+
+from minisgl.managers.tokenization import check_priority
+
+GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 6}
+
+
+@pytest.fixture
+def engine(tiny_model: str) -> Iterator[Any]:
+    from minisgl import Engine
+
+    # one request runs at a time, so the order is visible
+    with Engine(tiny_model, device="cpu", max_total_tokens=1024, max_running_requests=1, enable_priority_scheduling=True) as e:
+        yield e
+
+
+def _finish_order(engine: Any, rids: List[str]) -> List[str]:
+    order: List[str] = []
+    while engine.has_unfinished_requests():
+        snap = engine.step()
+        order += [e["rid"] for e in snap["events"] if e["type"] == "finish" and e["rid"] in rids]
+    return order
+
+
+def test_the_most_important_waiting_request_runs_first_then_arrival_order(engine: Any) -> None:
+    for rid, priority in [("a", 0), ("b", 5), ("c", 1), ("d", 5)]:
+        engine.add_request(f"prompt {rid}", GREEDY, rid=rid, priority=priority)
+    engine.add_request("prompt e", GREEDY, rid="e")  # (none given: the least important, SGLang's default)
+    assert _finish_order(engine, list("abcde")) == ["b", "d", "c", "a", "e"]
+
+
+def test_low_priority_values_first_reverses_the_order(tiny_model: str) -> None:
+    from minisgl import Engine
+
+    with Engine(tiny_model, device="cpu", max_total_tokens=1024, max_running_requests=1, enable_priority_scheduling=True,
+                schedule_low_priority_values_first=True) as e:  # fmt: skip
+        for rid, priority in [("a", 3), ("b", 1), ("c", 2)]:
+            e.add_request(f"prompt {rid}", GREEDY, rid=rid, priority=priority)
+        assert _finish_order(e, list("abc")) == ["b", "c", "a"]
+
+
+def test_a_much_more_important_request_preempts_a_running_one_which_resumes_unchanged(engine: Any) -> None:
+    alone = engine.generate("prompt a", {**GREEDY, "max_new_tokens": 12})["output_ids"]
+    engine.add_request("prompt a", {**GREEDY, "max_new_tokens": 12}, rid="a", priority=0)
+    engine.step()
+    engine.step()  # a is decoding, and holds the only request slot
+    engine.add_request("prompt c", GREEDY, rid="c", priority=10)  # (not more important by more than 10: waits)
+    snap = engine.step()
+    assert [r["rid"] for r in snap["batch"]["reqs"]] == ["a"]
+    engine.add_request("prompt b", GREEDY, rid="b", priority=11)
+    snap = engine.step()
+    retracts = [e for e in snap["events"] if e["type"] == "retract"]
+    assert [(e["rid"], e["detail"]) for e in retracts] == [("a", "preempted by b (priority 11 over 0)")]
+    assert [r["rid"] for r in snap["batch"]["reqs"]] == ["b"]
+    order = _finish_order(engine, list("abc"))
+    assert order == ["b", "c", "a"]  # (then by priority again: c's 10 before a's 0)
+    assert engine.get_result("a")["output_ids"] == alone  # re-prefilled with its output, it goes on as before
+    engine.scheduler.check_memory_when_idle()
+
+
+def test_a_request_does_not_preempt_when_that_would_not_make_room(tiny_model: str) -> None:
+    """Preemption frees what the running request holds and reserves; a waiting one too big even then
+    preempts nobody (the preempted would only be prefilled again for nothing)."""
+    from minisgl import Engine
+
+    with Engine(tiny_model, device="cpu", max_total_tokens=256, enable_priority_scheduling=True) as e:
+        e.add_request(input_ids=list(range(10, 40)), sampling_params={**GREEDY, "max_new_tokens": 40}, rid="a", priority=0)
+        e.add_request(input_ids=list(range(50, 150)), sampling_params={**GREEDY, "max_new_tokens": 60}, rid="c", priority=45)
+        e.step()
+        # a (0) could be preempted for it, c (45) not: freeing a's share is not enough for big
+        e.add_request(input_ids=list(range(10, 210)), sampling_params={**GREEDY, "max_new_tokens": 40}, rid="big", priority=50)
+        snap = e.step()
+        assert not [ev for ev in snap["events"] if ev["type"] == "retract"]
+        assert sorted(r["rid"] for r in snap["batch"]["reqs"]) == ["a", "c"]
+        e.run_until_idle()
+        assert e.get_result("big")["meta_info"]["completion_tokens"] == 40  # (after them, when they finished)
+        e.scheduler.check_memory_when_idle()
+
+
+def test_priority_is_refused_where_priority_scheduling_is_off(tiny_model: str) -> None:
+    from minisgl import Engine
+
+    with Engine(tiny_model, device="cpu", max_total_tokens=1024) as e:
+        with pytest.raises(ValueError, match="priority needs priority scheduling, which this server does not run"):
+            e.generate("a", GREEDY, priority=1)
+        assert not e.has_unfinished_requests()
+    check_priority(None, False)
+    with pytest.raises(ValueError, match=r"priority must be an integer, got True \(bool\)"):
+        check_priority(True, True)
+
+
+def test_the_openai_routes_and_generate_pass_priority_down(tiny_model: str, tmp_path: Any) -> None:
+    from test_openai_protocol import _out, _scripted_client
+
+    client, seen = _scripted_client(tiny_model, tmp_path, [_out("r", "ok", 1, {"type": "length", "length": 1})])
+    body: Dict[str, Any] = {"model": client.model, "priority": 7}
+    with client:
+        assert client.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "hi"}]}).status_code == 200
+        assert client.post("/v1/completions", json={**body, "prompt": "hi"}).status_code == 200
+        assert client.post("/generate", json={"text": "hi", "priority": 7}).status_code == 200
+    assert [obj.priority for obj in seen] == [7, 7, 7]
+
+
+def test_a_more_important_request_short_of_kv_memory_preempts_for_it(tiny_model: str) -> None:
+    from minisgl import Engine
+
+    with Engine(tiny_model, device="cpu", max_total_tokens=256, enable_priority_scheduling=True) as e:
+        e.add_request(input_ids=list(range(10, 130)), sampling_params={**GREEDY, "max_new_tokens": 100}, rid="a", priority=0)
+        e.step()
+        e.add_request(input_ids=list(range(20, 140)), sampling_params={**GREEDY, "max_new_tokens": 100}, rid="b", priority=50)
+        snap = e.step()
+        assert [(ev["rid"], ev["detail"]) for ev in snap["events"] if ev["type"] == "retract"] == [("a", "preempted by b (priority 50 over 0)")]
+        assert [r["rid"] for r in snap["batch"]["reqs"]] == ["b"]
+        e.run_until_idle()
+        assert e.get_result("a")["meta_info"]["completion_tokens"] == 100 and e.get_result("b")["meta_info"]["completion_tokens"] == 100
+        e.scheduler.check_memory_when_idle()
