@@ -66,7 +66,7 @@ def test_a_context_longer_than_the_model_was_trained_for_is_refused_unless_allow
     tiny_model: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SGLang refuses it (it was accepted with a warning); its environment switch allows it."""
-    with pytest.raises(ValueError, match="longer than the model's context \\(2048: max_position_embeddings"):
+    with pytest.raises(ValueError, match="longer than the model.s context \\(2048: its max_position_embeddings, times its rope scaling.s factor if it has one\\)"):
         make_runner(tiny_model, context_length=4096)  # the tiny config's max_position_embeddings is 2048
     monkeypatch.setenv("MINISGL_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "1")
     assert make_runner(tiny_model, context_length=4096).model_config.context_len == 4096
