@@ -229,7 +229,7 @@ def test_stop_regex_cuts_the_text_streamed_or_not(server: Server, engine: Any) -
     assert (r.choices[0].finish_reason, r.choices[0].matched_stop) == ("stop", pattern)
     chunks = list(client.completions.create(**kwargs, stream=True, extra_body=body))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
-    with pytest.raises(openai.BadRequestError, match=r"stop_regex '\(' is not a valid regular expression"):
+    with pytest.raises(openai.BadRequestError, match=r"stop_regex '\(' is not a valid Python regular expression"):
         client.completions.create(**kwargs, extra_body={"stop_regex": "("})
 
 

@@ -200,9 +200,9 @@ def test_a_stream_holds_back_what_a_stop_regex_may_still_match_then_releases_it(
     script = byte_ids(tokenizer_dir, "Order 12 shipped")
     text, finish = run_script(tokenizer_dir, script, True, deltas=deltas, stop_regex=r"\d{3}", max_new_tokens=len(script))
     assert text == "Order 12 shipped" and finish == {"type": "length", "length": len(script)}
-    sent = ["".join(deltas[: i + 1]) for i in range(len(deltas))]
-    assert "Order 1" not in sent and "Order 12" not in sent  # held while a third digit could come
-    assert "Order 12 " in sent  # released by the space
+    sent = ["".join(deltas[: i + 1]) for i in range(len(deltas))]  # (one token, one character, per step)
+    assert sent[7].startswith("Order") and "1" not in sent[7]  # at "Order 12": held while a third digit could come
+    assert all(len(sent[i]) >= i + 1 - 3 for i in range(len(sent)))  # never more than the pattern's 3 characters held
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -234,24 +234,61 @@ def test_the_first_stop_in_the_text_wins_between_strings_and_regexes(tokenizer_d
     assert (text, finish) == ("ab", {"type": "stop", "matched": r"\d"})
 
 
-def test_a_stop_regex_whose_search_runs_too_long_ends_its_own_request_with_an_error(
+def test_stop_regexes_that_search_too_long_end_their_own_request_with_an_error(
     tokenizer_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """One budget per token for all of a request's patterns: 64 slow ones just under a per-search
+    limit added seconds to every other request's steps."""
     from minisgl.sampling import stop_regex
 
-    monkeypatch.setattr(stop_regex, "SEARCH_TIMEOUT_S", 0)  # (every search times out)
+    monkeypatch.setattr(stop_regex, "SEARCH_BUDGET_S", 0)  # (any search runs past it)
     text, finish = run_script(tokenizer_dir, byte_ids(tokenizer_dir, "abc"), False, stop_regex="b+c")
     assert finish is not None and finish["type"] == "abort" and finish["status_code"] == 400
-    assert "stop_regex 'b+c' took more than 0 s to search the output" in finish["message"]
+    assert "stop_regex took more than 0 ms to search the output at one token (all of this request's patterns" in finish["message"]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_character_still_arriving_in_byte_tokens_does_not_match_as_u_fffd(tokenizer_dir: str, stream: bool) -> None:
+    """"Stop at the first punctuation": the first byte of 你 decoded as U+FFFD, which [^\\w\\s] matched."""
+    script = ids(tokenizer_dir, "Hello 你好 world. More")
+    assert len(script) > len("Hello 你好 world. More".encode()) // 3  # (the premise: 你 and 好 are spelled in bytes)
+    text, finish = run_script(tokenizer_dir, script, stream, stop_regex=r"[^\w\s]")
+    assert (text, finish) == ("Hello 你好 world", {"type": "stop", "matched": r"[^\w\s]"})
+
+
+@pytest.mark.parametrize("pattern, text, expected", [(r"ab\B", "xabc", "x"), (r"\s\b", "x yz", "x"), (r"b\B", "abc d", "a")])
+def test_a_stream_never_sends_what_a_match_ending_in_an_assertion_cuts(tokenizer_dir: str, pattern: str, text: str, expected: str) -> None:
+    """The regex package misplaces a partial match that ends in an assertion ("ab\\B" on "xab"): the
+    stream sent "ab", which the finish then cut."""
+    script = byte_ids(tokenizer_dir, text)
+    assert run_script(tokenizer_dir, script, True, stop_regex=pattern) == run_script(tokenizer_dir, script, False, stop_regex=pattern)
+    assert run_script(tokenizer_dir, script, True, stop_regex=pattern)[0] == expected
+
+
+def test_the_finish_cuts_at_the_first_match_in_the_held_back_text() -> None:
+    """A stream held no match in what it sent, so the cut is searched for in the rest only (a slow
+    pattern over a long output no longer times out there and leaves the match in the text)."""
+    from minisgl.managers.detokenizer_manager import trim_matched_stop
+
+    finish = {"type": "stop", "matched": r"\d"}
+    assert trim_matched_stop("1xx2yy", finish, False, [], [r"\d"], sent=1) == "1xx"
+    assert trim_matched_stop("1xx2yy", finish, True, [], [r"\d"], sent=1) == "1xx2"
 
 
 @pytest.mark.parametrize(
     "value, message",
     [
-        ("(", "stop_regex '(' is not a valid regular expression: missing )"),
+        ("(", "stop_regex '(' is not a valid Python regular expression: missing )"),
         ("x*", "stop_regex 'x*' can match the empty string"),
         (r"\b", "can match the empty string"),
         (["a", 3], "stop_regex must be a string or a list of strings"),
+        # the regex package's own syntax: fuzzy matches could be wider than any window, or empty
+        ("(?:END){i<=60}", "has a '{' that is not a repeat count"),
+        ("[[:alpha:]]+", "has a POSIX class ([:alpha:])"),
+        (r"\p{L}{2}", "is not a valid Python regular expression"),
+        ("(" * 2000 + "a" + ")" * 2000, "is nested too deeply"),  # (was a RecursionError: a 500)
+        # 34 characters that took 23 GB to compile
+        ("(?:(?:(?:a{100}){100}){100}){100}", "nests counted repeats that multiply to 100000000 (at most 10000)"),
     ],
 )
 def test_a_bad_stop_regex_is_refused_saying_what_to_change(value: Any, message: str) -> None:
@@ -266,6 +303,6 @@ def test_a_stop_regex_window_holds_every_match_a_new_token_completes() -> None:
 
     assert stop_regex_window(r"\d{3}") == 12  # 3 characters of up to 4 UTF-8 bytes (a token each at worst)
     assert stop_regex_window("END|STOP") == 16
-    # unbounded, or depending on text around the match, or beyond the stdlib's parser: everything
-    for pattern in [r"\d+", "^Or", r"\bcat\b", r"(?<=a)b", r"(a)\1", r"\p{L}{2}", "x{2,5000}"]:
+    # unbounded, or depending on text around the match: everything
+    for pattern in [r"\d+", "^Or", r"\bcat\b", r"(?<=a)b", r"(a)\1", "x{2,5000}"]:
         assert stop_regex_window(pattern) == WHOLE_OUTPUT, pattern

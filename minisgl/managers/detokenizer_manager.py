@@ -111,6 +111,7 @@ def trim_matched_stop(
     no_stop_trim: bool,
     stop_strs: Sequence[str] = (),
     stop_regexes: Sequence[str] = (),
+    sent: int = 0,
 ) -> Union[str, List[int]]:
     """Cut the matched stop from a finished request: a stop string or a stop regex's match from
     text, a stop token from ids.
@@ -118,7 +119,8 @@ def trim_matched_stop(
     With `no_stop_trim` a stop token stays, and a stop string (or match) stays but what follows
     it in the same step is still cut (generation stopped there). A finish reason names a regex
     by its pattern, as SGLang's does: `stop_regexes` (the request's) says which patterns to
-    search for rather than find as they are spelled.
+    search for rather than find as they are spelled; the search starts at `sent` (the text
+    already sent held no match, so only the held-back rest is searched).
     """
     if not finished_reason or finished_reason.get("type") != "stop":
         return output
@@ -126,10 +128,7 @@ def trim_matched_stop(
     if isinstance(matched, str) and isinstance(output, str):
         spans = []
         if matched in stop_regexes:
-            try:
-                span = stop_regex.search(matched, output)
-            except stop_regex.StopRegexTimeout:  # (the scheduler's search of it would have timed out first)
-                span = None
+            span = stop_regex.cut_span(matched, output, sent)
             if span is not None:
                 spans.append(span)
         if matched not in stop_regexes or matched in stop_strs:
@@ -156,11 +155,7 @@ def stop_str_safe_len(text: str, stop_strs: Sequence[str], start: int = 0, stop_
     `start` (the sent offset) bounds the search: no occurrence can begin before it,
     because the start of every occurrence was a held-back prefix when it arrived.
     """
-    safe = len(text)
-    for pattern in stop_regexes:
-        pos = stop_regex.partial_match_start(pattern, text, start)
-        if pos is not None:
-            safe = min(safe, pos)
+    safe = stop_regex.hold_start(stop_regexes, text, start) if stop_regexes else len(text)
     for stop in stop_strs:
         if not stop:
             continue
@@ -320,8 +315,9 @@ class DetokenizerManager:
                 new_text = self._commit_whole_characters(recv, i, s)
             # Flush everything, trim the matched stop string, forget the request.
             output_str = trim_matched_stop(
-                s.decoded_text + new_text, recv.finished_reasons[i], recv.no_stop_trim[i], recv.stop_strs[i], recv.stop_regexes[i]
-            )
+                s.decoded_text + new_text, recv.finished_reasons[i], recv.no_stop_trim[i], recv.stop_strs[i], recv.stop_regexes[i],
+                s.sent_offset,
+            )  # fmt: skip
             del self.decode_status[recv.rids[i]]
             return output_str[s.sent_offset :]
 

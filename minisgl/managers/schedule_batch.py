@@ -339,15 +339,12 @@ class Req:
             tail = self.tail_str()
             # (start, -length, stop, is a regex) of every stop in the tail
             found: List[Tuple[int, int, str, bool]] = [(tail.find(s), -len(s), s, False) for s in params.stop_strs if s in tail]
-            for pattern in params.stop_regex_strs:
-                try:
-                    span = stop_regex.search(pattern, tail)
-                except stop_regex.StopRegexTimeout as e:  # its own request pays, once; nobody else waits again
-                    self.finished_reason = FINISH_ABORT(str(e), 400, "BadRequestError")
-                    self.finished_len = len(self.output_ids)
-                    return
-                if span is not None:
-                    found.append((span[0], span[0] - span[1], pattern, True))
+            try:
+                found += [(start, start - end, pattern, True) for start, end, pattern in stop_regex.first_match(params.stop_regex_strs, tail)]
+            except stop_regex.StopRegexTimeout as e:  # its own request pays, once; nobody else waits again
+                self.finished_reason = FINISH_ABORT(str(e), 400, "BadRequestError")
+                self.finished_len = len(self.output_ids)
+                return
             special_stops = self._stops_spelling_special_tokens()
             if not found and special_stops:
                 # "<|im_end|>" as a stop, which the text the user sees skips: SGLang matches its
