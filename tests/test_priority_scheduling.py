@@ -120,3 +120,24 @@ def test_a_more_important_request_short_of_kv_memory_preempts_for_it(tiny_model:
         e.run_until_idle()
         assert e.get_result("a")["meta_info"]["completion_tokens"] == 100 and e.get_result("b")["meta_info"]["completion_tokens"] == 100
         e.scheduler.check_memory_when_idle()
+
+
+def test_a_request_that_used_up_the_budget_as_it_was_admitted_is_not_admitted_twice(tiny_model: str) -> None:
+    """add_one_req answers NO_TOKEN also after admitting a request whose pages used up the budget
+    (17 prompt tokens take 32 at page size 16): preempting for it then admitted it a second time,
+    two rows and two KV allocations for one request."""
+    from test_scheduler_fuzz import check_memory_ownership
+
+    from minisgl import Engine
+
+    with Engine(tiny_model, device="cpu", max_total_tokens=256, page_size=16, chunked_prefill_size=-1, enable_priority_scheduling=True) as e:
+        e.add_request(input_ids=list(range(20, 60)), sampling_params={**GREEDY, "max_new_tokens": 150}, rid="L", priority=0)
+        e.step()
+        e.step()
+        e.add_request(input_ids=list(range(50, 67)), sampling_params={**GREEDY, "max_new_tokens": 73}, rid="H", priority=100)
+        snap = e.step()
+        assert [r["rid"] for r in snap["batch"]["reqs"]] == ["H"]
+        check_memory_ownership(e.scheduler)
+        e.run_until_idle()
+        assert [e.get_result(r)["meta_info"]["completion_tokens"] for r in "HL"] == [73, 150]
+        e.scheduler.check_memory_when_idle()

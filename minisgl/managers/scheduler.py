@@ -552,7 +552,10 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
                 running_bs = len(self.running_batch.reqs)
             req.init_next_round_input(self.tree_cache)
             res = adder.add_one_req(req)
-            if res == AddReqResult.NO_TOKEN and self._preempt_for(adder, req, no_slot=False):
+            # (NO_TOKEN may also come after `req` was admitted, when it used up the budget: then
+            # nothing is preempted for it)
+            admitted = any(r is req for r in adder.can_run_list)
+            if res == AddReqResult.NO_TOKEN and not admitted and self._preempt_for(adder, req, no_slot=False):
                 adder.stop_reason = None  # (room was made: offered again)
                 running_bs = len(self.running_batch.reqs)
                 res = adder.add_one_req(req)
