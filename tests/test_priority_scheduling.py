@@ -141,3 +141,47 @@ def test_a_request_that_used_up_the_budget_as_it_was_admitted_is_not_admitted_tw
         e.run_until_idle()
         assert [e.get_result(r)["meta_info"]["completion_tokens"] for r in "HL"] == [73, 150]
         e.scheduler.check_memory_when_idle()
+
+
+def test_preempting_for_a_request_keeps_the_prefix_it_matched_in_the_tree(tiny_model: str) -> None:
+    """The victims' release evicts from the radix tree, and took the nodes the preempting request
+    had just matched: it was admitted on freed KV slots (later "KV slots appear twice in the tree")."""
+    from test_scheduler_fuzz import check_memory_ownership
+
+    from minisgl import Engine
+
+    prefix = list(range(100, 111))
+    with Engine(tiny_model, device="cpu", max_total_tokens=128, chunked_prefill_size=-1, enable_priority_scheduling=True) as e:
+        e.generate(input_ids=prefix, sampling_params={**GREEDY, "max_new_tokens": 1})  # (cached)
+        for k in range(4):  # important ones that stay running
+            e.add_request(input_ids=[400 + k] * 4, sampling_params={**GREEDY, "max_new_tokens": 13}, rid=f"K{k}", priority=100)
+        e.add_request(input_ids=list(range(300, 319)), sampling_params={**GREEDY, "max_new_tokens": 35}, rid="L", priority=0)
+        for _ in range(4):
+            e.step()
+        e.add_request(input_ids=prefix + [7, 8, 9, 10, 11], sampling_params={**GREEDY, "max_new_tokens": 27}, rid="H", priority=100)
+        snap = e.step()
+        assert ("retract", "L") in [(ev["type"], ev["rid"]) for ev in snap["events"]]
+        check_memory_ownership(e.scheduler)
+        e.run_until_idle()
+        out = e.get_result("H")["output_ids"]
+        e.scheduler.check_memory_when_idle()
+    with Engine(tiny_model, device="cpu", max_total_tokens=1024, disable_radix_cache=True) as alone:
+        assert out == alone.generate(input_ids=prefix + [7, 8, 9, 10, 11], sampling_params={**GREEDY, "max_new_tokens": 27})["output_ids"]
+
+
+def test_preemption_takes_as_many_as_needed_in_one_pass(tiny_model: str) -> None:
+    """A victim's release gives back its output budget and its KV past the tree prefix (a shared
+    prompt stays): counted as its whole length, one victim per pass was preempted for nothing."""
+    from minisgl import Engine
+
+    shared = list(range(10, 50))
+    with Engine(tiny_model, device="cpu", max_total_tokens=256, chunked_prefill_size=-1, enable_priority_scheduling=True) as e:
+        for k in range(3):
+            e.add_request(input_ids=shared + [60 + k], sampling_params={**GREEDY, "max_new_tokens": 40}, rid=f"L{k}", priority=0)
+        e.step()
+        e.step()
+        e.add_request(input_ids=list(range(100, 160)), sampling_params={**GREEDY, "max_new_tokens": 40}, rid="H", priority=50)
+        snap = e.step()
+        assert "H" in [r["rid"] for r in snap["batch"]["reqs"]]  # admitted in the pass that preempted for it
+        e.run_until_idle()
+        e.scheduler.check_memory_when_idle()

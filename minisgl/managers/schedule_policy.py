@@ -148,7 +148,7 @@ class PrefillAdder:
 
     # ------------------------------------------------------------------ admission
     @contextlib.contextmanager
-    def _lock_node(self, last_node: Any) -> Iterator[None]:
+    def lock_node(self, last_node: Any) -> Iterator[None]:
         """Temporarily protect the request's own matched prefix, so evictable_size is honest."""
         self.tree_cache.inc_lock_ref(last_node)
         try:
@@ -175,6 +175,18 @@ class PrefillAdder:
         """What the budget holds back for running request `r`'s remaining output."""
         return min(r.sampling_params.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS) * self.new_token_ratio
 
+    def _unlocked_by(self, r: Req, locks: Dict[int, int]) -> int:
+        """Tokens of `r`'s tree prefix that become evictable when it lets go (with those in `locks`)."""
+        if getattr(self.tree_cache, "disable", False) or r.last_node is None:
+            return 0
+        freed, node = 0, r.last_node
+        while node is not None and node is not self.tree_cache.root_node:
+            locks[id(node)] = locks.get(id(node), node.lock_ref) - 1
+            if locks[id(node)] == 0:
+                freed += len(node.key)
+            node = node.parent
+        return freed
+
     def preempt_to_schedule(self, req: Req, threshold: int, order: int, need_slot: bool) -> bool:
         """Priority preemption (SGLang's preempt_to_schedule, §2.8): make room for `req` by sending
         running requests back to the queue, each less important than `req` by more than
@@ -186,16 +198,20 @@ class PrefillAdder:
             (r for r in self.running_batch.reqs if r not in self.preempt_list and not r.finished()),
             key=lambda r: (-order * r.priority, -r.time_stats.wait_queue_entry_time),
         )
-        need = req.extend_input_len + min(req.sampling_params.max_new_tokens, CLIP_MAX_NEW_TOKENS) - self.rem_total_tokens
+        # add_one_req admits while what it needs is below rem_total_tokens: `need` must end below 0
+        need = ceil_paged_tokens(req.extend_input_len, self.page_size) + min(req.sampling_params.max_new_tokens, CLIP_MAX_NEW_TOKENS) - self.rem_total_tokens
         chosen: List[Req] = []
+        locks: Dict[int, int] = {}  # tree node -> its locks once the chosen ones let go
         for r in running:
-            if need <= 0 and (chosen or not need_slot):
+            if need < 0 and (chosen or not need_slot):
                 break
             if -order * (req.priority - r.priority) <= threshold:
                 break  # (sorted: no later one is less important)
             chosen.append(r)
-            need -= self._reservation(r) + r.seqlen  # (its output budget, and the KV it holds comes back)
-        if not chosen or need > 0:
+            # what its release gives back: its output budget, the KV past its radix-tree prefix,
+            # and the prefix nodes no one else (not `req`, which holds its own match) still locks
+            need -= self._reservation(r) + r.kv_committed_len - len(r.prefix_indices) + self._unlocked_by(r, locks)
+        if not chosen or need >= 0:
             return False
         indices = {id(r) for r in chosen}
         keep = [i for i, r in enumerate(self.running_batch.reqs) if id(r) not in indices]
@@ -220,7 +236,7 @@ class PrefillAdder:
         # the first request of a batch may exceed max_prefill_tokens (never memory)
         if real_input_tokens >= self.rem_input_tokens and len(self.can_run_list) != 0:
             return self._stop(AddReqResult.OTHER, f"{req.rid}: {real_input_tokens} input tokens exceed rem_input_tokens")
-        with self._lock_node(req.last_node):
+        with self.lock_node(req.last_node):
             if total_tokens >= self.rem_total_tokens:
                 return self._no_token(req, total_tokens)
             input_tokens = ceil_paged_tokens(req.extend_input_len, self.page_size)

@@ -577,8 +577,11 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         req.init_next_round_input(self.tree_cache)  # (its extend length, against the tree as it is now)
         before = len(adder.preempt_list)
         threshold = self.server_args.priority_scheduling_preemption_threshold
-        if not adder.preempt_to_schedule(req, threshold, self.priority_order, need_slot=no_slot):
-            return False
+        # its matched prefix locked: the victims' release evicts from the tree, and must not take
+        # the nodes `req` matched (it is admitted with them); its need is counted as add_one_req counts it
+        with adder.lock_node(req.last_node):
+            if not adder.preempt_to_schedule(req, threshold, self.priority_order, need_slot=no_slot):
+                return False
         victims = adder.preempt_list[before:]
         for victim in victims:
             self._event("retract", victim, f"preempted by {req.rid} (priority {req.priority} over {victim.priority})")

@@ -14,9 +14,10 @@ pattern runs inside the scheduler every other request waits on, so it is bounded
 - before compiling: nested counted repeats multiply into the compiled program
   (`(?:(?:a{100}){100}){100}` is 34 characters and took 23 GB to compile): their product is
   at most MAX_REPEAT_PRODUCT;
-- per token: all of one request's patterns share SEARCH_BUDGET_S of search time (a pattern
-  that backtracks badly, or 64 slow ones, would otherwise add seconds to every step); a request
-  that runs past it is aborted with a 400 that says why, once;
+- per token: all of one request's patterns share SEARCH_BUDGET_S of the thread's CPU time (a
+  pattern that backtracks badly, or 64 slow ones, would otherwise add seconds to every step),
+  and one search stops after a second of wall clock whatever the load; a request that runs
+  past either is aborted with a 400 that says why, once;
 - the server takes at most 64 patterns and 4,096 characters of them per prompt
   (TokenizerManager).
 """
@@ -45,10 +46,14 @@ WHOLE_OUTPUT = 1 << 30
 _MAX_WINDOW_CHARS = 1024
 # The product of nested counted repeats' bounds: what a pattern may multiply its program by
 MAX_REPEAT_PRODUCT = 10_000
-# One request's search time per token, all its patterns together (wall clock). A plain pattern
-# searches a window in microseconds and a whole 8k-token output in under a millisecond; this
-# only stops a pathological one, and is long enough that a loaded machine does not trip it
+# One request's search time per token, all its patterns together: CPU time of the searching
+# thread, which a loaded machine's descheduling does not add to (wall-clock budgets aborted
+# plain patterns under load). A plain pattern searches a window in microseconds and a whole
+# 8k-token output in under a millisecond; this only stops a pathological one.
 SEARCH_BUDGET_S = 0.05
+# One search's wall-clock bound (the regex package's timeout), however loaded the machine: a
+# pattern that backtracks badly stops here even before the CPU budget can be read
+_SEARCH_WALL_LIMIT_S = 1.0
 _REPEATS = tuple(getattr(_sre_constants, n) for n in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT") if hasattr(_sre_constants, n))
 # zero-width tests of the characters around a match (^, $, \b, \B, \A, \Z)
 _ANCHOR_OPS = (_sre_constants.AT,)
@@ -134,17 +139,15 @@ def first_match(patterns: Sequence[str], text: str, budget_s: Optional[float] = 
     A trailing U+FFFD is a character still arriving (its other bytes come with the next token):
     it is left out, so `[^\\w\\s]` does not stop on the first byte of "你"."""
     text = text.rstrip("\ufffd")
-    remaining = SEARCH_BUDGET_S if budget_s is None else budget_s
+    budget = SEARCH_BUDGET_S if budget_s is None else budget_s
     found = []
+    t0 = time.thread_time()
     for pattern in patterns:
-        t0 = time.perf_counter()
         try:
-            m = compile_stop_regex(pattern).search(text, timeout=max(remaining, 0.0))
+            m = compile_stop_regex(pattern).search(text, timeout=_SEARCH_WALL_LIMIT_S if budget > 0 else 0)
         except TimeoutError:
-            m = None
-            remaining = -1.0
-        remaining -= time.perf_counter() - t0
-        if remaining < 0:
+            m, budget = None, -1.0
+        if time.thread_time() - t0 > budget:
             raise StopRegexTimeout(
                 f"stop_regex took more than {SEARCH_BUDGET_S * 1e3:g} ms to search the output at one token "
                 f"(all of this request's patterns together): simplify them; alternatives that overlap under a "
@@ -165,18 +168,16 @@ def hold_start(patterns: Sequence[str], text: str, start: int = 0) -> int:
     `regex` package misplaces partial matches that end in an assertion (`ab\\B` on "xab"). A
     search that runs past the budget holds everything too: the finish sends it."""
     safe = len(text)
-    remaining = SEARCH_BUDGET_S
+    t0 = time.thread_time()
     for pattern in patterns:
         shape = pattern_shape(pattern)
         if shape.max_width is None and (shape.anchors or shape.looks):
             return start
-        t0 = time.perf_counter()
         try:
-            m = compile_stop_regex(pattern).search(text, pos=start, partial=True, timeout=max(remaining, 0.0))
+            m = compile_stop_regex(pattern).search(text, pos=start, partial=True, timeout=_SEARCH_WALL_LIMIT_S)
         except TimeoutError:
             return start
-        remaining -= time.perf_counter() - t0
-        if remaining < 0:
+        if time.thread_time() - t0 > SEARCH_BUDGET_S:
             return start
         if m is not None and not (m.partial and m.start() == len(text)):  # (the empty tail: a prefix of every match)
             safe = min(safe, m.start())
@@ -189,7 +190,7 @@ def cut_span(pattern: str, text: str, start: int = 0) -> Optional[Tuple[int, int
     """The span of the match a finish cuts at: the first at or after `start` (what a stream already
     sent held none), or None (also when the search runs past a generous bound: nothing is cut)."""
     try:
-        m = compile_stop_regex(pattern).search(text, pos=start, timeout=20 * SEARCH_BUDGET_S)
+        m = compile_stop_regex(pattern).search(text, pos=start, timeout=_SEARCH_WALL_LIMIT_S)
     except TimeoutError:
         return None
     return m.span() if m is not None else None
