@@ -130,3 +130,27 @@ def test_the_answer_goes_back_into_the_next_turn_as_the_sdk_returns_it(tiny_mode
         r = _chat(client, messages=[{"role": "user", "content": "hi", "reasoning_content": "no"}])
     assert seen[0].text == "user:|hi;assistant:Greet back.|Hello!;assistant:|More?;user:|bye;"
     assert r.status_code == 400 and "only assistant messages carry reasoning_content" in r.text
+
+
+def test_a_thinking_request_asks_for_its_grammar_after_the_thinking(tiny_model: str, tmp_path: Any) -> None:
+    """A forced call or a json_schema held from the first token: a thinking model could never write
+    </think>, and deepseek-r1's parser put the whole constrained answer in reasoning_content."""
+    call = '[{"name": "get_weather", "parameters": {}}]'
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    client, seen = _client(tiny_model, tmp_path, [_out("r", "Weather: a call.</think>" + call, 20, STOP)], parser="deepseek-r1")
+    with client:
+        choice = _chat(client, tools=tools, tool_choice="required").json()["choices"][0]
+    assert seen[0].require_reasoning and "json_schema" in seen[0].sampling_params
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["reasoning_content"] == "Weather: a call."
+    from transformers import AutoTokenizer
+
+    from minisgl.server_args import ServerArgs, resolve_server_args
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)  # (a template that reads enable_thinking, as Qwen3's)
+    tokenizer.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}{% if enable_thinking is false %}/no_think{% endif %}"
+    args = resolve_server_args(ServerArgs(model_path=tiny_model, device="cpu", reasoning_parser="qwen3"))
+    client, seen = _scripted_client(tiny_model, tmp_path, [_out("r", "{}", 2, STOP)], server_args=args, tokenizer=tokenizer)
+    with client:
+        _chat(client, response_format={"type": "json_object"})
+        _chat(client, response_format={"type": "json_object"}, chat_template_kwargs={"enable_thinking": False})
+    assert [obj.require_reasoning for obj in seen] == [True, False]  # (no thinking: the grammar holds from the start)

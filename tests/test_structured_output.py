@@ -464,3 +464,52 @@ def test_an_engine_dropped_without_shutdown_lets_its_compile_threads_end(tiny_mo
     for thread in threads:
         thread.join(10)
     assert not any(t.is_alive() for t in threads)
+
+
+# --------------------------------------------------------------------------- thinking first
+def test_a_reasoner_grammar_lets_the_thinking_through_then_holds(tiny_model: str) -> None:
+    """SGLang's ReasonerGrammarObject: every token allowed until the output ends with the think-end
+    tokens, none fed to the grammar; then the grammar holds from its start."""
+    from transformers import AutoTokenizer
+
+    from minisgl.constrained.reasoner_grammar import ReasonerGrammar
+    from minisgl.constrained.xgrammar_backend import XGrammarGrammarBackend
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    backend = XGrammarGrammarBackend(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    try:
+        future = backend.get_future(("regex", "(yes|no)"))
+        future.result(60)
+        grammar = ReasonerGrammar(backend.get_grammar(future), tokenizer.encode("</think>", add_special_tokens=False))
+        for token in tokenizer.encode("I think: maybe </think", add_special_tokens=False):
+            mask = allocate_vocab_mask(len(tokenizer), 1)
+            grammar.fill_vocab_mask(mask, 0)
+            assert bool((mask == -1).all())  # thinking: everything allowed
+            grammar.accept_token(token)  # (never fed to the regex, which allows none of these)
+        grammar.accept_token(tokenizer.encode(">", add_special_tokens=False)[0])
+        mask = allocate_vocab_mask(len(tokenizer), 1)
+        grammar.fill_vocab_mask(mask, 0)
+        logits = torch.zeros(1, len(tokenizer))
+        apply_vocab_mask_reference(logits, mask)
+        allowed = {tokenizer.decode([t]) for t in torch.isfinite(logits[0]).nonzero().flatten().tolist()}
+        assert allowed and all(text and ("yes".startswith(text) or "no".startswith(text)) for text in allowed), allowed
+        for token in tokenizer.encode("no", add_special_tokens=False) + [tokenizer.eos_token_id]:
+            grammar.accept_token(token)
+        assert grammar.is_terminated()
+    finally:
+        backend.shutdown()
+
+
+def test_a_request_that_thinks_first_gets_its_grammar_only_after_the_thinking(engine: Any) -> None:
+    """require_reasoning (a chat with --reasoning-parser): the random model never writes the
+    think-end tokens, so the grammar never starts and the output is free; without it, yes or no."""
+    from minisgl.managers.io_struct import GenerateReqInput
+
+    params = {"temperature": 1.0, "max_new_tokens": 16, "regex": "(yes|no)", "seed": 3}
+    obj = GenerateReqInput(text="Answer:", sampling_params=dict(params), rid="thinks", require_reasoning=True)
+    obj.normalize_batch_and_arguments()
+    engine._enqueue([engine._tokenize(obj)])
+    engine.run_until_idle()
+    thought = engine.get_result("thinks")
+    assert thought["meta_info"]["finish_reason"]["type"] == "length" and thought["text"] not in ("yes", "no")
+    assert engine.generate("Answer:", params)["text"] in ("yes", "no")

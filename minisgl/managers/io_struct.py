@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
-from minisgl.sampling.sampling_params import SamplingParams
+from minisgl.sampling.sampling_params import GRAMMAR_KEYS, SamplingParams
 from minisgl.utils import lone_surrogate_at
 
 
@@ -84,6 +84,9 @@ class GenerateReqInput:
     return_text_in_logprobs: bool = False  # each logprob entry's third element: the token's text
     stream: bool = False
     priority: Optional[int] = None
+    # SGLang's: the model thinks first (a chat with --reasoning-parser): its grammar, if any,
+    # holds only from the end of the thinking on
+    require_reasoning: bool = False
     log_metrics: bool = True  # False for /health_generate's probe (SGLang's field)
     # the tokenizer's special tokens (a BOS) around a text prompt, as SGLang's and vLLM's
     # completions; False for a rendered chat template, which writes its own
@@ -185,6 +188,7 @@ class GenerateReqInput:
             return_text_in_logprobs=self.return_text_in_logprobs,
             stream=self.stream,
             priority=self.priority,
+            require_reasoning=self.require_reasoning,
             log_metrics=self.log_metrics,
             add_special_tokens=self.add_special_tokens,
         )
@@ -238,6 +242,7 @@ class TokenizedGenerateReqInput:
     token_ids_logprob: Optional[List[int]] = None
     stream: bool = False
     priority: Optional[int] = None
+    require_reasoning: bool = False
     created_time: float = 0.0  # time.time() when tokenization finished (nothing reads it yet)
 
 
@@ -252,7 +257,8 @@ def prefix_warmups(samples: List["Sample"], tokenized: List[TokenizedGenerateReq
             warmed.add(sample.prompt_index)
             params = tok.sampling_params.copy()
             params.max_new_tokens, params.min_new_tokens = 0, 0
-            params.json_schema = params.regex = params.ebnf = None  # (it samples nothing: no grammar to compile)
+            for key in GRAMMAR_KEYS:  # (it samples nothing: no grammar to compile)
+                setattr(params, key, None)
             warmups.append(TokenizedGenerateReqInput(
                 rid=f"{sample.parent_rid}-prefix-{new_rid()}", input_text=tok.input_text, input_ids=tok.input_ids,
                 sampling_params=params, priority=tok.priority, created_time=tok.created_time,

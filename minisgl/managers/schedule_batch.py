@@ -145,6 +145,7 @@ class Req:
         vocab_size: Optional[int] = None,
         tokenizer: Any = None,
         priority: Optional[int] = None,
+        require_reasoning: bool = False,
     ) -> None:
         self.rid = rid
         self.origin_input_text = origin_input_text
@@ -164,6 +165,8 @@ class Req:
         self.tokenizer = tokenizer
         # --enable-priority-scheduling: how important the request is (the scheduler fills in the default)
         self.priority = priority
+        # the model thinks before it answers: a grammar holds only after the thinking (ReasonerGrammar)
+        self.require_reasoning = require_reasoning
         self._special_stops: Optional[List[str]] = None  # (_stops_spelling_special_tokens, once)
         # structured output: where the output stands in its grammar (constrained/xgrammar_backend.py),
         # advanced by the output processor with every token; None without json_schema/regex/ebnf

@@ -102,6 +102,7 @@ def create_tokenized_object(
         token_ids_logprob=list(obj.token_ids_logprob) if obj.token_ids_logprob else None,
         stream=obj.stream,
         priority=obj.priority,
+        require_reasoning=obj.require_reasoning,
         created_time=time.time(),
     )
 

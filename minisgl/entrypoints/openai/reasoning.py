@@ -19,20 +19,16 @@ Reasoning is stripped of the whitespace around it, the answer of the whitespace 
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Tuple
 
-# parser -> (start tag, end tag, whether the output starts inside the reasoning)
-REASONING_PARSERS: Dict[str, Tuple[str, str, bool]] = {
-    "qwen3": ("<think>", "</think>", False),
-    "deepseek-r1": ("<think>", "</think>", True),
-}
+from minisgl.constrained.reasoner_grammar import REASONING_TAGS
 
 
 class ReasoningSplitter:
     """One choice's text -> (reasoning, content) deltas; feed() each piece, then finish()."""
 
     def __init__(self, parser: str) -> None:
-        self.start, self.end, self.forced = REASONING_PARSERS[parser]
+        self.start, self.end, self.forced = REASONING_TAGS[parser]
         self.mode = "opening"  # -> "reasoning" -> "closing" (whitespace after the end tag) -> "content"
         self.held = ""  # text not yet given out: it may still change what it is
         self.reasoning_started = False  # (the reasoning's leading whitespace is dropped)

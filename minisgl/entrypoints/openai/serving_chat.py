@@ -189,6 +189,14 @@ class OpenAIServingChat(OpenAIServingBase):
         parser = self.tokenizer_manager.server_args.reasoning_parser
         return ReasoningSplitter(parser) if parser is not None and request.separate_reasoning else None
 
+    def _thinks(self, request: ChatCompletionRequest) -> bool:
+        """Whether the model writes its thinking before the answer (SGLang's require_reasoning): a
+        grammar then holds only after it. deepseek-r1 always; qwen3 unless enable_thinking is false."""
+        parser = self.tokenizer_manager.server_args.reasoning_parser
+        if parser is None:
+            return False
+        return parser == "deepseek-r1" or (request.chat_template_kwargs or {}).get("enable_thinking") is not False
+
     def _split_reasoning(self, request: ChatCompletionRequest, text: str) -> Tuple[Optional[str], str]:
         """(reasoning_content or None, the answer) of a whole choice's text."""
         parser = self.tokenizer_manager.server_args.reasoning_parser
@@ -292,6 +300,7 @@ class OpenAIServingChat(OpenAIServingBase):
             top_logprobs_num=request.top_logprobs or 0,
             stream=request.stream,
             priority=request.priority,
+            require_reasoning=self._thinks(request),
         )
 
     # ------------------------------------------------------------------ logprobs
