@@ -233,7 +233,7 @@ def test_the_qwen25_parser_splits_text_and_calls() -> None:
 
     names = {"get_weather"}
     text, calls = parse_qwen25("\n" + QWEN_ANSWER, names)
-    assert text == "Let me check." and [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", '{"city": "Zürich"}')]
+    assert text == "\nLet me check." and [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", '{"city": "Zürich"}')]
     for plain in ("No tools needed.", QWEN_ANSWER[:-5], QWEN_ANSWER + " and more", "<tool_call>\n{not json}\n</tool_call>"):
         assert parse_qwen25(plain, names) == (plain, None), plain
     # a function it was not offered is dropped (SGLang's rule), its markup too: with no call left,
@@ -241,16 +241,36 @@ def test_the_qwen25_parser_splits_text_and_calls() -> None:
     rogue = QWEN_ANSWER.replace("get_weather", "delete_all_files")
     assert parse_qwen25(rogue, names) == ("Let me check.", None)
     splitter = StreamedText(names)
-    assert splitter.feed(rogue) == "Let me check.\n" and splitter.finish() == ("", None)
+    assert splitter.feed(rogue) == "Let me check." and splitter.finish() == ("", None)
     _, calls = parse_qwen25(QWEN_ANSWER + "\n" + rogue[rogue.index("<tool_call>"):], names)
     assert [c.function.name for c in calls] == ["get_weather"]
     splitter, sent = StreamedText(names), ""
     for i in range(0, len(QWEN_ANSWER), 3):  # three characters at a time: "<tool_call>" arrives in pieces
         sent += splitter.feed(QWEN_ANSWER[i : i + 3])
     rest, calls = splitter.finish()
-    assert sent == "Let me check.\n" and rest == "" and calls[0].function.name == "get_weather"
+    assert sent == "Let me check." and rest == "" and calls[0].function.name == "get_weather"
     splitter = StreamedText(names)
-    assert splitter.feed("a <tool") == "a " and splitter.feed("s> b") == "<tools> b" and splitter.finish() == ("", None)
+    assert splitter.feed("a <tool") == "a" and splitter.feed("s> b") == " <tools> b" and splitter.finish() == ("", None)
+
+
+def test_a_streamed_auto_answer_sends_exactly_the_content_of_the_whole_one() -> None:
+    """Blanks before a call: the whole answer's content drops them ("hello\n\n<tool_call>..." is
+    "hello"), and a stream sent them as they came."""
+    import random
+
+    from minisgl.entrypoints.openai.tool_calls import StreamedText, parse_qwen25
+
+    names, rng = {"get_weather"}, random.Random(0)
+    call = QWEN_ANSWER[QWEN_ANSWER.index("<tool_call>") :]
+    for answer in ["hello\n\n" + call, "\n" + call, " a \n " + call + "\n" + call, "hello\n\n<tool_call>\n{bad}\n</tool_call>",
+                   "hi  " + call.replace("get_weather", "rm"), call + " and after", "text <tool", "plain \n"]:  # fmt: skip
+        whole = parse_qwen25(answer, names)
+        for _ in range(30):
+            cuts = sorted(rng.sample(range(1, len(answer)), k=min(5, len(answer) - 1)))
+            splitter = StreamedText(names)
+            sent = "".join(splitter.feed(answer[i:j]) for i, j in zip([0] + cuts, cuts + [len(answer)]))
+            rest, calls = splitter.finish()
+            assert (sent + rest, [c.function.name for c in calls or []]) == (whole[0], [c.function.name for c in whole[1] or []]), answer
 
 
 def test_auto_needs_a_parser_and_with_one_returns_text_and_calls(tiny_model: str, tmp_path: Any) -> None:
@@ -311,7 +331,7 @@ def test_auto_streams_the_text_and_sends_the_calls_at_the_end(tiny_model: str, t
     with client:
         chunks = [c for c in _events(_chat(client, tools=[WEATHER], stream=True)) if c != "[DONE]"]
     deltas = [c["choices"][0]["delta"] for c in chunks]
-    assert "".join(d.get("content") or "" for d in deltas) == "Let me check.\n"
+    assert "".join(d.get("content") or "" for d in deltas) == "Let me check."  # (the non-streaming content)
     (call,) = next(d["tool_calls"] for d in deltas if "tool_calls" in d)
     assert call["function"]["name"] == "get_weather" and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     assert not any("<tool" in (d.get("content") or "") for d in deltas)

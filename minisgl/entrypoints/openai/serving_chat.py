@@ -174,7 +174,7 @@ class _ParsedCalls(_StreamedCalls):
         if stopped:
             text, calls = self.splitter.finish()
             return text, [], calls
-        return self.splitter.pending + (self.splitter.calls_text or ""), [], None  # (cut short: all of it is content)
+        return self.splitter.unsent(), [], None  # (cut short: all of it is content)
 
 
 class OpenAIServingChat(OpenAIServingBase):

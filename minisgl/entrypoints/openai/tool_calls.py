@@ -101,7 +101,8 @@ def auto_call_constraint(request: ChatCompletionRequest) -> Optional[str]:
         return None
     structures = [
         {
-            "begin": '<tool_call>\n{"name":"' + tool.function.name + '", "arguments":',
+            # (the name as JSON: a `"` in it would have made the only allowed call invalid JSON)
+            "begin": '<tool_call>\n{"name":' + json.dumps(tool.function.name, ensure_ascii=False) + ', "arguments":',
             "schema": (tool.function.parameters or {"type": "object", "properties": {}}) if tool.function.strict else {},
             "end": "}\n</tool_call>",
         }
@@ -173,35 +174,46 @@ def parse_qwen25(text: str, tool_names: Collection[str]) -> Tuple[str, Optional[
                               function=FunctionCall(name=call["name"], arguments=json.dumps(arguments, ensure_ascii=False))))  # fmt: skip
     if (not calls and not dropped) or _QWEN_CALL.sub("", text[start:]).strip():  # (text after or between the calls: not a call answer)
         return text, None
-    return text[:start].strip(), calls or None
+    # (SGLang strips both ends; the start is kept, as a stream has sent it by the time a call shows)
+    return text[:start].rstrip(), calls or None
 
 
 class StreamedText:
     """Splits a streamed answer of tool_choice "auto" into the content to send now and the tool
-    calls held back: text that could be the start of `<tool_call>` waits until it is known."""
+    calls held back: text that could be the start of `<tool_call>` waits until it is known, and
+    so do blanks that may end the text before a call (the answer's content drops them), so that
+    a stream sends exactly the non-streaming answer's content."""
 
     def __init__(self, tool_names: Collection[str]) -> None:
         self.tool_names = tool_names
-        self.pending = ""  # held back: a suffix that may begin `<tool_call>`
+        self.full = ""  # everything fed
+        self.sent = ""  # what feed() gave out: always a prefix of the final content
+        self.pending = ""  # held back: trailing blanks, then a suffix that may begin `<tool_call>`
         self.calls_text: Optional[str] = None  # from the first `<tool_call>` on
 
     def feed(self, delta: str) -> str:
         """The part of `delta` (with what was held back) that is content for sure."""
+        self.full += delta
         if self.calls_text is not None:
             self.calls_text += delta
             return ""
         text = self.pending + delta
         start = text.find(_QWEN_START)
         if start >= 0:
-            self.calls_text, self.pending = text[start:], ""
-            return text[:start]
-        held = next((k for k in range(min(len(_QWEN_START) - 1, len(text)), 0, -1) if _QWEN_START.startswith(text[-k:])), 0)
-        self.pending = text[len(text) - held :]
-        return text[: len(text) - held]
+            self.calls_text, self.pending = text[start:], text[:start]
+            sure = text[:start].rstrip()
+        else:
+            held = next((k for k in range(min(len(_QWEN_START) - 1, len(text)), 0, -1) if _QWEN_START.startswith(text[-k:])), 0)
+            sure = text[: len(text) - held].rstrip()
+            self.pending = text[len(sure) :]
+        self.sent += sure
+        return sure
+
+    def unsent(self) -> str:
+        """Everything fed and not given out (an answer cut short: all of it is content)."""
+        return self.full[len(self.sent) :]
 
     def finish(self) -> Tuple[str, Optional[List[ToolCall]]]:
         """At the end of the choice: (content still to send, the calls or None)."""
-        if self.calls_text is None:
-            return self.pending, None
-        rest, calls = parse_qwen25(self.calls_text, self.tool_names)
-        return ("", calls) if calls else (rest, None)
+        content, calls = parse_qwen25(self.full, self.tool_names) if self.calls_text is not None else (self.full, None)
+        return content[len(self.sent) :] if content.startswith(self.sent) else "", calls
