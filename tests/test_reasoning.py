@@ -154,3 +154,22 @@ def test_a_thinking_request_asks_for_its_grammar_after_the_thinking(tiny_model: 
         _chat(client, response_format={"type": "json_object"})
         _chat(client, response_format={"type": "json_object"}, chat_template_kwargs={"enable_thinking": False})
     assert [obj.require_reasoning for obj in seen] == [True, False]  # (no thinking: the grammar holds from the start)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_continuing_an_assistant_message_that_opened_its_thinking_stays_in_the_reasoning(tiny_model: str, tmp_path: Any, stream: bool) -> None:
+    """continue_final_message after "<think>Let me": the output starts inside the reasoning (the
+    tag was the user's text), so its "</think>" ends it; it came back as content, tag and all."""
+    outs = [_out("r", " see.</think>\n\nDone.", 6, STOP)]
+    client, _ = _client(tiny_model, tmp_path, outs)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<think>Let me"}]
+    with client:
+        r = _chat(client, messages=messages, continue_final_message=True, stream=stream)
+    if stream:
+        deltas = [e["choices"][0]["delta"] for e in _events(r) if e != "[DONE]" and e["choices"]]
+        got = ("".join(d.get("reasoning_content", "") for d in deltas), "".join(d.get("content") or "" for d in deltas))
+    else:
+        message = r.json()["choices"][0]["message"]
+        got = (message["reasoning_content"], message["content"])
+    assert got == (" see.", "Done.")
+    assert split_reasoning("qwen3", "more", continues="<think>a</think>") == ("", "more")  # (its thinking was over)

@@ -27,11 +27,17 @@ from minisgl.constrained.reasoner_grammar import REASONING_TAGS
 class ReasoningSplitter:
     """One choice's text -> (reasoning, content) deltas; feed() each piece, then finish()."""
 
-    def __init__(self, parser: str) -> None:
+    def __init__(self, parser: str, continues: str = "") -> None:
+        """`continues`: the assistant text a continue_final_message request's output goes on from;
+        one that opened the start tag without closing it puts the output inside the reasoning."""
         self.start, self.end, self.forced = REASONING_TAGS[parser]
         self.mode = "opening"  # -> "reasoning" -> "closing" (whitespace after the end tag) -> "content"
         self.held = ""  # text not yet given out: it may still change what it is
         self.reasoning_started = False  # (the reasoning's leading whitespace is dropped)
+        if continues.rfind(self.start) > continues.rfind(self.end):
+            self.mode, self.reasoning_started = "reasoning", True  # (its start is the user's text: kept as it comes)
+        elif self.end in continues:
+            self.mode = "content"  # (the thinking is over already)
 
     def feed(self, delta: str) -> Tuple[str, str]:
         """(reasoning, content) that `delta`, with what was held back, makes certain."""
@@ -77,9 +83,9 @@ class ReasoningSplitter:
         return "", held
 
 
-def split_reasoning(parser: str, text: str) -> Tuple[str, str]:
+def split_reasoning(parser: str, text: str, continues: str = "") -> Tuple[str, str]:
     """A whole answer -> (reasoning, content): the splitter, fed all of it at once."""
-    splitter = ReasoningSplitter(parser)
+    splitter = ReasoningSplitter(parser, continues)
     reasoning, content = splitter.feed(text)
     more_reasoning, more_content = splitter.finish()
     return reasoning + more_reasoning, content + more_content

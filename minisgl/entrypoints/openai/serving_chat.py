@@ -126,6 +126,11 @@ def _tool_names(request: ChatCompletionRequest) -> set:
     return {tool.function.name for tool in request.tools or []}
 
 
+def _continued(request: ChatCompletionRequest) -> str:
+    """The assistant text a continue_final_message request's output goes on from ("" otherwise)."""
+    return request.messages[-1].text() if request.continue_final_message else ""
+
+
 def _choice_name(request: ChatCompletionRequest) -> str:
     choice = request.tool_choice
     if choice is None or isinstance(choice, str):
@@ -187,7 +192,7 @@ class OpenAIServingChat(OpenAIServingBase):
         """A choice's splitter of <think>...</think>, with --reasoning-parser unless the request
         says separate_reasoning: false (SGLang's)."""
         parser = self.tokenizer_manager.server_args.reasoning_parser
-        return ReasoningSplitter(parser) if parser is not None and request.separate_reasoning else None
+        return ReasoningSplitter(parser, _continued(request)) if parser is not None and request.separate_reasoning else None
 
     def _thinks(self, request: ChatCompletionRequest) -> bool:
         """Whether the model writes its thinking before the answer (SGLang's require_reasoning): a
@@ -202,7 +207,7 @@ class OpenAIServingChat(OpenAIServingBase):
         parser = self.tokenizer_manager.server_args.reasoning_parser
         if parser is None or not request.separate_reasoning:
             return None, text
-        reasoning, answer = split_reasoning(parser, text)
+        reasoning, answer = split_reasoning(parser, text, _continued(request))
         return reasoning or None, answer
 
     def _parses_calls(self, request: ChatCompletionRequest) -> bool:
