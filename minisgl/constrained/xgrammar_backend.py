@@ -49,9 +49,9 @@ GRAMMAR_CACHE_SIZE = 256
 # compile threads: xgrammar releases the GIL, and each compile runs one thread of its own
 GRAMMAR_COMPILE_THREADS = 2
 XGRAMMAR_MISSING = (
-    "Structured output (json_schema, regex, ebnf, response_format, forced tool calls) needs xgrammar, which is not "
-    'installed: pip install xgrammar (minisgl\'s "grammar" extra; in a checkout: pip install -e ".[grammar]"), '
-    "then restart the server or the Engine"
+    "Structured output (json_schema, regex, ebnf, structural_tag, response_format, forced or strict tool calls) needs "
+    'xgrammar, which is not installed: pip install xgrammar (minisgl\'s "grammar" extra; in a checkout: pip install -e '
+    '".[grammar]"), then restart the server or the Engine'
 )
 
 
