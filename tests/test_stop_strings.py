@@ -306,3 +306,11 @@ def test_a_stop_regex_window_holds_every_match_a_new_token_completes() -> None:
     # unbounded, or depending on text around the match: everything
     for pattern in [r"\d+", "^Or", r"\bcat\b", r"(?<=a)b", r"(a)\1", "x{2,5000}"]:
         assert stop_regex_window(pattern) == WHOLE_OUTPUT, pattern
+
+
+def test_a_stream_holds_what_a_lookahead_may_still_complete(tokenizer_dir: str) -> None:
+    """a(?=b\\B) matches one character, decided only by the ones after it, and the regex package
+    misplaces its partial match on "xab": a hold of its width sent the "a" the finish then cut."""
+    script = byte_ids(tokenizer_dir, "xabc")
+    assert run_script(tokenizer_dir, script, True, stop_regex=r"a(?=b\B)") == run_script(tokenizer_dir, script, False, stop_regex=r"a(?=b\B)")
+    assert run_script(tokenizer_dir, script, True, stop_regex=r"a(?=b\B)")[0] == "x"

@@ -163,15 +163,17 @@ def hold_start(patterns: Sequence[str], text: str, start: int = 0) -> int:
     place a match of any pattern begins, or could begin once more text comes; len(text) if none.
 
     A bounded pattern holds its last max-width characters (a match that more text completes lies
-    there, whatever assertions it ends with); a plain unbounded one holds from where a partial
-    match starts; an unbounded one with anchors or lookarounds holds everything, since the
-    `regex` package misplaces partial matches that end in an assertion (`ab\\B` on "xab"). A
-    search that runs past the budget holds everything too: the finish sends it."""
+    there, whatever anchor it ends with: `\\b` and `$` read one character past it at most); a
+    plain unbounded one holds from where a partial match starts; one with lookarounds (which
+    may read any number of characters past the match) or unbounded with anchors holds
+    everything, since the `regex` package misplaces partial matches that end in an assertion
+    (`ab\\B` on "xab"). A search that runs past the budget holds everything too: the finish
+    sends it."""
     safe = len(text)
     t0 = time.thread_time()
     for pattern in patterns:
         shape = pattern_shape(pattern)
-        if shape.max_width is None and (shape.anchors or shape.looks):
+        if shape.looks or (shape.max_width is None and shape.anchors):
             return start
         try:
             m = compile_stop_regex(pattern).search(text, pos=start, partial=True, timeout=_SEARCH_WALL_LIMIT_S)
