@@ -173,3 +173,15 @@ def test_continuing_an_assistant_message_that_opened_its_thinking_stays_in_the_r
         got = (message["reasoning_content"], message["content"])
     assert got == (" see.", "Done.")
     assert split_reasoning("qwen3", "more", continues="<think>a</think>") == ("", "more")  # (its thinking was over)
+
+
+def test_continuing_after_the_thinking_holds_the_grammar_from_the_first_token(tiny_model: str, tmp_path: Any) -> None:
+    """An assistant text whose thinking ended: the model will not write another </think>, so a
+    grammar waiting for one never started and the output was free."""
+    client, seen = _client(tiny_model, tmp_path, [_out("r", "{}", 2, STOP)])
+    done = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<think>done</think>\n\n"}]
+    opened = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<think>still"}]
+    with client:
+        for messages in (done, opened):
+            _chat(client, messages=messages, continue_final_message=True, response_format={"type": "json_object"})
+    assert [obj.require_reasoning for obj in seen] == [False, True]

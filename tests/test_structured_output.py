@@ -480,7 +480,15 @@ def test_a_reasoner_grammar_lets_the_thinking_through_then_holds(tiny_model: str
     try:
         future = backend.get_future(("regex", "(yes|no)"))
         future.result(60)
-        grammar = ReasonerGrammar(backend.get_grammar(future), tokenizer.encode("</think>", add_special_tokens=False))
+        # a character per token: another spelling than encode's (as " </think>" is with the built-in
+        # tokenizer, whose " <" is one token)
+        spelled = tokenizer.encode("I think ", add_special_tokens=False) + tokenizer.convert_tokens_to_ids(list("</think>"))
+        assert spelled[-6:] != tokenizer.encode("</think>", add_special_tokens=False)
+        grammar = ReasonerGrammar(backend.get_grammar(future), "</think>", tokenizer.decode)
+        for token in spelled:
+            grammar.accept_token(token)
+        assert not grammar.thinking  # (the ids differ; the text is the same)
+        grammar = ReasonerGrammar(backend.get_grammar(future), "</think>", tokenizer.decode)
         for token in tokenizer.encode("I think: maybe </think", add_special_tokens=False):
             mask = allocate_vocab_mask(len(tokenizer), 1)
             grammar.fill_vocab_mask(mask, 0)

@@ -3,7 +3,7 @@ SGLang's ReasonerGrammarObject.
 
 Where it sits: a chat request to a server with --reasoning-parser carries `require_reasoning`
 (the model writes `<think>...</think>` before its answer); when its grammar has compiled, the
-Scheduler wraps it here. Until the output ends with the think-end tokens every token is allowed
+Scheduler wraps it here. Until the output's text ends with the think-end tag every token is allowed
 and none is fed to the grammar; from there on the wrapped grammar decides, as if the answer
 began there. Without it, a forced tool call or a json_schema held from the first token: a
 thinking model could never write `</think>`, and the reasoning parser put the whole
@@ -12,7 +12,7 @@ constrained answer in reasoning_content.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
@@ -25,15 +25,20 @@ REASONING_TAGS: Dict[str, Tuple[str, str, bool]] = {
 
 
 class ReasonerGrammar:
-    """`grammar` (an XGrammarGrammar), applied from the first token after `think_end_ids`."""
+    """`grammar` (an XGrammarGrammar), applied from the first token after the output's text ends
+    with `think_end`. The text, not the ids: where `</think>` is no single token, a model spells it
+    in more than one way (" </think>" merges the space into its first token)."""
 
-    def __init__(self, grammar: Any, think_end_ids: List[int]) -> None:
-        if not think_end_ids:
-            raise ValueError("the think-end text encodes to no tokens")
+    def __init__(self, grammar: Any, think_end: str, decode: Callable[[List[int]], str]) -> None:
+        if not think_end:
+            raise ValueError("the think-end text is empty")
         self.grammar = grammar
-        self.think_end_ids = list(think_end_ids)
+        self.think_end = think_end
+        self.decode = decode
         self.thinking = True
-        self._recent: List[int] = []  # the last len(think_end_ids) tokens while thinking
+        # the last tokens while thinking: enough for the end tag spelled a byte per token, and one more
+        self._window = len(think_end.encode()) + 1
+        self._recent: List[int] = []
 
     def fill_vocab_mask(self, vocab_mask: torch.Tensor, idx: int) -> None:
         """While thinking, the row stays as allocated: every token allowed."""
@@ -44,8 +49,8 @@ class ReasonerGrammar:
         if not self.thinking:
             self.grammar.accept_token(token)
             return
-        self._recent = (self._recent + [token])[-len(self.think_end_ids) :]
-        if self._recent == self.think_end_ids:
+        self._recent = (self._recent + [token])[-self._window :]
+        if self.decode(self._recent).endswith(self.think_end):
             self.thinking = False
 
     def is_terminated(self) -> bool:

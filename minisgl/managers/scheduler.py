@@ -113,7 +113,6 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         self.new_token_ratio = self.init_new_token_ratio
 
         self.num_retracted_reqs_total = 0
-        self._think_end: Optional[List[int]] = None  # (_think_end_ids, once)
         self.num_rejected_queue_full = 0  # requests refused with 503 by --max-queued-requests
         self._last_queue_full_log = -1e9  # (monotonic time of the last queue-full warning)
         self.total_hit_tokens = 0
@@ -263,7 +262,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
                 try:
                     req.grammar = self._grammar_backend.get_grammar(future)
                     if req.require_reasoning:  # (held only from the end of the thinking on)
-                        req.grammar = ReasonerGrammar(req.grammar, self._think_end_ids())
+                        _, end, _ = REASONING_TAGS[self.server_args.reasoning_parser or "qwen3"]
+                        req.grammar = ReasonerGrammar(req.grammar, end, self.tokenizer.decode)
                 except ValueError as e:
                     req.set_finish_with_abort(str(e))
             elif now - req.time_stats.scheduler_recv_time > GRAMMAR_TIMEOUT:
@@ -592,13 +592,6 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             self._event("retract", victim, f"preempted by {req.rid} (priority {req.priority} over {victim.priority})")
         logger.info("Priority preemption: rid=%s (priority %s) sent %d running request(s) back to the queue", req.rid, req.priority, len(victims))
         return True
-
-    def _think_end_ids(self) -> List[int]:
-        """The tokens that end a thinking model's reasoning (--reasoning-parser's end tag)."""
-        if self._think_end is None:
-            _, end, _ = REASONING_TAGS[self.server_args.reasoning_parser or "qwen3"]
-            self._think_end = self.tokenizer.encode(end, add_special_tokens=False)
-        return self._think_end
 
     def _requeue_retracted(self, req: Req) -> None:
         """A retracted (or preempted) request goes back to the queue, its KV freed already; one

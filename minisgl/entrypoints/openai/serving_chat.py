@@ -46,6 +46,7 @@ from minisgl.entrypoints.openai.serving_base import (
     response_id,
     sse_data,
 )
+from minisgl.constrained.reasoner_grammar import REASONING_TAGS
 from minisgl.entrypoints.openai.reasoning import ReasoningSplitter, split_reasoning
 from minisgl.entrypoints.openai.tool_calls import (
     StreamedText, auto_call_constraint, parse_qwen25, parse_tool_calls, tool_call_constraint, validate_tools, visible_tools,
@@ -200,6 +201,12 @@ class OpenAIServingChat(OpenAIServingBase):
         parser = self.tokenizer_manager.server_args.reasoning_parser
         if parser is None:
             return False
+        start, end, _ = REASONING_TAGS[parser]
+        continued = _continued(request)  # (continuing an answer whose thinking ended: no more to come)
+        if continued.rfind(end) > continued.rfind(start):
+            return False
+        if continued.rfind(start) > continued.rfind(end):
+            return True
         return parser == "deepseek-r1" or (request.chat_template_kwargs or {}).get("enable_thinking") is not False
 
     def _split_reasoning(self, request: ChatCompletionRequest, text: str) -> Tuple[Optional[str], str]:
