@@ -25,7 +25,9 @@ is flushed and the request's state is dropped.
 Stop strings are handled on the text side: the matched stop string (and whatever
 follows it) is trimmed from the final text, the stop token is left out of the ids
 decoded to text unless `no_stop_trim` (`output_ids` still end with it), and while streaming any tail that could be the start of one
-of the request's `stop_strs` is held back until a later step decides it.
+of the request's `stop_strs` is held back until a later step decides it. Stop regexes
+(`stop_regexes`) likewise: the match is cut, and a stream holds what a match could still take
+(sampling/stop_regex.py's `hold_start`).
 """
 
 from __future__ import annotations
