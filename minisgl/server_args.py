@@ -45,6 +45,7 @@ BUILTIN_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "as
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 GRAMMAR_BACKENDS = ("xgrammar", "none")
+RETRACTION_POLICIES = ("length", "priority")  # (SGLang 0.5.23's --retraction-policy)
 TOOL_CALL_PARSERS = ("qwen25",)  # (entrypoints/openai/tool_calls.py)
 REASONING_PARSERS = ("qwen3", "deepseek-r1")  # (entrypoints/openai/reasoning.py)
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
@@ -124,6 +125,14 @@ class ServerArgs:
     priority_scheduling_preemption_threshold: int = field(
         default=10, metadata=_opt("How much more important a waiting request must be than a running one to preempt it.")
     )
+    retraction_policy: str = field(
+        default="length",
+        metadata=_opt(
+            "Which running requests go back to the queue first when the KV pool is full: length (the fewest output "
+            "tokens, then the longest prompt) or priority (the least important, then length; needs --enable-priority-scheduling).",
+            choices=RETRACTION_POLICIES,
+        ),
+    )
     chunked_prefill_size: Optional[int] = field(
         default=None, metadata=_opt("Max prompt tokens per prefill batch, shared by its requests; a longer prompt is split into chunks (-1 disables chunking). Default: 2048 CPU, 8192 CUDA.")
     )
@@ -183,6 +192,10 @@ class ServerArgs:
             raise ValueError(f"--stream-interval must be >= 1, got {self.stream_interval}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}")
+        if self.retraction_policy not in RETRACTION_POLICIES:
+            raise ValueError(f"--retraction-policy must be one of {', '.join(RETRACTION_POLICIES)}, got {self.retraction_policy!r}")
+        if self.retraction_policy == "priority" and not self.enable_priority_scheduling:
+            raise ValueError("--retraction-policy priority requires --enable-priority-scheduling")
         if self.priority_scheduling_preemption_threshold < 0:
             raise ValueError(f"--priority-scheduling-preemption-threshold must be >= 0, got {self.priority_scheduling_preemption_threshold}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:

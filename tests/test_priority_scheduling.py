@@ -185,3 +185,76 @@ def test_preemption_takes_as_many_as_needed_in_one_pass(tiny_model: str) -> None
         assert "H" in [r["rid"] for r in snap["batch"]["reqs"]]  # admitted in the pass that preempted for it
         e.run_until_idle()
         e.scheduler.check_memory_when_idle()
+
+
+def _finish(engine: Any, rid: str) -> Dict[str, Any]:
+    return engine.get_result(rid)["meta_info"]["finish_reason"]
+
+
+def test_a_full_queue_aborts_its_least_important_request_for_a_more_important_one(tiny_model: str) -> None:
+    from minisgl import Engine
+
+    with Engine(tiny_model, device="cpu", max_total_tokens=1024, max_running_requests=1, max_queued_requests=2,
+                enable_priority_scheduling=True) as e:  # fmt: skip
+        e.add_request("prompt run", GREEDY, rid="run", priority=0)
+        e.step()  # run holds the only slot; the queue is empty
+        e.add_request("prompt w1", GREEDY, rid="w1", priority=1)
+        e.add_request("prompt w2", GREEDY, rid="w2", priority=1)  # the queue is full
+        e.add_request("prompt hi", GREEDY, rid="hi", priority=5)  # w2 goes: as unimportant as w1, queued later
+        e.add_request("prompt eq", GREEDY, rid="eq", priority=1)  # not strictly more important than w1: refused
+        e.add_request("prompt lo", GREEDY, rid="lo")  # (none given: the least important) refused
+        evicted = {"type": "abort", "message": "The request is aborted by a higher priority request.", "status_code": 503,
+                   "err_type": "ServiceUnavailableError"}  # fmt: skip
+        assert _finish(e, "w2") == evicted
+        assert _finish(e, "eq")["message"] == _finish(e, "lo")["message"] == "The request queue is full."
+        assert [r.rid for r in e.scheduler.waiting_queue] == ["w1", "hi"]
+        assert e.scheduler.num_rejected_queue_full == 3
+        e.run_until_idle()
+        assert [_finish(e, rid)["type"] for rid in ("run", "hi", "w1")] == ["length"] * 3
+        e.scheduler.check_memory_when_idle()
+
+
+def test_a_full_queue_without_priority_scheduling_refuses_whatever_arrives(tiny_model: str) -> None:
+    from minisgl import Engine
+
+    with Engine(tiny_model, device="cpu", max_total_tokens=1024, max_running_requests=1, max_queued_requests=1) as e:
+        e.add_request("prompt run", GREEDY, rid="run")
+        e.step()
+        e.add_request("prompt w1", GREEDY, rid="w1")
+        e.add_request("prompt w2", GREEDY, rid="w2")
+        assert _finish(e, "w2")["message"] == "The request queue is full."
+        e.run_until_idle()
+        assert _finish(e, "w1")["type"] == "length"
+
+
+def _retracted(tiny_model: str, **flags: Any) -> List[str]:
+    """A pool too small for both outputs: the request with more outputs (a, priority 0) started
+    first; b (priority 5, not enough over a's to preempt it) came later. Who is retracted?"""
+    from minisgl import Engine
+
+    with Engine(tiny_model, device="cpu", max_total_tokens=120, chunked_prefill_size=-1, schedule_conservativeness=0.01,
+                enable_priority_scheduling=True, **flags) as e:  # fmt: skip
+        e.add_request(input_ids=list(range(200, 210)), sampling_params={**GREEDY, "max_new_tokens": 60}, rid="a", priority=0)
+        e.step()
+        e.step()
+        e.add_request(input_ids=list(range(300, 310)), sampling_params={**GREEDY, "max_new_tokens": 60}, rid="b", priority=5)
+        retracted: List[str] = []
+        while e.has_unfinished_requests():
+            retracted += [ev["rid"] for ev in e.step()["events"] if ev["type"] == "retract"]
+        assert [_finish(e, rid)["type"] for rid in "ab"] == ["length"] * 2
+        e.scheduler.check_memory_when_idle()
+        return retracted
+
+
+def test_the_retraction_policy_priority_retracts_the_least_important_first(tiny_model: str) -> None:
+    assert _retracted(tiny_model)[0] == "b"  # (length: b has the fewer outputs)
+    assert _retracted(tiny_model, retraction_policy="priority")[0] == "a"
+
+
+def test_the_retraction_policy_priority_needs_priority_scheduling() -> None:
+    from minisgl.server_args import ServerArgs
+
+    with pytest.raises(ValueError, match="--retraction-policy priority requires --enable-priority-scheduling"):
+        ServerArgs(model_path="m", retraction_policy="priority")
+    with pytest.raises(ValueError, match="--retraction-policy must be one of length, priority"):
+        ServerArgs(model_path="m", retraction_policy="lru")

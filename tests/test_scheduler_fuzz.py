@@ -3,7 +3,8 @@
 What it drives: `minisgl.Engine` in-process, one scheduler iteration at a time. Each seed
 draws a config (page size, chunked prefill, mixed chunk, radix cache on or off, a KV pool
 and request-row pool small enough to force eviction and retraction, policy,
-max_running_requests, conservativeness, prefill caps) and a workload (shared system
+max_running_requests, conservativeness, prefill caps; for some seeds priority scheduling, with
+preemption, priority retraction and a full queue that evicts) and a workload (shared system
 prefixes, prompts that are prefixes, copies or continuations of earlier ones, n > 1
 copies under several rids, stop token ids / stop strings / min_new_tokens picked so they
 fire, seeded sampling, logprobs (prompt logprobs from a random position too), streaming,
@@ -27,7 +28,8 @@ What it checks, and why:
   inside one step hits the test's timeout).
 - Greedy outputs and finish reasons equal the same request run alone on an unchunked,
   cache-less reference engine (seeded sampling too); a request aborted while unfinished
-  ends as an abort, its output a prefix of the solo one. Prompt logprobs, gathered over
+  ends as an abort, its output a prefix of the solo one, and so does one a full queue refused
+  or evicted (a 503). Prompt logprobs, gathered over
   chunks, pages and cache hits (a cached token's logits are gone: the prefix cap), equal
   the reference engine's, once, in SGLang's layout.
 - When idle, `Scheduler.check_memory_when_idle`; at the end `flush_cache` frees every
@@ -146,6 +148,7 @@ class Job:
     return_logprob: bool
     stream: bool
     logprob_start_len: int = -1  # drawn apart (test body), so the workloads of the seeds stay as they were
+    priority: Optional[int] = None  # drawn apart too (draw_priorities)
 
 
 def _tokens(rng: random.Random, n: int) -> List[int]:
@@ -223,6 +226,34 @@ def draw_workload(rng: random.Random, engine: Engine, solo: SoloRuns, pressure: 
             return_logprob=rng.random() < 0.15, stream=rng.random() < 0.2,
         ))  # fmt: skip
     return jobs
+
+
+def draw_priorities(seed: int, jobs: List[Job]) -> Dict[str, Any]:
+    """Priority scheduling for some seeds, from an rng of its own (the seeds' configs and
+    workloads stay as they were): the Engine kwargs it adds, and each job's priority (some
+    none: the least important). Close priorities and low thresholds, so that requests preempt
+    running ones and a full queue (when drawn) evicts queued ones."""
+    rng = random.Random(7_000_003 * (seed + 1))
+    if rng.random() >= 0.4:
+        return {}
+    config: Dict[str, Any] = dict(
+        enable_priority_scheduling=True,
+        schedule_low_priority_values_first=rng.random() < 0.5,
+        priority_scheduling_preemption_threshold=rng.choice([0, 1, 3, 10]),
+        retraction_policy=rng.choice(["length", "priority"]),
+    )
+    if rng.random() < 0.5:
+        config["max_queued_requests"] = rng.choice([1, 2, 4])
+    for job in jobs:
+        job.priority = rng.choice([None, 0, 1, 2, 5, 12, 20])
+    return config
+
+
+def queue_refused(finish: FinishReason) -> bool:
+    """A 503 of --max-queued-requests: refused on arrival, or evicted from the queue for a more important one."""
+    return finish.get("status_code") == 503 and finish["message"] in (
+        "The request queue is full.", "The request is aborted by a higher priority request."
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- the memory check
@@ -396,6 +427,7 @@ def run_workload(engine: Engine, jobs: List[Job], rng: random.Random,
                 rid = engine.add_request(
                     input_ids=job.prompt, sampling_params=job.params, rid=f"r{len(rid_job)}",
                     return_logprob=job.return_logprob, stream=job.stream, logprob_start_len=job.logprob_start_len,
+                    priority=job.priority,
                 )  # fmt: skip
                 rid_job[rid] = job
                 if job.abort_after is not None:
@@ -445,6 +477,10 @@ def test_random_workload_matches_solo_runs_and_never_leaks(tiny_model: str, solo
     rng, pressure, config = draw_case(seed)
     engine = Engine(tiny_model, **config)
     jobs = draw_workload(rng, engine, solo, pressure)
+    priorities = draw_priorities(seed, jobs)
+    if priorities:  # (the workload was drawn against the same limits: priorities change none)
+        engine.shutdown()
+        engine = Engine(tiny_model, **config, **priorities)
     lp_rng = random.Random(1_000_003 * (seed + 1))
     for job in jobs:
         if job.return_logprob and lp_rng.random() < 0.7:
@@ -456,13 +492,17 @@ def test_random_workload_matches_solo_runs_and_never_leaks(tiny_model: str, solo
         result = engine.get_result(rid)
         output, finish = result["output_ids"], result["meta_info"]["finish_reason"]
         expected_output, expected_finish = solo(job.prompt, job.params)
+        # refused by a full queue, or evicted from it (a retracted request may have output by then)
+        refused = priorities.get("max_queued_requests") is not None and queue_refused(finish)
         if rid in aborted:  # aborted while unfinished: it ends as an abort, whatever state it was in
             assert finish["type"] == "abort", f"{rid}: aborted, but it finished with {finish}"
             assert output == expected_output[: len(output)], f"{rid}: aborted output is not a prefix of the solo run"
+        elif refused:
+            assert output == expected_output[: len(output)], f"{rid}: evicted output is not a prefix of the solo run"
         else:
             assert (output, finish) == (expected_output, expected_finish), f"{rid}: differs from the solo run"
         scored = result["meta_info"]["input_token_logprobs"]
-        if job.logprob_start_len >= 0 and (scored or rid not in aborted):  # (an abort mid-prompt has none)
+        if job.logprob_start_len >= 0 and (scored or (rid not in aborted and not refused)):  # (an abort mid-prompt has none)
             expected = solo.prompt_logprobs(job.prompt, job.logprob_start_len)
             assert [t for _, t, _ in scored] == [t for _, t, _ in expected] == job.prompt[job.logprob_start_len :], rid
             assert [lp is None for lp, _, _ in scored] == [lp is None for lp, _, _ in expected], rid
@@ -497,3 +537,8 @@ def test_the_seeds_cover_every_config_feature() -> None:
     assert any(c["max_running_requests"] == 1 for c in configs)
     assert any(c["max_total_tokens"] == 64 for c in configs)
     assert len({c["schedule_policy"] for c in configs}) >= 4
+    jobs = [Job(prompt=[TOKEN_LO], params={}, copies=1, wave=0, arrive=0, abort_after=None, abort_in=None,
+                return_logprob=False, stream=False)]  # fmt: skip
+    drawn = [(draw_case(seed)[1], draw_priorities(seed, jobs)) for seed in SEEDS]
+    assert any(pressure and p.get("retraction_policy") == "priority" for pressure, p in drawn)
+    assert any(p.get("max_queued_requests") for _, p in drawn) and any(p and p["priority_scheduling_preemption_threshold"] == 0 for _, p in drawn)

@@ -696,18 +696,21 @@ class ScheduleBatch:
         self.tree_cache.evict_if_needed(remaining_count * RETRACT_DECODE_STEPS)
         req.reset_for_retract()
 
-    def retract_decode(self) -> tuple[List[Req], float]:
+    def retract_decode(self, priority_order: Optional[int] = None) -> tuple[List[Req], float]:
         """Free memory by sending requests back to the queue (§1.7).
 
-        Order: fewest output tokens first, ties the longest prompt first; at least one
-        request is retracted and at least one kept. Returns (retracted, new_token_ratio).
+        Order: fewest output tokens first, ties the longest prompt first; with `priority_order`
+        (--retraction-policy priority: +1 when lower values are more important, -1 when higher
+        ones are) the least important first, then that order. At least one request is
+        retracted and at least one kept. Returns (retracted, new_token_ratio).
         """
-        # sorted descending, popped from the end
-        sorted_indices = sorted(
-            range(len(self.reqs)),
-            key=lambda i: (len(self.reqs[i].output_ids), -len(self.reqs[i].origin_input_ids)),
-            reverse=True,
-        )
+
+        def keep_first(i: int) -> tuple:  # (the most worth keeping sorts first; retraction pops from the end)
+            req = self.reqs[i]
+            length = (len(req.output_ids), -len(req.origin_input_ids))
+            return length if priority_order is None else (-priority_order * req.priority, *length)
+
+        sorted_indices = sorted(range(len(self.reqs)), key=keep_first, reverse=True)
         retracted: List[Req] = []
         first_iter = True
         while first_iter or not self.check_decode_mem(selected_indices=sorted_indices):

@@ -317,22 +317,42 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
     def _add_request_to_queue(self, req: Req, is_retracted: bool = False) -> None:
         max_queued = self.server_args.max_queued_requests
         if not is_retracted and max_queued is not None and len(self.waiting_queue) >= max_queued:
-            req.finished_reason = FINISH_ABORT("The request queue is full.", 503, "ServiceUnavailableError")
-            self._finish_without_running(req, "queue full")
+            rejected = self._queue_full_victim(req)
+            if rejected is req:
+                message, detail = "The request queue is full.", "queue full"
+            else:
+                message = "The request is aborted by a higher priority request."
+                detail = f"queue full: evicted by {req.rid} (priority {req.priority} over {rejected.priority})"
+            rejected.finished_reason = FINISH_ABORT(message, 503, "ServiceUnavailableError")
+            self._finish_without_running(rejected, detail)
             self.num_rejected_queue_full += 1
             now = time.monotonic()
             if now - self._last_queue_full_log >= 1.0:  # an operator's only trace of the 503s; once a second
                 logger.warning(
                     "The request queue is full (--max-queued-requests %d): rejected rid=%s with 503 "
-                    "(%d rejected so far)", max_queued, req.rid, self.num_rejected_queue_full,
+                    "(%d rejected so far)", max_queued, rejected.rid, self.num_rejected_queue_full,
                 )  # fmt: skip
                 self._last_queue_full_log = now
-            return
+            if rejected is req:
+                return
         now = time.perf_counter()
         if not req.time_stats.wait_queue_entry_time:
             req.time_stats.wait_queue_entry_time = now
         req.time_stats.last_wait_queue_entry_time = now
         self.waiting_queue.append(req)
+
+    def _queue_full_victim(self, req: Req) -> Req:
+        """Who leaves a full queue for `req` (SGLang's _abort_on_queued_limit): `req` itself, or, with
+        priority scheduling, the least important queued request (of equals, the one queued last) when
+        `req` is strictly more important. That one is taken out of the queue here."""
+        if self.priority_order is None or not self.waiting_queue:
+            return req
+        order = self.priority_order
+        worst = max(self.waiting_queue, key=lambda r: (order * r.priority, r.time_stats.last_wait_queue_entry_time))
+        if order * req.priority >= order * worst.priority:
+            return req
+        self.waiting_queue.remove(worst)
+        return worst
 
     def _finish_without_running(self, req: Req, detail: str) -> None:
         """A request that holds no memory ends here: report it through the normal output path."""
@@ -690,7 +710,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             return batch
         if not batch.check_decode_mem():
             old_ratio = self.new_token_ratio
-            retracted, self.new_token_ratio = batch.retract_decode()
+            by_priority = self.priority_order if self.server_args.retraction_policy == "priority" else None
+            retracted, self.new_token_ratio = batch.retract_decode(by_priority)
             self.num_retracted_reqs_total += len(retracted)
             logger.warning(
                 "KV cache pool is full. Retract requests. #retracted_reqs: %d, #new_tokens_gained: %d, "
