@@ -187,3 +187,20 @@ def test_the_widget_outlines_retract_and_abort_steps_and_shows_request_slots() -
     assert '<b class="req-slots">2 / 64</b>' in panels["memory"]
     # a waiting card's prefix is the last match the scheduler made, not the tree now: said so
     assert "prompt 300 tok · matched 0" in panels["waiting"] and "last matched this request" in panels["waiting"]
+
+
+def test_a_waiting_request_shows_the_priority_it_named(tiny_model: str) -> None:
+    from minisgl import Engine
+    from minisgl.visualizer.render import render_waiting
+    from minisgl.visualizer.snapshot import validate_snapshot
+
+    with Engine(tiny_model, device="cpu", max_total_tokens=1024, max_running_requests=1, enable_priority_scheduling=True) as e:
+        e.add_request("one", SP, rid="run", priority=3)
+        e.add_request("two", SP, rid="named", priority=-2)
+        e.add_request("three", SP, rid="unnamed")  # (the scheduler's default: the least important)
+        snap = e.step()
+        assert validate_snapshot(snap) == []
+        assert {w["rid"]: w["priority"] for w in snap["waiting_queue"]} == {"named": -2, "unnamed": None}
+        html = render_waiting(snap)
+        assert '<span class="badge">priority -2</span>' in html and html.count("priority") == 1
+        e.run_until_idle()

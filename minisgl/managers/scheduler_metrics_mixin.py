@@ -9,6 +9,7 @@ the scheduler's state. The visualizer, the ipywidgets twin and the notebooks use
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from typing import Any, Dict, List, Optional
 
@@ -85,6 +86,8 @@ class SchedulerMetricsMixin:
                     "waited_ms": (now - r.time_stats.last_wait_queue_entry_time) * 1e3,
                     "retracted": r.is_retracted,
                     "retraction_count": r.retraction_count,
+                    # --enable-priority-scheduling: the priority it named (None: none, or the flag is off)
+                    "priority": r.priority if r.priority is not None and abs(r.priority) != sys.maxsize else None,
                 }
                 for r in self.waiting_queue
             ],

@@ -81,6 +81,7 @@ def render_waiting(snap: Mapping[str, Any]) -> str:
         f'<div class="req-card" data-rid="{escape(r["rid"])}" data-retracted="{int(r["retracted"])}">'
         f'<div><span class="rid">{escape(r["rid"])}</span>'
         + (f'<span class="badge">retracted ×{r.get("retraction_count", 1)}</span>' if r["retracted"] else "")
+        + (f'<span class="badge">priority {r["priority"]}</span>' if r.get("priority") is not None else "")
         + f'</div><div title="{_LAST_MATCH}">prompt {r["input_len"]} tok · matched {r["prefix_len"]}</div>'
         f'<div class="detail">waited {_ms(r["waited_ms"])}</div></div>'
         for r in snap["waiting_queue"]
