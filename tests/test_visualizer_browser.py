@@ -392,3 +392,24 @@ def test_requests_whose_grammar_compiles_are_cards_in_the_waiting_column(browser
         assert browser_page.errors == []
     finally:
         app.stop()
+
+
+def test_a_waiting_card_shows_the_priority_its_request_named(browser_page: Any) -> None:
+    from test_visualizer_sse import LiveApp, make_snapshot
+
+    from minisgl.visualizer.sse import SnapshotHub
+
+    hub = SnapshotHub()
+    app = LiveApp(hub)
+    try:
+        browser_page.goto(app.url + "/visualizer")
+        browser_page.wait_for_selector('#conn-status[data-state="open"]', timeout=15000)
+        snap = make_snapshot(1)
+        snap["waiting_queue"] = [{**snap["waiting_queue"][0], "rid": "p", "priority": 7}, {**snap["waiting_queue"][0], "rid": "q"}]
+        hub.add(snap)
+        _wait_step(browser_page, 1)
+        assert "priority 7" in browser_page.locator('#waiting-queue .req-card[data-rid="p"]').inner_text()
+        assert "priority" not in browser_page.locator('#waiting-queue .req-card[data-rid="q"]').inner_text()
+        assert browser_page.errors == []
+    finally:
+        app.stop()

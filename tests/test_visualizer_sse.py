@@ -33,7 +33,7 @@ def make_snapshot(step: int, mode: str = "DECODE", events: Sequence[Dict[str, An
         "step": step, "time": 1.7e9 + step, "forward_mode": mode,
         "log_line": f"Decode batch, #running-req: 2, step {step}",
         "waiting_queue": [{"rid": "w", "input_len": 300, "prefix_len": 0, "output_len": 0,
-                           "waited_ms": 1.0 * step, "retracted": False, "retraction_count": 0}],
+                           "waited_ms": 1.0 * step, "retracted": False, "retraction_count": 0, "priority": None}],
         "grammar_queue": [],
         "chunked_req": None,
         "batch": {"forward_mode": mode, "reqs": reqs},
