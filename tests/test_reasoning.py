@@ -185,3 +185,68 @@ def test_continuing_after_the_thinking_holds_the_grammar_from_the_first_token(ti
         for messages in (done, opened):
             _chat(client, messages=messages, continue_final_message=True, response_format={"type": "json_object"})
     assert [obj.require_reasoning for obj in seen] == [False, True]
+
+
+def test_stream_reasoning_false_sends_the_reasoning_in_one_piece_when_the_thinking_ends(tiny_model: str, tmp_path: Any) -> None:
+    pieces = ["<think>\nThe user ", "greets me.\nI greet", " back.\n</th", "ink>\n\nHello", " there!"]
+    outs = [_out("r", p, i + 1, STOP if i == len(pieces) - 1 else None) for i, p in enumerate(pieces)]
+    for i, out in enumerate(outs):  # one token per piece, with its logprob
+        out["meta_info"]["output_token_logprobs"] = [(-0.5 - i, 10 + i, None)]
+    client, _ = _client(tiny_model, tmp_path, outs)
+    with client:
+        held_chunks = [c for c in _events(_chat(client, stream=True, stream_reasoning=False, logprobs=True)) if c != "[DONE]"]
+        chunks = [c for c in _events(_chat(client, stream=True, logprobs=True)) if c != "[DONE]"]
+    held = [c["choices"][0]["delta"] for c in held_chunks]
+    reasoning = [d["reasoning_content"] for d in held if "reasoning_content" in d]
+    assert reasoning == ["The user greets me.\nI greet back."]  # one delta, not one per piece
+    first = next(i for i, d in enumerate(held) if "reasoning_content" in d)
+    assert not any(d.get("content") for d in held[:first])  # (the answer comes after it)
+    assert "".join(d.get("content") or "" for d in held) == "Hello there!"
+    streamed = [c["choices"][0]["delta"]["reasoning_content"] for c in chunks if "reasoning_content" in c["choices"][0]["delta"]]
+    assert len(streamed) > 1 and "".join(streamed) == reasoning[0]  # (the default streams it as it comes)
+
+    def logprobs(stream: List[Dict[str, Any]]) -> List[float]:
+        return [t["logprob"] for c in stream if c["choices"][0].get("logprobs") for t in c["choices"][0]["logprobs"]["content"]]
+
+    # held back with the reasoning, every token's logprob still comes once, in order
+    assert logprobs(held_chunks) == logprobs(chunks) == [-0.5, -1.5, -2.5, -3.5, -4.5]
+
+
+def test_stream_reasoning_false_holds_a_reasoning_cut_off_until_the_end(tiny_model: str, tmp_path: Any) -> None:
+    pieces = ["<think>Still ", "thinking", " when cut"]
+    outs = [_out("r", p, i + 1, {"type": "length", "length": 3} if i == len(pieces) - 1 else None) for i, p in enumerate(pieces)]
+    client, _ = _client(tiny_model, tmp_path, outs)
+    with client:
+        deltas = [c["choices"][0]["delta"] for c in _events(_chat(client, stream=True, stream_reasoning=False)) if c != "[DONE]"]
+    assert [d["reasoning_content"] for d in deltas if "reasoning_content" in d] == ["Still thinking when cut"]
+
+
+def test_reasoning_fields_without_a_reasoning_parser_are_refused(tiny_model: str, tmp_path: Any) -> None:
+    client, _ = _client(tiny_model, tmp_path, [_out("r", THOUGHT, 12, STOP)] * 2, parser=None)
+    with client:
+        for body, field in [({"separate_reasoning": True}, "separate_reasoning: true"), ({"stream_reasoning": False, "stream": True}, "stream_reasoning: false")]:
+            r = _chat(client, **body)
+            assert r.status_code == 400 and f"{field} needs a server started with --reasoning-parser" in r.text, body
+        # (what asks for nothing the server lacks is fine: the defaults, and separate_reasoning false)
+        assert _chat(client, separate_reasoning=False).status_code == 200
+        assert _chat(client, stream_reasoning=True).status_code == 200
+
+
+def test_reasoning_effort_is_a_chat_template_variable(tiny_model: str, tmp_path: Any) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tokenizer.chat_template = "{% for m in messages %}{{ m.content }};{% endfor %}effort={{ reasoning_effort or 'unset' }}"
+    client, seen = _scripted_client(tiny_model, tmp_path, [_out("r", "ok", 1, STOP)] * 2, tokenizer=tokenizer)
+    with client:
+        assert _chat(client, reasoning_effort="low").status_code == 200
+        assert _chat(client).status_code == 200
+        twice = _chat(client, reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high"})
+        bad = _chat(client, reasoning_effort="extreme")
+    assert [s.text for s in seen] == ["hi;effort=low", "hi;effort=unset"]
+    assert twice.status_code == 400 and "reasoning_effort is given twice" in twice.text
+    assert bad.status_code == 400 and "reasoning_effort" in bad.text
+    client, _ = _scripted_client(tiny_model, tmp_path, [_out("r", "ok", 1, STOP)])  # (a template that never reads it)
+    with client:
+        r = _chat(client, reasoning_effort="high")
+    assert r.status_code == 400 and "reasoning_effort is not used by this model's chat template" in r.text

@@ -28,7 +28,7 @@ _STRICT = ConfigDict(extra="forbid", strict=True)
 # them lets the error say "not supported" rather than "unknown" (the 400 is the same either way).
 UNSUPPORTED_FIELDS = frozenset(
     {
-        "functions", "function_call", "audio", "modalities", "prediction", "reasoning_effort", "store",
+        "functions", "function_call", "audio", "modalities", "prediction", "store",
         "metadata", "service_tier", "web_search_options", "suffix", "best_of", "user",
         "lora_path", "image_data", "return_hidden_states", "custom_logit_processor",
         # SGLang's own, on /generate or the OpenAI routes
@@ -387,6 +387,10 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: Optional[Dict[str, Any]] = None
     # SGLang's: with --reasoning-parser, the thinking goes to reasoning_content (false: all of it in content)
     separate_reasoning: bool = True
+    # SGLang's: false sends a stream's reasoning_content in one piece, once the thinking has ended
+    stream_reasoning: bool = True
+    # OpenAI's: how hard a reasoning model thinks; a chat-template variable (gpt-oss's), as in SGLang
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh"]] = None
     # tools the model may call: forced calls are constrained, "auto" ones need --tool-call-parser (tool_calls.py)
     tools: Optional[List[Tool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], ToolChoice]] = None

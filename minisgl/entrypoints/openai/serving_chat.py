@@ -235,6 +235,12 @@ class OpenAIServingChat(OpenAIServingBase):
         # SGLang's chat check, which holds only without auto-truncate (the gate then clamps it)
         if max_new is not None and max_new > context_len and not self.tokenizer_manager.server_args.allow_auto_truncate:
             return f"{field} is too large: {max_new}. This model supports at most {context_len} completion tokens."
+        if self.tokenizer_manager.server_args.reasoning_parser is None:
+            # (each would be dropped without a word: there is no reasoning to separate or hold back)
+            asked = [f"{k}: {str(v).lower()}" for k, v in (("separate_reasoning", True), ("stream_reasoning", False))
+                     if k in request.model_fields_set and getattr(request, k) == v]  # fmt: skip
+            if asked:
+                return f"{', '.join(asked)} needs a server started with --reasoning-parser (qwen3 or deepseek-r1)"
         return validate_tools(request, self.tokenizer_manager.server_args.tool_call_parser)
 
     def _apply_chat_template(self, request: ChatCompletionRequest) -> str:
@@ -257,8 +263,9 @@ class OpenAIServingChat(OpenAIServingBase):
         return prompt
 
     def _template_kwargs(self, request: ChatCompletionRequest) -> Dict[str, Any]:
-        """chat_template_kwargs, each checked to be a variable the template reads (one it never
-        reads would be dropped without a word, as an unused `name` would)."""
+        """chat_template_kwargs, and reasoning_effort (SGLang passes it to the template), each checked
+        to be a variable the template reads (one it never reads would be dropped without a word, as
+        an unused `name` would)."""
         kwargs = dict(request.chat_template_kwargs or {})
         reserved = sorted(set(kwargs) & _APPLY_CHAT_TEMPLATE_ARGS)
         if reserved:
@@ -267,6 +274,15 @@ class OpenAIServingChat(OpenAIServingBase):
         unused = sorted(set(kwargs) - read) if read is not None else []  # (unparsed here: passed on, as SGLang does)
         if unused:
             raise ValueError(f"chat_template_kwargs {unused} are not used by this model's chat template; remove them")
+        if request.reasoning_effort is not None:
+            if "reasoning_effort" in kwargs:
+                raise ValueError("reasoning_effort is given twice (the field and chat_template_kwargs); keep one")
+            if read is not None and "reasoning_effort" not in read:
+                raise ValueError(
+                    "reasoning_effort is not used by this model's chat template (a template variable, read by "
+                    "reasoning models' templates such as gpt-oss's); remove it"
+                )
+            kwargs["reasoning_effort"] = request.reasoning_effort
         return kwargs
 
     def _render(self, messages: List[Dict[str, Any]], request: ChatCompletionRequest) -> str:
@@ -390,6 +406,21 @@ class OpenAIServingChat(OpenAIServingBase):
 
         calls_of: Dict[int, _StreamedCalls] = {}  # per choice: its text, held back where it may be a call
         thinking_of: Dict[int, Optional[ReasoningSplitter]] = {}  # per choice: its reasoning, apart
+        # stream_reasoning false: per choice, the reasoning (and its tokens' logprobs) not sent yet
+        thought: Dict[int, Tuple[str, List[ChatTokenLogprob]]] = {}
+
+        def reasoning_chunk(index: int, reasoning: str, tokens: List[ChatTokenLogprob], done: bool) -> Optional[str]:
+            """The chunk that sends `reasoning` now, or None while stream_reasoning false holds it."""
+            if not request.stream_reasoning:
+                held, held_tokens = thought.get(index, ("", []))
+                reasoning, tokens = held + reasoning, held_tokens + tokens
+                if not done:
+                    thought[index] = (reasoning, tokens)
+                    return None
+                thought.pop(index, None)
+            if not reasoning and not tokens:
+                return None
+            return chunk(index, DeltaMessage(reasoning_content=reasoning), logprobs=ChatChoiceLogprobs(content=tokens) if tokens else None)
         async for out in prepend(first, rest):
             index = out.get("index", 0)
             meta = out["meta_info"]
@@ -405,10 +436,12 @@ class OpenAIServingChat(OpenAIServingBase):
             answer = out["text"]
             if thinking is not None:
                 reasoning, answer = thinking.feed(answer)
-                if reasoning:  # (a chunk's tokens go with its reasoning unless some of its text is the answer)
-                    yield chunk(index, DeltaMessage(reasoning_content=reasoning),
-                                logprobs=ChatChoiceLogprobs(content=tokens_in) if logprobs and not answer else None)  # fmt: skip
-                    tokens_in = tokens_in if answer else []
+                # (a chunk's tokens go with its reasoning unless some of its text is the answer)
+                ended = thinking.mode in ("closing", "content")
+                sent = reasoning_chunk(index, reasoning, tokens_in if reasoning and not answer else [], done=ended)
+                if sent is not None:
+                    yield sent
+                tokens_in = tokens_in if answer or not reasoning else []
             text, tokens = calls.feed(answer, tokens_in)
             if text or tokens:
                 yield chunk(index, DeltaMessage(content=text), logprobs=ChatChoiceLogprobs(content=tokens) if logprobs else None)
@@ -423,8 +456,9 @@ class OpenAIServingChat(OpenAIServingBase):
             thinking = thinking_of.pop(index)
             if thinking is not None:  # what it held: the end of the reasoning, or of an answer's first blanks
                 reasoning, answer = thinking.finish()
-                if reasoning:
-                    yield chunk(index, DeltaMessage(reasoning_content=reasoning))
+                sent = reasoning_chunk(index, reasoning, [], done=True)
+                if sent is not None:
+                    yield sent
                 text, tokens = calls_of[index].feed(answer, [])
                 if text or tokens:
                     yield chunk(index, DeltaMessage(content=text))
