@@ -28,8 +28,7 @@ _QWEN25 = TOOL_CALL_FORMATS["qwen25"]
 
 AUTO_NOT_BUILT = (
     'tool_choice "auto" (the default when tools are given) needs a parser for this model\'s own tool-call format: '
-    "start the server with --tool-call-parser qwen25 (Qwen2.5/Qwen3), llama3 (Llama 3.1/3.2's JSON calls), "
-    "mistral (Mistral's [TOOL_CALLS]) or pythonic (Llama 3.2/4's [f(x=1)]), or "
+    f"start the server with --tool-call-parser {', '.join(f'{f.name} ({f.models})' for f in TOOL_CALL_FORMATS.values())}, or "
     'use tool_choice "required" or {"type": "function", "function": {"name": ...}} (the call is then constrained '
     'to JSON), or "none"'
 )
@@ -51,7 +50,7 @@ def validate_tools(request: ChatCompletionRequest, parser: Optional[str] = None)
             return f"Tool '{choice.function.name}' not found in tools list."
     if choice in (None, "auto") and parser is None:
         return AUTO_NOT_BUILT
-    if choice in (None, "auto") and any(t.function.strict for t in request.tools or []) and not TOOL_CALL_FORMATS[parser].structures('"f"'):
+    if choice in (None, "auto") and any(t.function.strict for t in request.tools or []) and not TOOL_CALL_FORMATS[parser].has_structural_tag:
         # (SGLang leaves them unconstrained: a strict tool's promise would silently not hold)
         return (
             'strict tools under tool_choice "auto" are constrained by a structural tag, which holds JSON arguments: '

@@ -29,6 +29,7 @@ tools they would have been skipped.
 
 from __future__ import annotations
 
+import abc
 import ast
 import json
 import logging
@@ -55,12 +56,12 @@ def _skip_blanks(text: str, i: int) -> int:
     return i
 
 
-class ToolCallFormat:
+class ToolCallFormat(abc.ABC):
     """One model family's tool-call format. A subclass names its markup and reads its calls;
     `parse` applies the rules every format shares."""
 
-    name: str = ""
-    models: str = ""
+    name: str = ""  # its --tool-call-parser
+    models: str = ""  # whose format it is, for messages
     markers: Tuple[str, ...] = ()  # text that begins the calls wherever it shows
     special: Tuple[str, ...] = ()  # the format's special tokens: dropped from content
 
@@ -75,16 +76,20 @@ class ToolCallFormat:
         token: a stream holds them until the next delta says."""
         return max((k for m in self.markers + self.special for k in range(1, min(len(m), len(text) + 1)) if m.startswith(text[-k:])), default=0)  # fmt: skip
 
+    @abc.abstractmethod
     def read_calls(self, tail: str) -> Optional[List[RawCall]]:
         """The calls in `tail` (the answer from its first call markup on), or None when `tail`
         is not calls only."""
-        raise NotImplementedError
 
     def structures(self, name_json: str) -> List[Structure]:
         """The structural tag's structures for a call of the tool named `name_json` (its name
         as JSON text), the arguments between begin and end; [] for a format whose arguments
         are not JSON (a structural tag holds only a JSON schema)."""
         return []
+
+    @property
+    def has_structural_tag(self) -> bool:
+        return bool(self.structures('""'))
 
     def call_id(self) -> str:
         return f"call_{uuid.uuid4().hex[:24]}"
@@ -120,7 +125,7 @@ class ToolCallFormat:
 class Qwen25Format(ToolCallFormat):
     """Qwen2.5 / Qwen3 (SGLang's Qwen25Detector): `<tool_call>\\n{json}\\n</tool_call>` blocks."""
 
-    name, models = "qwen25", "Qwen2.5/Qwen3's <tool_call>"
+    name, models = "qwen25", "Qwen2.5/Qwen3"
     markers = ("<tool_call>",)
     _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -147,7 +152,7 @@ class Llama3Format(ToolCallFormat):
     {...}}`, several joined by `;`, after `<|python_tag|>` or opening the answer (Meta's
     template asks for bare JSON; the tag is the model's own habit, for its built-in tools)."""
 
-    name, models = "llama3", "Llama 3.1/3.2's JSON calls, after <|python_tag|> or opening the answer"
+    name, models = "llama3", "Llama 3.1/3.2's JSON calls"
     _TAG = "<|python_tag|>"
     markers = special = (_TAG,)
 
@@ -237,7 +242,7 @@ class PythonicFormat(ToolCallFormat):
     Python literals (read with `ast.literal_eval`: nothing is ever evaluated), optionally
     between Llama 4's `<|python_start|>` and `<|python_end|>`."""
 
-    name, models = "pythonic", "Llama 3.2/4's pythonic [f(x=1)]"
+    name, models = "pythonic", "Llama 3.2/4's [f(x=1)]"
     markers = ("<|python_start|>",)
     special = ("<|python_start|>", "<|python_end|>")
     _START = re.compile(r"\[[A-Za-z_]\w*\(")  # `[` then a function's name and `(`
