@@ -164,7 +164,7 @@ class StreamedText:
     calls held back: text that could be the start of a call (or of one of the format's special
     tokens) waits until it is known, and so do blanks that may end the text before a call (the
     answer's content drops them), so that a stream sends exactly the non-streaming answer's
-    content."""
+    content. `fmt`: the model family's format (qwen25's when not given)."""
 
     def __init__(self, tool_names: Collection[str], fmt: Optional[ToolCallFormat] = None) -> None:
         self.tool_names = tool_names
