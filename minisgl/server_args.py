@@ -46,7 +46,7 @@ BUILTIN_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "as
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 GRAMMAR_BACKENDS = ("xgrammar", "none")
 RETRACTION_POLICIES = ("length", "priority")  # (SGLang 0.5.23's --retraction-policy)
-TOOL_CALL_PARSERS = ("qwen25",)  # (entrypoints/openai/tool_calls.py)
+TOOL_CALL_PARSERS = ("qwen25", "llama3", "mistral", "pythonic")  # (entrypoints/openai/tool_parsers.py)
 REASONING_PARSERS = ("qwen3", "deepseek-r1")  # (entrypoints/openai/reasoning.py)
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 DEVICES = ("auto", "cpu", "cuda")
@@ -153,7 +153,12 @@ class ServerArgs:
         default="xgrammar", metadata=_opt("Grammar backend of structured output (json_schema, regex, ebnf): xgrammar, or none to refuse such requests.", choices=GRAMMAR_BACKENDS)
     )
     tool_call_parser: Optional[str] = field(
-        default=None, metadata=_opt('Parse tool calls in the model\'s own format for tool_choice "auto": qwen25 (Qwen2.5/Qwen3\'s <tool_call>).', choices=TOOL_CALL_PARSERS)
+        default=None, metadata=_opt(
+            'Parse tool calls in the model\'s own format for tool_choice "auto": qwen25 (Qwen2.5/Qwen3\'s <tool_call>), '
+            "llama3 (Llama 3.1/3.2's JSON calls, <|python_tag|>), mistral (Mistral's [TOOL_CALLS]) or pythonic "
+            "(Llama 3.2/4's [f(x=1)], when the template asks for it).",
+            choices=TOOL_CALL_PARSERS,
+        )
     )
     reasoning_parser: Optional[str] = field(
         default=None, metadata=_opt("Put a thinking model's <think>...</think> in the chat answer's reasoning_content: qwen3 or deepseek-r1.", choices=REASONING_PARSERS)

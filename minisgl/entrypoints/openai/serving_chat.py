@@ -49,8 +49,9 @@ from minisgl.entrypoints.openai.serving_base import (
 from minisgl.constrained.reasoner_grammar import REASONING_TAGS
 from minisgl.entrypoints.openai.reasoning import ReasoningSplitter, split_reasoning
 from minisgl.entrypoints.openai.tool_calls import (
-    StreamedText, auto_call_constraint, parse_qwen25, parse_tool_calls, tool_call_constraint, validate_tools, visible_tools,
+    StreamedText, auto_call_constraint, parse_tool_calls, tool_call_constraint, validate_tools, visible_tools,
 )  # fmt: skip
+from minisgl.entrypoints.openai.tool_parsers import TOOL_CALL_FORMATS, ToolCallFormat
 from minisgl.managers.io_struct import GenerateReqInput
 
 # apply_chat_template's own parameters: chat_template_kwargs may not pass them (they are not template variables)
@@ -168,10 +169,10 @@ class _HeldForcedCall(_StreamedCalls):
 
 
 class _ParsedCalls(_StreamedCalls):
-    """tool_choice "auto" with --tool-call-parser: the text as it comes, up to a possible <tool_call>."""
+    """tool_choice "auto" with --tool-call-parser: the text as it comes, up to a possible call."""
 
-    def __init__(self, tool_names: set) -> None:
-        self.splitter = StreamedText(tool_names)
+    def __init__(self, tool_names: set, fmt: ToolCallFormat) -> None:
+        self.splitter = StreamedText(tool_names, fmt)
 
     def feed(self, text: str, tokens: List[ChatTokenLogprob]) -> Tuple[str, List[ChatTokenLogprob]]:
         return self.splitter.feed(text), tokens
@@ -187,7 +188,7 @@ class OpenAIServingChat(OpenAIServingBase):
     def _streamed_calls(self, request: ChatCompletionRequest) -> _StreamedCalls:
         if _forces_calls(request):
             return _HeldForcedCall()
-        return _ParsedCalls(_tool_names(request)) if self._parses_calls(request) else _StreamedCalls()
+        return _ParsedCalls(_tool_names(request), self._call_format()) if self._parses_calls(request) else _StreamedCalls()
 
     def _reasoning_splitter(self, request: ChatCompletionRequest) -> Optional[ReasoningSplitter]:
         """A choice's splitter of <think>...</think>, with --reasoning-parser unless the request
@@ -216,6 +217,10 @@ class OpenAIServingChat(OpenAIServingBase):
             return None, text
         reasoning, answer = split_reasoning(parser, text, _continued(request))
         return reasoning or None, answer
+
+    def _call_format(self) -> ToolCallFormat:
+        """The model family's tool-call format, named by --tool-call-parser."""
+        return TOOL_CALL_FORMATS[self.tokenizer_manager.server_args.tool_call_parser]
 
     def _parses_calls(self, request: ChatCompletionRequest) -> bool:
         """tool_choice "auto" (or unset) with tools, on a server with a --tool-call-parser."""
@@ -307,7 +312,7 @@ class OpenAIServingChat(OpenAIServingBase):
         # a forced call's JSON array, or the structural tag that holds "auto" calls of strict tools
         key, constraint = "json_schema", tool_call_constraint(request)
         if constraint is None and self._parses_calls(request):
-            key, constraint = "structural_tag", auto_call_constraint(request)
+            key, constraint = "structural_tag", auto_call_constraint(request, self._call_format())
         if constraint is not None:
             # the fields the user set that constrain the output too (response_format becomes json_schema)
             other = sorted(k for k in ("json_schema", "regex", "ebnf") if getattr(request, k) is not None)
@@ -364,14 +369,16 @@ class OpenAIServingChat(OpenAIServingBase):
             usage.update(index, meta)
             finish_reason, matched = openai_finish_reason(meta["finish_reason"])
             reasoning, answer = self._split_reasoning(request, out["text"])
-            message = ChatCompletionMessage(content=answer, reasoning_content=reasoning)
             # (an answer cut short, by max_tokens or a stop string, is no call: it stays content)
             content, calls = answer, None
             if finish_reason == "stop" and _forces_calls(request):
                 calls = parse_tool_calls(answer)
                 content = None if calls else answer
-            elif finish_reason == "stop" and self._parses_calls(request):
-                content, calls = parse_qwen25(answer, _tool_names(request))
+            elif self._parses_calls(request):  # (the format's special tokens are never content)
+                fmt = self._call_format()
+                content, calls = fmt.parse(answer, _tool_names(request)) if finish_reason == "stop" else (fmt.content(answer), None)
+            # (every call dropped, as undefined: the text before them, as a stream sends it)
+            message = ChatCompletionMessage(content=content, reasoning_content=reasoning)
             if calls:  # SGLang's: finish_reason tool_calls, matched_stop dropped
                 message = ChatCompletionMessage(content=content or None, reasoning_content=reasoning, tool_calls=calls)
                 finish_reason, matched = "tool_calls", None

@@ -9,26 +9,26 @@ comes back, `parse_tool_calls` turns that array into OpenAI's `tool_calls`.
 
 This is SGLang's path for these two choices (its `get_json_schema_constraint` and
 `JsonArrayParser`, which bypass the model-specific parsers). `tool_choice: "auto"` needs a
-parser for the model family's own tool-call format (SGLang's --tool-call-parser): minisgl
-has Qwen2.5/Qwen3's (`<tool_call>{...}</tool_call>`, `--tool-call-parser qwen25`, at the end of
-this file); without one, "auto" is refused.
+parser for the model family's own tool-call format (SGLang's --tool-call-parser): the formats
+are in tool_parsers.py (qwen25, llama3, mistral, pythonic); this file's end holds what they
+share: the structural tag of strict tools (`auto_call_constraint`) and the streamed split of
+text and calls (`StreamedText`). Without a parser, "auto" is refused.
 """
 
 from __future__ import annotations
 
 import json
-import logging
-import re
 import uuid
 from typing import Any, Collection, Dict, List, Optional, Tuple
 
 from minisgl.entrypoints.openai.protocol import ChatCompletionRequest, FunctionCall, Tool, ToolCall, ToolChoice
+from minisgl.entrypoints.openai.tool_parsers import TOOL_CALL_FORMATS, ToolCallFormat
 
-logger = logging.getLogger("minisgl.tool_calls")
+_QWEN25 = TOOL_CALL_FORMATS["qwen25"]
 
 AUTO_NOT_BUILT = (
     'tool_choice "auto" (the default when tools are given) needs a parser for this model\'s own tool-call format: '
-    "start the server with --tool-call-parser qwen25 for Qwen2.5/Qwen3 models (the only format minisgl parses), or "
+    f"start the server with --tool-call-parser {', '.join(f'{f.name} ({f.models})' for f in TOOL_CALL_FORMATS.values())}, or "
     'use tool_choice "required" or {"type": "function", "function": {"name": ...}} (the call is then constrained '
     'to JSON), or "none"'
 )
@@ -36,7 +36,8 @@ AUTO_NOT_BUILT = (
 
 def validate_tools(request: ChatCompletionRequest, parser: Optional[str] = None) -> Optional[str]:
     """SGLang's messages for a tool_choice the tools cannot satisfy (sglang-facts.md §10.1), and
-    minisgl's for "auto" without a --tool-call-parser; None when the request is fine."""
+    minisgl's for "auto" without a --tool-call-parser, or with strict tools a format cannot
+    constrain; None when the request is fine."""
     choice = request.tool_choice
     if not request.tools and choice in (None, "none", "auto"):  # (nothing to call: a plain chat)
         return None
@@ -49,6 +50,13 @@ def validate_tools(request: ChatCompletionRequest, parser: Optional[str] = None)
             return f"Tool '{choice.function.name}' not found in tools list."
     if choice in (None, "auto") and parser is None:
         return AUTO_NOT_BUILT
+    if choice in (None, "auto") and any(t.function.strict for t in request.tools or []) and not TOOL_CALL_FORMATS[parser].has_structural_tag:
+        # (SGLang leaves them unconstrained: a strict tool's promise would silently not hold)
+        return (
+            'strict tools under tool_choice "auto" are constrained by a structural tag, which holds JSON arguments: '
+            f"the {parser} format writes Python ones. Drop \"strict\", or use tool_choice \"required\" or a named "
+            "function (the call is then constrained to JSON)"
+        )
     return None
 
 
@@ -91,24 +99,27 @@ def tool_call_constraint(request: ChatCompletionRequest) -> Optional[str]:
     return json.dumps(schema)
 
 
-def auto_call_constraint(request: ChatCompletionRequest) -> Optional[str]:
+def auto_call_constraint(request: ChatCompletionRequest, fmt: ToolCallFormat) -> Optional[str]:
     """The structural tag (its JSON text) that constrains "auto" calls when a tool is strict, or None.
 
-    SGLang's: the model writes free text, but from a `<tool_call>` trigger on, what follows is one
-    of the tools' calls in Qwen's format, a strict tool's arguments matching its parameters (a
-    tool that is not strict takes any JSON). Without a strict tool nothing is constrained."""
+    SGLang's: the model writes free text, but from one of the format's triggers on (Qwen's
+    `<tool_call>`, Mistral's `[TOOL_CALLS]`, ...), what follows is one of the tools' calls in
+    that format, a strict tool's arguments matching its parameters (a tool that is not strict
+    takes any JSON). Without a strict tool nothing is constrained; validate_tools refused a
+    format that has no tag (its arguments are not JSON)."""
     if not request.tools or request.tool_choice not in (None, "auto") or not any(t.function.strict for t in request.tools):
         return None
-    structures = [
-        {
-            # (the name as JSON: a `"` in it would have made the only allowed call invalid JSON)
-            "begin": '<tool_call>\n{"name":' + json.dumps(tool.function.name, ensure_ascii=False) + ', "arguments":',
-            "schema": (tool.function.parameters or {"type": "object", "properties": {}}) if tool.function.strict else {},
-            "end": "}\n</tool_call>",
-        }
-        for tool in request.tools
-    ]
-    return json.dumps({"structures": structures, "triggers": [_QWEN_START]})
+    structures: List[Dict[str, Any]] = []
+    triggers: List[str] = []
+    for tool in request.tools:
+        schema = (tool.function.parameters or {"type": "object", "properties": {}}) if tool.function.strict else {}
+        # (the name as JSON: a `"` in it would have made the only allowed call invalid JSON)
+        for begin, end, trigger in fmt.structures(json.dumps(tool.function.name, ensure_ascii=False)):
+            structures.append({"begin": begin, "schema": schema, "end": end})
+            triggers += [trigger] if trigger not in triggers else []
+    if not structures:
+        raise ValueError(f"the {fmt.name} tool-call format has no structural tag")  # (validate_tools said so first)
+    return json.dumps({"structures": structures, "triggers": triggers})
 
 
 def visible_tools(request: ChatCompletionRequest) -> List[Tool]:
@@ -139,81 +150,58 @@ def parse_tool_calls(text: str) -> Optional[List[ToolCall]]:
 
 
 # --------------------------------------------------------------------------- tool_choice "auto"
-# Model families' own tool-call formats (SGLang's --tool-call-parser). With "auto" nothing is
-# constrained: the model writes text, calls in its format, or both, and the parser splits them.
-_QWEN_START, _QWEN_END = "<tool_call>", "</tool_call>"
-_QWEN_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-
-
+# Model families' own tool-call formats (SGLang's --tool-call-parser; tool_parsers.py). With
+# "auto" nothing is constrained (unless a tool is strict): the model writes text, calls in its
+# format, or both, and the format splits them.
 def parse_qwen25(text: str, tool_names: Collection[str]) -> Tuple[str, Optional[List[ToolCall]]]:
-    """Qwen2.5 / Qwen3's format: (the text before the first `<tool_call>`, the calls), each call
-    `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`; (text, None) when there is
-    none, or one is not such a JSON object (an answer cut inside a call stays text). A call of a
-    function not in `tool_names` is dropped (SGLang's "Model attempted to call undefined
-    function"): an agent must never be handed a function it did not offer; when every call is
-    dropped, the answer is its text before the first block, with no calls (SGLang's too: the
-    markup of a call that was dropped is not handed over as text either)."""
-    start = text.find(_QWEN_START)
-    if start < 0:
-        return text, None
-    calls: List[ToolCall] = []
-    dropped = 0
-    for body in _QWEN_CALL.findall(text[start:]):
-        try:
-            call = json.loads(body)
-        except json.JSONDecodeError:
-            return text, None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return text, None
-        if call["name"] not in tool_names:
-            logger.warning("Model attempted to call undefined function: %s", call["name"])
-            dropped += 1
-            continue
-        arguments = call.get("arguments", call.get("parameters", {}))
-        calls.append(ToolCall(id=f"call_{uuid.uuid4().hex[:24]}",
-                              function=FunctionCall(name=call["name"], arguments=json.dumps(arguments, ensure_ascii=False))))  # fmt: skip
-    if (not calls and not dropped) or _QWEN_CALL.sub("", text[start:]).strip():  # (text after or between the calls: not a call answer)
-        return text, None
-    # (SGLang strips both ends; the start is kept, as a stream has sent it by the time a call shows)
-    return text[:start].rstrip(), calls or None
+    """Qwen2.5 / Qwen3's format (ToolCallFormat.parse says the rules): (the text before the first
+    `<tool_call>`, the calls), or (text, None)."""
+    return _QWEN25.parse(text, tool_names)
 
 
 class StreamedText:
     """Splits a streamed answer of tool_choice "auto" into the content to send now and the tool
-    calls held back: text that could be the start of `<tool_call>` waits until it is known, and
-    so do blanks that may end the text before a call (the answer's content drops them), so that
-    a stream sends exactly the non-streaming answer's content."""
+    calls held back: text that could be the start of a call (or of one of the format's special
+    tokens) waits until it is known, and so do blanks that may end the text before a call (the
+    answer's content drops them), so that a stream sends exactly the non-streaming answer's
+    content. `fmt`: the model family's format (qwen25's when not given)."""
 
-    def __init__(self, tool_names: Collection[str]) -> None:
+    def __init__(self, tool_names: Collection[str], fmt: Optional[ToolCallFormat] = None) -> None:
         self.tool_names = tool_names
+        self.format = fmt or _QWEN25
         self.full = ""  # everything fed
+        # invariant: full[:safe] holds no call start and ends where no marker or special token
+        # straddles, so its content is content(full)'s prefix whatever comes next
+        self.safe = 0
         self.sent = ""  # what feed() gave out: always a prefix of the final content
-        self.pending = ""  # held back: trailing blanks, then a suffix that may begin `<tool_call>`
-        self.calls_text: Optional[str] = None  # from the first `<tool_call>` on
+        self.blanks = ""  # the content's trailing blanks, held: they may end the text before a call
+        self.calls_from: Optional[int] = None  # where the calls begin in `full`
 
     def feed(self, delta: str) -> str:
         """The part of `delta` (with what was held back) that is content for sure."""
         self.full += delta
-        if self.calls_text is not None:
-            self.calls_text += delta
+        if self.calls_from is not None:
             return ""
-        text = self.pending + delta
-        start = text.find(_QWEN_START)
+        tail = self.full[self.safe :]
+        # (the answer's opening: nothing sent yet, so what came before was blanks, or special
+        # tokens, which for a format that reads `at_start` begin its calls)
+        start = self.format.find_start(tail, at_start=not self.sent)
         if start >= 0:
-            self.calls_text, self.pending = text[start:], text[:start]
-            sure = text[:start].rstrip()
+            self.calls_from = end = self.safe + start
         else:
-            held = next((k for k in range(min(len(_QWEN_START) - 1, len(text)), 0, -1) if _QWEN_START.startswith(text[-k:])), 0)
-            sure = text[: len(text) - held].rstrip()
-            self.pending = text[len(sure) :]
-        self.sent += sure
+            end = len(self.full) - self.format.held(tail)
+        text = self.blanks + self.format.content(self.full[self.safe : end])
+        sure = text.rstrip()
+        self.safe, self.blanks, self.sent = end, text[len(sure) :], self.sent + sure
         return sure
 
     def unsent(self) -> str:
         """Everything fed and not given out (an answer cut short: all of it is content)."""
-        return self.full[len(self.sent) :]
+        return self.format.content(self.full)[len(self.sent) :]
 
     def finish(self) -> Tuple[str, Optional[List[ToolCall]]]:
         """At the end of the choice: (content still to send, the calls or None)."""
-        content, calls = parse_qwen25(self.full, self.tool_names) if self.calls_text is not None else (self.full, None)
+        if self.calls_from is None:
+            return self.unsent(), None
+        content, calls = self.format.parse(self.full, self.tool_names)
         return content[len(self.sent) :] if content.startswith(self.sent) else "", calls

@@ -1,0 +1,285 @@
+"""Tool-call formats (stage 1, chat only, tool_choice "auto"): how each model family writes
+its calls, read back into OpenAI's `tool_calls` (SGLang's --tool-call-parser, its
+function_call/*_detector.py).
+
+Where it sits: OpenAIServingChat picks the format --tool-call-parser names
+(`TOOL_CALL_FORMATS`). tool_calls.py hands it the answer's text, after the reasoning parser
+took the thinking out: whole (`ToolCallFormat.parse` -> (content, calls)), or as it streams
+(`StreamedText` asks `find_start` and `held` what may still begin a call); and it asks the
+format for a strict tool's structural-tag begin/end/trigger (`structures`). In: text. Out:
+content text and ToolCalls. Owns: nothing (a format is stateless; a stream's state is
+StreamedText's).
+
+| parser   | models                                         | a call                                             |
+|----------|------------------------------------------------|----------------------------------------------------|
+| qwen25   | Qwen2.5, Qwen3                                 | `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` |
+| llama3   | Llama 3.1, 3.2 (JSON calls)                    | `<|python_tag|>`? `{"name": ..., "parameters": {...}}`, `;` between calls |
+| mistral  | Mistral 7B v0.3, Nemo, Small; later compact    | `[TOOL_CALLS] [{"name": ..., "arguments": {...}}]`, or `[TOOL_CALLS]name[ARGS]{...}` per call |
+| pythonic | Llama 3.2 prompted for it, Llama 4's format    | `[get_weather(city="Paris"), get_time()]` (Python literals, never eval'd) |
+
+One rule for every format (minisgl's; SGLang's detectors differ in details, e.g. some keep
+text after the calls as content): the calls run from the first call markup to the end of
+the answer. The content is the text before it, without its trailing blanks; an answer whose
+markup is not followed by well-formed calls only (cut short, bad JSON, text after the
+calls) is all content. A call of a function the request did not offer is dropped and
+logged. A format's special tokens (`<|python_tag|>`, `[TOOL_CALLS]`, ...) never reach the
+content: the chat route turns skip_special_tokens off for the parser's sake, and without
+tools they would have been skipped.
+"""
+
+from __future__ import annotations
+
+import abc
+import ast
+import json
+import logging
+import re
+import uuid
+from typing import Any, Collection, Dict, List, Optional, Tuple
+
+from minisgl.entrypoints.openai.protocol import FunctionCall, ToolCall
+
+logger = logging.getLogger("minisgl.tool_calls")
+
+RawCall = Dict[str, Any]  # {"name": str, "arguments" or "parameters": ...} as the model wrote it
+Structure = Tuple[str, str, str]  # (begin, end, trigger) of one structural-tag structure
+
+
+def _json_call(value: Any) -> Optional[RawCall]:
+    """`value` if it is a call object (a dict with a string name), else None."""
+    return value if isinstance(value, dict) and isinstance(value.get("name"), str) else None
+
+
+def _skip_blanks(text: str, i: int) -> int:
+    while i < len(text) and text[i].isspace():
+        i += 1
+    return i
+
+
+class ToolCallFormat(abc.ABC):
+    """One model family's tool-call format. A subclass names its markup and reads its calls;
+    `parse` applies the rules every format shares."""
+
+    name: str = ""  # its --tool-call-parser
+    models: str = ""  # whose format it is, for messages
+    markers: Tuple[str, ...] = ()  # text that begins the calls wherever it shows
+    special: Tuple[str, ...] = ()  # the format's special tokens: dropped from content
+
+    def find_start(self, text: str, at_start: bool) -> int:
+        """Where in `text` the calls begin, or -1. `at_start`: `text` opens the answer (only
+        blanks were before it), for a format whose calls may begin with plain `{` there."""
+        found = [i for i in (text.find(m) for m in self.markers) if i >= 0]
+        return min(found, default=-1)
+
+    def held(self, text: str) -> int:
+        """How many characters at the end of `text` may still grow into a start or a special
+        token: a stream holds them until the next delta says."""
+        return max((k for m in self.markers + self.special for k in range(1, min(len(m), len(text) + 1)) if m.startswith(text[-k:])), default=0)  # fmt: skip
+
+    @abc.abstractmethod
+    def read_calls(self, tail: str) -> Optional[List[RawCall]]:
+        """The calls in `tail` (the answer from its first call markup on), or None when `tail`
+        is not calls only."""
+
+    def structures(self, name_json: str) -> List[Structure]:
+        """The structural tag's structures for a call of the tool named `name_json` (its name
+        as JSON text), the arguments between begin and end; [] for a format whose arguments
+        are not JSON (a structural tag holds only a JSON schema)."""
+        return []
+
+    @property
+    def has_structural_tag(self) -> bool:
+        return bool(self.structures('""'))
+
+    def call_id(self) -> str:
+        return f"call_{uuid.uuid4().hex[:24]}"
+
+    def content(self, text: str) -> str:
+        """`text` as content: without the format's special tokens."""
+        for token in self.special:
+            text = text.replace(token, "")
+        return text
+
+    def parse(self, text: str, tool_names: Collection[str]) -> Tuple[str, Optional[List[ToolCall]]]:
+        """A whole answer: (the content before the calls, the calls), or (content, None) when
+        it holds no calls. A call of a function not in `tool_names` is dropped (SGLang's "Model
+        attempted to call undefined function"): an agent must never be handed a function it
+        did not offer; when every call is dropped, the answer is its text before the first
+        call, with no calls (SGLang's too: the markup of a dropped call is not content either)."""
+        start = self.find_start(text, at_start=True)
+        raw = self.read_calls(text[start:]) if start >= 0 else None
+        if not raw:
+            return self.content(text), None
+        calls: List[ToolCall] = []
+        for call in raw:
+            if call["name"] not in tool_names:
+                logger.warning("Model attempted to call undefined function: %s", call["name"])
+                continue
+            arguments = call.get("arguments", call.get("parameters", {}))
+            # (ensure_ascii off: "Zürich" as OpenAI and SGLang send it, not "Z\\u00fcrich")
+            calls.append(ToolCall(id=self.call_id(), function=FunctionCall(name=call["name"], arguments=json.dumps(arguments, ensure_ascii=False))))  # fmt: skip
+        # (SGLang strips both ends; the start is kept, as a stream has sent it by the time a call shows)
+        return self.content(text[:start]).rstrip(), calls or None
+
+
+class Qwen25Format(ToolCallFormat):
+    """Qwen2.5 / Qwen3 (SGLang's Qwen25Detector): `<tool_call>\\n{json}\\n</tool_call>` blocks."""
+
+    name, models = "qwen25", "Qwen2.5/Qwen3"
+    markers = ("<tool_call>",)
+    _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+    def read_calls(self, tail: str) -> Optional[List[RawCall]]:
+        calls = []
+        for body in self._CALL.findall(tail):
+            try:
+                call = _json_call(json.loads(body))
+            except json.JSONDecodeError:
+                return None
+            if call is None:
+                return None
+            calls.append(call)
+        if self._CALL.sub("", tail).strip():  # (text after or between the blocks, or one left open)
+            return None
+        return calls or None
+
+    def structures(self, name_json: str) -> List[Structure]:
+        return [('<tool_call>\n{"name":' + name_json + ', "arguments":', "}\n</tool_call>", "<tool_call>")]
+
+
+class Llama3Format(ToolCallFormat):
+    """Llama 3.1 / 3.2's JSON calls (SGLang's Llama32Detector): `{"name": ..., "parameters":
+    {...}}`, several joined by `;`, after `<|python_tag|>` or opening the answer (Meta's
+    template asks for bare JSON; the tag is the model's own habit, for its built-in tools)."""
+
+    name, models = "llama3", "Llama 3.1/3.2's JSON calls"
+    _TAG = "<|python_tag|>"
+    markers = special = (_TAG,)
+
+    def find_start(self, text: str, at_start: bool) -> int:
+        if at_start:  # (SGLang's: an answer that starts with `{` is a call)
+            blanks = _skip_blanks(text, 0)
+            if text.startswith("{", blanks):
+                return blanks
+        return super().find_start(text, at_start)
+
+    def read_calls(self, tail: str) -> Optional[List[RawCall]]:
+        tagged = tail.startswith(self._TAG)
+        text = tail[len(self._TAG) :] if tagged else tail
+        decoder, calls, i = json.JSONDecoder(), [], _skip_blanks(text, 0)
+        while True:
+            try:
+                value, i = decoder.raw_decode(text, i)
+            except json.JSONDecodeError:
+                return None
+            call = _json_call(value)
+            # an untagged answer that is a JSON object with a "name" (asked-for JSON about a
+            # person, say) is not a call: a call names its arguments too
+            if call is None or not (tagged or "parameters" in call or "arguments" in call):
+                return None
+            calls.append(call)
+            i = _skip_blanks(text, i)
+            if i < len(text) and text[i] == ";":  # (SGLang's separator; a trailing one is harmless)
+                i = _skip_blanks(text, i + 1)
+            elif i < len(text):
+                return None
+            if i == len(text):
+                return calls
+
+    def structures(self, name_json: str) -> List[Structure]:
+        # SGLang's is the tagged one (with "arguments"). The bare one, triggered by `{"name":`,
+        # is minisgl's: Meta's template asks for bare JSON, which a `<|python_tag|>` trigger
+        # alone would leave unconstrained. "parameters" is the key Meta's template asks for.
+        body = '{"name":' + name_json + ', "parameters":'
+        return [(self._TAG + body, "}", self._TAG), (body, "}", '{"name":')]
+
+
+class MistralFormat(ToolCallFormat):
+    """Mistral (SGLang's MistralDetector): `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`
+    (7B v0.3, Nemo, Small 2501; a call may carry the "id" the template wrote back), or the
+    compact `[TOOL_CALLS]name[ARGS]{...}` of later models, once per call."""
+
+    name, models = "mistral", "Mistral's [TOOL_CALLS]"
+    _TAG, _ARGS = "[TOOL_CALLS]", "[ARGS]"
+    markers = special = (_TAG,)
+
+    def read_calls(self, tail: str) -> Optional[List[RawCall]]:
+        rest = tail[len(self._TAG) :].lstrip()
+        if rest.startswith("["):  # the JSON array
+            try:
+                array, end = json.JSONDecoder().raw_decode(rest)
+            except json.JSONDecodeError:
+                return None
+            if rest[end:].strip() or not isinstance(array, list) or not array:
+                return None
+            calls = [_json_call(c) for c in array]
+            return None if None in calls else calls  # type: ignore[return-value]
+        calls = []
+        for piece in tail.split(self._TAG)[1:]:  # compact: name[ARGS]{...} after each tag
+            name, found, args = piece.partition(self._ARGS)
+            if not found or not name.strip():
+                return None
+            try:
+                arguments = json.loads(args)
+            except json.JSONDecodeError:
+                return None
+            if not isinstance(arguments, dict):
+                return None
+            calls.append({"name": name.strip(), "arguments": arguments})
+        return calls
+
+    def structures(self, name_json: str) -> List[Structure]:
+        return [('[TOOL_CALLS] [{"name":' + name_json + ', "arguments":', "}]", self._TAG)]
+
+    def call_id(self) -> str:
+        # Mistral's chat template refuses, on the next turn, a call id that is not 9 letters
+        # or digits ("Tool call IDs should be alphanumeric strings with length 9!")
+        return uuid.uuid4().hex[:9]
+
+
+class PythonicFormat(ToolCallFormat):
+    """Python call syntax (SGLang's PythonicDetector): `[f(a=1), g(b="x")]`, the arguments
+    Python literals (read with `ast.literal_eval`: nothing is ever evaluated), optionally
+    between Llama 4's `<|python_start|>` and `<|python_end|>`."""
+
+    name, models = "pythonic", "Llama 3.2/4's [f(x=1)]"
+    markers = ("<|python_start|>",)
+    special = ("<|python_start|>", "<|python_end|>")
+    _START = re.compile(r"\[[A-Za-z_]\w*\(")  # `[` then a function's name and `(`
+    _PARTIAL = re.compile(r"\[(?:[A-Za-z_]\w*)?\Z")  # what may still grow into one
+
+    def find_start(self, text: str, at_start: bool) -> int:
+        match = self._START.search(text)
+        found = [i for i in (super().find_start(text, at_start), match.start() if match else -1) if i >= 0]
+        return min(found, default=-1)
+
+    def held(self, text: str) -> int:
+        match = self._PARTIAL.search(text)
+        return max(super().held(text), len(text) - match.start() if match else 0)
+
+    def read_calls(self, tail: str) -> Optional[List[RawCall]]:
+        try:
+            tree = ast.parse(self.content(tail).strip(), mode="eval")
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            return None
+        if not isinstance(tree.body, ast.List) or not tree.body.elts:
+            return None
+        calls = []
+        for node in tree.body.elts:
+            # keyword arguments only: a positional one (or **kwargs) has no parameter name
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+                return None
+            if any(keyword.arg is None for keyword in node.keywords):
+                return None
+            try:
+                arguments = {keyword.arg: ast.literal_eval(keyword.value) for keyword in node.keywords}
+                json.dumps(arguments, allow_nan=False)  # (a set, bytes or 1e999 has no JSON)
+            except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+                return None
+            calls.append({"name": node.func.id, "arguments": arguments})
+        return calls
+
+
+TOOL_CALL_FORMATS: Dict[str, ToolCallFormat] = {
+    fmt.name: fmt for fmt in (Qwen25Format(), Llama3Format(), MistralFormat(), PythonicFormat())
+}
