@@ -277,7 +277,7 @@ def test_auto_needs_a_parser_and_with_one_returns_text_and_calls(tiny_model: str
     client, _ = _scripted_client(tiny_model, tmp_path, [_out("r", QWEN_ANSWER, 20, STOP)])
     with client:
         r = _chat(client, tools=[WEATHER])
-    assert r.status_code == 400 and "--tool-call-parser qwen25" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "--tool-call-parser set to the model's format, one of: qwen25 (" in r.json()["error"]["message"]
     client, seen = _qwen_client(tiny_model, tmp_path, [_out("r", QWEN_ANSWER, 20, STOP)])
     with client:
         choice = _chat(client, tools=[WEATHER]).json()["choices"][0]

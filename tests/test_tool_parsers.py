@@ -49,7 +49,12 @@ EXAMPLES: Dict[str, List[Tuple[str, str, Calls]]] = {
         ('{"name": "get_time", "parameters": {}} and then', '{"name": "get_time", "parameters": {}} and then', None),
         ('{"name": "get_weather", "parameters": {"ci', '{"name": "get_weather", "parameters": {"ci', None),  # (cut)
         ("Run it: <|python_tag|>print(2 + 2)", "Run it: print(2 + 2)", None),  # (code, not a call: the tag never is content)
-        ('Text first {"name": "get_time", "parameters": {}}', 'Text first {"name": "get_time", "parameters": {}}', None),
+        # (a bare call after text: the strict tools' tag forces one there, so it is read as one)
+        ('Text first {"name": "get_time", "parameters": {}}', "Text first", [("get_time", {})]),
+        ('Here is the JSON: {"name": "Ada", "age": 36}', 'Here is the JSON: {"name": "Ada", "age": 36}', None),
+        ('{"name": "get_time", "parameters": {}}\n{"name": "get_weather", "parameters": {"city": "Oslo"}}',
+         "", [("get_time", {}), ("get_weather", {"city": "Oslo"})]),  # (a call per line, as SGLang reads too)
+        ('{"name": "get_time", "parameters": {"x": ' + "[" * 3000 + "]" * 3000 + "}}", '{"name": "get_time", "parameters": {"x": ' + "[" * 3000 + "]" * 3000 + "}}", None),  # (too deep for json: text, no 500)
     ],
     "mistral": [
         ("Just text [with brackets].", "Just text [with brackets].", None),
@@ -61,6 +66,10 @@ EXAMPLES: Dict[str, List[Tuple[str, str, Calls]]] = {
         ('[TOOL_CALLS] [{"name": "get_time", "arguments": {}}] Done.', ' [{"name": "get_time", "arguments": {}}] Done.', None),
         ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"ci', ' [{"name": "get_weather", "arguments": {"ci', None),  # (cut)
         ("[TOOL_CALLS]get_time{}", "get_time{}", None),  # (no [ARGS])
+        ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}}][TOOL_CALLS] [{"name": "get_time", "arguments": {}}]',
+         "", [("get_weather", {"city": "Oslo"}), ("get_time", {})]),  # (one array per call: what the strict tag writes)
+        ('[TOOL_CALLS]get_weather[ARGS]{"city": "Os', 'get_weather{"city": "Os', None),  # (cut: [ARGS] is a special token too)
+        ('[TOOL_CALLS] [{"name": "get_time", "arguments": ' + "[" * 3000 + "]" * 3000 + "}]", ' [{"name": "get_time", "arguments": ' + "[" * 3000 + "]" * 3000 + "}]", None),
     ],
     "pythonic": [
         ("See [the docs](https://x.y) and [a, b].", "See [the docs](https://x.y) and [a, b].", None),
@@ -75,6 +84,7 @@ EXAMPLES: Dict[str, List[Tuple[str, str, Calls]]] = {
         ("[get_time()] and more", "[get_time()] and more", None),
         ("[get_weather(city='Pa", "[get_weather(city='Pa", None),  # (cut)
         ("Code: <|python_start|>x = [f(1) for f in g]<|python_end|>", "Code: x = [f(1) for f in g]", None),
+        ("[" + "a" * 70 + "()]", "[" + "a" * 70 + "()]", None),  # (no function name is longer than 64 characters)
     ],
 }
 CASES = [(name, *case) for name, cases in EXAMPLES.items() for case in cases]
@@ -153,6 +163,7 @@ def test_mistral_call_ids_are_what_its_template_takes_back() -> None:
         ("qwen25", '<tool_call>\n{"name":"get_weather", "arguments":{"city": "%s"}}\n</tool_call>', '<tool_call>\n{"name":"get_time", "arguments":[1]}\n</tool_call>'),
         ("llama3", '<|python_tag|>{"name":"get_weather", "parameters":{"city": "%s"}}', '{"name":"get_time", "parameters":[1]}'),
         ("mistral", '[TOOL_CALLS] [{"name":"get_weather", "arguments":{"city": "%s"}}]', '[TOOL_CALLS] [{"name":"get_time", "arguments":[1]}]'),
+        ("llama3", '{"name":"get_weather", "parameters":{"city": "%s"}}', '<|python_tag|>{"name":"get_time", "parameters":[1]}'),
     ],
 )
 def test_a_strict_tools_tag_allows_only_calls_its_parser_reads(parser: str, call: str, other: str, tiny_model: str) -> None:
@@ -180,6 +191,8 @@ def test_a_strict_tools_tag_allows_only_calls_its_parser_reads(parser: str, call
         assert not accepts(call % "Rome") and not accepts(call.replace("get_weather", "rm_rf") % "Paris")
         content, calls = fmt.parse("Sure. " + call % "Oslo", NAMES)
         assert (content, _calls(calls)) == ("Sure.", [("get_weather", {"city": "Oslo"})])
+        # parallel calls, as the tag lets them be written, are all read back
+        assert accepts(call % "Oslo" + other) and _calls(fmt.parse(call % "Oslo" + other, NAMES)[1]) == [("get_weather", {"city": "Oslo"}), ("get_time", [1])]
         if parser == "llama3":  # the bare JSON Meta's template asks for is held too (minisgl's trigger)
             assert accepts('{"name":"get_weather", "parameters":{"city": "Oslo"}}')
             assert not accepts('{"name":"get_weather", "parameters":{"city": "Rome"}}')

@@ -51,7 +51,7 @@ from minisgl.entrypoints.openai.reasoning import ReasoningSplitter, split_reason
 from minisgl.entrypoints.openai.tool_calls import (
     StreamedText, auto_call_constraint, parse_tool_calls, tool_call_constraint, validate_tools, visible_tools,
 )  # fmt: skip
-from minisgl.entrypoints.openai.tool_parsers import TOOL_CALL_FORMATS, ToolCallFormat
+from minisgl.entrypoints.openai.tool_parsers import NOT_JSON, TOOL_CALL_FORMATS, ToolCallFormat
 from minisgl.managers.io_struct import GenerateReqInput
 
 # apply_chat_template's own parameters: chat_template_kwargs may not pass them (they are not template variables)
@@ -116,7 +116,7 @@ def _template_message(m: ChatMessage) -> Dict[str, Any]:
 def _arguments(text: str) -> Any:
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except NOT_JSON:  # (RecursionError too: brackets nested ~1000 deep)
         raise ValueError(f"tool_calls[].function.arguments must be JSON text, got {text!r}") from None
 
 

@@ -22,14 +22,15 @@ import uuid
 from typing import Any, Collection, Dict, List, Optional, Tuple
 
 from minisgl.entrypoints.openai.protocol import ChatCompletionRequest, FunctionCall, Tool, ToolCall, ToolChoice
-from minisgl.entrypoints.openai.tool_parsers import TOOL_CALL_FORMATS, ToolCallFormat
+from minisgl.entrypoints.openai.tool_parsers import NOT_JSON, TOOL_CALL_FORMATS, ToolCallFormat
 
 _QWEN25 = TOOL_CALL_FORMATS["qwen25"]
 
 AUTO_NOT_BUILT = (
     'tool_choice "auto" (the default when tools are given) needs a parser for this model\'s own tool-call format: '
-    f"start the server with --tool-call-parser {', '.join(f'{f.name} ({f.models})' for f in TOOL_CALL_FORMATS.values())}, or "
-    'use tool_choice "required" or {"type": "function", "function": {"name": ...}} (the call is then constrained '
+    "start the server with --tool-call-parser set to the model's format, one of: "
+    f"{', '.join(f'{f.name} ({f.models})' for f in TOOL_CALL_FORMATS.values())}; "
+    'or use tool_choice "required" or {"type": "function", "function": {"name": ...}} (the call is then constrained '
     'to JSON), or "none"'
 )
 
@@ -135,18 +136,21 @@ def parse_tool_calls(text: str) -> Optional[List[ToolCall]]:
     not one: an answer cut by max_tokens or a stop string is not a call, and is returned as content."""
     try:
         calls = json.loads(text)
-    except json.JSONDecodeError:
+    except NOT_JSON:
         return None
     if not isinstance(calls, list) or not calls:
         return None
     if not all(isinstance(c, dict) and isinstance(c.get("name"), str) and "parameters" in c for c in calls):
         return None
-    return [
-        # (ensure_ascii off: "Zürich" as OpenAI and SGLang send it, not "Z\\u00fcrich")
-        ToolCall(id=f"call_{uuid.uuid4().hex[:24]}",
-                 function=FunctionCall(name=c["name"], arguments=json.dumps(c["parameters"], ensure_ascii=False)))  # fmt: skip
-        for c in calls
-    ]
+    try:
+        return [
+            # (ensure_ascii off: "Zürich" as OpenAI and SGLang send it, not "Z\\u00fcrich")
+            ToolCall(id=f"call_{uuid.uuid4().hex[:24]}",
+                     function=FunctionCall(name=c["name"], arguments=json.dumps(c["parameters"], ensure_ascii=False)))  # fmt: skip
+            for c in calls
+        ]
+    except RecursionError:  # (decoded just under the limit, encoded just over it)
+        return None
 
 
 # --------------------------------------------------------------------------- tool_choice "auto"

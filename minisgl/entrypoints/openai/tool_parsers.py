@@ -42,6 +42,9 @@ from minisgl.entrypoints.openai.protocol import FunctionCall, ToolCall
 logger = logging.getLogger("minisgl.tool_calls")
 
 RawCall = Dict[str, Any]  # {"name": str, "arguments" or "parameters": ...} as the model wrote it
+# what json raises on text that is no JSON value: JSONDecodeError, and RecursionError from brackets
+# nested ~1000 deep (a looping model writes `[[[[...` within an ordinary max_tokens)
+NOT_JSON = (json.JSONDecodeError, RecursionError)
 Structure = Tuple[str, str, str]  # (begin, end, trigger) of one structural-tag structure
 
 
@@ -116,8 +119,11 @@ class ToolCallFormat(abc.ABC):
                 logger.warning("Model attempted to call undefined function: %s", call["name"])
                 continue
             arguments = call.get("arguments", call.get("parameters", {}))
-            # (ensure_ascii off: "Zürich" as OpenAI and SGLang send it, not "Z\\u00fcrich")
-            calls.append(ToolCall(id=self.call_id(), function=FunctionCall(name=call["name"], arguments=json.dumps(arguments, ensure_ascii=False))))  # fmt: skip
+            try:  # (ensure_ascii off: "Zürich" as OpenAI and SGLang send it, not "Z\\u00fcrich")
+                arguments_json = json.dumps(arguments, ensure_ascii=False)
+            except RecursionError:  # (decoded just under the limit, encoded just over it)
+                return self.content(text), None
+            calls.append(ToolCall(id=self.call_id(), function=FunctionCall(name=call["name"], arguments=arguments_json)))
         # (SGLang strips both ends; the start is kept, as a stream has sent it by the time a call shows)
         return self.content(text[:start]).rstrip(), calls or None
 
@@ -134,7 +140,7 @@ class Qwen25Format(ToolCallFormat):
         for body in self._CALL.findall(tail):
             try:
                 call = _json_call(json.loads(body))
-            except json.JSONDecodeError:
+            except NOT_JSON:
                 return None
             if call is None:
                 return None
@@ -149,12 +155,14 @@ class Qwen25Format(ToolCallFormat):
 
 class Llama3Format(ToolCallFormat):
     """Llama 3.1 / 3.2's JSON calls (SGLang's Llama32Detector): `{"name": ..., "parameters":
-    {...}}`, several joined by `;`, after `<|python_tag|>` or opening the answer (Meta's
-    template asks for bare JSON; the tag is the model's own habit, for its built-in tools)."""
+    {...}}`, several joined by `;` or blanks, after `<|python_tag|>`, opening the answer (Meta's
+    template asks for bare JSON; the tag is the model's own habit, for its built-in tools), or,
+    minisgl's, a bare `{"name":` after some text: the strict tools' tag forces a call there
+    (`structures`), which must then be read as one (SGLang reads text + JSON as text)."""
 
     name, models = "llama3", "Llama 3.1/3.2's JSON calls"
-    _TAG = "<|python_tag|>"
-    markers = special = (_TAG,)
+    _TAG, _BARE = "<|python_tag|>", '{"name":'
+    markers, special = (_TAG, _BARE), (_TAG,)
 
     def find_start(self, text: str, at_start: bool) -> int:
         if at_start:  # (SGLang's: an answer that starts with `{` is a call)
@@ -170,7 +178,7 @@ class Llama3Format(ToolCallFormat):
         while True:
             try:
                 value, i = decoder.raw_decode(text, i)
-            except json.JSONDecodeError:
+            except NOT_JSON:
                 return None
             call = _json_call(value)
             # an untagged answer that is a JSON object with a "name" (asked-for JSON about a
@@ -178,55 +186,66 @@ class Llama3Format(ToolCallFormat):
             if call is None or not (tagged or "parameters" in call or "arguments" in call):
                 return None
             calls.append(call)
+            # between calls: `;` (SGLang's separator; a trailing one is harmless), or blanks alone
+            # (calls on lines of their own: SGLang reads them too), or the tag again (the strict
+            # tools' tag lets each call be written either way)
             i = _skip_blanks(text, i)
-            if i < len(text) and text[i] == ";":  # (SGLang's separator; a trailing one is harmless)
+            if text.startswith(";", i):
                 i = _skip_blanks(text, i + 1)
-            elif i < len(text):
-                return None
+            if text.startswith(self._TAG, i):
+                i = _skip_blanks(text, i + len(self._TAG))
             if i == len(text):
                 return calls
+            if text[i] != "{":
+                return None
 
     def structures(self, name_json: str) -> List[Structure]:
         # SGLang's is the tagged one (with "arguments"). The bare one, triggered by `{"name":`,
         # is minisgl's: Meta's template asks for bare JSON, which a `<|python_tag|>` trigger
         # alone would leave unconstrained. "parameters" is the key Meta's template asks for.
-        body = '{"name":' + name_json + ', "parameters":'
-        return [(self._TAG + body, "}", self._TAG), (body, "}", '{"name":')]
+        body = self._BARE + name_json + ', "parameters":'
+        return [(self._TAG + body, "}", self._TAG), (body, "}", self._BARE)]
 
 
 class MistralFormat(ToolCallFormat):
     """Mistral (SGLang's MistralDetector): `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`
     (7B v0.3, Nemo, Small 2501; a call may carry the "id" the template wrote back), or the
-    compact `[TOOL_CALLS]name[ARGS]{...}` of later models, once per call."""
+    compact `[TOOL_CALLS]name[ARGS]{...}` of later models, once per call. Several tagged
+    arrays in a row are read as one list of calls (the strict tools' tag writes one per call)."""
 
     name, models = "mistral", "Mistral's [TOOL_CALLS]"
     _TAG, _ARGS = "[TOOL_CALLS]", "[ARGS]"
-    markers = special = (_TAG,)
+    markers = (_TAG,)
+    special = (_TAG, _ARGS, "[CALL_ID]")  # (newer tokenizers' special tokens of the format)
 
     def read_calls(self, tail: str) -> Optional[List[RawCall]]:
-        rest = tail[len(self._TAG) :].lstrip()
-        if rest.startswith("["):  # the JSON array
-            try:
-                array, end = json.JSONDecoder().raw_decode(rest)
-            except json.JSONDecodeError:
+        calls: List[RawCall] = []
+        for piece in tail.split(self._TAG)[1:]:  # each tag: a JSON array, or compact name[ARGS]{...}
+            found = self._read_array(piece.strip()) if piece.lstrip().startswith("[") else self._read_compact(piece)
+            if found is None:
                 return None
-            if rest[end:].strip() or not isinstance(array, list) or not array:
-                return None
-            calls = [_json_call(c) for c in array]
-            return None if None in calls else calls  # type: ignore[return-value]
-        calls = []
-        for piece in tail.split(self._TAG)[1:]:  # compact: name[ARGS]{...} after each tag
-            name, found, args = piece.partition(self._ARGS)
-            if not found or not name.strip():
-                return None
-            try:
-                arguments = json.loads(args)
-            except json.JSONDecodeError:
-                return None
-            if not isinstance(arguments, dict):
-                return None
-            calls.append({"name": name.strip(), "arguments": arguments})
-        return calls
+            calls += found
+        return calls or None
+
+    def _read_array(self, text: str) -> Optional[List[RawCall]]:
+        try:
+            array, end = json.JSONDecoder().raw_decode(text)
+        except NOT_JSON:
+            return None
+        if text[end:].strip() or not isinstance(array, list) or not array:
+            return None
+        calls = [_json_call(c) for c in array]
+        return None if None in calls else calls  # type: ignore[return-value]
+
+    def _read_compact(self, piece: str) -> Optional[List[RawCall]]:
+        name, found, args = piece.partition(self._ARGS)
+        if not found or not name.strip():
+            return None
+        try:
+            arguments = json.loads(args)
+        except NOT_JSON:
+            return None
+        return [{"name": name.strip(), "arguments": arguments}] if isinstance(arguments, dict) else None
 
     def structures(self, name_json: str) -> List[Structure]:
         return [('[TOOL_CALLS] [{"name":' + name_json + ', "arguments":', "}]", self._TAG)]
@@ -245,8 +264,11 @@ class PythonicFormat(ToolCallFormat):
     name, models = "pythonic", "Llama 3.2/4's [f(x=1)]"
     markers = ("<|python_start|>",)
     special = ("<|python_start|>", "<|python_end|>")
-    _START = re.compile(r"\[[A-Za-z_]\w*\(")  # `[` then a function's name and `(`
-    _PARTIAL = re.compile(r"\[(?:[A-Za-z_]\w*)?\Z")  # what may still grow into one
+    # `[` then a function's name and `(`, and what may still grow into one. A name is at most 64
+    # characters (OpenAI's limit): a stream holds at most that much of a `[identifier` run, where
+    # an unbounded hold re-scanned the whole run at every delta (quadratic, on the event loop)
+    _START = re.compile(r"\[[A-Za-z_]\w{0,63}\(")
+    _PARTIAL = re.compile(r"\[(?:[A-Za-z_]\w{0,63})?\Z")
 
     def find_start(self, text: str, at_start: bool) -> int:
         match = self._START.search(text)
