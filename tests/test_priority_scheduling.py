@@ -258,3 +258,26 @@ def test_the_retraction_policy_priority_needs_priority_scheduling() -> None:
         ServerArgs(model_path="m", retraction_policy="priority")
     with pytest.raises(ValueError, match="--retraction-policy must be one of length, priority"):
         ServerArgs(model_path="m", retraction_policy="lru")
+
+
+def test_a_request_carrying_its_error_neither_evicts_nor_is_evicted_nor_fills_the_queue(tiny_model: str) -> None:
+    """A grammar that does not compile is a 400 reported through the queue: it must not take a
+    valid request's place (a 503 for nothing), nor lose its 400 to an eviction's 503."""
+    import json
+
+    from minisgl import Engine
+
+    bad = {**GREEDY, "json_schema": json.dumps({"type": "object", "properties": {"a": {"$ref": "#/nope"}}})}
+    with Engine(tiny_model, device="cpu", max_total_tokens=1024, max_running_requests=1, max_queued_requests=1,
+                enable_priority_scheduling=True) as e:  # fmt: skip
+        e.add_request("prompt run", GREEDY, rid="run", priority=0)
+        e.step()
+        e.add_request("prompt valid", GREEDY, rid="valid", priority=1)
+        e.add_request("prompt bad", bad, rid="bad", priority=5)  # (more important than valid)
+        e.add_request("prompt bad2", bad, rid="bad2", priority=0)  # (less important than valid)
+        e.add_request("prompt hi", GREEDY, rid="hi", priority=9)  # evicts valid, not bad2
+        e.run_until_idle()
+        assert _finish(e, "bad")["status_code"] == _finish(e, "bad2")["status_code"] == 400
+        assert _finish(e, "valid")["message"] == "The request is aborted by a higher priority request."
+        assert [_finish(e, rid)["type"] for rid in ("run", "hi")] == ["length"] * 2
+        assert e.scheduler.num_rejected_queue_full == 1

@@ -73,6 +73,7 @@ class PrefillAdder:
         self.prefill_max_requests = prefill_max_requests
         self.rem_total_token_offset = mixed_with_decode_tokens
         self.cur_rem_token_offset = mixed_with_decode_tokens
+        self.decode_row_tokens = 1 if mixed_with_decode_tokens else 0  # what each running request's ride costs the budgets
         self.can_run_list: List[Req] = []
         self.preempt_list: List[Req] = []  # running requests sent back to the queue (priority preemption)
         self.new_chunked_req: Optional[Req] = None
@@ -213,12 +214,24 @@ class PrefillAdder:
             need -= self._reservation(r) + r.kv_committed_len - len(r.prefix_indices) + self._unlocked_by(r, locks)
         if not chosen or need >= 0:
             return False
+        # the victims' decode rows no longer ride in a mixed batch: what they give back to the
+        # input and chunk budgets must let `req` in, or preempting them would only waste their work
+        back = len(chosen) * self.decode_row_tokens
+        input_tokens = ceil_paged_tokens(req.extend_input_len, self.page_size)
+        if self.can_run_list and input_tokens >= self.rem_input_tokens + back:
+            return False
+        if self.rem_chunk_tokens is not None and self.rem_chunk_tokens + back < min(input_tokens, self.page_size):
+            return False
         indices = {id(r) for r in chosen}
         keep = [i for i, r in enumerate(self.running_batch.reqs) if id(r) not in indices]
         for i, r in enumerate(list(self.running_batch.reqs)):
             if id(r) in indices:
-                self.rem_total_token_offset -= self._reservation(r)
+                self.rem_total_token_offset -= self._reservation(r) + self.decode_row_tokens
+                self.cur_rem_token_offset -= self.decode_row_tokens
                 self.running_batch.release_req(i, remaining_count=len(keep))
+        self.rem_input_tokens += back
+        if self.rem_chunk_tokens is not None:
+            self.rem_chunk_tokens += back
         self.running_batch.filter_batch(keep_indices=keep)
         self.preempt_list.extend(chosen)
         return True

@@ -113,7 +113,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         self.new_token_ratio = self.init_new_token_ratio
 
         self.num_retracted_reqs_total = 0
-        self.num_rejected_queue_full = 0  # requests refused with 503 by --max-queued-requests
+        self.num_rejected_queue_full = 0  # requests refused with 503 by --max-queued-requests, or evicted for a more important one
         self._last_queue_full_log = -1e9  # (monotonic time of the last queue-full warning)
         self.total_hit_tokens = 0
         self.total_input_tokens = 0
@@ -316,7 +316,9 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
 
     def _add_request_to_queue(self, req: Req, is_retracted: bool = False) -> None:
         max_queued = self.server_args.max_queued_requests
-        if not is_retracted and max_queued is not None and len(self.waiting_queue) >= max_queued:
+        # (a request that already carries its error, a 400, only passes through to report it:
+        # never refused for a full queue, nor evicting, nor evicted)
+        if not is_retracted and req.to_finish is None and max_queued is not None and self._num_queued() >= max_queued:
             rejected = self._queue_full_victim(req)
             if rejected is req:
                 message, detail = "The request queue is full.", "queue full"
@@ -328,9 +330,10 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             self.num_rejected_queue_full += 1
             now = time.monotonic()
             if now - self._last_queue_full_log >= 1.0:  # an operator's only trace of the 503s; once a second
+                what = "rejected" if rejected is req else f"evicted (for rid={req.rid}, more important)"
                 logger.warning(
-                    "The request queue is full (--max-queued-requests %d): rejected rid=%s with 503 "
-                    "(%d rejected so far)", max_queued, rejected.rid, self.num_rejected_queue_full,
+                    "The request queue is full (--max-queued-requests %d): %s rid=%s with 503 "
+                    "(%d rejected or evicted so far)", max_queued, what, rejected.rid, self.num_rejected_queue_full,
                 )  # fmt: skip
                 self._last_queue_full_log = now
             if rejected is req:
@@ -341,14 +344,21 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         req.time_stats.last_wait_queue_entry_time = now
         self.waiting_queue.append(req)
 
+    def _num_queued(self) -> int:
+        """Queued requests that will run (one that carries its error only passes through)."""
+        return sum(r.to_finish is None for r in self.waiting_queue)
+
     def _queue_full_victim(self, req: Req) -> Req:
         """Who leaves a full queue for `req` (SGLang's _abort_on_queued_limit): `req` itself, or, with
         priority scheduling, the least important queued request (of equals, the one queued last) when
         `req` is strictly more important. That one is taken out of the queue here."""
-        if self.priority_order is None or not self.waiting_queue:
+        if self.priority_order is None:
             return req
         order = self.priority_order
-        worst = max(self.waiting_queue, key=lambda r: (order * r.priority, r.time_stats.last_wait_queue_entry_time))
+        candidates = [r for r in self.waiting_queue if r.to_finish is None]
+        if not candidates:
+            return req
+        worst = max(candidates, key=lambda r: (order * r.priority, r.time_stats.last_wait_queue_entry_time))
         if order * req.priority >= order * worst.priority:
             return req
         self.waiting_queue.remove(worst)
