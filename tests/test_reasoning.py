@@ -188,7 +188,8 @@ def test_continuing_after_the_thinking_holds_the_grammar_from_the_first_token(ti
 
 
 def test_stream_reasoning_false_sends_the_reasoning_in_one_piece_when_the_thinking_ends(tiny_model: str, tmp_path: Any) -> None:
-    pieces = ["<think>\nThe user ", "greets me.\nI greet", " back.\n</th", "ink>\n\nHello", " there!"]
+    # (a blank-only piece: the splitter holds its text, and its token must not overtake the reasoning's)
+    pieces = ["<think>\nThe user ", "greets me.", "\n", "I greet", " back.\n</th", "ink>\n\nHello", " there!"]
     outs = [_out("r", p, i + 1, STOP if i == len(pieces) - 1 else None) for i, p in enumerate(pieces)]
     for i, out in enumerate(outs):  # one token per piece, with its logprob
         out["meta_info"]["output_token_logprobs"] = [(-0.5 - i, 10 + i, None)]
@@ -209,7 +210,7 @@ def test_stream_reasoning_false_sends_the_reasoning_in_one_piece_when_the_thinki
         return [t["logprob"] for c in stream if c["choices"][0].get("logprobs") for t in c["choices"][0]["logprobs"]["content"]]
 
     # held back with the reasoning, every token's logprob still comes once, in order
-    assert logprobs(held_chunks) == logprobs(chunks) == [-0.5, -1.5, -2.5, -3.5, -4.5]
+    assert logprobs(held_chunks) == logprobs(chunks) == [-0.5 - i for i in range(len(pieces))]
 
 
 def test_stream_reasoning_false_holds_a_reasoning_cut_off_until_the_end(tiny_model: str, tmp_path: Any) -> None:

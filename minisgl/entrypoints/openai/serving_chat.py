@@ -427,7 +427,10 @@ class OpenAIServingChat(OpenAIServingBase):
                 thought.pop(index, None)
             if not reasoning and not tokens:
                 return None
-            return chunk(index, DeltaMessage(reasoning_content=reasoning), logprobs=ChatChoiceLogprobs(content=tokens) if tokens else None)
+            # (held tokens of no reasoning at all, e.g. blanks before an answer that does not think,
+            # go out in their order as an empty content delta, as a stream sends such tokens anyway)
+            delta = DeltaMessage(reasoning_content=reasoning) if reasoning else DeltaMessage(content="")
+            return chunk(index, delta, logprobs=ChatChoiceLogprobs(content=tokens) if tokens else None)
         async for out in prepend(first, rest):
             index = out.get("index", 0)
             meta = out["meta_info"]
@@ -442,13 +445,17 @@ class OpenAIServingChat(OpenAIServingBase):
             tokens_in = logprobs.content if logprobs is not None else []
             answer = out["text"]
             if thinking is not None:
+                thinking_before = thinking.mode in ("opening", "reasoning")
                 reasoning, answer = thinking.feed(answer)
-                # (a chunk's tokens go with its reasoning unless some of its text is the answer)
                 ended = thinking.mode in ("closing", "content")
-                sent = reasoning_chunk(index, reasoning, tokens_in if reasoning and not answer else [], done=ended)
+                # a chunk's tokens go with its reasoning unless some of its text is the answer; held
+                # back (stream_reasoning false), so do those of text the splitter holds (blanks, a
+                # piece of a tag): sent now, they would overtake the reasoning's
+                with_reasoning = not answer and (bool(reasoning) or (not request.stream_reasoning and thinking_before))
+                sent = reasoning_chunk(index, reasoning, tokens_in if with_reasoning else [], done=ended)
                 if sent is not None:
                     yield sent
-                tokens_in = tokens_in if answer or not reasoning else []
+                tokens_in = [] if with_reasoning else tokens_in
             text, tokens = calls.feed(answer, tokens_in)
             if text or tokens:
                 yield chunk(index, DeltaMessage(content=text), logprobs=ChatChoiceLogprobs(content=tokens) if logprobs else None)
