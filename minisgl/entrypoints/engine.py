@@ -153,7 +153,7 @@ class Engine:
         priority: with enable_priority_scheduling, how important the request is (docs/scheduler.md).
         custom_logit_processor: with enable_custom_logit_processor, a CustomLogitProcessor subclass
         (or its to_str()) that edits the logits before sampling; it reads
-        sampling_params["custom_params"] (docs/sampling.md).
+        sampling_params["custom_params"] (docs/server.md, "Custom logit processors").
 
         With return_logprob, logprob_start_len >= 0 asks for the prompt's logprobs from that
         position on too (meta_info["input_token_logprobs"]); -1 for output logprobs only.
@@ -293,7 +293,7 @@ class Engine:
         the request is (all prompts of a batch; docs/scheduler.md). custom_logit_processor: with
         enable_custom_logit_processor, a CustomLogitProcessor subclass or its to_str() (one for all
         prompts, or a list of one per prompt) that edits the logits before sampling, reading each
-        prompt's sampling_params["custom_params"] (docs/sampling.md)."""
+        prompt's sampling_params["custom_params"] (docs/server.md, "Custom logit processors")."""
         rids, single = self._submit(
             prompt, sampling_params, input_ids, stream, return_logprob=return_logprob,
             top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, token_ids_logprob=token_ids_logprob,
