@@ -191,7 +191,7 @@ def test_without_the_flag_the_routes_answer_400_naming_it(tiny_model: str, tmp_p
     from fastapi.testclient import TestClient
 
     from minisgl.entrypoints.http_server import create_app
-    from tests.test_openai_protocol import _make_tm
+    from test_openai_protocol import _make_tm
 
     tm = _make_tm(tiny_model, tmp_path)
     with TestClient(create_app(tm.server_args, tm, is_healthy=lambda: True)) as client:
@@ -202,10 +202,11 @@ def test_without_the_flag_the_routes_answer_400_naming_it(tiny_model: str, tmp_p
             assert r.status_code == 400 and "--enable-custom-logit-processor" in r.text and "runs the code" in r.text, r.text
         r = client.post("/v1/completions", json={"model": tm.model_name, "prompt": "hi", "custom_params": {"a": 1}})
         assert r.status_code == 400 and "send custom_logit_processor with them" in r.text, r.text
+    tm.close()
 
 
 def test_the_routes_pass_both_fields_down(tiny_model: str, tmp_path: Any) -> None:
-    from tests.test_openai_protocol import _out, _scripted_client
+    from test_openai_protocol import _out, _scripted_client
 
     outs = [_out("r", "x", 1, {"type": "length", "length": 1})]
     client, seen = _scripted_client(tiny_model, tmp_path, outs)
@@ -228,7 +229,7 @@ def test_a_class_defined_here_runs_in_a_server_process(tiny_model: str, tmp_path
     """dill sends the class by value: the server process has never imported this test."""
     import httpx
 
-    from tests.test_server_e2e import Server
+    from test_server_e2e import Server
 
     class EveryTokenIs(CustomLogitProcessor):
         def __call__(self, logits: torch.Tensor, custom_param_list: Any = None) -> torch.Tensor:
