@@ -166,6 +166,12 @@ class ServerArgs:
     constrained_json_disable_any_whitespace: bool = field(
         default=False, metadata=_opt('JSON-schema outputs allow only the separators ", " and ": " between JSON tokens (no free whitespace).')
     )
+    enable_custom_logit_processor: bool = field(
+        default=False, metadata=_opt(
+            "Accept requests' custom_logit_processor (CustomLogitProcessor.to_str()). Off by default: loading one "
+            "unpickles it, which runs the code the client sent on this server; turn it on only where every client may."
+        )
+    )
 
     # --- server ---
     host: str = field(default="127.0.0.1", metadata=_opt("HTTP host."))

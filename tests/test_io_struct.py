@@ -38,7 +38,8 @@ NEG_INF = float("-inf")
 
 def _sampling_params() -> SamplingParams:
     p = SamplingParams.from_dict(
-        {"temperature": 0.0, "max_new_tokens": 7, "stop": ["\n\n", "终"], "stop_token_ids": [5, 2], "seed": 3}
+        {"temperature": 0.0, "max_new_tokens": 7, "stop": ["\n\n", "终"], "stop_token_ids": [5, 2], "seed": 3,
+         "custom_params": {"token_ids": [1, 2], "name": "é"}}
     )
     p.normalize()
     return p
@@ -48,6 +49,7 @@ SAMPLES: Dict[str, Any] = {
     "TokenizedGenerateReqInput": TokenizedGenerateReqInput(
         rid="r1", input_text="héllo 👩‍👩‍👧‍👦", input_ids=[1, 2, 3], sampling_params=_sampling_params(),
         return_logprob=True, logprob_start_len=0, top_logprobs_num=2, stream=True, priority=-1, created_time=1.5,
+        custom_logit_processor='{"callable": "80"}',
     ),  # fmt: skip
     "SamplingParams": _sampling_params(),
     "AbortReq": AbortReq(rid="r1", abort_all=False),

@@ -288,11 +288,9 @@ def test_from_dict_refuses_wrong_types_naming_the_field(params: Dict[str, Any], 
         SamplingParams.from_dict(params)
 
 
-def test_sglangs_unbuilt_keys_are_accepted_as_null_and_refused_by_name_otherwise() -> None:
+def test_sglangs_keys_are_accepted_as_null_and_sampling_seed_names_the_seed() -> None:
     p = SamplingParams.from_dict({"regex": None, "json_schema": None, "ebnf": None, "stop_regex": None, "sampling_seed": 5})
     assert p.seed == 5  # SGLang's native name for it
-    with pytest.raises(ValueError, match=r"\['custom_params'\] are not supported by minisgl"):
-        SamplingParams.from_dict({"custom_params": {"k": 1}})
     with pytest.raises(ValueError, match="sampling_seed .* and seed .* name the same seed"):
         SamplingParams.from_dict({"seed": 1, "sampling_seed": 2})
     assert SamplingParams.from_dict({"seed": 3, "sampling_seed": 3}).seed == 3

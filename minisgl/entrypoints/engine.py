@@ -41,7 +41,9 @@ from minisgl.managers.io_struct import (
     LOGPROB_META_KEYS, AbortReq, BatchStrOutput, GenerateReqInput, TokenizedGenerateReqInput, check_logprob_args,
     expand_samples, logprobs_of, new_rid, prefix_warmups,
 )  # fmt: skip
-from minisgl.managers.tokenization import check_priority, tokenize_one_request, validate_context_length
+from minisgl.managers.tokenization import (
+    check_custom_logit_processor, check_priority, tokenize_one_request, validate_context_length,
+)  # fmt: skip
 from minisgl.sampling.sampling_params import SamplingParams
 from minisgl.server_args import SERVER_ONLY_FIELDS, SGLANG_OPTIONS_ALREADY_SO, ServerArgs, resolve_server_args
 
@@ -144,10 +146,14 @@ class Engine:
         logprob_start_len: Optional[int] = -1,
         token_ids_logprob: Optional[List[int]] = None,
         priority: Optional[int] = None,
+        custom_logit_processor: Optional[Any] = None,
     ) -> str:
         """Tokenize one request and queue it in the scheduler; returns its rid.
 
         priority: with enable_priority_scheduling, how important the request is (docs/scheduler.md).
+        custom_logit_processor: with enable_custom_logit_processor, a CustomLogitProcessor subclass
+        (or its to_str()) that edits the logits before sampling; it reads
+        sampling_params["custom_params"] (docs/server.md, "Custom logit processors").
 
         With return_logprob, logprob_start_len >= 0 asks for the prompt's logprobs from that
         position on too (meta_info["input_token_logprobs"]); -1 for output logprobs only.
@@ -164,9 +170,11 @@ class Engine:
             text=prompt, input_ids=input_ids, sampling_params=dict(sampling_params or {}), rid=rid or new_rid(),
             return_logprob=return_logprob, logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
             token_ids_logprob=token_ids_logprob, stream=stream, priority=priority,
+            custom_logit_processor=_processor_str(custom_logit_processor),
         )  # fmt: skip
         obj.normalize_batch_and_arguments()
         check_priority(priority, self.server_args.enable_priority_scheduling)
+        check_custom_logit_processor(obj, self.server_args.enable_custom_logit_processor)
         tokenized = self._tokenize(obj)
         try:
             self._enqueue([tokenized])
@@ -218,6 +226,7 @@ class Engine:
     def _submit(
         self, prompt: Prompt, sampling_params: Any, input_ids: InputIds, stream: bool, return_logprob: Any,
         top_logprobs_num: Any, logprob_start_len: Any, token_ids_logprob: Any, rid: Any = None, priority: Any = None,
+        custom_logit_processor: Any = None,
     ) -> tuple[List[str], bool]:
         """Fan a generate() call out into single requests (n copies each). Returns (rids, single).
 
@@ -231,10 +240,11 @@ class Engine:
         obj = GenerateReqInput(
             text=prompt, input_ids=input_ids, sampling_params=sampling_params, return_logprob=return_logprob,
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, token_ids_logprob=token_ids_logprob,
-            stream=stream, rid=rid, priority=priority,
+            stream=stream, rid=rid, priority=priority, custom_logit_processor=_processor_str(custom_logit_processor),
         )  # fmt: skip
         check_priority(priority, self.server_args.enable_priority_scheduling)
         obj.normalize_batch_and_arguments()  # single or batch, lists per prompt, the same n for all
+        check_custom_logit_processor(obj, self.server_args.enable_custom_logit_processor)
         obj.check_rids()  # the server's rules (in-process, without its length bound)
         for single in obj.singles():  # before any prompt is tokenized
             check_logprob_args(
@@ -272,6 +282,7 @@ class Engine:
         token_ids_logprob: Optional[Union[List[int], List[Optional[List[int]]]]] = None,
         rid: Optional[Union[str, List[str]]] = None,
         priority: Optional[int] = None,
+        custom_logit_processor: Optional[Any] = None,
     ) -> Any:
         """SGLang's shapes: one prompt -> dict; a list (or n > 1) -> list; stream -> iterator.
 
@@ -279,11 +290,14 @@ class Engine:
         list of prompts each logprob field is one value for all, or a list of one per prompt.
         rid: the request's id (a list of one per prompt for a batch), for abort(rid) from another
         thread; generated when left out. priority: with enable_priority_scheduling, how important
-        the request is (all prompts of a batch; docs/scheduler.md)."""
+        the request is (all prompts of a batch; docs/scheduler.md). custom_logit_processor: with
+        enable_custom_logit_processor, a CustomLogitProcessor subclass or its to_str() (one for all
+        prompts, or a list of one per prompt) that edits the logits before sampling, reading each
+        prompt's sampling_params["custom_params"] (docs/server.md, "Custom logit processors")."""
         rids, single = self._submit(
             prompt, sampling_params, input_ids, stream, return_logprob=return_logprob,
             top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, token_ids_logprob=token_ids_logprob,
-            rid=rid, priority=priority,
+            rid=rid, priority=priority, custom_logit_processor=custom_logit_processor,
         )  # fmt: skip
         if stream:
             chunks = self._stream(rids, single)
@@ -312,6 +326,7 @@ class Engine:
         token_ids_logprob: Optional[Union[List[int], List[Optional[List[int]]]]] = None,
         rid: Optional[Union[str, List[str]]] = None,
         priority: Optional[int] = None,
+        custom_logit_processor: Optional[Any] = None,
     ) -> Any:
         """generate() for asyncio code (SGLang's async_generate): `await` it for the result, or
         with stream=True for an async iterator of the same chunks.
@@ -326,7 +341,7 @@ class Engine:
         submit = functools.partial(
             self._submit, prompt, sampling_params, input_ids, stream, return_logprob=return_logprob,
             top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, token_ids_logprob=token_ids_logprob,
-            rid=rid, priority=priority,
+            rid=rid, priority=priority, custom_logit_processor=custom_logit_processor,
         )  # fmt: skip
         submitted = loop.run_in_executor(None, submit)
         try:
@@ -762,6 +777,24 @@ def _describe(value: Any) -> str:
         kinds = sorted({type(v).__name__ for v in value})
         return f"a list of {'/'.join(kinds)}" if value else "an empty list"
     return type(value).__name__
+
+
+def _processor_str(value: Any) -> Any:
+    """An Engine call's custom_logit_processor as the server takes it: a CustomLogitProcessor
+    subclass becomes its to_str() (for notebooks: pass the class); a string, None, or anything
+    else (refused by check_custom_logit_processor) as it is; a list element by element."""
+    if isinstance(value, list):
+        return [_processor_str(v) for v in value]
+    from minisgl.sampling.custom_logit_processor import CustomLogitProcessor
+
+    if isinstance(value, CustomLogitProcessor):
+        raise ValueError(
+            f"custom_logit_processor takes the class ({type(value).__name__}), not an instance: the scheduler "
+            "makes its own instance with no arguments, as SGLang's does"
+        )
+    if isinstance(value, type) and issubclass(value, CustomLogitProcessor):
+        return value.to_str()
+    return value
 
 
 def _refused_raises(outputs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:

@@ -316,6 +316,7 @@ async def _native_generate(tm: TokenizerManager, request: GenerateRequest, raw_r
         token_ids_logprob=request.token_ids_logprob,
         stream=request.stream,
         priority=request.priority,
+        custom_logit_processor=request.custom_logit_processor,
     )
     try:
         gen = tm.generate_request(obj, raw_request)

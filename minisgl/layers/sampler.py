@@ -1,7 +1,8 @@
 """Sampler: penalised logits -> next token ids (+ logprobs). sglang-facts.md §11.3.
 
 Where it sits: ModelRunner.sample -> SamplingBatchInfo.apply_logits_bias (penalties,
-min_new_tokens, the grammars' vocab mask, logit_bias) -> Sampler.forward. In: logits [bs, V] float32; out: SampleOutput.
+min_new_tokens, the grammars' vocab mask, logit_bias) -> custom logit processors
+(sampling/custom_logit_processor.py; the first step of SGLang's Sampler.forward) -> Sampler.forward. In: logits [bs, V] float32; out: SampleOutput.
 
 Order, as SGLang's pytorch sampling backend:
 1. all greedy (every top_k == 1): argmax, no softmax;
@@ -28,7 +29,7 @@ token_ids_logprobs those of the ids the request names (`token_ids_logprob`, SGLa
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -44,6 +45,8 @@ class SampleOutput(NamedTuple):
     top_logprobs_val: Optional[List[List[float]]]  # per request, top_logprobs_num values
     top_logprobs_idx: Optional[List[List[int]]]  # per request, their token ids
     token_ids_logprobs: Optional[List[Optional[List[float]]]] = None  # per request, at its token_ids_logprob
+    # {row: message} of the rows whose custom logit processor failed (ModelRunner.sample fills it)
+    custom_logit_processor_errors: Optional[Dict[int, str]] = None
 
 
 class Sampler(nn.Module):

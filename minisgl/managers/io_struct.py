@@ -84,6 +84,10 @@ class GenerateReqInput:
     return_text_in_logprobs: bool = False  # each logprob entry's third element: the token's text
     stream: bool = False
     priority: Optional[int] = None
+    # SGLang's: CustomLogitProcessor.to_str() (needs --enable-custom-logit-processor), one for every
+    # prompt of a batch or a list of one per prompt (None: none); its parameters are each prompt's
+    # sampling_params["custom_params"]
+    custom_logit_processor: Optional[Union[str, List[Optional[str]]]] = None
     # SGLang's: the model thinks first (a chat with --reasoning-parser): its grammar, if any,
     # holds only from the end of the thinking on
     require_reasoning: bool = False
@@ -117,8 +121,8 @@ class GenerateReqInput:
                 self.rid = new_rid()
             if isinstance(self.sampling_params, list) or any(isinstance(v, list) for v in self._one_per_prompt_fields()):
                 raise ValueError("A single prompt takes one `sampling_params` dict and one value of `return_logprob`, "
-                                 "`logprob_start_len`, `top_logprobs_num` (and one `token_ids_logprob` list); lists "
-                                 "are per prompt of a batch")  # fmt: skip
+                                 "`logprob_start_len`, `top_logprobs_num`, `custom_logit_processor` (and one "
+                                 "`token_ids_logprob` list); lists are per prompt of a batch")  # fmt: skip
             return
         n = self.batch_size
         if self.rid is None:
@@ -130,7 +134,7 @@ class GenerateReqInput:
         elif len(self.sampling_params) != n:
             raise ValueError(f"`sampling_params` must have {n} entries for a batch of {n} prompts")
         check_same_n(self.sampling_params)
-        for name in ("return_logprob", "logprob_start_len", "top_logprobs_num"):
+        for name in ("return_logprob", "logprob_start_len", "top_logprobs_num", "custom_logit_processor"):
             value = getattr(self, name)
             if not isinstance(value, list):
                 setattr(self, name, [value] * n)
@@ -171,7 +175,7 @@ class GenerateReqInput:
         """The fields a batch may give as one list per prompt (a single prompt: a list of them is
         an error); token_ids_logprob only when it is a list of lists."""
         per_prompt_ids = [self.token_ids_logprob] if self._token_ids_per_prompt() else []
-        return [self.return_logprob, self.logprob_start_len, self.top_logprobs_num, *per_prompt_ids]
+        return [self.return_logprob, self.logprob_start_len, self.top_logprobs_num, self.custom_logit_processor, *per_prompt_ids]
 
     def __getitem__(self, i: int) -> "GenerateReqInput":
         """The i-th request of a normalized batch, as a single request."""
@@ -188,6 +192,7 @@ class GenerateReqInput:
             return_text_in_logprobs=self.return_text_in_logprobs,
             stream=self.stream,
             priority=self.priority,
+            custom_logit_processor=self.custom_logit_processor[i],  # type: ignore[index]
             require_reasoning=self.require_reasoning,
             log_metrics=self.log_metrics,
             add_special_tokens=self.add_special_tokens,
@@ -242,6 +247,7 @@ class TokenizedGenerateReqInput:
     token_ids_logprob: Optional[List[int]] = None
     stream: bool = False
     priority: Optional[int] = None
+    custom_logit_processor: Optional[str] = None  # CustomLogitProcessor.to_str(): loaded by the scheduler
     require_reasoning: bool = False
     created_time: float = 0.0  # time.time() when tokenization finished (nothing reads it yet)
 
@@ -257,6 +263,7 @@ def prefix_warmups(samples: List["Sample"], tokenized: List[TokenizedGenerateReq
             warmed.add(sample.prompt_index)
             params = tok.sampling_params.copy()
             params.max_new_tokens, params.min_new_tokens = 0, 0
+            params.custom_params = None  # (nor a processor to run)
             for key in GRAMMAR_KEYS:  # (it samples nothing: no grammar to compile)
                 setattr(params, key, None)
             warmups.append(TokenizedGenerateReqInput(

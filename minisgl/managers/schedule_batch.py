@@ -172,6 +172,13 @@ class Req:
         # advanced by the output processor with every token; None without json_schema/regex/ebnf
         self.grammar: Any = None
         self.grammar_future: Any = None  # (its compile, while the request is in the grammar queue)
+        # a custom logit processor (sampling/custom_logit_processor.py), set by the scheduler when it
+        # loads one: SGLang's string (the batch groups rows by it), the instance, and what its rows
+        # get as params, custom_params + {"__req__": self} (here, never on sampling_params: those
+        # cross process boundaries as JSON)
+        self.custom_logit_processor: Optional[str] = None
+        self.logit_processor: Any = None
+        self.custom_params: Optional[Dict[str, Any]] = None
 
         # memory and prefix state
         self.req_pool_idx: Optional[int] = None

@@ -46,6 +46,7 @@ from minisgl.managers.scheduler_metrics_mixin import SchedulerMetricsMixin
 from minisgl.managers.scheduler_output_processor_mixin import GenerationBatchResult, SchedulerOutputProcessorMixin
 from minisgl.mem_cache.allocator import ceil_paged_tokens, new_page_slots
 from minisgl.mem_cache.radix_cache import RadixCache
+from minisgl.sampling.custom_logit_processor import CustomLogitProcessor
 from minisgl.server_args import ServerArgs, chunked_prefill_enabled
 from minisgl.utils import freeze_gc
 
@@ -195,6 +196,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         # Truncate first, then clamp on the prompt that will run.
         error_msg = self.validate_input_length(req)
         self.init_req_max_new_tokens(req)
+        if error_msg is None and recv_req.custom_logit_processor is not None:
+            error_msg = self.load_custom_logit_processor(req, recv_req.custom_logit_processor)
         if error_msg is not None:
             req.set_finish_with_abort(error_msg)
             self._add_request_to_queue(req)
@@ -223,6 +226,21 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
                 return req
         self._add_request_to_queue(req)
         return req
+
+    def load_custom_logit_processor(self, req: Req, processor_str: str) -> Optional[str]:
+        """Load a request's custom logit processor onto it, once, on arrival; the error (the request's
+        400) when the server does not run processors or the string does not load. Runs the
+        client's code (dill): see sampling/custom_logit_processor.py."""
+        if not self.server_args.enable_custom_logit_processor:  # (the TokenizerManager and the Engine refuse it first)
+            return "custom_logit_processor needs --enable-custom-logit-processor (it runs the client's code on the server)"
+        try:
+            processor = CustomLogitProcessor.from_str(processor_str)
+        except ValueError as e:
+            return str(e)
+        req.custom_logit_processor = processor_str
+        req.logit_processor = processor
+        req.custom_params = {**(req.sampling_params.custom_params or {}), "__req__": req}  # SGLang's __req__
+        return None
 
     def get_grammar_backend(self) -> XGrammarGrammarBackend:
         """The grammar compiler (structured output), built at the first request that needs it:
@@ -750,6 +768,13 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             self.model_config.vocab_size, self.model_runner.device, self.eos_token_ids
         )
         sampled = self.model_runner.sample(logits_output, sampling_info)
+        for row, message in (sampled.custom_logit_processor_errors or {}).items():
+            # its processor failed: this request ends with the 400 (its token this step is dropped),
+            # the rest of the batch goes on
+            req = batch.reqs[row]
+            if req.to_finish is None and not req.finished():
+                logger.warning("Request %s: %s", req.rid, message)
+                req.to_finish = FINISH_ABORT(message, 400, "BadRequestError")
         return GenerationBatchResult(*sampled, input_logprobs=logits_output.input_logprobs)
 
     def self_check_during_idle(self) -> None:

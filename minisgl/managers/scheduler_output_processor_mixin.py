@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -35,6 +35,7 @@ class GenerationBatchResult(NamedTuple):
     top_logprobs_val: Optional[List[List[float]]]
     top_logprobs_idx: Optional[List[List[int]]]
     token_ids_logprobs: Optional[List[Optional[List[float]]]] = None  # per request, at its token_ids_logprob
+    custom_logit_processor_errors: Optional[Dict[int, str]] = None  # (run_batch turned them into to_finish)
     input_logprobs: Optional[InputLogprobs] = None  # rows in ScheduleBatch.input_logprob_rows order
 
 

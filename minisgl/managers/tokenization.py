@@ -46,6 +46,28 @@ def check_priority(priority: Any, enabled: bool) -> None:
         )
 
 
+def check_custom_logit_processor(obj: GenerateReqInput, enabled: bool) -> None:
+    """A normalized request's custom_logit_processor (one string per prompt, or None) and the
+    custom_params it reads: a processor only where the server runs them, custom_params only with
+    a processor (SGLang ignores them without one: here they are a 400, not silently dropped).
+    Whether the string loads is the scheduler's check (it alone unpickles client code)."""
+    processors = [obj.custom_logit_processor] if obj.is_single else obj.custom_logit_processor
+    param_dicts = [obj.sampling_params] if obj.is_single else obj.sampling_params
+    for processor, params in zip(processors or [], param_dicts or []):  # type: ignore[arg-type]
+        if processor is not None and not isinstance(processor, str):
+            raise ValueError(
+                f"custom_logit_processor must be a string (CustomLogitProcessor.to_str()), got {type(processor).__name__}"
+            )
+        if processor is None and isinstance(params, dict) and params.get("custom_params") is not None:
+            raise ValueError("custom_params are the parameters of a custom logit processor: send custom_logit_processor with them")
+    if not enabled and any(p is not None for p in processors or []):  # type: ignore[union-attr]
+        raise ValueError(
+            "custom_logit_processor needs a server started with --enable-custom-logit-processor (the Engine: "
+            "enable_custom_logit_processor=True). It is off by default because loading a processor unpickles "
+            "it: it runs the code the client sends on the server. Turn it on only where every client may do that."
+        )
+
+
 def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True) -> List[int]:
     """Prompt text -> ids. Special tokens in the text (e.g. a rendered chat template) stay special;
     add_special_tokens adds the tokenizer's own around it (a Llama tokenizer's BOS: without it such
@@ -102,6 +124,7 @@ def create_tokenized_object(
         token_ids_logprob=list(obj.token_ids_logprob) if obj.token_ids_logprob else None,
         stream=obj.stream,
         priority=obj.priority,
+        custom_logit_processor=obj.custom_logit_processor,
         require_reasoning=obj.require_reasoning,
         created_time=time.time(),
     )

@@ -318,6 +318,7 @@ class TokenizerManager:
         params = self._validate_request_shape(obj)
         # (a request without one gets the scheduler's default: the least important, SGLang's)
         tokenization.check_priority(obj.priority, self.server_args.enable_priority_scheduling)
+        tokenization.check_custom_logit_processor(obj, self.server_args.enable_custom_logit_processor)
         n = params[0].n if obj.is_single else 1
         if obj.is_single and n == 1:
             async for out in self._generate_one(obj, request):

@@ -1,7 +1,8 @@
 """ModelRunner (stage 4): owns the model, the KV memory and the sampler; runs one ForwardBatch.
 
 Where it sits: Scheduler -> ScheduleBatch -> ForwardBatch -> ModelRunner.forward ->
-LogitsProcessorOutput -> ModelRunner.sample -> SampleOutput -> Scheduler.
+LogitsProcessorOutput -> ModelRunner.sample (logits bias, custom logit processors, Sampler) ->
+SampleOutput -> Scheduler.
 Owns: model (DecoderForCausalLM), model_config, req_to_token_pool,
 token_to_kv_pool_allocator, token_to_kv_pool, attn_backend, sampler.
 
@@ -33,6 +34,7 @@ from minisgl.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from minisgl.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from minisgl.models.loader import load_model, resolve_model_path
 from minisgl.models.model_config import ModelConfig
+from minisgl.sampling.custom_logit_processor import apply_custom_logit_processors
 from minisgl.sampling.sampling_batch_info import SamplingBatchInfo
 from minisgl.server_args import ServerArgs
 from minisgl.utils import keep_freed_memory_in_heap
@@ -163,10 +165,18 @@ class ModelRunner:
             return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
     def sample(self, logits_output: LogitsProcessorOutput, sampling_info: SamplingBatchInfo) -> SampleOutput:
-        """Penalties, min_new_tokens, the grammars' vocab mask and logit_bias, then the Sampler (sglang-facts.md §11)."""
+        """Penalties, min_new_tokens, the grammars' vocab mask and logit_bias, then the custom logit
+        processors, then the Sampler (sglang-facts.md §11). Logprobs come from the processed logits.
+
+        A processor that fails leaves its rows as they were and is named in the result's
+        custom_logit_processor_errors: the scheduler aborts those requests alone."""
         with torch.inference_mode():
             logits = logits_output.next_token_logits  # [bs, V] float32
-            if sampling_info.needs_logits_bias:
+            processors = sampling_info.custom_logit_processor
+            if sampling_info.needs_logits_bias or processors is not None:
                 logits = logits.clone()  # keep the model's logits intact for the caller
+            if sampling_info.needs_logits_bias:
                 sampling_info.apply_logits_bias(logits)
-            return self.sampler(logits, sampling_info, self.generator)
+            errors = apply_custom_logit_processors(logits, processors) if processors is not None else None
+            sampled = self.sampler(logits, sampling_info, self.generator)
+            return sampled._replace(custom_logit_processor_errors=errors) if errors else sampled

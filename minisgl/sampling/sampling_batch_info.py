@@ -5,7 +5,8 @@ ModelRunner.sample(logits_output, sampling_info) -> apply_logits_bias + Sampler.
 Built afresh for every forward from the batch's requests (SGLang's `from_schedule_batch`
 is kept and filtered/merged with the batch instead; see penalties.py for why not here).
 In: the batch's Reqs (reads `sampling_params`, `output_ids`, `origin_input_ids`,
-`return_logprob`, `top_logprobs_num`, `logit_bias`, `grammar`); out: tensors the sampler reads.
+`return_logprob`, `top_logprobs_num`, `logit_bias`, `grammar`, `custom_logit_processor`);
+out: tensors the sampler reads, and the rows of each custom logit processor.
 
 `SamplingParams.normalize` already mapped greedy (temperature ~0) to temperature 1 with
 top_k 1 and top_k -1 to "all"; here top_k is clipped to the vocabulary.
@@ -17,11 +18,12 @@ position whatever batch it is in (see layers/sampler.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Set
+from typing import Any, Dict, List, Optional, Sequence, Set
 
 import torch
 
 from minisgl.constrained.xgrammar_backend import allocate_vocab_mask, apply_vocab_mask
+from minisgl.sampling.custom_logit_processor import LogitProcessorGroup
 from minisgl.sampling.penalties import BatchedPenalizerOrchestrator
 
 
@@ -48,6 +50,9 @@ class SamplingBatchInfo:
     # bits set in rows without one), None when no request has a grammar; the rows with one
     vocab_mask: Optional[torch.Tensor] = None
     vocab_mask_rows: Optional[List[int]] = None
+    # the rows of each custom logit processor, grouped by its string (SGLang's grouping); None
+    # when no request has one (ModelRunner.sample runs them after apply_logits_bias)
+    custom_logit_processor: Optional[List[LogitProcessorGroup]] = None
 
     @classmethod
     def from_reqs(
@@ -85,6 +90,7 @@ class SamplingBatchInfo:
             logit_bias=_logit_bias_rows(params, vocab_size, device),
             vocab_mask=vocab_mask,
             vocab_mask_rows=grammar_rows or None,
+            custom_logit_processor=_processor_groups(reqs),
         )
 
     @property
@@ -101,6 +107,22 @@ class SamplingBatchInfo:
             apply_vocab_mask(logits, self.vocab_mask, self.vocab_mask_rows)
         if self.logit_bias is not None:
             logits += self.logit_bias  # (-inf from min_new_tokens or a grammar stays -inf: biases are finite)
+
+
+def _processor_groups(reqs: Sequence[Any]) -> Optional[List[LogitProcessorGroup]]:
+    """The batch's rows by custom logit processor string, each with the instance the scheduler
+    loaded for the first of them and every row's params; None when no request has one."""
+    groups: Dict[str, LogitProcessorGroup] = {}
+    for i, r in enumerate(reqs):
+        key = getattr(r, "custom_logit_processor", None)
+        if key is None:
+            continue
+        group = groups.get(key)
+        if group is None:
+            group = groups[key] = LogitProcessorGroup(r.logit_processor, [], [])
+        group.rows.append(i)
+        group.params.append(r.custom_params)
+    return list(groups.values()) or None
 
 
 def _logit_bias_rows(params: Sequence[Any], vocab_size: int, device: str) -> Optional[torch.Tensor]:

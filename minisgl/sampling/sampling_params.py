@@ -30,9 +30,6 @@ FLOAT32_MAX = 3.4028234663852886e38
 MAX_N = 128  # samples per prompt: each is a whole request, and one client must not fill the server
 MAX_TOP_LOGPROBS_NUM = 20  # OpenAI's bound on top_logprobs; the server holds /generate to it too
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value, [-100, 100]: -100 bans a token, 100 forces it
-# SGLang's sampling key for what minisgl does not build (custom logit processors' parameters):
-# null, its default, is accepted as leaving it out; any other value is refused by name
-UNSUPPORTED_SAMPLING_KEYS = frozenset({"custom_params"})
 # the keys that constrain the output to a grammar (structured output; at most one per request)
 GRAMMAR_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
 # the knobs a model's generation_config.json may set (SGLang's get_default_sampling_params)
@@ -72,6 +69,9 @@ class SamplingParams:
     # text of SGLang's structural tag: {"structures": [{"begin", "schema", "end"}], "triggers"},
     # or xgrammar's {"type": "structural_tag", "format": {...}})
     structural_tag: Optional[str] = None
+    # the parameters of the request's custom logit processor (sampling/custom_logit_processor.py),
+    # a JSON object it reads per row; only with a processor (tokenization.check_custom_logit_processor)
+    custom_params: Optional[Dict[str, Any]] = None
     # filled by normalize(): stop strings and stop regexes as lists, and how many output tokens
     # hold their longest match (stop_regex.WHOLE_OUTPUT: all of them)
     stop_strs: List[str] = field(default_factory=list)
@@ -84,6 +84,7 @@ class SamplingParams:
         "frequency_penalty", "presence_penalty", "repetition_penalty", "stop", "stop_regex", "stop_token_ids",
         "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
         "seed", "n", "stream_interval", "logit_bias", "json_schema", "regex", "ebnf", "structural_tag",
+        "custom_params",
     )  # fmt: skip
 
     @classmethod
@@ -96,19 +97,13 @@ class SamplingParams:
         """
         if d is not None and not isinstance(d, dict):
             raise ValueError(f"sampling_params must be an object (a dict), got {type(d).__name__}")
-        d = {k: v for k, v in (d or {}).items() if not (v is None and k in UNSUPPORTED_SAMPLING_KEYS)}
+        d = dict(d or {})
         if "sampling_seed" in d:  # SGLang's native name for the seed (its OpenAI layer maps seed to it)
             seed = d.pop("sampling_seed")
             if d.get("seed") is not None and seed is not None and d["seed"] != seed:
                 raise ValueError(f"sampling_seed ({seed!r}) and seed ({d['seed']!r}) name the same seed: give one")
             if seed is not None:
                 d["seed"] = seed
-        unsupported = sorted(set(d) & UNSUPPORTED_SAMPLING_KEYS)
-        if unsupported:
-            raise ValueError(
-                f"Sampling parameter(s) {unsupported} are not supported by minisgl (there are no custom logit "
-                f"processors; structured output takes json_schema, regex, ebnf or structural_tag)"
-            )
         unknown = sorted(set(d) - set(cls.KEYS))
         if unknown:
             raise ValueError(f"Unknown sampling parameter(s) {unknown}; supported: {list(cls.KEYS)}")
@@ -291,6 +286,15 @@ def check_type(key: str, value: Any) -> None:
     if key == "stop_token_ids" and value is not None:
         if not isinstance(value, list) or not all(_is_int(t) for t in value):
             raise ValueError(f"stop_token_ids must be a list of integers, {got}")
+    if key == "custom_params" and value is not None:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ValueError(f"custom_params must be an object (a dict with string keys), {got}")
+        if "__req__" in value:
+            raise ValueError('custom_params must not name "__req__": the scheduler puts the request there')
+        try:  # (what crosses to the scheduler is JSON: the Engine takes only what the server could)
+            json.dumps(value)
+        except (TypeError, ValueError, RecursionError) as e:
+            raise ValueError(f"custom_params must be JSON (numbers, strings, lists, objects): {e}") from None
     if key == "logit_bias" and value is not None:
         if not isinstance(value, dict):
             raise ValueError(f'logit_bias must be an object mapping token ids to numbers, e.g. {{"42": -100}}, {got}')

@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Dict, FrozenSet, List, Literal, Optional, Unio
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from minisgl.sampling.sampling_params import (
-    GENERATION_CONFIG_SAMPLING_KEYS, MAX_N, MAX_TOP_LOGPROBS_NUM, UNSUPPORTED_SAMPLING_KEYS, SamplingParams,
+    GENERATION_CONFIG_SAMPLING_KEYS, MAX_N, MAX_TOP_LOGPROBS_NUM, SamplingParams,
 )  # fmt: skip
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
@@ -30,14 +30,13 @@ UNSUPPORTED_FIELDS = frozenset(
     {
         "functions", "function_call", "audio", "modalities", "prediction", "store",
         "metadata", "service_tier", "web_search_options", "suffix", "best_of", "user",
-        "lora_path", "image_data", "return_hidden_states", "custom_logit_processor",
+        "lora_path", "image_data", "return_hidden_states",
         # SGLang's own, on /generate or the OpenAI routes
         "audio_data", "video_data", "input_embeds", "session_params", "bootstrap_host",
         "bootstrap_port", "bootstrap_room", "data_parallel_rank", "extra_key", "cache_salt",
         # chat's fields (tool calls, tool_calls.py), not /v1/completions' or /generate's
         "tools", "tool_choice", "parallel_tool_calls",
     }
-    | UNSUPPORTED_SAMPLING_KEYS  # (SGLang's sampling keys on /generate, top-level fields here)
 )  # fmt: skip
 
 # /generate fields SGLang types as nullable: null is their default there
@@ -227,6 +226,10 @@ class _SamplingFields(BaseModel):
     stream_options: Optional[StreamOptions] = None
     rid: Optional[str] = None
     priority: Optional[int] = None  # SGLang's: with --enable-priority-scheduling (docs/scheduler.md)
+    # SGLang's: with --enable-custom-logit-processor, a CustomLogitProcessor.to_str() that edits the
+    # logits before sampling, and the parameters it reads (sampling/custom_logit_processor.py)
+    custom_logit_processor: Optional[str] = None
+    custom_params: Optional[Dict[str, Any]] = None
 
     def _common_sampling_params(self, max_new_tokens: Optional[int], defaults: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
         """The SGLang sampling_params dict. An unset knob takes `defaults` (the model's
@@ -255,6 +258,8 @@ class _SamplingFields(BaseModel):
         }
         if self.logit_bias:  # (checked by SamplingParams: decimal ids inside the vocabulary, values in [-100, 100])
             params["logit_bias"] = self.logit_bias
+        if self.custom_params is not None:  # (without custom_logit_processor: refused by the TokenizerManager)
+            params["custom_params"] = self.custom_params
         grammars = {key: getattr(self, key) for key in ("json_schema", "regex", "ebnf") if getattr(self, key) is not None}
         if self.response_format is not None:
             from_format = self.response_format.grammar()
@@ -568,3 +573,6 @@ class GenerateRequest(BaseModel):
     token_ids_logprob: Optional[Union[List[int], List[Optional[List[int]]]]] = None  # ids every position reports
     stream: bool = False
     priority: Optional[int] = None  # with --enable-priority-scheduling: how important (all prompts of a batch)
+    # with --enable-custom-logit-processor: CustomLogitProcessor.to_str() for all prompts, or a list
+    # of one per prompt (None: none); its parameters go in sampling_params["custom_params"]
+    custom_logit_processor: Optional[Union[str, List[Optional[str]]]] = None

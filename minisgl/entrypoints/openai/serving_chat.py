@@ -333,6 +333,7 @@ class OpenAIServingChat(OpenAIServingBase):
             top_logprobs_num=request.top_logprobs or 0,
             stream=request.stream,
             priority=request.priority,
+            custom_logit_processor=request.custom_logit_processor,
             require_reasoning=self._thinks(request),
         )
 

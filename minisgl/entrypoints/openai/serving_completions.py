@@ -61,6 +61,7 @@ class OpenAIServingCompletions(OpenAIServingBase):
             top_logprobs_num=request.logprobs or 0,
             stream=request.stream,
             priority=request.priority,
+            custom_logit_processor=request.custom_logit_processor,
         )
 
     def _prompt_text(self, request: CompletionRequest, index: int) -> str:

@@ -1,0 +1,157 @@
+"""Custom logit processors: client code that edits a request's logits before sampling (SGLang's).
+
+Where it sits in the request chain:
+
+    client: MyProcessor.to_str() -> the request's `custom_logit_processor` (a string), its
+            parameters in `sampling_params["custom_params"]` (a JSON object)
+    TokenizerManager / Engine: refuse it unless --enable-custom-logit-processor
+            (tokenization.check_custom_logit_processor)
+    Scheduler.handle_generate_request: `from_str` loads it once, on arrival (a string that
+            does not load is the request's 400); the Req keeps the instance, and
+            `Req.custom_params` = the request's custom_params + {"__req__": the Req}
+    SamplingBatchInfo.from_reqs: the batch's rows grouped by processor string
+    ModelRunner.sample: penalties, grammar mask, logit_bias, then each group's processor on its
+            rows (`apply_custom_logit_processors`), then the Sampler (temperature, top-k, ...)
+
+A processor is a subclass of `CustomLogitProcessor` whose `__call__(logits, custom_param_list)`
+gets the logits of its rows, [n, V] float32 (a copy: the other rows are out of its reach), and
+one params dict per row (the request's custom_params, with the scheduler's Req at "__req__":
+`output_ids`, `origin_input_ids`, ... to read), and returns logits of the same shape, dtype and
+device (it may edit them in place and return them). One instance serves a group for one step:
+keep per-request state on the Req or in the params dict (both live as long as the request).
+
+The string is SGLang's format, `{"callable": "<hex of dill.dumps(cls)>"}`: a class defined in
+`__main__`, a notebook or a function travels by value (its code and the globals it names), one
+in an importable module by reference (the server must be able to import it), so a client's
+processor runs on a server that has never seen it.
+
+SECURITY: `from_str` unpickles. Loading a processor runs whatever code the client put in the
+string, with the server's rights. That is why the server refuses processors unless started with
+--enable-custom-logit-processor (SGLang's flag, off by default): turn it on only where every
+client may run code on the server.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from abc import ABC, abstractmethod
+from typing import Any, Dict, List, NamedTuple, Optional
+
+import torch
+
+# distinct processor strings whose loaded class is kept: a client sending new strings forever
+# grows nothing past this (SGLang's cache is unbounded)
+FROM_STR_CACHE_SIZE = 128
+
+
+class CustomLogitProcessor(ABC):
+    """A logits transform a request names; subclass it and implement __call__."""
+
+    @abstractmethod
+    def __call__(self, logits: torch.Tensor, custom_param_list: Optional[List[Dict[str, Any]]] = None) -> torch.Tensor:
+        """logits [n, V] float32 of the n rows using this processor; custom_param_list: one dict
+        per row (its request's custom_params and "__req__"). Returns logits [n, V]."""
+        raise NotImplementedError
+
+    @classmethod
+    def to_str(cls) -> str:
+        """The class as a JSON string for a request's `custom_logit_processor` (SGLang's format).
+
+        recurse=True: a class defined by value takes the globals its methods name (torch, a
+        helper) along, so it also runs where its module's other globals do not exist."""
+        import dill
+
+        return json.dumps({"callable": dill.dumps(cls, recurse=True).hex()})
+
+    @classmethod
+    def from_str(cls, json_str: str) -> "CustomLogitProcessor":
+        """An instance of the processor class `json_str` carries (the class is cached by string).
+
+        ValueError (the request's 400) for a string that is not SGLang's format, does not
+        unpickle, or holds something other than a CustomLogitProcessor subclass, and for a
+        class whose constructor fails. Runs the client's code: see the module docstring."""
+        if not isinstance(json_str, str):
+            raise ValueError(f"custom_logit_processor must be a string (CustomLogitProcessor.to_str()), got {type(json_str).__name__}")
+        processor_cls = _class_from_str(json_str)
+        try:
+            return processor_cls()
+        except Exception as e:
+            raise ValueError(f"custom_logit_processor {processor_cls.__name__}() failed: {type(e).__name__}: {e}") from None
+
+
+@functools.lru_cache(maxsize=FROM_STR_CACHE_SIZE)
+def _class_from_str(json_str: str) -> type:
+    try:
+        data = json.loads(json_str)
+        payload = bytes.fromhex(data["callable"])
+    except (ValueError, TypeError, KeyError, RecursionError):
+        raise ValueError(
+            'custom_logit_processor is not a serialized processor: expected the JSON text {"callable": "<hex>"} '
+            "that CustomLogitProcessor.to_str() makes"
+        ) from None
+    import dill
+
+    try:
+        loaded = dill.loads(payload)
+    except Exception as e:  # (the client's bytes: anything may go wrong, ModuleNotFoundError most often)
+        raise ValueError(f"custom_logit_processor does not load here: {type(e).__name__}: {e}") from None
+    if not (isinstance(loaded, type) and issubclass(loaded, CustomLogitProcessor)):
+        raise ValueError(
+            f"custom_logit_processor must hold a subclass of minisgl's CustomLogitProcessor, got {loaded!r} "
+            "(an SGLang processor subclasses SGLang's class: subclass minisgl.sampling.custom_logit_processor's)"
+        )
+    return loaded
+
+
+class LogitProcessorGroup(NamedTuple):
+    """The rows of a batch that one processor string names (SamplingBatchInfo.custom_logit_processor)."""
+
+    processor: CustomLogitProcessor
+    rows: List[int]  # rows of the batch, ascending
+    params: List[Dict[str, Any]]  # one per row: Req.custom_params (custom_params + "__req__")
+
+
+def apply_custom_logit_processors(logits: torch.Tensor, groups: List[LogitProcessorGroup]) -> Dict[int, str]:
+    """Run each group's processor on a copy of its rows of logits [bs, V] and write the result
+    back, in place. Returns {row: error message} for the rows of each group whose processor
+    raised or returned something that is not a tensor of its rows' shape, dtype and device:
+    their logits stay as they were, and the scheduler aborts those requests alone."""
+    errors: Dict[int, str] = {}
+    for group in groups:
+        index = torch.tensor(group.rows, dtype=torch.int64, device=logits.device)  # [n]
+        rows = logits.index_select(0, index)  # [n, V], a copy: a processor that fails half-way leaves logits intact
+        name = type(group.processor).__name__
+        try:
+            out = group.processor(rows, group.params)
+            if not isinstance(out, torch.Tensor):
+                raise TypeError(f"returned a {type(out).__name__}, not a tensor")
+            if out.shape != rows.shape or out.dtype != rows.dtype or out.device != rows.device:
+                raise TypeError(
+                    f"returned a tensor of shape {tuple(out.shape)} {out.dtype} on {out.device}; "
+                    f"expected {tuple(rows.shape)} {rows.dtype} on {rows.device}"
+                )
+        except Exception as e:  # the client's code: it must cost its own requests, never the server
+            message = f"custom logit processor {name} failed: {type(e).__name__}: {e}"
+            errors.update({row: message for row in group.rows})
+            continue
+        logits.index_copy_(0, index, out)
+    return errors
+
+
+# --------------------------------------------------------------------------- built-in processors
+class DisallowedTokensLogitsProcessor(CustomLogitProcessor):
+    """SGLang's example: the ids in custom_params["token_ids"] are never sampled (their logits -inf).
+
+    Unlike SGLang's (which asserts every row names the same ids), each row bans its own list."""
+
+    def __call__(self, logits: torch.Tensor, custom_param_list: Optional[List[Dict[str, Any]]] = None) -> torch.Tensor:
+        for i, params in enumerate(custom_param_list or []):
+            ids = params.get("token_ids") if params else None
+            if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+                raise ValueError(f'custom_params must be {{"token_ids": [token ids]}}, got token_ids={ids!r}')
+            bad = [t for t in ids if not 0 <= t < logits.shape[-1]]
+            if bad:
+                raise ValueError(f"token_ids {bad[:8]} are outside the vocabulary [0, {logits.shape[-1]})")
+            logits[i, ids] = float("-inf")
+        return logits
