@@ -253,3 +253,14 @@ def test_a_class_defined_here_runs_in_a_server_process(tiny_model: str, tmp_path
         assert httpx.post(server.url + "/generate", json=body, timeout=60).json()["output_ids"] == [11] * 8  # still serving
     finally:
         server.stop()
+
+
+def test_a_processor_that_undoes_a_grammars_mask_ends_its_request_saying_so(engine: Any) -> None:
+    """Processors run after the grammar's mask (SGLang's order): one that raises a masked token
+    ends the request with the grammar's 400, which names the processor as a cause."""
+    pytest.importorskip("xgrammar")
+    params = {**GREEDY, "regex": "a+", "custom_params": {"token_id": engine.tokenizer.encode("b", add_special_tokens=False)[0]}}
+    out = engine.generate(PROMPT, params, custom_logit_processor=ForceTokenProcessor.to_str())
+    reason = out["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "custom logit processor raised a token the grammar had masked" in reason["message"]
+    engine.scheduler.check_memory_when_idle()

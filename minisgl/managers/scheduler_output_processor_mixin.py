@@ -131,6 +131,8 @@ class SchedulerOutputProcessorMixin:
             # arbitrary, and named a different id alone than beside another request)
             held_back = len(req.output_ids) <= req.sampling_params.min_new_tokens
             why = "min_new_tokens held back the stop token the finished output needed" if held_back else "the grammar allows no token here"
+            if req.logit_processor is not None:  # (it runs after the grammar's mask, and may undo it)
+                why += ", or the request's custom logit processor raised a token the grammar had masked"
             req.to_finish = FINISH_ABORT(f"Structured output stopped: no token continues the output inside its grammar ({why})")
 
     def _release_finished(self, req: Req, detail: Optional[str] = None) -> None:
