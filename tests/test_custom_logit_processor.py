@@ -264,3 +264,62 @@ def test_a_processor_that_undoes_a_grammars_mask_ends_its_request_saying_so(engi
     reason = out["meta_info"]["finish_reason"]
     assert reason["type"] == "abort" and "custom logit processor raised a token the grammar had masked" in reason["message"]
     engine.scheduler.check_memory_when_idle()
+
+
+def test_one_requests_bad_params_cost_it_alone_among_requests_of_the_same_processor(engine: Any) -> None:
+    """The rows of one processor string run in one call; when it fails, each row is tried alone,
+    so a client's bad token_ids never abort another client's request."""
+    alone = engine.generate(PROMPT, {**GREEDY, "custom_params": {"token_ids": [1, 2]}}, custom_logit_processor=DisallowedTokensLogitsProcessor)
+    good = engine.add_request(PROMPT, {**GREEDY, "custom_params": {"token_ids": [1, 2]}}, custom_logit_processor=DisallowedTokensLogitsProcessor)
+    bad = engine.add_request(PROMPT, {**GREEDY, "custom_params": {"token_ids": [99999]}}, custom_logit_processor=DisallowedTokensLogitsProcessor)
+    engine.run_until_idle()
+    assert engine.get_result(good)["output_ids"] == alone["output_ids"]
+    reason = engine.get_result(bad)["meta_info"]["finish_reason"]
+    assert reason["status_code"] == 400 and "outside the vocabulary" in reason["message"]
+    engine.scheduler.check_memory_when_idle()
+
+
+class InfForceProcessor(CustomLogitProcessor):
+    def __call__(self, logits: torch.Tensor, custom_param_list: Any = None) -> torch.Tensor:
+        logits[:, 7] = float("inf")  # (softmax of +inf is NaN: nothing can be sampled from it)
+        return logits
+
+
+def test_logits_nothing_can_be_sampled_from_are_the_processors_error(engine: Any) -> None:
+    with pytest.raises(ValueError, match="NaN, \\+inf, or all -inf.*give it a finite logit"):
+        engine.generate(PROMPT, GREEDY, custom_logit_processor=InfForceProcessor)
+    engine.scheduler.check_memory_when_idle()
+
+
+class _BadRepr:
+    def __repr__(self) -> str:
+        raise RuntimeError("repr is the client's code too")
+
+
+def test_a_payload_that_is_no_processor_class_is_named_by_its_type_only(engine: Any) -> None:
+    payload = json.dumps({"callable": dill.dumps(_BadRepr()).hex()})
+    with pytest.raises(ValueError, match="must hold a subclass of minisgl's CustomLogitProcessor, got a _BadRepr"):
+        engine.generate(PROMPT, GREEDY, custom_logit_processor=payload)
+    assert engine.generate(PROMPT, GREEDY)["meta_info"]["finish_reason"]["type"] == "length"  # (still serving)
+
+
+class CountingProcessor(CustomLogitProcessor):
+    """Records, per call, the output length of each row's request; appends to its own params."""
+
+    calls: List[int] = []
+
+    def __call__(self, logits: torch.Tensor, custom_param_list: Any = None) -> torch.Tensor:
+        for params in custom_param_list:
+            CountingProcessor.calls.append(len(params["__req__"].output_ids))
+            params.setdefault("seen", []).append(1)
+        return logits
+
+
+def test_a_chunked_prompts_discarded_rows_are_not_processed_and_params_are_each_requests_own(tiny_model: str) -> None:
+    with Engine(tiny_model, device="cpu", max_total_tokens=2048, chunked_prefill_size=16, enable_custom_logit_processor=True) as e:
+        CountingProcessor.calls = []
+        out = e.generate(input_ids=list(range(10, 60)), sampling_params={**GREEDY, "max_new_tokens": 3}, custom_logit_processor=CountingProcessor)
+        assert len(out["output_ids"]) == 3 and CountingProcessor.calls == [0, 1, 2]  # (not once per 16-token chunk)
+        mine: Dict[str, Any] = {"tag": 1}
+        e.generate([PROMPT, PROMPT], {**GREEDY, "n": 2, "custom_params": mine}, custom_logit_processor=CountingProcessor)
+        assert mine == {"tag": 1}  # (neither shared between the four requests nor written back to the caller)

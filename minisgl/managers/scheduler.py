@@ -237,9 +237,14 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             processor = CustomLogitProcessor.from_str(processor_str)
         except ValueError as e:
             return str(e)
+        except Exception as e:  # (loading runs the client's code: whatever it raises is its request's 400)
+            return f"custom_logit_processor does not load here: {type(e).__name__}"
         req.custom_logit_processor = processor_str
         req.logit_processor = processor
-        req.custom_params = {**(req.sampling_params.custom_params or {}), "__req__": req}  # SGLang's __req__
+        # its own copy (JSON, checked so): the Engine hands over the caller's dict, which n > 1 and
+        # a batch's prompts share, and a processor may keep state in it
+        own = json.loads(json.dumps(req.sampling_params.custom_params or {}))
+        req.custom_params = {**own, "__req__": req}  # SGLang's __req__
         return None
 
     def get_grammar_backend(self) -> XGrammarGrammarBackend:

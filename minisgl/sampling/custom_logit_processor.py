@@ -77,7 +77,7 @@ class CustomLogitProcessor(ABC):
         try:
             return processor_cls()
         except Exception as e:
-            raise ValueError(f"custom_logit_processor {processor_cls.__name__}() failed: {type(e).__name__}: {e}") from None
+            raise ValueError(f"custom_logit_processor {processor_cls.__name__}() failed: {_error_text(e)}") from None
 
 
 @functools.lru_cache(maxsize=FROM_STR_CACHE_SIZE)
@@ -95,13 +95,26 @@ def _class_from_str(json_str: str) -> type:
     try:
         loaded = dill.loads(payload)
     except Exception as e:  # (the client's bytes: anything may go wrong, ModuleNotFoundError most often)
-        raise ValueError(f"custom_logit_processor does not load here: {type(e).__name__}: {e}") from None
+        raise ValueError(f"custom_logit_processor does not load here: {_error_text(e)}") from None
     if not (isinstance(loaded, type) and issubclass(loaded, CustomLogitProcessor)):
+        # (its type's name only: the object's own repr is the client's code, and may be any size)
+        what = f"the class {loaded.__qualname__}" if isinstance(loaded, type) else f"a {type(loaded).__qualname__}"
         raise ValueError(
-            f"custom_logit_processor must hold a subclass of minisgl's CustomLogitProcessor, got {loaded!r} "
+            f"custom_logit_processor must hold a subclass of minisgl's CustomLogitProcessor, got {what[:200]} "
             "(an SGLang processor subclasses SGLang's class: subclass minisgl.sampling.custom_logit_processor's)"
         )
     return loaded
+
+
+def _error_text(e: BaseException, limit: int = 500) -> str:
+    """`Type: message` of the client's exception, cut to `limit` characters (it goes into a 400
+    and a log line); its str() is the client's code too, so a failing one is named, not raised."""
+    try:
+        text = str(e)
+    except Exception:
+        text = "<its message could not be read>"
+    text = f"{type(e).__name__}: {text}"
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 class LogitProcessorGroup(NamedTuple):
@@ -114,29 +127,56 @@ class LogitProcessorGroup(NamedTuple):
 
 def apply_custom_logit_processors(logits: torch.Tensor, groups: List[LogitProcessorGroup]) -> Dict[int, str]:
     """Run each group's processor on a copy of its rows of logits [bs, V] and write the result
-    back, in place. Returns {row: error message} for the rows of each group whose processor
-    raised or returned something that is not a tensor of its rows' shape, dtype and device:
-    their logits stay as they were, and the scheduler aborts those requests alone."""
+    back, in place. Returns {row: error message} for the rows whose processor raised, returned
+    something that is not a tensor of its rows' shape, dtype and device, or logits no token can
+    be sampled from (NaN, +inf, or none finite where some were): their logits stay as they were,
+    and the scheduler aborts those requests alone.
+
+    A group that fails is run again one row at a time, so that one request's bad custom_params
+    (a processor that checks them as it goes) cost that request only, not every request that
+    names the same processor."""
     errors: Dict[int, str] = {}
     for group in groups:
-        index = torch.tensor(group.rows, dtype=torch.int64, device=logits.device)  # [n]
-        rows = logits.index_select(0, index)  # [n, V], a copy: a processor that fails half-way leaves logits intact
-        name = type(group.processor).__name__
-        try:
-            out = group.processor(rows, group.params)
-            if not isinstance(out, torch.Tensor):
-                raise TypeError(f"returned a {type(out).__name__}, not a tensor")
-            if out.shape != rows.shape or out.dtype != rows.dtype or out.device != rows.device:
-                raise TypeError(
-                    f"returned a tensor of shape {tuple(out.shape)} {out.dtype} on {out.device}; "
-                    f"expected {tuple(rows.shape)} {rows.dtype} on {rows.device}"
-                )
-        except Exception as e:  # the client's code: it must cost its own requests, never the server
-            message = f"custom logit processor {name} failed: {type(e).__name__}: {e}"
-            errors.update({row: message for row in group.rows})
+        failed = _apply_rows(logits, group.processor, group.rows, group.params)
+        if failed is None:
             continue
-        logits.index_copy_(0, index, out)
+        if len(group.rows) == 1:
+            errors[group.rows[0]] = failed
+            continue
+        for row, params in zip(group.rows, group.params):
+            one = _apply_rows(logits, group.processor, [row], [params])
+            if one is not None:
+                errors[row] = one
     return errors
+
+
+def _apply_rows(logits: torch.Tensor, processor: CustomLogitProcessor, rows: List[int], params: List[Dict[str, Any]]) -> Optional[str]:
+    """`processor` on a copy of `rows`, written back when it gave usable logits for all of them;
+    else the error message (and logits untouched)."""
+    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)  # [n]
+    before = logits.index_select(0, index)  # [n, V], a copy: a processor that fails half-way leaves logits intact
+    name = type(processor).__name__
+    try:
+        out = processor(before.clone(), params)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"returned a {type(out).__name__}, not a tensor")
+        if out.shape != before.shape or out.dtype != before.dtype or out.device != before.device:
+            raise TypeError(
+                f"returned a tensor of shape {tuple(out.shape)} {out.dtype} on {out.device}; "
+                f"expected {tuple(before.shape)} {before.dtype} on {before.device}"
+            )
+    except (Exception, SystemExit) as e:  # the client's code: it must cost its own requests, never the server
+        return f"custom logit processor {name} failed: {_error_text(e)}"
+    # logits no token can be sampled from: softmax of NaN or +inf is NaN, and so is that of a row
+    # the processor left without any finite logit (one that had none before is not its doing)
+    bad = torch.isnan(out).any(-1) | torch.isposinf(out).any(-1) | (~torch.isfinite(out).any(-1) & torch.isfinite(before).any(-1))
+    if bool(bad.any()):
+        return (
+            f"custom logit processor {name} returned logits no token can be sampled from (NaN, +inf, or all -inf): "
+            "to force a token, give it a finite logit (0) and the others -inf"
+        )
+    logits.index_copy_(0, index, out)
+    return None
 
 
 # --------------------------------------------------------------------------- built-in processors

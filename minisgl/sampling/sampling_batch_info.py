@@ -115,7 +115,9 @@ def _processor_groups(reqs: Sequence[Any]) -> Optional[List[LogitProcessorGroup]
     groups: Dict[str, LogitProcessorGroup] = {}
     for i, r in enumerate(reqs):
         key = getattr(r, "custom_logit_processor", None)
-        if key is None:
+        # (a prompt's chunk before its last: its sampled token is thrown away, and a processor
+        # that counts its calls must not see it)
+        if key is None or getattr(r, "is_chunked", 0) > 0:
             continue
         group = groups.get(key)
         if group is None:
