@@ -5,6 +5,7 @@ processor costing its own request only."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Dict, List, Optional
 
 import dill
@@ -262,7 +263,7 @@ def test_a_processor_that_undoes_a_grammars_mask_ends_its_request_saying_so(engi
     params = {**GREEDY, "regex": "a+", "custom_params": {"token_id": engine.tokenizer.encode("b", add_special_tokens=False)[0]}}
     out = engine.generate(PROMPT, params, custom_logit_processor=ForceTokenProcessor.to_str())
     reason = out["meta_info"]["finish_reason"]
-    assert reason["type"] == "abort" and "custom logit processor raised a token the grammar had masked" in reason["message"]
+    assert reason["type"] == "abort" and "the sampled token is outside the grammar (the request's custom logit processor" in reason["message"]
     engine.scheduler.check_memory_when_idle()
 
 
@@ -323,3 +324,26 @@ def test_a_chunked_prompts_discarded_rows_are_not_processed_and_params_are_each_
         mine: Dict[str, Any] = {"tag": 1}
         e.generate([PROMPT, PROMPT], {**GREEDY, "n": 2, "custom_params": mine}, custom_logit_processor=CountingProcessor)
         assert mine == {"tag": 1}  # (neither shared between the four requests nor written back to the caller)
+
+
+class _ExitsOnLoad:
+    def __reduce__(self) -> Any:
+        import sys
+
+        return (sys.exit, (3,))
+
+
+class ExitsOnInit(CustomLogitProcessor):
+    def __init__(self) -> None:
+        raise SystemExit(4)
+
+    def __call__(self, logits: torch.Tensor, custom_param_list: Any = None) -> torch.Tensor:
+        return logits
+
+
+def test_a_processor_that_exits_while_loading_is_its_requests_400(engine: Any) -> None:
+    for payload, needle in ((json.dumps({"callable": dill.dumps(_ExitsOnLoad()).hex()}), "does not load here: SystemExit: 3"),
+                            (ExitsOnInit.to_str(), "ExitsOnInit() failed: SystemExit: 4")):  # fmt: skip
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            engine.generate(PROMPT, GREEDY, custom_logit_processor=payload)
+    assert engine.generate(PROMPT, GREEDY)["meta_info"]["finish_reason"]["type"] == "length"  # (still serving)

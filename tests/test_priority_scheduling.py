@@ -281,3 +281,18 @@ def test_a_request_carrying_its_error_neither_evicts_nor_is_evicted_nor_fills_th
         assert _finish(e, "valid")["message"] == "The request is aborted by a higher priority request."
         assert [_finish(e, rid)["type"] for rid in ("run", "hi")] == ["length"] * 2
         assert e.scheduler.num_rejected_queue_full == 1
+
+
+def test_events_name_a_priority_no_one_gave_as_none(tiny_model: str) -> None:
+    from minisgl import Engine
+
+    with Engine(tiny_model, device="cpu", max_total_tokens=1024, max_running_requests=1, max_queued_requests=1,
+                enable_priority_scheduling=True) as e:  # fmt: skip
+        e.add_request("prompt run", GREEDY, rid="run", priority=0)
+        e.step()
+        e.add_request("prompt plain", GREEDY, rid="plain")  # (named none: the least important)
+        e.add_request("prompt hi", GREEDY, rid="hi", priority=3)
+        snap = e.step()
+        aborts = [(ev["rid"], ev["detail"]) for ev in snap["events"] if ev["type"] == "abort"]
+        assert aborts == [("plain", "queue full: evicted by hi (priority 3 over none)")]
+        e.run_until_idle()

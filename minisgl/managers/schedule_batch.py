@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
@@ -127,6 +128,22 @@ def _empty_indices() -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- Req
+# --enable-priority-scheduling: a request without a priority gets the least important one
+# (SGLang's default), times the scheduler's order (+1: lower values first, -1: higher ones)
+LEAST_PRIORITY = sys.maxsize
+
+
+def named_priority(priority: Optional[int]) -> Optional[int]:
+    """The priority a request named, or None (none given: the scheduler's default, or the flag off)."""
+    return None if priority is None or abs(priority) == LEAST_PRIORITY else priority
+
+
+def priority_text(priority: Optional[int]) -> str:
+    """A priority for events and logs: "none" for a request that named none (not 9223372036854775807)."""
+    named = named_priority(priority)
+    return "none" if named is None else str(named)
+
+
 class Req:
     """One request inside the scheduler, from arrival to finish (and back, on retraction)."""
 
@@ -177,7 +194,7 @@ class Req:
         # get as params, custom_params + {"__req__": self} (here, never on sampling_params: those
         # cross process boundaries as JSON)
         self.custom_logit_processor: Optional[str] = None
-        self.logit_processor: Any = None
+        self.custom_logit_processor_instance: Any = None
         self.custom_params: Optional[Dict[str, Any]] = None
 
         # memory and prefix state

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any, Dict, List, Optional, Union
@@ -40,13 +39,13 @@ from minisgl.managers.io_struct import (
     decode,
     encode,
 )
-from minisgl.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
+from minisgl.managers.schedule_batch import FINISH_ABORT, LEAST_PRIORITY, Req, ScheduleBatch, priority_text
 from minisgl.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
 from minisgl.managers.scheduler_metrics_mixin import SchedulerMetricsMixin
 from minisgl.managers.scheduler_output_processor_mixin import GenerationBatchResult, SchedulerOutputProcessorMixin
 from minisgl.mem_cache.allocator import ceil_paged_tokens, new_page_slots
 from minisgl.mem_cache.radix_cache import RadixCache
-from minisgl.sampling.custom_logit_processor import CustomLogitProcessor
+from minisgl.sampling.custom_logit_processor import CustomLogitProcessor, client_error_text
 from minisgl.server_args import ServerArgs, chunked_prefill_enabled
 from minisgl.utils import freeze_gc
 
@@ -54,8 +53,6 @@ logger = logging.getLogger("minisgl.scheduler")
 
 # a request whose grammar has not compiled after this long is aborted (SGLang's limit is
 # 10,000 polls of 5 ms: about 50 s); while it waits, the scheduler polls every 5 ms when idle
-# --enable-priority-scheduling: a request without a priority gets the least important one (SGLang's)
-LEAST_PRIORITY = sys.maxsize
 GRAMMAR_TIMEOUT = 60.0
 GRAMMAR_POLL_INTERVAL = 0.005
 
@@ -237,10 +234,10 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             processor = CustomLogitProcessor.from_str(processor_str)
         except ValueError as e:
             return str(e)
-        except Exception as e:  # (loading runs the client's code: whatever it raises is its request's 400)
-            return f"custom_logit_processor does not load here: {type(e).__name__}"
+        except (Exception, SystemExit) as e:  # (loading runs the client's code: whatever it raises is its request's 400)
+            return f"custom_logit_processor does not load here: {client_error_text(e)}"
         req.custom_logit_processor = processor_str
-        req.logit_processor = processor
+        req.custom_logit_processor_instance = processor
         # its own copy (JSON, checked so): the Engine hands over the caller's dict, which n > 1 and
         # a batch's prompts share, and a processor may keep state in it
         own = json.loads(json.dumps(req.sampling_params.custom_params or {}))
@@ -347,7 +344,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
                 message, detail = "The request queue is full.", "queue full"
             else:
                 message = "The request is aborted by a higher priority request."
-                detail = f"queue full: evicted by {req.rid} (priority {req.priority} over {rejected.priority})"
+                detail = f"queue full: evicted by {req.rid} (priority {priority_text(req.priority)} over {priority_text(rejected.priority)})"
             rejected.finished_reason = FINISH_ABORT(message, 503, "ServiceUnavailableError")
             self._finish_without_running(rejected, detail)
             self.num_rejected_queue_full += 1
@@ -642,8 +639,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
                 return False
         victims = adder.preempt_list[before:]
         for victim in victims:
-            self._event("retract", victim, f"preempted by {req.rid} (priority {req.priority} over {victim.priority})")
-        logger.info("Priority preemption: rid=%s (priority %s) sent %d running request(s) back to the queue", req.rid, req.priority, len(victims))
+            self._event("retract", victim, f"preempted by {req.rid} (priority {priority_text(req.priority)} over {priority_text(victim.priority)})")
+        logger.info("Priority preemption: rid=%s (priority %s) sent %d running request(s) back to the queue", req.rid, priority_text(req.priority), len(victims))
         return True
 
     def _requeue_retracted(self, req: Req) -> None:

@@ -9,11 +9,10 @@ the scheduler's state. The visualizer, the ipywidgets twin and the notebooks use
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from typing import Any, Dict, List, Optional
 
-from minisgl.managers.schedule_batch import Req, ScheduleBatch
+from minisgl.managers.schedule_batch import Req, ScheduleBatch, named_priority
 from minisgl.model_executor.forward_batch_info import ForwardMode
 
 logger = logging.getLogger("minisgl.scheduler")
@@ -87,7 +86,7 @@ class SchedulerMetricsMixin:
                     "retracted": r.is_retracted,
                     "retraction_count": r.retraction_count,
                     # --enable-priority-scheduling: the priority it named (None: none, or the flag is off)
-                    "priority": r.priority if r.priority is not None and abs(r.priority) != sys.maxsize else None,
+                    "priority": named_priority(r.priority),
                 }
                 for r in self.waiting_queue
             ],

@@ -131,9 +131,14 @@ class SchedulerOutputProcessorMixin:
             # arbitrary, and named a different id alone than beside another request)
             held_back = len(req.output_ids) <= req.sampling_params.min_new_tokens
             why = "min_new_tokens held back the stop token the finished output needed" if held_back else "the grammar allows no token here"
-            if req.logit_processor is not None:  # (it runs after the grammar's mask, and may undo it)
-                why += ", or the request's custom logit processor raised a token the grammar had masked"
-            req.to_finish = FINISH_ABORT(f"Structured output stopped: no token continues the output inside its grammar ({why})")
+            if req.custom_logit_processor_instance is not None:  # (it runs after the grammar's mask, and may undo it)
+                message = (
+                    "Structured output stopped: the sampled token is outside the grammar (the request's custom logit "
+                    f"processor runs after the grammar's mask and may have given a masked token a finite logit; or {why})"
+                )
+            else:
+                message = f"Structured output stopped: no token continues the output inside its grammar ({why})"
+            req.to_finish = FINISH_ABORT(message)
 
     def _release_finished(self, req: Req, detail: Optional[str] = None) -> None:
         """Finished: KV of origin + output[:-1] goes into the tree, the row is freed; one

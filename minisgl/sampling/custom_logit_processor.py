@@ -17,8 +17,10 @@ A processor is a subclass of `CustomLogitProcessor` whose `__call__(logits, cust
 gets the logits of its rows, [n, V] float32 (a copy: the other rows are out of its reach), and
 one params dict per row (the request's custom_params, with the scheduler's Req at "__req__":
 `output_ids`, `origin_input_ids`, ... to read), and returns logits of the same shape, dtype and
-device (it may edit them in place and return them). One instance serves a group for one step:
-keep per-request state on the Req or in the params dict (both live as long as the request).
+device (it may edit them in place and return them). Each request gets its own instance when it
+arrives, but a step runs the first request's instance on all the rows of its group, so state on
+`self` is shared between requests and changes with the batch (SGLang makes a new instance every
+step): keep a request's state in its params dict or on its Req (both live as long as it).
 
 The string is SGLang's format, `{"callable": "<hex of dill.dumps(cls)>"}`: a class defined in
 `__main__`, a notebook or a function travels by value (its code and the globals it names), one
@@ -76,8 +78,8 @@ class CustomLogitProcessor(ABC):
         processor_cls = _class_from_str(json_str)
         try:
             return processor_cls()
-        except Exception as e:
-            raise ValueError(f"custom_logit_processor {processor_cls.__name__}() failed: {_error_text(e)}") from None
+        except (Exception, SystemExit) as e:  # (the client's code: whatever it raises is its request's 400)
+            raise ValueError(f"custom_logit_processor {processor_cls.__name__}() failed: {client_error_text(e)}") from None
 
 
 @functools.lru_cache(maxsize=FROM_STR_CACHE_SIZE)
@@ -94,8 +96,8 @@ def _class_from_str(json_str: str) -> type:
 
     try:
         loaded = dill.loads(payload)
-    except Exception as e:  # (the client's bytes: anything may go wrong, ModuleNotFoundError most often)
-        raise ValueError(f"custom_logit_processor does not load here: {_error_text(e)}") from None
+    except (Exception, SystemExit) as e:  # (the client's bytes: anything may go wrong, ModuleNotFoundError most often)
+        raise ValueError(f"custom_logit_processor does not load here: {client_error_text(e)}") from None
     if not (isinstance(loaded, type) and issubclass(loaded, CustomLogitProcessor)):
         # (its type's name only: the object's own repr is the client's code, and may be any size)
         what = f"the class {loaded.__qualname__}" if isinstance(loaded, type) else f"a {type(loaded).__qualname__}"
@@ -106,7 +108,7 @@ def _class_from_str(json_str: str) -> type:
     return loaded
 
 
-def _error_text(e: BaseException, limit: int = 500) -> str:
+def client_error_text(e: BaseException, limit: int = 500) -> str:
     """`Type: message` of the client's exception, cut to `limit` characters (it goes into a 400
     and a log line); its str() is the client's code too, so a failing one is named, not raised."""
     try:
@@ -166,7 +168,7 @@ def _apply_rows(logits: torch.Tensor, processor: CustomLogitProcessor, rows: Lis
                 f"expected {tuple(before.shape)} {before.dtype} on {before.device}"
             )
     except (Exception, SystemExit) as e:  # the client's code: it must cost its own requests, never the server
-        return f"custom logit processor {name} failed: {_error_text(e)}"
+        return f"custom logit processor {name} failed: {client_error_text(e)}"
     # logits no token can be sampled from: softmax of NaN or +inf is NaN, and so is that of a row
     # the processor left without any finite logit (one that had none before is not its doing)
     bad = torch.isnan(out).any(-1) | torch.isposinf(out).any(-1) | (~torch.isfinite(out).any(-1) & torch.isfinite(before).any(-1))

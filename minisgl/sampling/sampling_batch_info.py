@@ -1,11 +1,13 @@
 """SamplingBatchInfo: the sampling knobs of a batch, as tensors (one row per request).
 
 Where it sits: Scheduler (ScheduleBatch) -> SamplingBatchInfo.from_reqs(reqs, ...) ->
-ModelRunner.sample(logits_output, sampling_info) -> apply_logits_bias + Sampler.
+ModelRunner.sample(logits_output, sampling_info) -> apply_logits_bias, the custom logit
+processors (sampling/custom_logit_processor.py), Sampler.
 Built afresh for every forward from the batch's requests (SGLang's `from_schedule_batch`
 is kept and filtered/merged with the batch instead; see penalties.py for why not here).
 In: the batch's Reqs (reads `sampling_params`, `output_ids`, `origin_input_ids`,
-`return_logprob`, `top_logprobs_num`, `logit_bias`, `grammar`, `custom_logit_processor`);
+`return_logprob`, `top_logprobs_num`, `logit_bias`, `grammar`, `custom_logit_processor` with its
+`custom_logit_processor_instance` and `custom_params`, `is_chunked`);
 out: tensors the sampler reads, and the rows of each custom logit processor.
 
 `SamplingParams.normalize` already mapped greedy (temperature ~0) to temperature 1 with
@@ -114,14 +116,14 @@ def _processor_groups(reqs: Sequence[Any]) -> Optional[List[LogitProcessorGroup]
     loaded for the first of them and every row's params; None when no request has one."""
     groups: Dict[str, LogitProcessorGroup] = {}
     for i, r in enumerate(reqs):
-        key = getattr(r, "custom_logit_processor", None)
+        key = getattr(r, "custom_logit_processor", None)  # (getattr: tests build batches of stand-in requests)
         # (a prompt's chunk before its last: its sampled token is thrown away, and a processor
         # that counts its calls must not see it)
         if key is None or getattr(r, "is_chunked", 0) > 0:
             continue
         group = groups.get(key)
         if group is None:
-            group = groups[key] = LogitProcessorGroup(r.logit_processor, [], [])
+            group = groups[key] = LogitProcessorGroup(r.custom_logit_processor_instance, [], [])
         group.rows.append(i)
         group.params.append(r.custom_params)
     return list(groups.values()) or None
