@@ -222,14 +222,14 @@ def test_stream_reasoning_false_holds_a_reasoning_cut_off_until_the_end(tiny_mod
     assert [d["reasoning_content"] for d in deltas if "reasoning_content" in d] == ["Still thinking when cut"]
 
 
-def test_reasoning_fields_without_a_reasoning_parser_are_refused(tiny_model: str, tmp_path: Any) -> None:
-    client, _ = _client(tiny_model, tmp_path, [_out("r", THOUGHT, 12, STOP)] * 2, parser=None)
+def test_stream_reasoning_false_without_a_reasoning_parser_is_refused(tiny_model: str, tmp_path: Any) -> None:
+    client, _ = _client(tiny_model, tmp_path, [_out("r", THOUGHT, 12, STOP)] * 3, parser=None)
     with client:
-        for body, field in [({"separate_reasoning": True}, "separate_reasoning: true"), ({"stream_reasoning": False, "stream": True}, "stream_reasoning: false")]:
-            r = _chat(client, **body)
-            assert r.status_code == 400 and f"{field} needs a server started with --reasoning-parser" in r.text, body
-        # (what asks for nothing the server lacks is fine: the defaults, and separate_reasoning false)
+        r = _chat(client, stream_reasoning=False, stream=True)
+        assert r.status_code == 400 and "stream_reasoning: false needs a server started with --reasoning-parser" in r.text
+        # (what asks for nothing the server lacks is fine: the defaults sent explicitly, and separate_reasoning false)
         assert _chat(client, separate_reasoning=False).status_code == 200
+        assert _chat(client, separate_reasoning=True).status_code == 200
         assert _chat(client, stream_reasoning=True).status_code == 200
 
 

@@ -240,12 +240,10 @@ class OpenAIServingChat(OpenAIServingBase):
         # SGLang's chat check, which holds only without auto-truncate (the gate then clamps it)
         if max_new is not None and max_new > context_len and not self.tokenizer_manager.server_args.allow_auto_truncate:
             return f"{field} is too large: {max_new}. This model supports at most {context_len} completion tokens."
-        if self.tokenizer_manager.server_args.reasoning_parser is None:
-            # (each would be dropped without a word: there is no reasoning to separate or hold back)
-            asked = [f"{k}: {str(v).lower()}" for k, v in (("separate_reasoning", True), ("stream_reasoning", False))
-                     if k in request.model_fields_set and getattr(request, k) == v]  # fmt: skip
-            if asked:
-                return f"{', '.join(asked)} needs a server started with --reasoning-parser (qwen3 or deepseek-r1)"
+        if self.tokenizer_manager.server_args.reasoning_parser is None and not request.stream_reasoning:
+            # (it would be dropped without a word: there is no reasoning to hold back. separate_reasoning
+            # true is the default, which clients that send every field send: accepted, as null is)
+            return "stream_reasoning: false needs a server started with --reasoning-parser (qwen3 or deepseek-r1); or leave the field out"
         return validate_tools(request, self.tokenizer_manager.server_args.tool_call_parser)
 
     def _apply_chat_template(self, request: ChatCompletionRequest) -> str:
