@@ -799,7 +799,7 @@ def _processor_str(value: Any) -> Any:
 
 def _refused_raises(outputs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """generate()'s outputs as they are, unless the scheduler refused one with a 400 (a grammar
-    that does not compile, a prompt past its gate): then the ValueError the server's 400 is,
+    that does not compile, a prompt past its gate, a custom logit processor that failed): then the ValueError the server's 400 is,
     as SGLang's Engine raises it (for a batch, the first; the others were released or finished)."""
     for out in outputs:
         reason = out["meta_info"]["finish_reason"]

@@ -21,8 +21,8 @@ request itself: the same seed gives the same text in any batch, at any batch pos
 Requests without a seed draw from the ModelRunner's own torch.Generator, seeded once from
 --random-seed (each Engine its own: the process's global RNG is the user's).
 
-Logprobs (when some request asks): log_softmax of the logits after penalties and
-temperature (greedy rows have temperature 1), i.e. the distribution before top-k/top-p/
+Logprobs (when some request asks): log_softmax of the logits after penalties, the grammar
+mask, logit_bias, the custom logit processors and temperature (greedy rows have temperature 1), i.e. the distribution before top-k/top-p/
 min-p truncation. top_logprobs are the request's `top_logprobs_num` best of those;
 token_ids_logprobs those of the ids the request names (`token_ids_logprob`, SGLang's).
 """

@@ -10,9 +10,9 @@ comes back, `parse_tool_calls` turns that array into OpenAI's `tool_calls`.
 This is SGLang's path for these two choices (its `get_json_schema_constraint` and
 `JsonArrayParser`, which bypass the model-specific parsers). `tool_choice: "auto"` needs a
 parser for the model family's own tool-call format (SGLang's --tool-call-parser): the formats
-are in tool_parsers.py (qwen25, llama3, mistral, pythonic); this file's end holds what they
-share: the structural tag of strict tools (`auto_call_constraint`) and the streamed split of
-text and calls (`StreamedText`). Without a parser, "auto" is refused.
+are in tool_parsers.py (qwen25, llama3, mistral, pythonic); this file holds what they share:
+the structural tag of strict tools (`auto_call_constraint`) and, at its end, the streamed split
+of text and calls (`StreamedText`). Without a parser, "auto" is refused.
 """
 
 from __future__ import annotations

@@ -76,8 +76,16 @@ class ToolCallFormat(abc.ABC):
 
     def held(self, text: str) -> int:
         """How many characters at the end of `text` may still grow into a start or a special
-        token: a stream holds them until the next delta says."""
-        return max((k for m in self.markers + self.special for k in range(1, min(len(m), len(text) + 1)) if m.startswith(text[-k:])), default=0)  # fmt: skip
+        token: a stream holds them until the next delta says (sent now, they could turn out to
+        be markup, which is never content)."""
+        longest = 0
+        for marker in self.markers + self.special:
+            # the longest tail of `text` that is a start of `marker` (a whole marker is found, not held)
+            for k in range(min(len(marker), len(text) + 1) - 1, longest, -1):
+                if marker.startswith(text[-k:]):
+                    longest = k
+                    break
+        return longest
 
     @abc.abstractmethod
     def read_calls(self, tail: str) -> Optional[List[RawCall]]:
@@ -92,6 +100,8 @@ class ToolCallFormat(abc.ABC):
 
     @property
     def has_structural_tag(self) -> bool:
+        """Whether strict tools can be constrained under "auto" (a format whose arguments are not
+        JSON has no structures; probed with an empty name)."""
         return bool(self.structures('""'))
 
     def call_id(self) -> str:
