@@ -242,7 +242,7 @@ class OpenAIServingChat(OpenAIServingBase):
             return f"{field} is too large: {max_new}. This model supports at most {context_len} completion tokens."
         if self.tokenizer_manager.server_args.reasoning_parser is None and not request.stream_reasoning:
             # (it would be dropped without a word: there is no reasoning to hold back. separate_reasoning
-            # true is the default, which clients that send every field send: accepted, as null is)
+            # true is the default, which clients that send every field send: accepted)
             return "stream_reasoning: false needs a server started with --reasoning-parser (qwen3 or deepseek-r1); or leave the field out"
         return validate_tools(request, self.tokenizer_manager.server_args.tool_call_parser)
 
