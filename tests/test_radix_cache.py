@@ -153,6 +153,49 @@ def test_lru_eviction_order_and_cascade() -> None:
     cache.check_integrity(total=64)
 
 
+@pytest.mark.parametrize("policy, first", [("lru", "B"), ("mru", "A"), ("fifo", "A"), ("filo", "C")])
+def test_each_eviction_policy_frees_its_leaf_first(policy: str, first: str) -> None:
+    """--radix-eviction-policy: A, B, C inserted in that order, then A used again."""
+    alloc = make_allocator(64, 1)
+    cache = RadixCache(ReqToTokenPool(4, 128), alloc, 1, eviction_policy=policy)
+    keys = {"A": [1, 1, 1], "B": [2, 2], "C": [3, 3, 3, 3]}
+    for key in keys.values():
+        cache.insert(key, alloc.alloc(len(key)))
+    cache.match_prefix(keys["A"])
+    cache.evict(1)
+    assert [name for name, key in keys.items() if cache.match_prefix(key).device_indices.numel() == 0] == [first]
+    cache.check_integrity(total=64)
+
+
+def test_a_split_node_keeps_its_age_and_importance() -> None:
+    """A prefix split off by a later match is as old as the tokens it holds (fifo), and keeps the
+    importance of the requests that inserted it (priority)."""
+    alloc = make_allocator(64, 1)
+    cache = RadixCache(ReqToTokenPool(4, 128), alloc, 1, eviction_policy="fifo")
+    cache.insert([1, 2, 3, 4], alloc.alloc(4), importance=5.0)  # old
+    cache.insert([9, 9], alloc.alloc(2))  # newer
+    node = cache.match_prefix([1, 2]).last_device_node  # splits [1, 2] | [3, 4]
+    assert (node.creation_time, node.importance) == (node.children[3].creation_time, 5.0)
+    assert cache.evict(1) == 2 and cache.match_prefix([1, 2, 3]).device_indices.numel() == 2  # the old leaf [3, 4] first
+    cache.check_integrity(total=64)
+
+
+def test_priority_eviction_frees_the_least_important_requests_prefixes_first() -> None:
+    """The priority policy keeps what important requests cached: each node holds the highest
+    importance that inserted through it (a request's priority, made "higher is more important")."""
+    alloc = make_allocator(64, 1)
+    cache = RadixCache(ReqToTokenPool(4, 128), alloc, 1, eviction_policy="priority", priority_order=-1)
+    low, high = SimReq(origin_input_ids=[1]), SimReq(origin_input_ids=[2])
+    low.priority, high.priority = 0, 10  # type: ignore[attr-defined]
+    cache.insert([5, 5, 5], alloc.alloc(3), cache.importance(high))
+    cache.insert([6, 6], alloc.alloc(2), cache.importance(low))
+    cache.match_prefix([5, 5, 5])  # (lru alone would evict [6, 6] too: use [6, 6] last)
+    cache.match_prefix([6, 6])
+    assert cache.evict(1) == 2 and cache.match_prefix([5, 5, 5]).device_indices.numel() == 3
+    low_first = RadixCache(ReqToTokenPool(4, 128), alloc, 1, eviction_policy="priority", priority_order=+1)
+    assert low_first.importance(low) > low_first.importance(high)  # (lower values first: 0 is the more important)
+
+
 def test_evict_if_needed_only_when_short() -> None:
     cache, alloc, _ = make_cache(size=8)
     cache.insert([1, 2, 3, 4, 5, 6], alloc.alloc(6))
@@ -513,3 +556,13 @@ def test_reinserting_a_cached_sequence_makes_it_the_most_recent() -> None:
     assert cache.evict(3) == 3
     assert cache.match_prefix([1, 2, 3]).device_indices.tolist() == a.tolist(), "the older [7, 7, 7] goes first"
     assert cache.match_prefix([7, 7, 7]).device_indices.numel() == 0
+
+
+def test_the_eviction_policy_option_is_checked() -> None:
+    from minisgl.server_args import ServerArgs
+
+    with pytest.raises(ValueError, match="lfu is not built: minisgl's radix cache counts no hits"):
+        ServerArgs(model_path="m", radix_eviction_policy="lfu")
+    with pytest.raises(ValueError, match="priority requires --enable-priority-scheduling"):
+        ServerArgs(model_path="m", radix_eviction_policy="priority")
+    assert ServerArgs(model_path="m", radix_eviction_policy="priority", enable_priority_scheduling=True).radix_eviction_policy == "priority"

@@ -251,6 +251,16 @@ def draw_priorities(seed: int, jobs: List[Job]) -> Dict[str, Any]:
     return config
 
 
+def draw_eviction_policy(seed: int, priorities: Dict[str, Any]) -> Dict[str, Any]:
+    """--radix-eviction-policy for some seeds, from an rng of its own: which cached prefix goes
+    first changes what later requests find, never what they output (priority: with priority
+    scheduling only)."""
+    rng = random.Random(11_000_003 * (seed + 1))
+    if rng.random() >= 0.4:
+        return {}
+    return {"radix_eviction_policy": rng.choice(["mru", "fifo", "filo"] + ["priority"] * bool(priorities))}
+
+
 def queue_refused(finish: FinishReason) -> bool:
     """A 503 of --max-queued-requests: refused on arrival, or evicted from the queue for a more important one."""
     return finish.get("status_code") == 503 and finish["message"] in (
@@ -480,9 +490,10 @@ def test_random_workload_matches_solo_runs_and_never_leaks(tiny_model: str, solo
     engine = Engine(tiny_model, **config)
     jobs = draw_workload(rng, engine, solo, pressure)
     priorities = draw_priorities(seed, jobs)
-    if priorities:  # (the workload was drawn against the same limits: priorities change none)
+    eviction = draw_eviction_policy(seed, priorities)
+    if priorities or eviction:  # (the workload was drawn against the same limits: these change none)
         engine.shutdown()
-        engine = Engine(tiny_model, **config, **priorities)
+        engine = Engine(tiny_model, **config, **priorities, **eviction)
     lp_rng = random.Random(1_000_003 * (seed + 1))
     for job in jobs:
         if job.return_logprob and lp_rng.random() < 0.7:
@@ -544,3 +555,5 @@ def test_the_seeds_cover_every_config_feature() -> None:
     drawn = [(draw_case(seed)[1], draw_priorities(seed, jobs)) for seed in SEEDS]
     assert any(pressure and p.get("retraction_policy") == "priority" for pressure, p in drawn)
     assert any(p.get("max_queued_requests") for _, p in drawn) and any(p and p["priority_scheduling_preemption_threshold"] == 0 for _, p in drawn)
+    policies = {draw_eviction_policy(seed, p).get("radix_eviction_policy", "lru") for seed, (_, p) in zip(SEEDS, drawn)}
+    assert policies == {"lru", "mru", "fifo", "filo", "priority"}

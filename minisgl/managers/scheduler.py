@@ -72,11 +72,12 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         self.page_size = model_runner.page_size
         self.max_total_num_tokens = model_runner.max_total_num_tokens
         self.max_running_requests = model_runner.max_running_requests
-        self.tree_cache = RadixCache(
-            self.req_to_token_pool, self.token_to_kv_pool_allocator, self.page_size, disable=server_args.disable_radix_cache
-        )
         # --enable-priority-scheduling: +1 orders lower values first, -1 higher ones (SGLang's default)
         self.priority_order = (1 if server_args.schedule_low_priority_values_first else -1) if server_args.enable_priority_scheduling else None
+        self.tree_cache = RadixCache(
+            self.req_to_token_pool, self.token_to_kv_pool_allocator, self.page_size, disable=server_args.disable_radix_cache,
+            eviction_policy=server_args.radix_eviction_policy, priority_order=self.priority_order,
+        )  # fmt: skip
         self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, server_args.random_seed, self.priority_order)
         # max_req_len bounds prompt + output; prompts stay 5 tokens below it (tp_worker.py)
         self.max_req_len = min(self.model_config.context_len - 1, self.max_total_num_tokens - 1)

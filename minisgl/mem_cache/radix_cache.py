@@ -20,15 +20,18 @@ Accounting (the numbers the visualizer shows):
     invariant, when no request is running:
         allocator.available_size() + evictable_size_ + protected_size_ == total KV tokens
 
-LRU uses a logical access clock (a counter bumped on every match/insert), not wall time:
-the order is exact, ties are impossible and tests are deterministic. SGLang stores
-time.monotonic() in the same field.
+Eviction order (`--radix-eviction-policy`, SGLang's, evict_policy.py there): lru (the least
+recently used leaf first, the default), mru, fifo (the oldest first), filo, or priority (the
+leaf the least important request reached first, then lru: a node keeps the highest importance
+of the requests that inserted through it). Times are a logical clock (a counter bumped on every
+match/insert), not wall time: the order is exact, ties are impossible and tests are
+deterministic. SGLang stores time.monotonic() in the same fields.
 """
 
 from __future__ import annotations
 
 import heapq
-from typing import Any, Dict, List, NamedTuple, Optional, Protocol, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Tuple, Union
 
 import torch
 
@@ -36,6 +39,15 @@ from minisgl.mem_cache.allocator import TokenToKVPoolAllocator
 from minisgl.mem_cache.memory_pool import ReqToTokenPool
 
 ChildKey = Union[int, Tuple[int, ...]]
+
+# --radix-eviction-policy: each policy's sort key of an evictable leaf, the smallest evicted first
+EVICTION_KEYS: Dict[str, Callable[["TreeNode"], Tuple[float, ...]]] = {
+    "lru": lambda n: (n.last_access_time,),
+    "mru": lambda n: (-n.last_access_time,),
+    "fifo": lambda n: (n.creation_time,),
+    "filo": lambda n: (-n.creation_time,),
+    "priority": lambda n: (n.importance, n.last_access_time),
+}
 
 
 class CacheReq(Protocol):
@@ -62,10 +74,10 @@ class TreeNode:
         self.children: Dict[ChildKey, TreeNode] = {}
         self.lock_ref = 0  # running requests whose prefix passes through this node
         self.last_access_time = 0  # logical clock tick of the last match/insert through it
-
-    def __lt__(self, other: "TreeNode") -> bool:
-        # eviction heap order: least recently used first
-        return (self.last_access_time, self.id) < (other.last_access_time, other.id)
+        self.creation_time = 0  # logical clock tick of its insert (a split-off part keeps it)
+        # --radix-eviction-policy priority: the highest importance of the requests that inserted
+        # through it (RadixCache.importance; 0 for all without priority scheduling)
+        self.importance = 0.0
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
@@ -83,12 +95,21 @@ class RadixCache:
         token_to_kv_pool_allocator: TokenToKVPoolAllocator,
         page_size: int,
         disable: bool = False,
+        eviction_policy: str = "lru",
+        priority_order: Optional[int] = None,
     ) -> None:
+        """`priority_order`: the scheduler's (+1 when lower priority values are more important, -1
+        when higher ones are, None without priority scheduling), for the priority policy."""
         assert page_size == token_to_kv_pool_allocator.page_size, "cache and allocator page sizes differ"
+        if eviction_policy not in EVICTION_KEYS:
+            raise ValueError(f"eviction_policy must be one of {', '.join(EVICTION_KEYS)}, got {eviction_policy!r}")
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.page_size = page_size
         self.disable = disable
+        self.eviction_policy = eviction_policy
+        self._eviction_key = EVICTION_KEYS[eviction_policy]
+        self.priority_order = priority_order
         self.device = token_to_kv_pool_allocator.device
         self.reset()
 
@@ -187,6 +208,8 @@ class RadixCache:
         new_node = self._new_node(child.key[:split_len], child.value[:split_len], parent)
         new_node.lock_ref = child.lock_ref
         new_node.last_access_time = child.last_access_time
+        new_node.creation_time = child.creation_time  # (its tokens are as old as the child's)
+        new_node.importance = child.importance
         child.key = child.key[split_len:]
         child.value = child.value[split_len:]
         child.parent = new_node
@@ -194,11 +217,18 @@ class RadixCache:
         parent.children[self._child_key(new_node.key)] = new_node
         return new_node
 
-    def insert(self, key: List[int], value: torch.Tensor) -> int:
+    def importance(self, req: Any) -> float:
+        """How important a request's tokens are to keep (the priority policy): its priority, made
+        "higher is more important" by the scheduler's order; 0 without priority scheduling."""
+        priority = getattr(req, "priority", None)  # (getattr: tests drive the cache with stand-in requests)
+        return 0.0 if self.priority_order is None or priority is None else float(-self.priority_order * priority)
+
+    def insert(self, key: List[int], value: torch.Tensor, importance: float = 0.0) -> int:
         """Add key -> value (KV slots); returns how many leading tokens were already in the
         tree. Of value[:returned], the caller frees only the slots it allocated itself,
         [req.cache_protected_len, returned): value[:cache_protected_len] are the tree's own
-        slots, which the request matched earlier. `key` must be whole pages."""
+        slots, which the request matched earlier. `key` must be whole pages. Every node on the
+        path keeps the highest `importance` that reached it (SGLang's max)."""
         if self.disable:
             return 0
         assert len(key) == len(value), f"insert: {len(key)} tokens but {len(value)} KV slots"
@@ -217,9 +247,11 @@ class RadixCache:
             if prefix_len < len(node.key):
                 # the rest of `key` differs from the rest of node: it becomes a sibling
                 node = self._split_node(node, prefix_len)
+            node.importance = max(node.importance, importance)
         if key:
             leaf = self._new_node(key, value.clone(), node)
-            leaf.last_access_time = now
+            leaf.last_access_time = leaf.creation_time = now
+            leaf.importance = importance
             node.children[self._child_key(key)] = leaf
             self.evictable_size_ += len(key)
         return total_prefix_len
@@ -247,7 +279,7 @@ class RadixCache:
         assert len(token_ids) == committed, "kv_committed_len exceeds origin_input_ids + output_ids"
         aligned_len = committed // self.page_size * self.page_size
         if is_insert:
-            new_prefix_len = self.insert(token_ids[:aligned_len], kv_indices[:aligned_len])
+            new_prefix_len = self.insert(token_ids[:aligned_len], kv_indices[:aligned_len], self.importance(req))
             # [0, cache_protected_len) were tree slots already; the rest up to
             # new_prefix_len are this request's duplicates of tree slots
             allocator.free(kv_indices[req.cache_protected_len : new_prefix_len])
@@ -279,7 +311,7 @@ class RadixCache:
             return
         aligned_len = n // self.page_size * self.page_size
         keys = list(req.fill_ids[:aligned_len])
-        new_prefix_len = self.insert(keys, kv_indices[:aligned_len])
+        new_prefix_len = self.insert(keys, kv_indices[:aligned_len], self.importance(req))
         self.token_to_kv_pool_allocator.free(kv_indices[req.cache_protected_len : new_prefix_len])
 
         new_indices, new_last_node = self.match_prefix(keys)  # [aligned_len]
@@ -327,21 +359,23 @@ class RadixCache:
 
     # ------------------------------------------------------------------ eviction
     def evict(self, num_tokens: int) -> int:
-        """Free at least num_tokens cached tokens (or all that are evictable), least
-        recently used unlocked leaves first; a parent left childless and unlocked becomes
-        a candidate in turn. Whole leaves go, so it may free more. Returns tokens freed."""
+        """Free at least num_tokens cached tokens (or all that are evictable), unlocked leaves
+        in the eviction policy's order (lru: the least recently used first); a parent left
+        childless and unlocked becomes a candidate in turn. Whole leaves go, so it may free
+        more. Returns tokens freed."""
         if self.disable or num_tokens <= 0:
             return 0
-        leaves = [n for n in self._all_nodes() if not n.children and n.lock_ref == 0]
-        heapq.heapify(leaves)
+        # (node.id breaks ties and keeps the heap from ever comparing two nodes)
+        heap = [(self._eviction_key(n), n.id, n) for n in self._all_nodes() if not n.children and n.lock_ref == 0]
+        heapq.heapify(heap)
         num_evicted = 0
-        while num_evicted < num_tokens and leaves:
-            node = heapq.heappop(leaves)
+        while num_evicted < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
             self.token_to_kv_pool_allocator.free(node.value)
             num_evicted += len(node.value)
             parent = self._delete_leaf(node)
             if parent is not self.root_node and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(leaves, parent)
+                heapq.heappush(heap, (self._eviction_key(parent), parent.id, parent))
         return num_evicted
 
     def _delete_leaf(self, node: TreeNode) -> TreeNode:
