@@ -63,6 +63,24 @@ def live_server(tiny_model: str) -> Iterator[str]:
         yield url
 
 
+@contextlib.contextmanager
+def _open_live_page(page: Any) -> Iterator[Any]:
+    """A LiveApp serving a fresh SnapshotHub, the page open on its /visualizer and connected;
+    yields the hub to add snapshots to."""
+    from test_visualizer_sse import LiveApp
+
+    from minisgl.visualizer.sse import SnapshotHub
+
+    hub = SnapshotHub()
+    app = LiveApp(hub)
+    try:
+        page.goto(app.url + "/visualizer")
+        page.wait_for_selector('#conn-status[data-state="open"]', timeout=15000)
+        yield hub
+    finally:
+        app.stop()
+
+
 def _console_errors(page: Any) -> list:
     """Console errors and uncaught exceptions, collected from now on (a 404 asset shows here too)."""
     errors: list = []
@@ -228,16 +246,11 @@ def test_page_starts_over_when_the_server_restarts(browser_page: Any) -> None:
 
 
 def test_timeline_has_one_bar_per_step_and_aborts_without_ttft_render(browser_page: Any) -> None:
-    from test_visualizer_sse import LiveApp, _finished, make_snapshot
+    from test_visualizer_sse import _finished, make_snapshot
 
     from minisgl.visualizer.snapshot import merge_snapshots, step_summary
-    from minisgl.visualizer.sse import SnapshotHub
 
-    hub = SnapshotHub()
-    app = LiveApp(hub)
-    try:
-        browser_page.goto(app.url + "/visualizer")
-        browser_page.wait_for_selector('#conn-status[data-state="open"]', timeout=15000)
+    with _open_live_page(browser_page) as hub:
         aborted = {**_finished("w"), "finish_reason": {"type": "abort"}, "schedule_ms": None, "forward_ms": None,
                    "ttft_ms": None, "output_len": 0}  # fmt: skip
         for step in range(1, 4):
@@ -258,8 +271,6 @@ def test_timeline_has_one_bar_per_step_and_aborts_without_ttft_render(browser_pa
         browser_page.wait_for_selector('#view-status[data-live="0"]', timeout=5000)
         _wait_step(browser_page, 2)
         assert browser_page.errors == []
-    finally:
-        app.stop()
 
 
 def test_a_page_slower_than_the_stream_shows_the_newest_step_and_every_event(browser_page: Any) -> None:
@@ -371,15 +382,9 @@ def test_a_page_reopening_its_stream_to_the_same_server_keeps_its_timeline(brows
 def test_requests_whose_grammar_compiles_are_cards_in_the_waiting_column(browser_page: Any) -> None:
     """Structured output: a request waits in the grammar queue before the waiting queue; the
     page shows it there as a "compiling" card and counts it apart."""
-    from test_visualizer_sse import LiveApp, make_snapshot
+    from test_visualizer_sse import make_snapshot
 
-    from minisgl.visualizer.sse import SnapshotHub
-
-    hub = SnapshotHub()
-    app = LiveApp(hub)
-    try:
-        browser_page.goto(app.url + "/visualizer")
-        browser_page.wait_for_selector('#conn-status[data-state="open"]', timeout=15000)
+    with _open_live_page(browser_page) as hub:
         hub.add({**make_snapshot(1), "grammar_queue": [{"rid": "g", "grammar": "json_schema", "waited_ms": 2.0}]})
         _wait_step(browser_page, 1)
         card = browser_page.locator('#waiting-queue .req-card[data-rid="g"]')
@@ -390,20 +395,12 @@ def test_requests_whose_grammar_compiles_are_cards_in_the_waiting_column(browser
         assert browser_page.locator('#waiting-queue .req-card[data-rid="g"]').count() == 0
         assert browser_page.locator("#waiting-count").inner_text() == "1"
         assert browser_page.errors == []
-    finally:
-        app.stop()
 
 
 def test_a_waiting_card_shows_the_priority_its_request_named(browser_page: Any) -> None:
-    from test_visualizer_sse import LiveApp, make_snapshot
+    from test_visualizer_sse import make_snapshot
 
-    from minisgl.visualizer.sse import SnapshotHub
-
-    hub = SnapshotHub()
-    app = LiveApp(hub)
-    try:
-        browser_page.goto(app.url + "/visualizer")
-        browser_page.wait_for_selector('#conn-status[data-state="open"]', timeout=15000)
+    with _open_live_page(browser_page) as hub:
         snap = make_snapshot(1)
         snap["waiting_queue"] = [{**snap["waiting_queue"][0], "rid": "p", "priority": 7}, {**snap["waiting_queue"][0], "rid": "q"}]
         hub.add(snap)
@@ -411,5 +408,3 @@ def test_a_waiting_card_shows_the_priority_its_request_named(browser_page: Any) 
         assert "priority 7" in browser_page.locator('#waiting-queue .req-card[data-rid="p"]').inner_text()
         assert "priority" not in browser_page.locator('#waiting-queue .req-card[data-rid="q"]').inner_text()
         assert browser_page.errors == []
-    finally:
-        app.stop()
