@@ -46,8 +46,8 @@ BUILTIN_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "as
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 GRAMMAR_BACKENDS = ("xgrammar", "none")
 RETRACTION_POLICIES = ("length", "priority")  # (SGLang 0.5.23's --retraction-policy)
-# SGLang's --radix-eviction-policy, but lfu: minisgl's cache counts no hits (mem_cache/radix_cache.py)
-RADIX_EVICTION_POLICIES = ("lru", "mru", "fifo", "filo", "priority")
+# SGLang's --radix-eviction-policy (mem_cache/radix_cache.py: EVICTION_KEYS)
+RADIX_EVICTION_POLICIES = ("lru", "mru", "lfu", "fifo", "filo", "priority")
 TOOL_CALL_PARSERS = ("qwen25", "llama3", "mistral", "pythonic")  # (entrypoints/openai/tool_parsers.py)
 REASONING_PARSERS = ("qwen3", "deepseek-r1")  # (entrypoints/openai/reasoning.py)
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
@@ -115,7 +115,7 @@ class ServerArgs:
         default="lru",
         metadata=_opt(
             "Which cached prefixes the radix cache frees first when memory is short: lru (least recently used), mru, "
-            "fifo (oldest), filo, or priority (those of the least important requests, then lru; needs "
+            "lfu (reused by the fewest admitted requests, then lru), fifo (oldest), filo, or priority (those of the least important requests, then lru; needs "
             "--enable-priority-scheduling).",
             choices=RADIX_EVICTION_POLICIES,
         ),
@@ -218,8 +218,6 @@ class ServerArgs:
             raise ValueError(f"--retraction-policy must be one of {', '.join(RETRACTION_POLICIES)}, got {self.retraction_policy!r}")
         if self.retraction_policy == "priority" and not self.enable_priority_scheduling:
             raise ValueError("--retraction-policy priority requires --enable-priority-scheduling")
-        if self.radix_eviction_policy == "lfu":
-            raise ValueError("--radix-eviction-policy lfu is not built: minisgl's radix cache counts no hits; use lru")
         if self.radix_eviction_policy not in RADIX_EVICTION_POLICIES:
             raise ValueError(f"--radix-eviction-policy must be one of {', '.join(RADIX_EVICTION_POLICIES)}, got {self.radix_eviction_policy!r}")
         if self.radix_eviction_policy == "priority" and not self.enable_priority_scheduling:

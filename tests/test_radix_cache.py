@@ -153,29 +153,33 @@ def test_lru_eviction_order_and_cascade() -> None:
     cache.check_integrity(total=64)
 
 
-@pytest.mark.parametrize("policy, first", [("lru", "B"), ("mru", "A"), ("fifo", "A"), ("filo", "C")])
+@pytest.mark.parametrize("policy, first", [("lru", "B"), ("mru", "A"), ("lfu", "C"), ("fifo", "A"), ("filo", "C")])
 def test_each_eviction_policy_frees_its_leaf_first(policy: str, first: str) -> None:
-    """--radix-eviction-policy: A, B, C inserted in that order, then A used again."""
+    """--radix-eviction-policy: A, B, C inserted in that order; B reused by an admitted request (a
+    hit), then C and A matched (no hit: a waiting request only looked)."""
     alloc = make_allocator(64, 1)
     cache = RadixCache(ReqToTokenPool(4, 128), alloc, 1, eviction_policy=policy)
     keys = {"A": [1, 1, 1], "B": [2, 2], "C": [3, 3, 3, 3]}
     for key in keys.values():
         cache.insert(key, alloc.alloc(len(key)))
+    cache.record_hit(cache.match_prefix(keys["B"]).last_device_node)
+    cache.match_prefix(keys["C"])
     cache.match_prefix(keys["A"])
     cache.evict(1)
     assert [name for name, key in keys.items() if cache.match_prefix(key).device_indices.numel() == 0] == [first]
     cache.check_integrity(total=64)
 
 
-def test_a_split_node_keeps_its_age_and_importance() -> None:
-    """A prefix split off by a later match is as old as the tokens it holds (fifo), and keeps the
-    importance of the requests that inserted it (priority)."""
+def test_a_split_node_keeps_its_age_importance_and_hits() -> None:
+    """A prefix split off by a later match is as old as the tokens it holds (fifo), keeps the
+    importance of the requests that inserted it (priority) and the hits on them (lfu)."""
     alloc = make_allocator(64, 1)
     cache = RadixCache(ReqToTokenPool(4, 128), alloc, 1, eviction_policy="fifo")
     cache.insert([1, 2, 3, 4], alloc.alloc(4), importance=5.0)  # old
     cache.insert([9, 9], alloc.alloc(2))  # newer
+    cache.record_hit(cache.match_prefix([1, 2, 3, 4]).last_device_node)
     node = cache.match_prefix([1, 2]).last_device_node  # splits [1, 2] | [3, 4]
-    assert (node.creation_time, node.importance) == (node.children[3].creation_time, 5.0)
+    assert (node.creation_time, node.importance, node.hit_count) == (node.children[3].creation_time, 5.0, 1)
     assert cache.evict(1) == 2 and cache.match_prefix([1, 2, 3]).device_indices.numel() == 2  # the old leaf [3, 4] first
     cache.check_integrity(total=64)
 
@@ -561,8 +565,9 @@ def test_reinserting_a_cached_sequence_makes_it_the_most_recent() -> None:
 def test_the_eviction_policy_option_is_checked() -> None:
     from minisgl.server_args import ServerArgs
 
-    with pytest.raises(ValueError, match="lfu is not built: minisgl's radix cache counts no hits"):
-        ServerArgs(model_path="m", radix_eviction_policy="lfu")
+    with pytest.raises(ValueError, match="--radix-eviction-policy must be one of lru, mru, lfu, fifo, filo, priority"):
+        ServerArgs(model_path="m", radix_eviction_policy="random")
+    assert ServerArgs(model_path="m", radix_eviction_policy="lfu").radix_eviction_policy == "lfu"
     with pytest.raises(ValueError, match="priority requires --enable-priority-scheduling"):
         ServerArgs(model_path="m", radix_eviction_policy="priority")
     assert ServerArgs(model_path="m", radix_eviction_policy="priority", enable_priority_scheduling=True).radix_eviction_policy == "priority"

@@ -183,3 +183,18 @@ def test_a_chunked_request_without_memory_budget_still_takes_a_whole_chunk() -> 
     req = _req("c", 100, 4, adder)
     assert chunked_adder.add_chunked_req(req) is req  # still truncated
     assert req.extend_input_len == 32 and len(req.fill_ids) == 32
+
+
+def test_an_admitted_request_counts_a_hit_on_its_prefix_a_refused_one_does_not() -> None:
+    """--radix-eviction-policy lfu counts reuse by admitted requests: the scheduler matches a waiting
+    request every time it looks at the queue, and those looks must not count."""
+    adder = _adder(pool_tokens=100)
+    tree = adder.tree_cache
+    tree.insert(list(range(1, 41)), adder.token_to_kv_pool_allocator.alloc(40))
+    (node,) = tree.root_node.children.values()
+    too_big = _req("a", 50, 60, adder)  # its 40-token prefix matches, but 10 + 60 tokens do not fit
+    assert len(too_big.prefix_indices) == 40 and adder.add_one_req(too_big) == AddReqResult.NO_TOKEN
+    assert node.hit_count == 0
+    fits = _req("b", 45, 4, adder)
+    assert adder.add_one_req(fits) == AddReqResult.CONTINUE and fits.last_node is node
+    assert node.hit_count == 1

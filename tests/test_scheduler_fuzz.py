@@ -258,7 +258,7 @@ def draw_eviction_policy(seed: int, priorities: Dict[str, Any]) -> Dict[str, Any
     rng = random.Random(11_000_003 * (seed + 1))
     if rng.random() >= 0.4:
         return {}
-    return {"radix_eviction_policy": rng.choice(["mru", "fifo", "filo"] + ["priority"] * bool(priorities))}
+    return {"radix_eviction_policy": rng.choice(["mru", "lfu", "fifo", "filo"] + ["priority"] * bool(priorities))}
 
 
 def queue_refused(finish: FinishReason) -> bool:
@@ -556,4 +556,4 @@ def test_the_seeds_cover_every_config_feature() -> None:
     assert any(pressure and p.get("retraction_policy") == "priority" for pressure, p in drawn)
     assert any(p.get("max_queued_requests") for _, p in drawn) and any(p and p["priority_scheduling_preemption_threshold"] == 0 for _, p in drawn)
     policies = {draw_eviction_policy(seed, p).get("radix_eviction_policy", "lru") for seed, (_, p) in zip(SEEDS, drawn)}
-    assert policies == {"lru", "mru", "fifo", "filo", "priority"}
+    assert policies == {"lru", "mru", "lfu", "fifo", "filo", "priority"}

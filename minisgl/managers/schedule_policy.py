@@ -256,6 +256,7 @@ class PrefillAdder:
             if self.rem_chunk_tokens is None or input_tokens <= self.rem_chunk_tokens:
                 self.can_run_list.append(req)
                 self.tree_cache.inc_lock_ref(req.last_node)
+                self.tree_cache.record_hit(req.last_node)
                 self._update_prefill_budget(prefix_len, input_tokens, min(max_new_tokens, CLIP_MAX_NEW_TOKENS))
             else:
                 trunc_len = self.rem_chunk_tokens // self.page_size * self.page_size
@@ -266,6 +267,7 @@ class PrefillAdder:
                 self.can_run_list.append(req)
                 self.new_chunked_req = req
                 self.tree_cache.inc_lock_ref(req.last_node)
+                self.tree_cache.record_hit(req.last_node)
                 # a truncated request reserves no output tokens yet
                 self._update_prefill_budget(prefix_len, trunc_len, 0)
         return self.budget_state()

@@ -21,9 +21,10 @@ Accounting (the numbers the visualizer shows):
         allocator.available_size() + evictable_size_ + protected_size_ == total KV tokens
 
 Eviction order (`--radix-eviction-policy`, SGLang's, evict_policy.py there): lru (the least
-recently used leaf first, the default), mru, fifo (the oldest first), filo, or priority (the
-leaf the least important request reached first, then lru: a node keeps the highest importance
-of the requests that inserted through it). Times are a logical clock (a counter bumped on every
+recently used leaf first, the default), mru, lfu (the leaf the fewest admitted requests reused,
+then lru: `record_hit`), fifo (the oldest first), filo, or priority (the leaf the least important
+request reached first, then lru: a node keeps the highest importance of the requests that
+inserted through it). Times are a logical clock (a counter bumped on every
 match/insert), not wall time: the order is exact, ties are impossible and tests are
 deterministic. SGLang stores time.monotonic() in the same fields.
 """
@@ -44,6 +45,7 @@ ChildKey = Union[int, Tuple[int, ...]]
 EVICTION_KEYS: Dict[str, Callable[["TreeNode"], Tuple[float, ...]]] = {
     "lru": lambda n: (n.last_access_time,),
     "mru": lambda n: (-n.last_access_time,),
+    "lfu": lambda n: (n.hit_count, n.last_access_time),
     "fifo": lambda n: (n.creation_time,),
     "filo": lambda n: (-n.creation_time,),
     "priority": lambda n: (n.importance, n.last_access_time),
@@ -78,6 +80,8 @@ class TreeNode:
         # --radix-eviction-policy priority: the highest importance of the requests that inserted
         # through it (RadixCache.importance; 0 for all without priority scheduling)
         self.importance = 0.0
+        # --radix-eviction-policy lfu: admitted requests that reused its tokens (RadixCache.record_hit)
+        self.hit_count = 0
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
@@ -210,12 +214,21 @@ class RadixCache:
         new_node.last_access_time = child.last_access_time
         new_node.creation_time = child.creation_time  # (its tokens are as old as the child's)
         new_node.importance = child.importance
+        new_node.hit_count = child.hit_count  # (every hit on the child reused these tokens too)
         child.key = child.key[split_len:]
         child.value = child.value[split_len:]
         child.parent = new_node
         new_node.children[self._child_key(child.key)] = child
         parent.children[self._child_key(new_node.key)] = new_node
         return new_node
+
+    def record_hit(self, node: TreeNode) -> None:
+        """An admitted request reuses the prefix ending at `node`: count a hit on every node of the
+        path (the lfu policy). Called once per admission (PrefillAdder), not from match_prefix,
+        which runs each time the scheduler merely considers a waiting request."""
+        while node is not self.root_node:
+            node.hit_count += 1
+            node = node.parent
 
     def importance(self, req: Any) -> float:
         """How important a request's tokens are to keep (the priority policy): its priority, made
