@@ -523,7 +523,7 @@ class RadixCache:
             node, depth = stack.pop()
             preview = node.key[:8] + (["..."] if len(node.key) > 8 else [])
             lines.append(
-                f"{'  ' * depth}[{node.id}] len={len(node.key)} lock_ref={node.lock_ref}"
+                f"{'  ' * depth}[{node.id}] len={len(node.key)} lock_ref={node.lock_ref} hits={node.hit_count}"
                 f" tokens={preview} slots={node.value[:4].tolist()}{'...' if len(node.value) > 4 else ''}"
             )
             stack.extend((c, depth + 1) for c in reversed(self._sorted_children(node)))
