@@ -325,7 +325,7 @@ def test_summary_shape_and_trimming() -> None:
     assert (s["num_nodes"], s["total_tokens"], s["evictable"], s["protected"]) == (7, 55, 45, 10)
     assert s["tree"]["id"] == 0 and s["tree"]["lock_ref"] == 1 and len(s["tree"]["children"]) == 3
     child = s["tree"]["children"][0]
-    assert child["tokens_preview"] == [1] * 8 and child["len"] == 10 and child["lock_ref"] == 1
+    assert child["tokens_preview"] == [1] * 8 and child["len"] == 10 and child["lock_ref"] == 1 and child["hits"] == 1
     text = cache.format_tree()
     assert "lock_ref=1 hits=1" in text and text.count("\n") == 6
 

@@ -505,6 +505,7 @@ class RadixCache:
             "id": node.id,
             "len": len(node.key),
             "lock_ref": node.lock_ref,
+            "hits": node.hit_count,
             "tokens_preview": list(node.key[:8]),
             "children": [],
         }

@@ -176,7 +176,8 @@ def _radix_node(node: Mapping[str, Any]) -> str:
     label = "root" if is_root else f'#{node["id"]} · {node["len"]} tok'
     kids = "".join(_radix_node(c) for c in node.get("children", []))
     locked = int(node["lock_ref"] > 0 and not is_root)
-    title = f'lock_ref {node["lock_ref"]} · tokens {" ".join(map(str, node.get("tokens_preview", [])))}'
+    title = (f'lock_ref {node["lock_ref"]} · hits {node.get("hits", 0)} · '
+             f'tokens {" ".join(map(str, node.get("tokens_preview", [])))}')
     return (f'<li><span class="rnode" data-node="{node["id"]}" data-locked="{locked}" data-root="{int(is_root)}" '
             f'title="{escape(title)}">'
             f'{label}</span>{f"<ul>{kids}</ul>" if kids else ""}</li>')  # fmt: skip
