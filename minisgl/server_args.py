@@ -21,6 +21,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Optional, Sequence
 
+from minisgl.chat_template import read_chat_template
+
 logger = logging.getLogger(__name__)
 
 _DEFAULT_CPU_KV_CACHE_GB = 1.0
@@ -163,6 +165,12 @@ class ServerArgs:
     grammar_backend: str = field(
         default="xgrammar", metadata=_opt("Grammar backend of structured output (json_schema, regex, ebnf): xgrammar, or none to refuse such requests.", choices=GRAMMAR_BACKENDS)
     )
+    chat_template: Optional[str] = field(
+        default=None, metadata=_opt(
+            "A Jinja chat template file that /v1/chat/completions renders messages with, in place of the tokenizer's "
+            "own (a base model's tokenizer has none)."
+        )
+    )
     tool_call_parser: Optional[str] = field(
         default=None, metadata=_opt(
             'Parse tool calls in the model\'s own format for tool_choice "auto": qwen25 (Qwen2.5/Qwen3\'s <tool_call>), '
@@ -218,6 +226,8 @@ class ServerArgs:
             raise ValueError(f"--retraction-policy must be one of {', '.join(RETRACTION_POLICIES)}, got {self.retraction_policy!r}")
         if self.retraction_policy == "priority" and not self.enable_priority_scheduling:
             raise ValueError("--retraction-policy priority requires --enable-priority-scheduling")
+        if self.chat_template is not None:
+            read_chat_template(self.chat_template)  # (a missing file or a syntax error fails the start)
         if self.radix_eviction_policy not in RADIX_EVICTION_POLICIES:
             raise ValueError(f"--radix-eviction-policy must be one of {', '.join(RADIX_EVICTION_POLICIES)}, got {self.radix_eviction_policy!r}")
         if self.radix_eviction_policy == "priority" and not self.enable_priority_scheduling:

@@ -347,3 +347,30 @@ def test_a_child_whose_parent_died_while_it_started_exits(tmp_path: Any, arming:
     while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not (tmp_path / "survived").exists(), "the orphan went on past kill_itself_when_parent_died"
+
+
+def test_chat_template_flag_is_checked_at_start(tmp_path: Any) -> None:
+    """--chat-template takes a Jinja file; a missing file, SGLang's JSON templates and a syntax
+    error fail the start with a message naming the flag, never each chat request later."""
+    from minisgl.chat_template import load_chat_template
+
+    with pytest.raises(ValueError, match="--chat-template chatml: no such file"):
+        ServerArgs(model_path="m", chat_template="chatml")
+    as_json = tmp_path / "t.json"
+    as_json.write_text("{}")
+    with pytest.raises(ValueError, match="JSON conversation templates"):
+        ServerArgs(model_path="m", chat_template=str(as_json))
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ m['content'] }}")
+    with pytest.raises(ValueError, match=r"broken.jinja: line 1: .*endfor"):
+        ServerArgs(model_path="m", chat_template=str(broken))
+    good = tmp_path / "good.jinja"  # with what transformers adds to Jinja: {% break %}, {% generation %}
+    good.write_text("{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}{% break %}{% endfor %}")
+    assert ServerArgs(model_path="m", chat_template=str(good)).chat_template == str(good)
+
+    class Tok:
+        chat_template = None
+
+    tok = Tok()
+    load_chat_template(tok, str(good))
+    assert tok.chat_template == good.read_text()

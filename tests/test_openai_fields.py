@@ -337,7 +337,7 @@ def test_a_chat_template_this_jinja_cannot_compile_is_a_400_and_generation_block
     template's variables, so every chat_template_kwargs key passed unchecked."""
     import copy
 
-    from minisgl.entrypoints.openai.serving_chat import template_variables
+    from minisgl.chat_template import template_variables
     from minisgl.utils import get_tokenizer
 
     tokenizer = copy.deepcopy(get_tokenizer(tiny_model))

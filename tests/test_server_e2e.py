@@ -1,7 +1,7 @@
 """End-to-end: `python -m minisgl serve` as real processes, driven by the official openai client.
 
 Two servers per module (each started once): `server` with default flags, and
-`server_dyn` with --enable-dynamic-batch-tokenizer, --api-key and compact JSON for
+`server_dyn` with --enable-dynamic-batch-tokenizer, --api-key, --chat-template and compact JSON for
 structured output. The oracle for text is
 the in-process Engine on the same tiny model, greedy. The last test kills server_dyn's
 scheduler and expects the server to exit non-zero within seconds.
@@ -22,6 +22,8 @@ from typing import Any, Dict, Iterator, List
 import httpx
 import openai
 import pytest
+
+from minisgl.test_utils import CHAT_TEMPLATE
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -76,9 +78,12 @@ def server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 @pytest.fixture(scope="module")
 def server_dyn(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    log = str(tmp_path_factory.mktemp("srv") / "server_dyn.log")
-    s = Server(tiny_model, log, "--enable-dynamic-batch-tokenizer", "--api-key", "sekret", "--visualize",
-               "--constrained-json-disable-any-whitespace")  # fmt: skip
+    folder = tmp_path_factory.mktemp("srv")
+    # --chat-template: the tiny model's own template, plus a line only `house_style` turns on
+    template = folder / "house.jinja"
+    template.write_text("{% if house_style %}{{ 'Answer briefly.' }}{% endif %}" + CHAT_TEMPLATE)
+    s = Server(tiny_model, str(folder / "server_dyn.log"), "--enable-dynamic-batch-tokenizer", "--api-key", "sekret",
+               "--visualize", "--constrained-json-disable-any-whitespace", "--chat-template", str(template))  # fmt: skip
     yield s
     s.stop()
 
@@ -680,6 +685,20 @@ def test_a_forced_tool_call_through_the_openai_client(server_dyn: Server) -> Non
 
 
 # --------------------------------------------------------------------------- dynamic batch tokenizer, api key, crash
+def test_chat_template_flag_replaces_the_tokenizers_template(server: Server, server_dyn: Server) -> None:
+    """server_dyn renders chat with --chat-template's file: a variable only that file reads is
+    accepted there and changes the prompt; the tokenizer's own template (server) refuses it."""
+    body = {"messages": _chat_msgs(PROMPTS[0]), "max_tokens": 1, "chat_template_kwargs": {"house_style": True}}
+    headers = {"Authorization": "Bearer sekret"}
+    styled = httpx.post(server_dyn.url + "/v1/chat/completions", json={**body, "model": server_dyn.model}, headers=headers, timeout=60)
+    plain = httpx.post(server_dyn.url + "/v1/chat/completions", json={**body, "model": server_dyn.model, "chat_template_kwargs": None},
+                       headers=headers, timeout=60)  # fmt: skip
+    assert styled.status_code == plain.status_code == 200, styled.text
+    assert styled.json()["usage"]["prompt_tokens"] > plain.json()["usage"]["prompt_tokens"]
+    refused = httpx.post(server.url + "/v1/chat/completions", json={**body, "model": server.model}, timeout=60)
+    assert refused.status_code == 400 and "house_style" in refused.json()["error"]["message"]
+
+
 def test_dynamic_batch_tokenizer_concurrent_requests(server_dyn: Server, reference: Dict[str, Any]) -> None:
     assert httpx.get(server_dyn.url + "/v1/models").status_code == 401
     assert httpx.get(server_dyn.url + "/health").status_code == 200

@@ -54,6 +54,7 @@ from minisgl.entrypoints.openai.serving_completions import OpenAIServingCompleti
 from minisgl.managers.io_struct import LOGPROB_META_KEYS, GenerateReqInput
 from minisgl.managers.tokenizer_manager import ReqAbortedError, TokenizerManager
 from minisgl.server_args import PortArgs, ServerArgs, resolve_server_args
+from minisgl.chat_template import load_chat_template
 from minisgl.utils import configure_logging, get_tokenizer
 
 logger = logging.getLogger("minisgl.http_server")
@@ -560,6 +561,8 @@ def launch_server(server_args: ServerArgs) -> None:
         # (the scheduler's), before this process tries (and retries) the same path
         sched_info, _ = _wait_ready(procs, readers)
         tokenizer = get_tokenizer(server_args.tokenizer_path, server_args.trust_remote_code)
+        if server_args.chat_template is not None:
+            load_chat_template(tokenizer, server_args.chat_template)
         exit_code = _run_event_loop(_serve(server_args, port_args, procs, sched_info, tokenizer, sock))
     except _ShutdownRequested:
         logger.info("Shutdown requested; stopping the scheduler and the detokenizer")

@@ -10,17 +10,12 @@ finish chunk per choice, an optional usage chunk, then `data: [DONE]`.
 
 from __future__ import annotations
 
-import functools
 import json
 import time
-from typing import Any, AsyncIterator, Dict, FrozenSet, List, Optional, Tuple
+from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from jinja2 import meta
 
 from minisgl.entrypoints.openai.protocol import (
     ChatChoiceLogprobs,
@@ -46,6 +41,7 @@ from minisgl.entrypoints.openai.serving_base import (
     response_id,
     sse_data,
 )
+from minisgl.chat_template import template_variables
 from minisgl.constrained.reasoner_grammar import REASONING_TAGS
 from minisgl.entrypoints.openai.reasoning import ReasoningSplitter, split_reasoning
 from minisgl.entrypoints.openai.tool_calls import (
@@ -60,39 +56,6 @@ _APPLY_CHAT_TEMPLATE_ARGS = frozenset({
     "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
     "tokenizer_kwargs", "messages",
 })  # fmt: skip
-
-
-def template_variables(template: Any) -> Optional[FrozenSet[str]]:
-    """The variables a Jinja chat template reads from its context (the names chat_template_kwargs
-    may set), or None when this Jinja cannot parse it (an extension transformers adds)."""
-    if isinstance(template, dict):  # named templates: the default one renders chat
-        template = template.get("default")
-    return _variables_read_by(template) if isinstance(template, str) else None
-
-
-@functools.lru_cache(maxsize=8)
-def _variables_read_by(source: str) -> Optional[FrozenSet[str]]:
-    # transformers renders with loopcontrols ({% break %}) and its {% generation %} block
-    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols", _GenerationBlock])
-    try:  # (find_undeclared_variables compiles too: an unknown filter fails there)
-        return frozenset(meta.find_undeclared_variables(env.parse(source)))
-    except jinja2.TemplateError:  # the render says what is wrong, as a 400
-        return None
-
-
-class _GenerationBlock(jinja2.ext.Extension):
-    """transformers' `{% generation %}...{% endgeneration %}` (it marks the assistant's tokens), for
-    parsing only: the block renders its body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> Any:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-    def _body(self, caller: Any) -> str:
-        return caller()
 
 
 def _template_message(m: ChatMessage) -> Dict[str, Any]:
