@@ -24,7 +24,21 @@ TRANSFORMERS_CLASSES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
 }
+# Tiny mixture-of-experts shapes: 4 experts, top-2, so that in a batch of a few tokens some
+# experts get several tokens and some none. Qwen3-MoE has a dense middle layer (mlp_only_layers)
+# and renormalises its top-2; Qwen2-MoE keeps transformers' default (no renormalisation) and
+# has a shared expert; Mixtral always renormalises and its experts are intermediate_size wide.
+MOE_OVERRIDES: Dict[str, Dict[str, Any]] = {
+    "qwen3_moe": dict(num_hidden_layers=3, mlp_only_layers=[1], num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=48, norm_topk_prob=True),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                      shared_expert_intermediate_size=96),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=96),
+}  # fmt: skip
 ARCHITECTURES = tuple(TRANSFORMERS_CLASSES)
 
 
@@ -124,6 +138,7 @@ def make_config(arch: str, vocab_size: int, **overrides: Any) -> Any:
     if arch == "qwen3":
         base["head_dim"] = 32
         base["tie_word_embeddings"] = True
+    base.update(MOE_OVERRIDES.get(arch, {}))
     base.update(overrides)
     return getattr(tf, TRANSFORMERS_CLASSES[arch][0])(**base)
 

@@ -3,6 +3,7 @@
 Each variant is a tiny random-weight model written by `make_tiny_model`; transformers
 loads the same directory in float32 with eager attention. Our side runs through the
 real ModelRunner, paged KV pool and torch attention backend (tests/forward_helpers.py).
+The mixture-of-experts variants also generate through the Engine (scheduler, cpu backend).
 """
 
 from __future__ import annotations
@@ -25,7 +26,12 @@ VARIANTS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "qwen2-qkv-bias-linear-rope": ("qwen2", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
     "qwen3-qk-norm-tied": ("qwen3", {}),
     "mistral": ("mistral", {}),
+    # test_utils.MOE_OVERRIDES: 4 experts, top-2; a dense middle layer; a shared expert
+    "qwen3-moe-dense-layer-norm-topk": ("qwen3_moe", {}),
+    "qwen2-moe-shared-expert": ("qwen2_moe", {}),
+    "mixtral": ("mixtral", {}),
 }
+MOE_VARIANTS = [name for name, (arch, _) in VARIANTS.items() if arch in ("qwen3_moe", "qwen2_moe", "mixtral")]
 
 
 def _prompts(n: int, seed: int, lo: int = 5, hi: int = 40) -> List[List[int]]:
@@ -64,6 +70,13 @@ def test_config_flags_reach_the_model(variant: Tuple[str, Any]) -> None:
     assert cfg.qkv_bias == (attn.q_proj.bias is not None)
     assert cfg.qk_norm == hasattr(attn, "q_norm")
     assert cfg.tie_word_embeddings == bool(hf.config.tie_word_embeddings)
+    hf_sparse = {i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")}
+    assert (cfg.moe.sparse_layers if cfg.moe else set()) == hf_sparse  # dense layers where transformers has them
+    if cfg.moe is not None:
+        block = next(layer.mlp for layer in hf.model.layers if hasattr(layer.mlp, "experts"))
+        assert (cfg.moe.num_experts, cfg.moe.top_k) == (block.experts.num_experts, block.gate.top_k)
+        assert cfg.moe.renormalize == getattr(block.gate, "norm_topk_prob", True)  # Mixtral's has no flag: always
+        assert (cfg.moe.shared_expert_intermediate_size > 0) == hasattr(block, "shared_expert")
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS), indirect=True)
@@ -165,8 +178,9 @@ def test_extend_only_last_token_reaches_lm_head(tiny_model_factory: Callable[...
     assert out.next_token_logits.dtype == torch.float32
 
 
-def test_bfloat16_stays_close_to_float32(tiny_model_factory: Callable[..., str]) -> None:
-    path = tiny_model_factory("qwen3")
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2_moe"])
+def test_bfloat16_stays_close_to_float32(tiny_model_factory: Callable[..., str], arch: str) -> None:
+    path = tiny_model_factory(arch)
     prompts = _prompts(2, seed=6)
     results = []
     for dtype in ("float32", "bfloat16"):
@@ -198,3 +212,22 @@ def test_triton_layer_hooks_match_the_torch_layers(tiny_model_factory: Callable[
         driver = BatchDriver(runner)
         logits.append(driver.extend([driver.new_req() for _ in prompts], prompts, return_all_logits=True).full_logits)
     assert relative_error(logits[1], logits[0]) < 1e-5
+
+
+@pytest.mark.parametrize("variant", MOE_VARIANTS, indirect=True)
+def test_engine_greedy_generation_matches_transformers(variant: Tuple[str, Any]) -> None:
+    """The whole serving path (scheduler, radix cache, the default cpu backend and its C
+    kernels, the MoE layers) generates what transformers' greedy generate does."""
+    from minisgl import Engine
+
+    path, hf = variant
+    prompts = _prompts(4, seed=8)
+    with torch.no_grad():  # one prompt at a time: no padding in the reference
+        refs = [hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False)[0, len(p) :].tolist() for p in prompts]
+    with Engine(path, device="cpu", max_total_tokens=2048) as engine:
+        outs = engine.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 24, "ignore_eos": True})
+    eos = hf.generation_config.eos_token_id
+    for out, ref in zip(outs, refs):
+        if eos in ref:  # transformers stops at EOS; compare up to it
+            ref = ref[: ref.index(eos) + 1]
+        assert out["output_ids"][: len(ref)] == ref

@@ -255,6 +255,19 @@ def test_a_qwen3_config_without_head_dim_has_qwen3s_default(tiny_model_factory: 
     assert ModelConfig.from_pretrained(llama).head_dim == tf.AutoConfig.from_pretrained(llama).head_dim
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral"])
+def test_keys_a_config_leaves_out_take_the_config_classs_default(tiny_model_factory: Callable[..., str], tmp_path: Any, arch: str) -> None:
+    """Mixtral's rope_theta is 1e6 and its rms_norm_eps 1e-5, and max_position_embeddings
+    defaults differ per class (2048 for Llama only): minisgl applied Llama's to every one."""
+    import transformers as tf
+
+    keys = ("rope_theta", "rope_parameters", "rope_scaling", "rms_norm_eps", "max_position_embeddings")
+    path = _copy_with(tiny_model_factory(arch), str(tmp_path / "m"), lambda d: [d.pop(k, None) for k in keys])
+    ours, hf = ModelConfig.from_pretrained(path), tf.AutoConfig.from_pretrained(path)
+    assert ours.rope_theta == hf.rope_parameters["rope_theta"]
+    assert (ours.rms_norm_eps, ours.max_position_embeddings) == (hf.rms_norm_eps, hf.max_position_embeddings)
+
+
 def test_transformers_spellings_of_supported_settings_are_accepted(tiny_model: str, tmp_path: Any) -> None:
     """hidden_act "swish" is SiLU and partial_rotary_factor null is full rotary in transformers."""
     path = _copy_with(tiny_model, str(tmp_path / "m"), lambda d: d.update(hidden_act="swish", partial_rotary_factor=None))
@@ -340,7 +353,7 @@ def test_unsupported_architecture_names_the_supported_ones(tiny_model: str, tmp_
         d["architectures"] = ["GPT2LMHeadModel"]
 
     path = _copy_with(tiny_model, str(tmp_path / "m"), cfg)
-    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM.*MistralForCausalLM.*Qwen2ForCausalLM.*Qwen3ForCausalLM"):
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM.*MistralForCausalLM.*MixtralForCausalLM.*Qwen2ForCausalLM.*Qwen2MoeForCausalLM.*Qwen3ForCausalLM.*Qwen3MoeForCausalLM"):
         ModelConfig.from_pretrained(path)
 
 

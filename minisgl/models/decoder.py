@@ -1,4 +1,4 @@
-"""The generic decoder: one model class for Llama, Qwen2, Qwen3 and Mistral.
+"""The generic decoder: one model class for Llama, Qwen2, Qwen3, Mistral and their MoE kin.
 
 Where it sits: ModelRunner.forward(forward_batch) -> DecoderForCausalLM.forward(input_ids,
 positions, forward_batch) -> LogitsProcessorOutput. In: the flattened tokens of a batch
@@ -9,14 +9,18 @@ Per layer (pre-norm, residual stream carried beside the hidden states):
     h, residual = input_layernorm(h, residual)            # residual += h; h = norm(residual)
     h = o_proj(attn(rope(q_norm(q)), rope(k_norm(k)), v))  # q_norm/k_norm: Qwen3 only
     h, residual = post_attention_layernorm(h, residual)
-    h = down_proj(silu(gate) * up)
-The per-architecture differences are flags on ModelConfig (models/registry.py).
+    h = down_proj(silu(gate) * up)                         # or, on a MoE layer, SparseMoeBlock(h)
+The per-architecture differences are flags on ModelConfig (models/registry.py); Qwen3-MoE,
+Qwen2-MoE and Mixtral put a SparseMoeBlock (layers/moe.py) in place of the MLP on the layers
+`config.moe.sparse_layers` names.
 Parameter names match the Hugging Face checkpoint, except the fused `qkv_proj` and
-`gate_up_proj`, which `load_weights` fills from q/k/v_proj and gate/up_proj.
+`gate_up_proj`, which `load_weights` fills from q/k/v_proj and gate/up_proj, and the stacked
+`experts.gate_up_proj` / `experts.down_proj`, filled from each expert's tensors.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Iterable, Optional, Set, Tuple
 
 import torch
@@ -33,10 +37,12 @@ from minisgl.layers.linear import (
     pack_weight_for_cpu,
 )
 from minisgl.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from minisgl.layers.moe import SparseMoeBlock
 from minisgl.layers.radix_attention import RadixAttention
 from minisgl.layers.rotary_embedding import RotaryEmbedding
 from minisgl.model_executor.forward_batch_info import ForwardBatch
 from minisgl.models.model_config import ModelConfig
+from minisgl.models.registry import MoeConfig
 
 
 class DecoderAttention(nn.Module):
@@ -67,10 +73,10 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config: ModelConfig, kernels: str = "torch") -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, kernels: str = "torch") -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnLinear(config.hidden_size, config.intermediate_size, config.mlp_bias)
-        self.down_proj = ReplicatedLinear(config.intermediate_size, config.hidden_size, config.mlp_bias)
+        self.gate_up_proj = MergedColumnLinear(hidden_size, intermediate_size, bias)
+        self.down_proj = ReplicatedLinear(intermediate_size, hidden_size, bias)
         self.act_fn = SiluAndMul(kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -81,7 +87,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, kernels: str, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = DecoderAttention(config, layer_id, kernels, rotary_emb)
-        self.mlp = DecoderMLP(config, kernels)
+        self.mlp = _make_mlp(config, layer_id, kernels)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
@@ -96,6 +102,19 @@ class DecoderLayer(nn.Module):
         hidden_states = self.self_attn(positions, hidden_states, forward_batch)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
+
+
+def _make_mlp(config: ModelConfig, layer_id: int, kernels: str) -> nn.Module:
+    """The layer's dense MLP, or its SparseMoeBlock when config.moe names the layer sparse."""
+    moe = config.moe
+    if moe is None or layer_id not in moe.sparse_layers:
+        return DecoderMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, kernels)
+    shared = None
+    if moe.shared_expert_intermediate_size:
+        shared = DecoderMLP(config.hidden_size, moe.shared_expert_intermediate_size, config.mlp_bias, kernels)
+    return SparseMoeBlock(
+        config.hidden_size, moe.num_experts, moe.top_k, moe.intermediate_size, moe.renormalize, kernels, shared
+    )
 
 
 class DecoderModel(nn.Module):
@@ -127,6 +146,8 @@ STACKED_PARAMS = (
     (".gate_proj", ".gate_up_proj", 0),
     (".up_proj", ".gate_up_proj", 1),
 )
+# A Hub checkpoint's per-expert tensor: model.layers.N.mlp.experts.E.<gate|up|down name>.weight
+EXPERT_TENSOR = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight")
 # Buffers some checkpoints carry that the model recomputes.
 IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -161,7 +182,7 @@ class DecoderForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors into the parameters; every parameter must be filled exactly once."""
         params = dict(self.named_parameters())
-        loaded: Set[str] = set()
+        loaded: Set[Tuple[str, object]] = set()  # (parameter, shard id) pairs filled so far
         tied_head: Optional[torch.Tensor] = None
         for name, tensor in weights:
             if name.endswith(IGNORED_WEIGHT_SUFFIXES):
@@ -169,11 +190,7 @@ class DecoderForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.lm_head is None:
                 tied_head = tensor  # tied checkpoints may store a copy of the embedding (checked below)
                 continue
-            target, shard_id = name, None
-            for ckpt_part, param_part, sid in STACKED_PARAMS:
-                if ckpt_part in name:
-                    target, shard_id = name.replace(ckpt_part, param_part), sid
-                    break
+            target, shard_id = _param_of(name, self.config.moe)
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {self.config.architecture}")
             param = params[target]
@@ -185,22 +202,33 @@ class DecoderForCausalLM(nn.Module):
                     owner.weight_loader(param, tensor, shard_id)
             except ValueError as e:  # name the tensor: a config that disagrees with its weights
                 raise ValueError(f"checkpoint tensor {name!r} does not fit {target!r}: {e}") from None
-            # a tensor stored fused (qkv_proj, gate_up_proj) fills every shard of its parameter
-            loaded.update(f"{target}:{s}" for s in (_shards_of(target) if shard_id is None else (shard_id,)))
+            # a tensor stored fused (qkv_proj, gate_up_proj, stacked experts) fills every shard of its parameter
+            loaded.update((target, s) for s in (self._shards_of(target) if shard_id is None else (shard_id,)))
         if tied_head is not None:
             self._load_tied_head(tied_head, params["model.embed_tokens.weight"], loaded)
-        expected = {f"{n}:{s}" for n in params for s in _shards_of(n)}
-        missing = sorted(_checkpoint_name(key) for key in expected - loaded)
+        expected = {(n, s) for n in params for s in self._shards_of(n)}
+        missing = sorted(_checkpoint_name(target, shard, self.config.moe) for target, shard in expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}")
 
+    def _shards_of(self, param_name: str) -> Tuple[object, ...]:
+        """The shard ids that together fill a parameter ((None,): it loads whole)."""
+        if param_name.endswith(".experts.gate_up_proj") or param_name.endswith(".experts.down_proj"):
+            assert self.config.moe is not None
+            halves: Tuple[Optional[int], ...] = (0, 1) if param_name.endswith("gate_up_proj") else (None,)
+            return tuple((e, h) for e in range(self.config.moe.num_experts) for h in halves)
+        if ".qkv_proj." in param_name:
+            return ("q", "k", "v")
+        if ".gate_up_proj." in param_name:
+            return (0, 1)
+        return (None,)
 
     @staticmethod
-    def _load_tied_head(head: torch.Tensor, embed: torch.nn.Parameter, loaded: Set[str]) -> None:
+    def _load_tied_head(head: torch.Tensor, embed: torch.nn.Parameter, loaded: Set[Tuple[str, object]]) -> None:
         """A tied model's lm_head.weight: the embedding itself when the checkpoint stores only
         the head's name, else a copy that must equal it. A different matrix would be dropped
         without a word (transformers 5 unties the two instead): refused, naming the fix."""
-        key = "model.embed_tokens.weight:None"
+        key = ("model.embed_tokens.weight", None)
         if key not in loaded:
             default_weight_loader(embed, head)
             loaded.add(key)
@@ -211,18 +239,35 @@ class DecoderForCausalLM(nn.Module):
             )
 
 
-def _checkpoint_name(key: str) -> str:
-    """'<param>:<shard id>' -> the tensor name the checkpoint should have held."""
-    target, shard = key.rsplit(":", 1)
+def _param_of(name: str, moe: Optional[MoeConfig]) -> Tuple[str, object]:
+    """A checkpoint tensor's (parameter name, shard id); shard id None: the tensor fills the parameter."""
+    if moe is not None:
+        if moe.checkpoint_module != "mlp":  # Mixtral's block_sparse_moe is our mlp (as transformers 5 renames it)
+            name = name.replace(f".{moe.checkpoint_module}.", ".mlp.")
+        m = EXPERT_TENSOR.fullmatch(name)
+        if m is not None and m.group(3) in moe.checkpoint_expert_names:
+            prefix, expert, part = m.group(1), int(m.group(2)), moe.checkpoint_expert_names.index(m.group(3))
+            if part == 2:  # down
+                return f"{prefix}.down_proj", (expert, None)
+            return f"{prefix}.gate_up_proj", (expert, part)  # gate rows (0) or up rows (1)
     for ckpt_part, param_part, sid in STACKED_PARAMS:
-        if param_part in target and str(sid) == shard:
-            return target.replace(param_part, ckpt_part)
-    return target
+        if ckpt_part in name:
+            return name.replace(ckpt_part, param_part), sid
+    return name, None
 
 
-def _shards_of(param_name: str) -> Tuple[object, ...]:
-    if ".qkv_proj." in param_name:
-        return ("q", "k", "v")
-    if ".gate_up_proj." in param_name:
-        return (0, 1)
-    return (None,)
+def _checkpoint_name(target: str, shard: object, moe: Optional[MoeConfig]) -> str:
+    """(parameter, shard id) -> the tensor name the checkpoint should have held (the Hub's layout)."""
+    name = target
+    if isinstance(shard, tuple) and moe is not None:  # one expert's tensor
+        expert, half = shard
+        part = moe.checkpoint_expert_names[2 if half is None else half]
+        name = f"{target.rsplit('.', 1)[0]}.{expert}.{part}.weight"
+    else:
+        for ckpt_part, param_part, sid in STACKED_PARAMS:
+            if param_part in target and sid == shard:
+                name = target.replace(param_part, ckpt_part)
+                break
+    if moe is not None and moe.checkpoint_module != "mlp":  # (only Mixtral, whose every mlp is sparse)
+        name = name.replace(".mlp.", f".{moe.checkpoint_module}.")
+    return name

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Set, Tuple
 
 from minisgl.layers.rotary_embedding import SUPPORTED_ROPE_TYPES
-from minisgl.models.registry import get_arch_spec
+from minisgl.models.registry import MoeConfig, get_arch_spec
 from minisgl.sampling.sampling_params import GENERATION_CONFIG_SAMPLING_KEYS
 
 logger = logging.getLogger("minisgl")
@@ -50,6 +50,7 @@ class ModelConfig:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool
+    moe: Optional[MoeConfig] = None  # sparse MoE models (Qwen3-MoE, Qwen2-MoE, Mixtral); None: dense
     hf_eos_token_ids: Set[int] = field(default_factory=set)
     # generation_config.json's sampling keys: the defaults of a chat request that leaves them out
     default_sampling_params: Dict[str, Any] = field(default_factory=dict)
@@ -71,8 +72,9 @@ class ModelConfig:
             raise ValueError(f"Unsupported hidden_act {cfg['hidden_act']!r}; minisgl's MLP is gated SiLU")
         num_heads = int(cfg["num_attention_heads"])
         head_dim = cfg["head_dim"] if "head_dim" in cfg else spec.head_dim  # absent: the config class's default
-        rope_theta, rope_scaling = parse_rope(cfg)
-        max_pos = int(cfg.get("max_position_embeddings", 2048))
+        defaults = spec.config_defaults
+        rope_theta, rope_scaling = parse_rope(cfg, defaults.get("rope_theta", 10000.0))
+        max_pos = int(cfg.get("max_position_embeddings", defaults.get("max_position_embeddings", 2048)))
         return cls(
             model_path=model_dir,
             architecture=architecture,
@@ -83,7 +85,7 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim or cfg["hidden_size"] // num_heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", defaults.get("rms_norm_eps", 1e-6))),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_pos,
@@ -93,6 +95,7 @@ class ModelConfig:
             o_bias=spec.o_bias(cfg),
             mlp_bias=spec.mlp_bias(cfg),
             qk_norm=spec.qk_norm,
+            moe=spec.moe(cfg) if spec.moe is not None else None,
             hf_eos_token_ids=_as_id_set(cfg.get("eos_token_id")) | _as_id_set(gen_cfg.get("eos_token_id")),
             default_sampling_params=default_sampling_params(gen_cfg),
             hf_config=cfg,
@@ -135,19 +138,19 @@ def _as_id_set(value: Any) -> Set[int]:
     return {int(v) for v in value}
 
 
-def parse_rope(cfg: Dict[str, Any]) -> Tuple[float, Optional[Dict[str, Any]]]:
+def parse_rope(cfg: Dict[str, Any], default_theta: float = 10000.0) -> Tuple[float, Optional[Dict[str, Any]]]:
     """(rope_theta, rope_scaling or None) from either config spelling.
 
     As in transformers 5, `rope_scaling` wins over `rope_parameters` when both are there
     (a config saved by transformers 5 always has `rope_parameters`; users add
     `rope_scaling` to extend the context), and rope_theta comes from that dict, else the
-    top level, else 10000.
+    top level, else the config class's `default_theta` (10000; Mixtral's is 1e6).
     """
     params = cfg.get("rope_scaling") or cfg.get("rope_parameters")
     if params and "full_attention" in params and "rope_type" not in params:
         params = params["full_attention"]  # per-layer-type form; every supported model is full attention
     scaling: Optional[Dict[str, Any]] = dict(params) if params else None
-    theta = float((scaling or {}).pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    theta = float((scaling or {}).pop("rope_theta", cfg.get("rope_theta", default_theta)))
     partial = (scaling or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     if partial is not None and partial != 1.0:  # None: transformers' full rotary
         raise ValueError(f"partial_rotary_factor={partial} is not supported (minisgl rotates the whole head)")
