@@ -126,6 +126,12 @@ def model_from_args(args: argparse.Namespace) -> tuple[str, ModelShape]:
 def shape_from_config(path: str) -> ModelShape:
     with open(os.path.join(path, "config.json")) as f:
         c = json.load(f)
+    experts = c.get("num_experts", c.get("num_local_experts"))
+    if experts:  # a token multiplies only its top-k experts' weights: intermediate_size says nothing of that
+        raise ValueError(
+            f"--model {path} is a mixture-of-experts model ({experts} experts): the benchmarks' FLOPs floor and "
+            "matmul-rate probe model a dense decoder and would report wrong numbers; benchmark a dense model"
+        )
     return ModelShape(
         hidden=c["hidden_size"], layers=c["num_hidden_layers"], heads=c["num_attention_heads"],
         kv_heads=c.get("num_key_value_heads", c["num_attention_heads"]),

@@ -4,11 +4,12 @@ its header and the RESULT lines that docs/benchmarks.md quotes, with sane values
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import subprocess
 import sys
-from typing import Dict, List
+from typing import Any, Dict, List
 
 import pytest
 
@@ -114,6 +115,19 @@ def test_flops_floor_counts_only_the_work_generation_does() -> None:
     body = shape.matmul_params() - head
     assert shape.workload_flops(10, 3, 1) == 2 * (body * 12 + head * 3)
     assert shape.workload_flops(20, 6, 2) == 2 * shape.workload_flops(10, 3, 1)
+
+
+def test_a_moe_model_is_refused_by_the_flops_floor(tmp_path: Any) -> None:
+    """ModelShape counts a dense decoder's weights; a MoE config's intermediate_size would give
+    a floor off by the expert count, so --model with one is refused, saying why."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import common
+    finally:
+        sys.path.pop(0)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MixtralForCausalLM"], "num_local_experts": 8}))
+    with pytest.raises(ValueError, match="mixture-of-experts model \\(8 experts\\).*benchmark a dense model"):
+        common.shape_from_config(str(tmp_path))
 
 
 def test_text_prompts_tokenize_back_to_the_workload_lengths() -> None:
