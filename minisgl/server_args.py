@@ -77,6 +77,14 @@ class ServerArgs:
     )
     context_length: Optional[int] = field(default=None, metadata=_opt("Maximum context length. Default: from the model config."))
     trust_remote_code: bool = field(default=False, metadata=_opt("Allow custom code in the tokenizer directory."))
+    is_embedding: bool = field(
+        default=False,
+        metadata=_opt(
+            "Serve the model as an embedding model (SGLang's): a request is only prefilled, and its embedding is the "
+            "final-norm hidden state at its last prompt token, L2-normalised (/v1/embeddings, /encode, Engine.encode). "
+            "The generation routes are refused."
+        ),
+    )
 
     # --- device and dtype ---
     device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata=_opt("cpu, cuda, or auto (cuda when available).", choices=DEVICES))

@@ -71,6 +71,9 @@ class ForwardBatch:
     input_logprob_top_k: int = 0  # the largest top_logprobs_num of those requests
     # [M, T] int64: each row's request's token_ids_logprob, padded with 0 to the longest (None: no one asks)
     input_logprob_token_ids: Optional[torch.Tensor] = None
+    # --is-embedding: each request's Matryoshka `dimensions` (None: the whole embedding); None when
+    # no request of the pass asked (the Pooler then cuts nothing)
+    dimensions: Optional[List[Optional[int]]] = None
 
     @property
     def num_tokens(self) -> int:

@@ -2,7 +2,8 @@
 
 Where it sits: Scheduler -> ScheduleBatch -> ForwardBatch -> ModelRunner.forward ->
 LogitsProcessorOutput -> ModelRunner.sample (logits bias, custom logit processors, Sampler) ->
-SampleOutput -> Scheduler.
+SampleOutput -> Scheduler. With --is-embedding (`is_generation` False, SGLang's name) forward
+returns an EmbeddingPoolerOutput instead, and nothing is sampled.
 Owns: model (DecoderForCausalLM), model_config, req_to_token_pool,
 token_to_kv_pool_allocator, token_to_kv_pool, attn_backend, sampler.
 
@@ -23,11 +24,13 @@ Sizing (SGLang's formulas, sglang-facts.md §4.1; docs/model_execution.md):
 from __future__ import annotations
 
 import logging
+from typing import Union
 
 import torch
 
 from minisgl.layers.attention.base import AttentionBackend
 from minisgl.layers.logits_processor import LogitsProcessorOutput
+from minisgl.layers.pooler import EmbeddingPoolerOutput
 from minisgl.layers.sampler import SampleOutput, Sampler
 from minisgl.mem_cache.allocator import make_allocator
 from minisgl.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -54,6 +57,7 @@ class ModelRunner:
         self.dtype: torch.dtype = getattr(torch, server_args.dtype)
         self.kv_cache_dtype: torch.dtype = getattr(torch, server_args.kv_cache_dtype)  # the model's, or bfloat16
         self.page_size = server_args.page_size
+        self.is_generation = not server_args.is_embedding
         # The RNG of unseeded sampling, this runner's own: seeding torch's global one made every
         # new Engine restart the draws of the Engines before it, and reset the user's RNG.
         self.generator = torch.Generator(device=self.device)
@@ -155,13 +159,17 @@ class ModelRunner:
         raise ValueError(f"Unknown attention backend {backend!r}; choose cpu, torch or triton")
 
     # ------------------------------------------------------------------ running
-    def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
-        """One forward pass; logits of each request's last token (all tokens with return_all_logits)."""
+    def forward(self, forward_batch: ForwardBatch) -> Union[LogitsProcessorOutput, EmbeddingPoolerOutput]:
+        """One forward pass; logits of each request's last token (all tokens with return_all_logits),
+        or, for an embedding model, each request's embedding."""
         if forward_batch.forward_mode == ForwardMode.IDLE:
-            empty = torch.empty((0, self.model_config.vocab_size), dtype=torch.float32, device=self.device)
-            return LogitsProcessorOutput(next_token_logits=empty)
+            width = self.model_config.vocab_size if self.is_generation else self.model_config.hidden_size
+            empty = torch.empty((0, width), dtype=torch.float32, device=self.device)
+            return LogitsProcessorOutput(next_token_logits=empty) if self.is_generation else EmbeddingPoolerOutput(empty)
         with torch.inference_mode():
             forward_batch.attn_backend.init_forward_metadata(forward_batch)
+            if not self.is_generation:
+                return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch, get_embedding=True)
             return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
     def sample(self, logits_output: LogitsProcessorOutput, sampling_info: SamplingBatchInfo) -> SampleOutput:

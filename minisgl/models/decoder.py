@@ -21,7 +21,7 @@ Parameter names match the Hugging Face checkpoint, except the fused `qkv_proj` a
 from __future__ import annotations
 
 import re
-from typing import Iterable, Optional, Set, Tuple
+from typing import Iterable, Optional, Set, Tuple, Union
 
 import torch
 from torch import nn
@@ -38,6 +38,7 @@ from minisgl.layers.linear import (
 )
 from minisgl.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from minisgl.layers.moe import SparseMoeBlock
+from minisgl.layers.pooler import EmbeddingPoolerOutput, Pooler
 from minisgl.layers.radix_attention import RadixAttention
 from minisgl.layers.rotary_embedding import RotaryEmbedding
 from minisgl.model_executor.forward_batch_info import ForwardBatch
@@ -160,6 +161,8 @@ class DecoderForCausalLM(nn.Module):
         # Tied: the LM head reuses the embedding table (no lm_head.weight in the checkpoint).
         self.lm_head = None if config.tie_word_embeddings else ReplicatedLinear(config.hidden_size, config.vocab_size)
         self.logits_processor = LogitsProcessor(config.vocab_size)
+        # --is-embedding's head instead of the LM head: last token, L2-normalised (SGLang's Qwen3/Llama)
+        self.pooler = Pooler(normalize=True)
         # Tied and packed: the embedding lookup keeps the dense table; the head multiplies a packed copy.
         self.tied_lm_head_packed: Optional[torch.Tensor] = None
 
@@ -171,8 +174,14 @@ class DecoderForCausalLM(nn.Module):
             packed += self.tied_lm_head_packed is not None
         return packed
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch, get_embedding: bool = False
+    ) -> Union[LogitsProcessorOutput, EmbeddingPoolerOutput]:
+        """Next-token logits, or with `get_embedding` (an embedding model's pass, SGLang's
+        argument) each request's embedding: the pooled final-norm hidden state, no LM head."""
         hidden_states = self.model(input_ids, positions, forward_batch)  # [N, hidden]
+        if get_embedding:
+            return self.pooler(hidden_states, forward_batch)
         if self.lm_head is None:
             weight, packed = self.model.embed_tokens.weight, self.tied_lm_head_packed
         else:

@@ -52,6 +52,11 @@ class ModelConfig:
     qk_norm: bool
     moe: Optional[MoeConfig] = None  # sparse MoE models (Qwen3-MoE, Qwen2-MoE, Mixtral); None: dense
     hf_eos_token_ids: Set[int] = field(default_factory=set)
+    # Matryoshka embeddings (SGLang's ModelConfig): a model trained so that the first d numbers of its
+    # embedding are an embedding too says so in config.json, with `matryoshka_dimensions` (the d it
+    # was trained for) or `is_matryoshka: true` (any d); only then may a request ask for `dimensions`
+    is_matryoshka: bool = False
+    matryoshka_dimensions: Optional[Tuple[int, ...]] = None
     # generation_config.json's sampling keys: the defaults of a chat request that leaves them out
     default_sampling_params: Dict[str, Any] = field(default_factory=dict)
     hf_config: Dict[str, Any] = field(default_factory=dict, repr=False)
@@ -97,6 +102,8 @@ class ModelConfig:
             qk_norm=spec.qk_norm,
             moe=spec.moe(cfg) if spec.moe is not None else None,
             hf_eos_token_ids=_as_id_set(cfg.get("eos_token_id")) | _as_id_set(gen_cfg.get("eos_token_id")),
+            is_matryoshka=cfg.get("matryoshka_dimensions") is not None or bool(cfg.get("is_matryoshka", False)),
+            matryoshka_dimensions=_matryoshka_dimensions(cfg.get("matryoshka_dimensions")),
             default_sampling_params=default_sampling_params(gen_cfg),
             hf_config=cfg,
         )
@@ -118,6 +125,16 @@ def default_sampling_params(gen_cfg: Dict[str, Any]) -> Dict[str, Any]:
         else:
             defaults[key] = float(value)
     return defaults
+
+
+def _matryoshka_dimensions(value: Any) -> Optional[Tuple[int, ...]]:
+    """config.json's matryoshka_dimensions: None, or a list of positive ints (refused otherwise:
+    every `dimensions` a request asks for is checked against it)."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(type(d) is int and d > 0 for d in value):
+        raise ValueError(f"config.json's matryoshka_dimensions must be a list of positive integers, got {value!r}")
+    return tuple(value)
 
 
 def _read_json(path: str, required: bool) -> Dict[str, Any]:
