@@ -17,6 +17,7 @@ import pytest
 from minisgl.managers import io_struct
 from minisgl.managers.io_struct import (
     AbortReq,
+    BatchEmbeddingOutput,
     BatchStrOutput,
     BatchTokenIDOutput,
     ClearDecodeStatusReq,
@@ -27,6 +28,7 @@ from minisgl.managers.io_struct import (
     GetLoadReqInput,
     GetLoadReqOutput,
     SchedulerSnapshotOut,
+    TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
     decode,
     encode,
@@ -51,6 +53,18 @@ SAMPLES: Dict[str, Any] = {
         return_logprob=True, logprob_start_len=0, top_logprobs_num=2, stream=True, priority=-1, created_time=1.5,
         custom_logit_processor='{"callable": "80"}',
     ),  # fmt: skip
+    "TokenizedEmbeddingReqInput": TokenizedEmbeddingReqInput(
+        rid="e1", input_text="héllo", input_ids=[4, 5], sampling_params=SamplingParams.from_dict({"max_new_tokens": 0}),
+        dimensions=8, created_time=2.5,
+    ),  # fmt: skip
+    "BatchEmbeddingOutput": BatchEmbeddingOutput(
+        rids=["e1", "e2"],
+        finished_reasons=[{"type": "length", "length": 0}, {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}],
+        embeddings=[[0.1, -0.25, 1e-30], None],  # None: aborted before its prompt was computed
+        prompt_tokens=[2, 7],
+        cached_tokens=[1, 0],
+        time_stats=[{"ttft_ms": 3.0}, {"queue_ms": 0.5}],
+    ),
     "SamplingParams": _sampling_params(),
     "AbortReq": AbortReq(rid="r1", abort_all=False),
     "FlushCacheReqInput": FlushCacheReqInput(),
@@ -171,3 +185,15 @@ def test_unregistered_types_are_refused() -> None:
         decode(json.dumps({"rids": ["a"]}).encode())  # a plain dict is not a message
     with pytest.raises(TypeError):
         decode(b"[1, 2]")
+
+
+def test_float32_embeddings_survive_exactly() -> None:
+    """An embedding crosses two process boundaries as JSON numbers: each float32 value (made a
+    Python float by tolist) comes back bit for bit, so base64 of the float32 bytes on the far
+    side is the model's own (float32 -> double is exact; JSON writes the double's shortest repr)."""
+    import torch
+
+    values = torch.randn(257, generator=torch.Generator().manual_seed(0)).tolist()
+    msg = BatchEmbeddingOutput(rids=["e"], finished_reasons=[None], embeddings=[values], prompt_tokens=[1], cached_tokens=[0])
+    back = decode(encode(msg))
+    assert torch.equal(torch.tensor(back.embeddings[0], dtype=torch.float32), torch.tensor(values, dtype=torch.float32))

@@ -4,6 +4,8 @@
     TokenizedGenerateReqInput   TokenizerManager -> Scheduler         (ZMQ)
     BatchTokenIDOutput          Scheduler -> DetokenizerManager       (ZMQ)
     BatchStrOutput              DetokenizerManager -> TokenizerManager (ZMQ)
+    EmbeddingReqInput -> TokenizedEmbeddingReqInput -> BatchEmbeddingOutput: the same chain for an
+        embedding model (--is-embedding); the detokenizer passes the output through
     AbortReq, FlushCache*, GetLoad*, ClearDecodeStatusReq, FreezeGCReq, SchedulerSnapshotOut: control
 
 Everything that crosses a process boundary is one of the dataclasses registered in
@@ -18,7 +20,7 @@ import dataclasses
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Callable, ClassVar, Dict, List, NamedTuple, Optional, Tuple, Union
 
 from minisgl.sampling.sampling_params import GRAMMAR_KEYS, SamplingParams
 from minisgl.utils import lone_surrogate_at
@@ -68,6 +70,43 @@ def check_logprob_args(
         raise ValueError("token_ids_logprob needs return_logprob to be true")
 
 
+def check_rids(is_single: bool, rid: Any, max_chars: Optional[int] = None) -> None:
+    """The rid rules of the server and the Engine, on a normalized input: a string per prompt
+    (a single prompt: one string), none empty (the scheduler reads "" as no rid: it could never
+    be aborted), no repeat within a batch, valid Unicode (each is echoed in every answer), and
+    at most `max_chars` each (the server's bound: a rid rides in every step's messages)."""
+    if is_single and not isinstance(rid, str):
+        raise ValueError(f"`rid` must be a string for a single prompt, got {type(rid).__name__}")
+    rids = [rid] if is_single else rid
+    for one in rids:
+        if not isinstance(one, str):
+            raise ValueError(f"`rid` of a batch must be a list of strings, got a {type(one).__name__} in it")
+        if one == "":
+            raise ValueError("`rid` must not be empty; leave it out for a generated one")
+        if max_chars is not None and len(one) > max_chars:
+            raise ValueError(f"`rid` takes at most {max_chars} characters, got {len(one)}")
+        if lone_surrogate_at(one) is not None:
+            raise ValueError(f"`rid` must be valid Unicode, got {one!r} (a lone surrogate)")
+    if len(set(rids)) != len(rids):
+        raise ValueError("`rid` must not repeat an id within a batch")
+
+
+def prompt_shape(text: Any, input_ids: Any) -> Tuple[bool, int]:
+    """(is_single, batch_size) of a request's prompt: a string or a list of them, or a list of
+    ids or a list of such lists (exactly one of the two given)."""
+    if (text is None) == (input_ids is None):
+        raise ValueError("Exactly one of `text` and `input_ids` must be given")
+    if text is not None:
+        is_single = isinstance(text, str)
+        batch_size = 1 if is_single else len(text)
+    else:
+        is_single = len(input_ids) == 0 or not isinstance(input_ids[0], list)
+        batch_size = 1 if is_single else len(input_ids)
+    if not is_single and batch_size == 0:
+        raise ValueError("A batch request needs at least one prompt")
+    return is_single, batch_size
+
+
 @dataclass
 class GenerateReqInput:
     """The unified runtime request: it no longer knows whether it came from chat or completions."""
@@ -105,17 +144,7 @@ class GenerateReqInput:
         for name, default in (("return_logprob", False), ("logprob_start_len", -1), ("top_logprobs_num", 0)):
             if getattr(self, name) is None:
                 setattr(self, name, default)
-        if (self.text is None) == (self.input_ids is None):
-            raise ValueError("Exactly one of `text` and `input_ids` must be given")
-        if self.text is not None:
-            self.is_single = isinstance(self.text, str)
-            self.batch_size = 1 if self.is_single else len(self.text)
-        else:
-            ids = self.input_ids
-            self.is_single = len(ids) == 0 or not isinstance(ids[0], list)
-            self.batch_size = 1 if self.is_single else len(ids)
-        if not self.is_single and self.batch_size == 0:
-            raise ValueError("A batch request needs at least one prompt")
+        self.is_single, self.batch_size = prompt_shape(self.text, self.input_ids)
         if self.is_single:
             if self.rid is None:
                 self.rid = new_rid()
@@ -147,24 +176,8 @@ class GenerateReqInput:
             self.token_ids_logprob = [self.token_ids_logprob] * n  # type: ignore[list-item]
 
     def check_rids(self, max_chars: Optional[int] = None) -> None:
-        """The rid rules of the server and the Engine, on a normalized input: a string per prompt
-        (a single prompt: one string), none empty (the scheduler reads "" as no rid: it could never
-        be aborted), no repeat within a batch, valid Unicode (each is echoed in every answer), and
-        at most `max_chars` each (the server's bound: a rid rides in every step's messages)."""
-        if self.is_single and not isinstance(self.rid, str):
-            raise ValueError(f"`rid` must be a string for a single prompt, got {type(self.rid).__name__}")
-        rids = [self.rid] if self.is_single else self.rid
-        for rid in rids:
-            if not isinstance(rid, str):
-                raise ValueError(f"`rid` of a batch must be a list of strings, got a {type(rid).__name__} in it")
-            if rid == "":
-                raise ValueError("`rid` must not be empty; leave it out for a generated one")
-            if max_chars is not None and len(rid) > max_chars:
-                raise ValueError(f"`rid` takes at most {max_chars} characters, got {len(rid)}")
-            if lone_surrogate_at(rid) is not None:
-                raise ValueError(f"`rid` must be valid Unicode, got {rid!r} (a lone surrogate)")
-        if len(set(rids)) != len(rids):
-            raise ValueError("`rid` must not repeat an id within a batch")
+        """The rid rules of the server and the Engine (check_rids below)."""
+        check_rids(self.is_single, self.rid, max_chars)
 
     def _token_ids_per_prompt(self) -> bool:
         """token_ids_logprob as one list per prompt ([[ids], [ids]]), not one list for all."""
@@ -271,6 +284,75 @@ def prefix_warmups(samples: List["Sample"], tokenized: List[TokenizedGenerateReq
                 sampling_params=params, priority=tok.priority, created_time=tok.created_time,
             ))  # fmt: skip
     return warmups
+
+
+@dataclass
+class EmbeddingReqInput:
+    """An embedding request (a server started with --is-embedding; SGLang's): text or input_ids,
+    one prompt or a batch. It only prefills: its answer is {"embedding": [float], "meta_info"}."""
+
+    text: Optional[Union[str, List[str]]] = None
+    input_ids: Optional[Union[List[int], List[List[int]]]] = None
+    rid: Optional[Union[str, List[str]]] = None
+    # Matryoshka: the embedding's first `dimensions` numbers, normalised again (one value for a whole
+    # batch, as OpenAI's); only for a model whose config.json declares it (tokenization.check_dimensions)
+    dimensions: Optional[int] = None
+    log_metrics: bool = True  # False for /health_generate's probe
+    add_special_tokens: bool = True  # the tokenizer's own special tokens around a text prompt, as SGLang's
+    # filled by normalize_batch_and_arguments(): SGLang's {"max_new_tokens": 0} per prompt, which makes
+    # the scheduler's request prefill-only and reserve no output tokens
+    sampling_params: Optional[Union[Dict[str, Any], List[Dict[str, Any]]]] = None
+    is_single: bool = True
+    batch_size: int = 1
+    # what the TokenizerManager reads of every request: an embedding never streams, has no logprobs
+    stream: ClassVar[bool] = False
+    return_text_in_logprobs: ClassVar[bool] = False
+
+    def normalize_batch_and_arguments(self) -> None:
+        self.is_single, self.batch_size = prompt_shape(self.text, self.input_ids)
+        if self.is_single:
+            self.rid = new_rid() if self.rid is None else self.rid
+            self.sampling_params = {"max_new_tokens": 0}
+            return
+        n = self.batch_size
+        if self.rid is None:
+            self.rid = [new_rid() for _ in range(n)]
+        elif not isinstance(self.rid, list) or len(self.rid) != n:
+            raise ValueError(f"`rid` must be a list of {n} ids for a batch of {n} prompts")
+        self.sampling_params = [{"max_new_tokens": 0} for _ in range(n)]
+
+    def check_rids(self, max_chars: Optional[int] = None) -> None:
+        check_rids(self.is_single, self.rid, max_chars)
+
+    def __getitem__(self, i: int) -> "EmbeddingReqInput":
+        """The i-th request of a normalized batch, as a single request."""
+        assert not self.is_single
+        return EmbeddingReqInput(
+            text=self.text[i] if self.text is not None else None,
+            input_ids=self.input_ids[i] if self.input_ids is not None else None,
+            rid=self.rid[i],  # type: ignore[index]
+            dimensions=self.dimensions,
+            log_metrics=self.log_metrics,
+            add_special_tokens=self.add_special_tokens,
+            sampling_params=self.sampling_params[i],  # type: ignore[index]
+        )
+
+    def singles(self) -> List["EmbeddingReqInput"]:
+        """One single request per prompt of a normalized input (itself when single)."""
+        return [self] if self.is_single else [self[i] for i in range(self.batch_size)]
+
+
+@dataclass
+class TokenizedEmbeddingReqInput:
+    """What the scheduler consumes for an embedding: ids and a prefill-only SamplingParams
+    (max_new_tokens 0, SGLang's), and the Matryoshka cut the Pooler applies."""
+
+    rid: str
+    input_text: Optional[str]
+    input_ids: List[int]
+    sampling_params: SamplingParams
+    dimensions: Optional[int] = None
+    created_time: float = 0.0  # time.time() when tokenization finished (nothing reads it yet)
 
 
 @dataclass
@@ -410,6 +492,19 @@ class BatchStrOutput(LogprobLists):
     time_stats: List[Dict[str, Optional[float]]] = field(default_factory=list)  # to_ms_dict: None = not reached
 
 
+@dataclass
+class BatchEmbeddingOutput:
+    """Scheduler -> DetokenizerManager (passed through) -> TokenizerManager: the embedding
+    requests that finished this step (an embedding is sent once, whole)."""
+
+    rids: List[str]
+    finished_reasons: List[Optional[Dict[str, Any]]]
+    embeddings: List[Optional[List[float]]]  # None: it ended without one (aborted before its last chunk ran)
+    prompt_tokens: List[int]
+    cached_tokens: List[int]
+    time_stats: List[Dict[str, Optional[float]]] = field(default_factory=list)  # to_ms_dict: None = not reached
+
+
 # the meta_info keys of a response dict that hold per-token lists: a streamed dict carries the
 # new entries only (prompt logprobs come once), a non-streaming answer all of them
 LOGPROB_META_KEYS = (
@@ -462,6 +557,7 @@ _MESSAGE_TYPES: Dict[str, type] = {
     cls.__name__: cls
     for cls in (
         TokenizedGenerateReqInput,
+        TokenizedEmbeddingReqInput,
         SamplingParams,
         AbortReq,
         FlushCacheReqInput,
@@ -473,6 +569,7 @@ _MESSAGE_TYPES: Dict[str, type] = {
         SchedulerSnapshotOut,
         BatchTokenIDOutput,
         BatchStrOutput,
+        BatchEmbeddingOutput,
     )
 }
 

@@ -1,6 +1,7 @@
 """Tokenization of one request (seed 000: `_tokenize_one_request` + `_create_tokenized_object`).
 
-Where it sits: GenerateReqInput (single) -> TokenizedGenerateReqInput. The server's
+Where it sits: GenerateReqInput (single) -> TokenizedGenerateReqInput, and EmbeddingReqInput
+(single) -> TokenizedEmbeddingReqInput for an embedding model. The server's
 TokenizerManager (async, HTTP process) and the in-process Engine both call these
 functions, so a prompt becomes the same ids and the same verified SamplingParams on
 either path.
@@ -17,9 +18,11 @@ Bad input raises ValueError with a message that says what to change (HTTP 400 up
 from __future__ import annotations
 
 import time
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence, Union
 
-from minisgl.managers.io_struct import GenerateReqInput, TokenizedGenerateReqInput, check_logprob_args
+from minisgl.managers.io_struct import (
+    EmbeddingReqInput, GenerateReqInput, TokenizedEmbeddingReqInput, TokenizedGenerateReqInput, check_logprob_args,
+)  # fmt: skip
 from minisgl.sampling.sampling_params import SamplingParams
 from minisgl.utils import lone_surrogate_at
 
@@ -92,16 +95,24 @@ def validate_input_ids(input_ids: List[int], vocab_size: int, name: str = "input
 
 
 def create_tokenized_object(
-    obj: GenerateReqInput,
+    obj: Union[GenerateReqInput, EmbeddingReqInput],
     input_text: Optional[str],
     input_ids: List[int],
     tokenizer: Any,
     vocab_size: int,
-) -> TokenizedGenerateReqInput:
+) -> Union[TokenizedGenerateReqInput, TokenizedEmbeddingReqInput]:
     """Wrap ids + verified SamplingParams into what the scheduler consumes."""
     assert obj.is_single and isinstance(obj.rid, str)
     if len(input_ids) == 0:
         raise ValueError("The prompt is empty: send at least one token")
+    if isinstance(obj, EmbeddingReqInput):
+        # SGLang's embedding request: max_new_tokens 0, so the scheduler prefills it only and
+        # reserves no output tokens for it (EmbeddingReqInput.normalize_batch_and_arguments)
+        return TokenizedEmbeddingReqInput(
+            rid=obj.rid, input_text=input_text, input_ids=list(input_ids),
+            sampling_params=SamplingParams.from_dict(obj.sampling_params), dimensions=obj.dimensions,
+            created_time=time.time(),
+        )  # fmt: skip
     params = SamplingParams.from_dict(obj.sampling_params)
     params.normalize(tokenizer)
     params.verify(vocab_size)
@@ -130,8 +141,11 @@ def create_tokenized_object(
     )
 
 
-def tokenize_one_request(tokenizer: Any, obj: GenerateReqInput, vocab_size: int) -> TokenizedGenerateReqInput:
-    """Text or input_ids -> TokenizedGenerateReqInput (synchronous; the Engine's path)."""
+def tokenize_one_request(
+    tokenizer: Any, obj: Union[GenerateReqInput, EmbeddingReqInput], vocab_size: int
+) -> Union[TokenizedGenerateReqInput, TokenizedEmbeddingReqInput]:
+    """Text or input_ids -> TokenizedGenerateReqInput, or TokenizedEmbeddingReqInput for an
+    EmbeddingReqInput (synchronous; the Engine's path)."""
     if obj.input_ids is not None:
         input_ids = list(obj.input_ids)
         validate_input_ids(input_ids, vocab_size)
@@ -143,8 +157,36 @@ def tokenize_one_request(tokenizer: Any, obj: GenerateReqInput, vocab_size: int)
     return create_tokenized_object(obj, input_text, input_ids, tokenizer, vocab_size)
 
 
+def check_dimensions(
+    dimensions: Any, is_matryoshka: bool, matryoshka_dimensions: Optional[Sequence[int]], hidden_size: int, model: str
+) -> None:
+    """An embedding request's `dimensions` (SGLang's _validate_for_matryoshka_dim, its messages):
+    only for a model trained for it (config.json's matryoshka_dimensions or is_matryoshka), one
+    of the sizes it declares, at most the hidden size. Cutting any other model's embedding gives
+    a vector that no longer means what the whole one did."""
+    if dimensions is None:
+        return
+    if type(dimensions) is not int:
+        raise ValueError(f"dimensions must be an integer, got {dimensions!r}")
+    if not is_matryoshka:
+        raise ValueError(
+            f"Model '{model}' does not support matryoshka representation, changing output dimensions will lead to "
+            "poor results. Leave dimensions out (a model supports it when its config.json has matryoshka_dimensions "
+            "or is_matryoshka)."
+        )
+    if dimensions < 1:
+        raise ValueError("Requested dimensions must be greater than 0")
+    if matryoshka_dimensions and dimensions not in matryoshka_dimensions:
+        raise ValueError(
+            f"Model '{model}' only supports {list(matryoshka_dimensions)} matryoshka dimensions, using other output "
+            "dimensions will lead to poor results."
+        )
+    if dimensions > hidden_size:
+        raise ValueError(f"Provided dimensions are greater than max embedding dimension: {hidden_size}")
+
+
 def validate_context_length(
-    tokenized: TokenizedGenerateReqInput,
+    tokenized: Union[TokenizedGenerateReqInput, TokenizedEmbeddingReqInput],
     context_len: int,
     allow_auto_truncate: bool,
     max_req_input_len: Optional[int] = None,
