@@ -1,4 +1,5 @@
 """DetokenizerManager (stage 5, seed 004). In: BatchTokenIDOutput. Out: BatchStrOutput.
+(An embedding model's BatchEmbeddingOutput has no text: it passes through unchanged, as in SGLang.)
 
 Owns: its own tokenizer and `decode_status`, one `DecodeStatus` per rid in flight.
 
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from minisgl.managers.io_struct import (
+    BatchEmbeddingOutput,
     BatchStrOutput,
     BatchTokenIDOutput,
     ClearDecodeStatusReq,
@@ -183,8 +185,9 @@ class DetokenizerManager:
         self.decode_status: "OrderedDict[str, DecodeStatus]" = OrderedDict()
         # The rids being worked on, read by the soft watchdog's log line.
         self.cur_rids: List[str] = []
-        self._request_dispatcher: Dict[type, Callable[[Any], Optional[BatchStrOutput]]] = {
+        self._request_dispatcher: Dict[type, Callable[[Any], Optional[Union[BatchStrOutput, BatchEmbeddingOutput]]]] = {
             BatchTokenIDOutput: self.handle_batch_token_id_out,
+            BatchEmbeddingOutput: self.handle_batch_embedding_out,
             ClearDecodeStatusReq: self.handle_clear_decode_status,
             FreezeGCReq: self.handle_freeze_gc,
         }
@@ -218,7 +221,7 @@ class DetokenizerManager:
     def _describe(self) -> str:
         return f"current batch rids={self.cur_rids}, #decode-status={len(self.decode_status)}"
 
-    def dispatch(self, recv: Any) -> Optional[BatchStrOutput]:
+    def dispatch(self, recv: Any) -> Optional[Union[BatchStrOutput, BatchEmbeddingOutput]]:
         """Route a message by its type; an unknown type is an error, never ignored."""
         handler = self._request_dispatcher.get(type(recv))
         if handler is None:
@@ -226,6 +229,10 @@ class DetokenizerManager:
         out = handler(recv)
         logger.debug(f"Detokenizer: handled {type(recv).__name__}, #decode-status: {len(self.decode_status)}")
         return out
+
+    def handle_batch_embedding_out(self, recv: BatchEmbeddingOutput) -> BatchEmbeddingOutput:
+        """Embeddings have no text: on to the TokenizerManager as they are (SGLang's)."""
+        return recv
 
     def handle_freeze_gc(self, recv: FreezeGCReq) -> None:
         freeze_gc("Detokenizer")

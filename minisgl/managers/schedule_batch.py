@@ -196,6 +196,10 @@ class Req:
         self.custom_logit_processor: Optional[str] = None
         self.custom_logit_processor_instance: Any = None
         self.custom_params: Optional[Dict[str, Any]] = None
+        # an embedding model's request (--is-embedding): the Matryoshka cut it asked for, and its
+        # embedding once the last chunk of its prompt ran (SGLang's Req.embedding)
+        self.dimensions: Optional[int] = None
+        self.embedding: Optional[List[float]] = None
 
         # memory and prefix state
         self.req_pool_idx: Optional[int] = None
@@ -786,6 +790,7 @@ class ScheduleBatch:
             input_logprob_token_ids=as_tensor([ids + [0] * (named - len(ids)) for ids in self.input_logprob_token_ids])
             if named
             else None,
+            dimensions=[r.dimensions for r in self.reqs] if any(r.dimensions is not None for r in self.reqs) else None,
         )
 
     def get_sampling_info(self, vocab_size: int, device: str, eos_token_ids: Set[int]) -> Any:

@@ -1,5 +1,6 @@
-"""Scheduler (stage 3). In: TokenizedGenerateReqInput, AbortReq, control requests.
-Out: BatchTokenIDOutput (to the detokenizer), control replies (to the tokenizer).
+"""Scheduler (stage 3). In: TokenizedGenerateReqInput (TokenizedEmbeddingReqInput with
+--is-embedding), AbortReq, control requests. Out: BatchTokenIDOutput (BatchEmbeddingOutput)
+to the detokenizer, control replies (to the tokenizer).
 Owns: waiting_queue, running_batch, chunked_req, the RadixCache, new_token_ratio.
 
 One iteration (`run_step`) is SGLang's event_loop_normal body without the I/O:
@@ -28,6 +29,7 @@ from minisgl.constrained.reasoner_grammar import REASONING_TAGS, ReasonerGrammar
 from minisgl.constrained.xgrammar_backend import XGrammarGrammarBackend
 from minisgl.managers.io_struct import (
     AbortReq,
+    BatchEmbeddingOutput,
     BatchTokenIDOutput,
     FlushCacheReqInput,
     FlushCacheReqOutput,
@@ -35,6 +37,7 @@ from minisgl.managers.io_struct import (
     GetLoadReqInput,
     GetLoadReqOutput,
     SchedulerSnapshotOut,
+    TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
     decode,
     encode,
@@ -42,7 +45,9 @@ from minisgl.managers.io_struct import (
 from minisgl.managers.schedule_batch import FINISH_ABORT, LEAST_PRIORITY, Req, ScheduleBatch, priority_text
 from minisgl.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
 from minisgl.managers.scheduler_metrics_mixin import SchedulerMetricsMixin
-from minisgl.managers.scheduler_output_processor_mixin import GenerationBatchResult, SchedulerOutputProcessorMixin
+from minisgl.managers.scheduler_output_processor_mixin import (
+    EmbeddingBatchResult, GenerationBatchResult, SchedulerOutputProcessorMixin,
+)  # fmt: skip
 from minisgl.mem_cache.allocator import ceil_paged_tokens, new_page_slots
 from minisgl.mem_cache.radix_cache import RadixCache
 from minisgl.sampling.custom_logit_processor import CustomLogitProcessor, client_error_text
@@ -55,6 +60,11 @@ logger = logging.getLogger("minisgl.scheduler")
 # 10,000 polls of 5 ms: about 50 s); while it waits, the scheduler polls every 5 ms when idle
 GRAMMAR_TIMEOUT = 60.0
 GRAMMAR_POLL_INTERVAL = 0.005
+
+# a request of the other kind than this scheduler serves (the TokenizerManager and the Engine refuse it
+# first, with their own message): it ends with this 400, through the normal output path
+EMBEDDING_SCHEDULER_REFUSES_GENERATION = "This server runs an embedding model (--is-embedding): it computes embeddings, not text"
+EMBEDDING_NEEDS_EMBEDDING_SERVER = "An embedding request needs a server started with --is-embedding"
 
 # new_token_ratio defaults (SGLANG_INIT_NEW_TOKEN_RATIO, ..._MIN_..._FACTOR, ..._DECAY_STEPS)
 INIT_NEW_TOKEN_RATIO = 0.7
@@ -72,6 +82,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         self.page_size = model_runner.page_size
         self.max_total_num_tokens = model_runner.max_total_num_tokens
         self.max_running_requests = model_runner.max_running_requests
+        # --is-embedding: every request is prefilled only, and its result is an embedding (SGLang's name)
+        self.is_generation = not server_args.is_embedding
         # --enable-priority-scheduling: +1 orders lower values first, -1 higher ones (SGLang's default)
         self.priority_order = (1 if server_args.schedule_low_priority_values_first else -1) if server_args.enable_priority_scheduling else None
         self.tree_cache = RadixCache(
@@ -120,7 +132,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         self.last_decode_log_time = time.perf_counter()
         self.num_generated_tokens = 0
         self.last_gen_throughput = 0.0  # tokens/s of the last decode log line (sglang:gen_throughput)
-        self._outputs: List[Union[BatchTokenIDOutput, FreezeGCReq]] = []  # for the detokenizer
+        self._outputs: List[Union[BatchTokenIDOutput, BatchEmbeddingOutput, FreezeGCReq]] = []  # for the detokenizer
         self.events: List[Dict[str, Any]] = []
         self.finished_records: List[Dict[str, Any]] = []
         self._step_record_end = (0, 0)  # len(events), len(finished_records) when the last step ended
@@ -155,6 +167,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         for msg in recv_reqs:
             if isinstance(msg, TokenizedGenerateReqInput):
                 self.handle_generate_request(msg)
+            elif isinstance(msg, TokenizedEmbeddingReqInput):
+                self.handle_embedding_request(msg)
             elif isinstance(msg, AbortReq):
                 self.abort_request(msg)
             elif isinstance(msg, FlushCacheReqInput):
@@ -194,6 +208,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         # Truncate first, then clamp on the prompt that will run.
         error_msg = self.validate_input_length(req)
         self.init_req_max_new_tokens(req)
+        if not self.is_generation:  # (the TokenizerManager and the Engine refuse it first)
+            error_msg = EMBEDDING_SCHEDULER_REFUSES_GENERATION
         if error_msg is None and recv_req.custom_logit_processor is not None:
             error_msg = self.load_custom_logit_processor(req, recv_req.custom_logit_processor)
         if error_msg is not None:
@@ -222,6 +238,26 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
                 self.grammar_queue.append(req)
                 self.move_ready_grammar_requests(may_wait=False)  # (a cached grammar: on to the waiting queue now)
                 return req
+        self._add_request_to_queue(req)
+        return req
+
+    def handle_embedding_request(self, recv_req: TokenizedEmbeddingReqInput) -> Req:
+        """An embedding model's request (SGLang's handle_embedding_request): max_new_tokens 0, so
+        it is prefilled only (in chunks if long), reserves no output tokens, and finishes with its
+        last chunk (process_batch_result_prefill); the length gate as for any prompt."""
+        req = Req(
+            recv_req.rid, recv_req.input_text, recv_req.input_ids, recv_req.sampling_params,
+            vocab_size=self.model_config.vocab_size, tokenizer=self.tokenizer,
+        )  # fmt: skip
+        req.dimensions = recv_req.dimensions
+        if self.priority_order is not None:  # (the waiting queue sorts by it: the least important)
+            req.priority = self.priority_order * LEAST_PRIORITY
+        self._event("arrive", req, f"input_len={len(req.origin_input_ids)}")
+        error_msg = self.validate_input_length(req)
+        if self.is_generation:  # (the TokenizerManager and the Engine refuse it first)
+            error_msg = EMBEDDING_NEEDS_EMBEDDING_SERVER
+        if error_msg is not None:
+            req.set_finish_with_abort(error_msg)
         self._add_request_to_queue(req)
         return req
 
@@ -469,7 +505,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             gen_throughput=self.last_gen_throughput if self._decoding_reqs() else 0.0,
         )
 
-    def pop_outputs(self) -> List[Union[BatchTokenIDOutput, FreezeGCReq]]:
+    def pop_outputs(self) -> List[Union[BatchTokenIDOutput, BatchEmbeddingOutput, FreezeGCReq]]:
         out, self._outputs = self._outputs, []
         return out
 
@@ -762,10 +798,13 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         batch.prepare_for_decode()
         return batch
 
-    def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
-        """Forward + sample: the sampled tokens (and logprobs), and the pass's prompt logprobs."""
+    def run_batch(self, batch: ScheduleBatch) -> Union[GenerationBatchResult, EmbeddingBatchResult]:
+        """Forward + sample: the sampled tokens (and logprobs), and the pass's prompt logprobs; for
+        an embedding model, forward only: each request's embedding (SGLang's forward_batch_embedding)."""
         self.forward_ct += 1
         forward_batch = batch.get_forward_batch(self.model_runner)
+        if not self.is_generation:
+            return EmbeddingBatchResult(self.model_runner.forward(forward_batch).embeddings)
         logits_output = self.model_runner.forward(forward_batch)
         sampling_info = batch.get_sampling_info(
             self.model_config.vocab_size, self.model_runner.device, self.eos_token_ids
@@ -933,6 +972,10 @@ def run_scheduler_process(server_args: ServerArgs, port_args: Any, pipe_writer: 
                 "vocab_size": scheduler.model_config.vocab_size,
                 "max_req_input_len": scheduler.max_req_input_len,
                 "default_sampling_params": scheduler.model_config.default_sampling_params,
+                # what an embedding request's `dimensions` is checked against (tokenization.check_dimensions)
+                "hidden_size": scheduler.model_config.hidden_size,
+                "is_matryoshka": scheduler.model_config.is_matryoshka,
+                "matryoshka_dimensions": scheduler.model_config.matryoshka_dimensions,
             }
         )
     except Exception as e:  # start-up failed: say why on the pipe, exit non-zero

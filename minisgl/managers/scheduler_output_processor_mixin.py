@@ -1,25 +1,27 @@
 """SchedulerOutputProcessorMixin (stage 3, after the forward). In: a ScheduleBatch and its
-GenerationBatchResult (the sampler's output, the prompt logprobs). Out: BatchTokenIDOutput for
-the detokenizer.
+GenerationBatchResult (the sampler's output, the prompt logprobs), or an embedding model's
+EmbeddingBatchResult. Out: BatchTokenIDOutput (BatchEmbeddingOutput) for the detokenizer.
 
 Mixed into `Scheduler` (as in SGLang's scheduler_output_processor_mixin.py): it reads and
 writes the scheduler's state (tree_cache, req_to_token_pool, chunked_req, _outputs, ...).
 For every request of the batch it appends the sampled token, checks whether the request
 finished, hands a finished request's KV to the radix cache and frees its row, caches a
 prefilled request that keeps running (`cache_unfinished_req`), and decides who emits
-output this step (`stream_output`).
+output this step (`stream_output`). An embedding request (--is-embedding) takes SGLang's embedding
+branch: its last chunk's row is its embedding, a dummy token 0 finishes it (max_new_tokens 0),
+and it leaves in one BatchEmbeddingOutput (`stream_output_embedding`).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
 from minisgl.layers.logits_processor import InputLogprobs
-from minisgl.managers.io_struct import BatchTokenIDOutput
+from minisgl.managers.io_struct import BatchEmbeddingOutput, BatchTokenIDOutput
 from minisgl.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch, release_kv_cache
 
 # a non-streaming request still emits every 50 tokens, keeping the detokenizer incremental
@@ -39,7 +41,16 @@ class GenerationBatchResult(NamedTuple):
     input_logprobs: Optional[InputLogprobs] = None  # rows in ScheduleBatch.input_logprob_rows order
 
 
+class EmbeddingBatchResult(NamedTuple):
+    """Scheduler.run_batch's result for an embedding model (SGLang's name): the Pooler's rows."""
+
+    embeddings: Union[torch.Tensor, List[torch.Tensor]]  # [bs, H] float32, or one [d_i] row per request
+
+
 class SchedulerOutputProcessorMixin:
+    # False for an embedding model's scheduler (--is-embedding; Scheduler.__init__ sets its own)
+    is_generation: bool = True
+
     # ------------------------------------------------------------------ results
     def process_batch_result(self, batch: ScheduleBatch, result: Any) -> None:
         if batch.forward_mode.is_decode():
@@ -49,6 +60,9 @@ class SchedulerOutputProcessorMixin:
 
     def process_batch_result_prefill(self, batch: ScheduleBatch, result: Any) -> None:
         """Append the first token (unless mid-chunk), finish or cache the prompt, stream (§6.8)."""
+        if not self.is_generation:
+            self.process_batch_result_embedding(batch, result)
+            return
         next_token_ids = result.next_token_ids.tolist()
         logprobs = _logprob_lists(result)
         input_logprobs = _input_logprob_rows(batch, result.input_logprobs)
@@ -80,6 +94,34 @@ class SchedulerOutputProcessorMixin:
             elif id(req) not in decoding:
                 # the prompt enters the tree now, locked while the request runs
                 self.tree_cache.cache_unfinished_req(req)
+        self.stream_output(batch.reqs, skip_stream_req)
+        self.log_prefill_stats(batch)
+
+    def process_batch_result_embedding(self, batch: ScheduleBatch, result: EmbeddingBatchResult) -> None:
+        """SGLang's embedding branch of process_batch_result_prefill: a request whose prompt is
+        done takes its row as its embedding and finishes (the dummy output token 0 meets
+        max_new_tokens 0; the to_finish of an abort wins, as for any request); its whole prompt
+        goes into the radix tree like any finished request's, so a later prompt that shares a
+        prefix computes only the rest. A non-final chunk's row is not the prompt's last token:
+        dropped."""
+        rows = result.embeddings
+        embeddings = rows.tolist() if torch.is_tensor(rows) else [row.tolist() for row in rows]  # one transfer each
+        skip_stream_req: Optional[Req] = None
+        for req, embedding in zip(batch.reqs, embeddings):
+            if req.finished():  # (an embedding server has no decoding requests, nor retracts)
+                continue
+            if req.is_chunked > 0:
+                req.is_chunked -= 1
+                skip_stream_req = req
+                continue
+            req.time_stats.prefill_finished_time = time.perf_counter()
+            self._event("prefill_done", req, f"cached_tokens={req.cached_tokens}")
+            req.output_ids.append(0)
+            req.check_finished()
+            assert req.finished(), "an embedding request finishes with its prefill (max_new_tokens 0)"
+            if not isinstance(req.finished_reason, FINISH_ABORT):  # (an aborted one's row is not its answer)
+                req.embedding = embedding
+            self._release_finished(req)
         self.stream_output(batch.reqs, skip_stream_req)
         self.log_prefill_stats(batch)
 
@@ -174,7 +216,11 @@ class SchedulerOutputProcessorMixin:
         return n % DEFAULT_FORCE_STREAM_INTERVAL == 0
 
     def stream_output(self, reqs: List[Req], skip_req: Optional[Req] = None) -> None:
-        """Collect one BatchTokenIDOutput for every request that emits this step."""
+        """Collect one BatchTokenIDOutput for every request that emits this step (an embedding
+        model: stream_output_embedding)."""
+        if not self.is_generation:
+            self.stream_output_embedding(reqs)
+            return
         emitting = [r for r in reqs if r is not skip_req and self._should_stream(r)]
         if not emitting:
             return
@@ -212,6 +258,26 @@ class SchedulerOutputProcessorMixin:
             req.send_decode_id_offset = len(decode_ids)
             req.send_token_offset = end
         self._outputs.append(out)
+
+
+    def stream_output_embedding(self, reqs: List[Req]) -> None:
+        """One BatchEmbeddingOutput for the requests that finished this step and were not sent yet
+        (SGLang's stream_output_embedding): an embedding has no partial result to stream."""
+        done = [r for r in reqs if r.finished() and not r.finished_output]
+        if not done:
+            return
+        for req in done:
+            req.finished_output = True
+        self._outputs.append(
+            BatchEmbeddingOutput(
+                rids=[r.rid for r in done],
+                finished_reasons=[r.finished_reason.to_json() for r in done],
+                embeddings=[r.embedding for r in done],
+                prompt_tokens=[len(r.origin_input_ids) for r in done],
+                cached_tokens=[r.cached_tokens for r in done],
+                time_stats=[r.time_stats.to_ms_dict() for r in done],
+            )
+        )
 
 
 def _add_logprobs(out: BatchTokenIDOutput, req: Req, start: int, end: int) -> None:
