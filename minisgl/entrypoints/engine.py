@@ -9,7 +9,10 @@ processes run, with direct calls in place of ZMQ:
         --DetokenizerManager.handle_batch_token_id_out--> BatchStrOutput --> per-rid state
 
 `step()` runs exactly one scheduler iteration and returns `snapshot()` (docs/snapshot.md),
-so a notebook can watch the scheduler decide, one batch at a time.
+so a notebook can watch the scheduler decide, one batch at a time. An Engine built with
+`is_embedding=True` serves an embedding model: `encode()` (SGLang's) sends EmbeddingReqInputs
+down the same chain and returns {"embedding", "meta_info"}; generate() is refused there, and
+encode() everywhere else.
 Owns: the ModelRunner, the Scheduler, the DetokenizerManager, one tokenizer, and a
 `_ReqState` per request submitted and not yet collected. Every call runs in its caller's
 thread; calls from several threads take turns (one lock: a step, or a call, at a time).
@@ -38,11 +41,12 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Union
 
 from minisgl.managers.io_struct import (
-    LOGPROB_META_KEYS, AbortReq, BatchStrOutput, GenerateReqInput, TokenizedGenerateReqInput, check_logprob_args,
-    expand_samples, logprobs_of, new_rid, prefix_warmups,
+    LOGPROB_META_KEYS, AbortReq, BatchEmbeddingOutput, BatchStrOutput, EmbeddingReqInput, GenerateReqInput,
+    TokenizedEmbeddingReqInput, TokenizedGenerateReqInput, check_logprob_args, expand_samples, logprobs_of, new_rid,
+    prefix_warmups,
 )  # fmt: skip
 from minisgl.managers.tokenization import (
-    check_custom_logit_processor, check_priority, tokenize_one_request, validate_context_length,
+    check_custom_logit_processor, check_dimensions, check_priority, tokenize_one_request, validate_context_length,
 )  # fmt: skip
 from minisgl.sampling.sampling_params import SamplingParams
 from minisgl.server_args import SERVER_ONLY_FIELDS, SGLANG_OPTIONS_ALREADY_SO, ServerArgs, resolve_server_args
@@ -51,6 +55,17 @@ logger = logging.getLogger("minisgl")
 
 Prompt = Union[str, List[str], None]
 InputIds = Union[List[int], List[List[int]], None]
+AnyTokenized = Union[TokenizedGenerateReqInput, TokenizedEmbeddingReqInput]
+
+# a call of the kind this Engine does not run (the server's twins: tokenizer_manager.py)
+GENERATE_ON_EMBEDDING_ENGINE = (
+    "This Engine serves an embedding model (is_embedding=True): call encode() for embeddings; generate() and "
+    "add_request() need an Engine built without is_embedding"
+)
+ENCODE_ON_GENERATION_ENGINE = (
+    "This model does not appear to be an embedding model by default: build the Engine with is_embedding=True "
+    "(the server: --is-embedding) to call encode()"
+)
 
 
 def _locked(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -87,6 +102,9 @@ class _ReqState:
     pending: List[Dict[str, Any]] = field(default_factory=list)
     # otherwise: whether a message came since the stream last took its (cumulative) chunk
     updated: bool = False
+    # an encode() request: its answer is {"embedding", "meta_info"} (None: it ended without one, an abort)
+    is_embedding: bool = False
+    embedding: Optional[List[float]] = None
 
 
 class Engine:
@@ -160,6 +178,8 @@ class Engine:
         token_ids_logprob: ids whose logprobs every output token (and scored prompt position)
         reports, in meta_info["output_token_ids_logprobs"] ("input_token_ids_logprobs")."""
         self._check_open()
+        if self.server_args.is_embedding:
+            raise ValueError(GENERATE_ON_EMBEDDING_ENGINE)
         if not _check_prompt(prompt, input_ids):
             raise ValueError("add_request takes a single prompt; pass a list to generate()")
         if rid is not None and not isinstance(rid, str):
@@ -183,7 +203,7 @@ class Engine:
             raise
         return tokenized.rid
 
-    def _tokenize(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
+    def _tokenize(self, obj: Union[GenerateReqInput, EmbeddingReqInput]) -> AnyTokenized:
         """Every check the server makes on one single request, nothing registered yet (ValueError on bad input)."""
         self._check_rid_free(obj.rid)
         tokenized = tokenize_one_request(self.tokenizer, obj, self.vocab_size)
@@ -192,7 +212,7 @@ class Engine:
         )
         return tokenized
 
-    def _warm_prefixes(self, warmups: List[TokenizedGenerateReqInput]) -> None:
+    def _warm_prefixes(self, warmups: List[AnyTokenized]) -> None:
         """Prefill each n > 1 prompt once, stepping until done, before its samples are queued
         (io_struct.prefix_warmups, as the server's TokenizerManager does): they then find it cached."""
         rids = [w.rid for w in warmups]
@@ -213,12 +233,15 @@ class Engine:
         if rid in self.rid_to_state or rid in self._samples_of:
             raise ValueError(f"rid {rid!r} is already in flight")
 
-    def _enqueue(self, requests: List[TokenizedGenerateReqInput], streamed: bool = False) -> None:
+    def _enqueue(self, requests: List[AnyTokenized], streamed: bool = False) -> None:
         """Register and queue checked requests (all of one call at once: none is queued if any is bad)."""
         now = time.perf_counter()
         with _signals_held_until_the_end():  # Ctrl-C while queueing would leave requests half-queued
             for tokenized in requests:
-                self.rid_to_state[tokenized.rid] = _ReqState(rid=tokenized.rid, created_time=now, streamed=streamed)
+                self.rid_to_state[tokenized.rid] = _ReqState(
+                    rid=tokenized.rid, created_time=now, streamed=streamed,
+                    is_embedding=isinstance(tokenized, TokenizedEmbeddingReqInput),
+                )  # fmt: skip
             self._guarded(self.scheduler.process_input_requests, requests)
             self._drain_outputs()  # a request rejected at the gate (queue full) finishes here
 
@@ -234,6 +257,8 @@ class Engine:
         does: a bad entry in a batch raises and leaves nothing behind.
         """
         self._check_open()
+        if self.server_args.is_embedding:
+            raise ValueError(GENERATE_ON_EMBEDDING_ENGINE)
         _check_prompt(prompt, input_ids)
         if not isinstance(sampling_params, list):  # its type, before a batch copies it per prompt
             SamplingParams.from_dict(sampling_params)
@@ -313,6 +338,42 @@ class Engine:
             raise
         results = _refused_raises(self._pop_results(rids))
         return results[0] if single else results
+
+    def encode(self, prompt: Prompt = None, input_ids: InputIds = None, dimensions: Optional[int] = None) -> Any:
+        """An embedding model's embeddings (is_embedding=True; SGLang's Engine.encode): one prompt
+        (text, or input_ids) -> {"embedding": [float], "meta_info": {...}}; a list of prompts -> a
+        list of them, in order. Each embedding is the final-norm hidden state at the prompt's last
+        token, L2-normalised; `dimensions` keeps its first d numbers (normalised again), for a model
+        whose config.json declares Matryoshka sizes. meta_info: id, finish_reason, prompt_tokens,
+        cached_tokens (prompt tokens found in the radix cache), e2e_latency and the TTFT split (ms)."""
+        rids, single = self._submit_embedding(prompt, input_ids, dimensions)
+        try:
+            while not self._all_finished(rids):
+                self.step(snapshot=False)
+        except BaseException:  # Ctrl-C (or an error): nothing may keep running unseen in later calls
+            self._release_after_error(rids)
+            raise
+        results = _refused_raises(self._pop_results(rids))
+        return results[0] if single else results
+
+    @_locked
+    def _submit_embedding(self, prompt: Prompt, input_ids: InputIds, dimensions: Optional[int]) -> tuple[List[str], bool]:
+        """Check and queue an encode() call's prompts (every one checked before any is queued)."""
+        self._check_open()
+        if not self.server_args.is_embedding:
+            raise ValueError(ENCODE_ON_GENERATION_ENGINE)
+        _check_prompt(prompt, input_ids)
+        obj = EmbeddingReqInput(text=prompt, input_ids=input_ids, dimensions=dimensions)
+        obj.normalize_batch_and_arguments()
+        mc = self.model_runner.model_config
+        check_dimensions(dimensions, mc.is_matryoshka, mc.matryoshka_dimensions, mc.hidden_size, self.server_args.served_model_name)
+        requests = [self._tokenize(single) for single in obj.singles()]
+        try:
+            self._enqueue(requests)
+        except BaseException:  # Ctrl-C held to the end of queueing: nobody will collect these
+            self._release_after_error([r.rid for r in requests])
+            raise
+        return [r.rid for r in requests], obj.is_single
 
     async def async_generate(
         self,
@@ -580,8 +641,28 @@ class Engine:
     def _drain_outputs(self) -> None:
         for out in self.scheduler.pop_outputs():
             text_out = self.detokenizer.dispatch(out)
-            if text_out is not None:
+            if isinstance(text_out, BatchEmbeddingOutput):  # (passed through: embeddings have no text)
+                self._handle_embedding_output(text_out)
+            elif text_out is not None:
                 self._handle_str_output(text_out)
+
+    def _handle_embedding_output(self, out: BatchEmbeddingOutput) -> None:
+        """Each finished encode() request's one answer (TokenizerManager._handle_embedding_output's twin)."""
+        now = time.perf_counter()
+        for i, rid in enumerate(out.rids):
+            state = self.rid_to_state.get(rid)
+            if state is None:
+                continue  # collected already (e.g. released after an error)
+            state.embedding = out.embeddings[i]
+            state.finished = True
+            state.meta_info = {
+                "id": rid,
+                "finish_reason": out.finished_reasons[i],
+                "prompt_tokens": out.prompt_tokens[i],
+                "cached_tokens": out.cached_tokens[i],
+                **(out.time_stats[i] if i < len(out.time_stats) else {}),
+                "e2e_latency": now - state.created_time,
+            }
 
     def _handle_str_output(self, out: BatchStrOutput) -> None:
         """Fill each rid's state from one message, as TokenizerManager._handle_batch_output does."""
@@ -628,7 +709,10 @@ class Engine:
 
     @staticmethod
     def _full_output(state: _ReqState) -> Dict[str, Any]:
-        """Everything a request has produced so far: text, ids and every logprob list (copies)."""
+        """Everything a request has produced so far: text, ids and every logprob list (copies);
+        an encode() request's embedding."""
+        if state.is_embedding:
+            return {"embedding": state.embedding, "meta_info": dict(state.meta_info)}
         meta = {**state.meta_info, **{key: list(entries) for key, entries in state.logprobs.items()}}
         return {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
 
