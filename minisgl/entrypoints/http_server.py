@@ -7,6 +7,8 @@ uvicorn in this process:
 
     HTTP (this process) --TokenizedGenerateReqInput--> Scheduler --BatchTokenIDOutput--> Detokenizer
           ^--------------------------------- BatchStrOutput -------------------------------+
+(with --is-embedding: TokenizedEmbeddingReqInput in, BatchEmbeddingOutput back through the
+detokenizer unchanged; /v1/embeddings and /encode serve, the generation routes answer 400)
 
 A monitor task watches the children: if one dies, the server exits non-zero within
 about a second instead of hanging. SIGINT / SIGTERM stop uvicorn; the children are then
@@ -40,6 +42,8 @@ from minisgl.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
+    EncodeRequest,
     GenerateRequest,
     ModelCard,
     ModelList,
@@ -51,7 +55,8 @@ from minisgl.entrypoints.openai.serving_base import (
 from minisgl.entrypoints.openai.serving_chat import OpenAIServingChat
 from minisgl.entrypoints.openai import serving_tokenize
 from minisgl.entrypoints.openai.serving_completions import OpenAIServingCompletions
-from minisgl.managers.io_struct import LOGPROB_META_KEYS, GenerateReqInput
+from minisgl.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from minisgl.managers.io_struct import LOGPROB_META_KEYS, EmbeddingReqInput, GenerateReqInput
 from minisgl.managers.tokenizer_manager import ReqAbortedError, TokenizerManager
 from minisgl.server_args import PortArgs, ServerArgs, resolve_server_args
 from minisgl.chat_template import load_chat_template
@@ -189,6 +194,7 @@ def _add_generate_routes(app: FastAPI, tm: TokenizerManager) -> None:
     """The OpenAI routes and SGLang's native /generate."""
     serving_chat = OpenAIServingChat(tm)
     serving_completions = OpenAIServingCompletions(tm)
+    serving_embedding = OpenAIServingEmbedding(tm)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
@@ -197,6 +203,14 @@ def _add_generate_routes(app: FastAPI, tm: TokenizerManager) -> None:
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:
         return await serving_completions.handle_request(request, raw_request)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: EmbeddingRequest, raw_request: Request) -> Response:
+        return await serving_embedding.handle_request(request, raw_request)
+
+    @app.api_route("/encode", methods=["POST", "PUT"])  # (SGLang's native embedding route, its methods)
+    async def encode(request: EncodeRequest, raw_request: Request) -> Response:
+        return await _native_encode(tm, request, raw_request)
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -259,8 +273,9 @@ def _add_ops_routes(app: FastAPI, tm: TokenizerManager, is_healthy: Callable[[],
     async def get_model_info() -> Response:
         """SGLang's: what is served (its frontend's RuntimeEndpoint reads model_path at connect)."""
         args = tm.server_args
-        return JSONResponse({"model_path": args.model_path, "tokenizer_path": args.tokenizer_path, "is_generation": True,
-                             "preferred_sampling_params": None, "weight_version": "default"})  # fmt: skip
+        return JSONResponse({"model_path": args.model_path, "tokenizer_path": args.tokenizer_path,
+                             "is_generation": not args.is_embedding, "preferred_sampling_params": None,
+                             "weight_version": "default"})  # fmt: skip
 
     @app.get("/get_server_info")
     @app.get("/server_info")
@@ -359,6 +374,18 @@ async def _native_generate(tm: TokenizerManager, request: GenerateRequest, raw_r
     return sse_response(events())
 
 
+async def _native_encode(tm: TokenizerManager, request: EncodeRequest, raw_request: Request) -> Response:
+    """SGLang's /encode: {"embedding", "meta_info"} for one prompt, a list of them for a batch."""
+    obj = EmbeddingReqInput(text=request.text, input_ids=request.input_ids, rid=request.rid, dimensions=request.dimensions)
+    try:
+        outs = sorted([out async for out in tm.generate_request(obj, raw_request)], key=lambda o: o.get("index", 0))
+    except ReqAbortedError as e:
+        return create_error_response(e.message, e.status_code)
+    except ValueError as e:
+        return create_error_response(str(e))
+    return JSONResponse(outs[0] if obj.is_single else outs)
+
+
 # --------------------------------------------------------------------------- launch
 def _spawn_children(server_args: ServerArgs, port_args: PortArgs) -> Tuple[List[mp.Process], List[Any]]:
     from minisgl.managers.detokenizer_manager import run_detokenizer_process
@@ -446,6 +473,8 @@ async def _serve(
         server_args, port_args, tokenizer, int(sched_info["context_len"]), int(sched_info["vocab_size"]),
         max_req_input_len=int(sched_info["max_req_input_len"]),
         default_sampling_params=sched_info.get("default_sampling_params"),
+        hidden_size=sched_info.get("hidden_size"), is_matryoshka=bool(sched_info.get("is_matryoshka")),
+        matryoshka_dimensions=sched_info.get("matryoshka_dimensions"),
     )  # fmt: skip
     if tm.default_sampling_params:
         logger.info("Using default chat sampling params from model generation config: %s", tm.default_sampling_params)

@@ -15,6 +15,11 @@ stream of dicts the serving layer renders:
      ids of token_ids_logprob, "e2e_latency"?}}
     (+ "index" for batches; text is None unless return_text_in_logprobs, as SGLang's)
 
+An embedding request (EmbeddingReqInput, a server started with --is-embedding) takes the same
+path with TokenizedEmbeddingReqInput and comes back as one BatchEmbeddingOutput, rendered as
+    {"embedding": [float], "meta_info": {"id", "finish_reason", "prompt_tokens", "cached_tokens", "e2e_latency"}}
+Each kind of server refuses the other kind of request with a ValueError (a 400).
+
 Streaming dicts carry deltas (SGLang's incremental streaming); the final dict of a
 non-streaming request carries the whole text, ids and logprobs. Prompt logprobs (asked for by
 `logprob_start_len`) come once, in the first dict after the prompt was prefilled.
@@ -32,7 +37,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Deque, Dict, List, Optional, Set, Tuple
+from typing import Any, AsyncIterator, Deque, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import zmq
 import zmq.asyncio
@@ -41,7 +46,9 @@ from minisgl.managers import tokenization
 from minisgl.managers.io_struct import (
     LOGPROB_META_KEYS,
     AbortReq,
+    BatchEmbeddingOutput,
     BatchStrOutput,
+    EmbeddingReqInput,
     FlushCacheReqInput,
     FreezeGCReq,
     FlushCacheReqOutput,
@@ -49,6 +56,7 @@ from minisgl.managers.io_struct import (
     GetLoadReqInput,
     GetLoadReqOutput,
     Sample,
+    TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
     check_logprob_args,
     decode,
@@ -86,6 +94,16 @@ MAX_TOKEN_IDS_LOGPROB = 256  # ids of token_ids_logprob (class labels are a hand
 HEALTH_CHECK_TIMEOUT = 20.0
 # A backlog this long means the client reads slower than the engine writes (seed 004).
 STREAMING_BACKLOG_WARN = 20
+# A request of the kind the server does not run: a 400 saying which server it needs (the embedding
+# one is SGLang's message; SGLang has none for the other way round)
+EMBEDDING_ON_GENERATION_SERVER = (
+    "This model does not appear to be an embedding model by default. Please add `--is-embedding` when launching "
+    "the server or try another model."
+)
+GENERATION_ON_EMBEDDING_SERVER = (
+    "This is an embedding server (started with --is-embedding): it computes embeddings (/v1/embeddings, /encode), "
+    "not text. /generate, /v1/completions and /v1/chat/completions need a server started without --is-embedding."
+)
 
 
 class ReqAbortedError(Exception):
@@ -101,7 +119,7 @@ class ReqAbortedError(Exception):
 class ReqState:
     """Everything the HTTP side knows about one in-flight rid (SGLang's ReqState)."""
 
-    obj: GenerateReqInput
+    obj: Union[GenerateReqInput, EmbeddingReqInput]
     event: asyncio.Event = field(default_factory=asyncio.Event)
     out_list: List[Dict[str, Any]] = field(default_factory=list)
     finished: bool = False
@@ -270,8 +288,16 @@ class TokenizerManager:
         vocab_size: int,
         max_req_input_len: Optional[int] = None,
         default_sampling_params: Optional[Dict[str, Any]] = None,
+        hidden_size: Optional[int] = None,
+        is_matryoshka: bool = False,
+        matryoshka_dimensions: Optional[Sequence[int]] = None,
     ) -> None:
         self.server_args = server_args
+        # --is-embedding: embedding requests only; the model's Matryoshka sizes check their `dimensions`
+        self.is_embedding = server_args.is_embedding
+        self.hidden_size = hidden_size
+        self.is_matryoshka = is_matryoshka
+        self.matryoshka_dimensions = matryoshka_dimensions
         # the model's generation_config sampling keys, which chat requests fall back to
         self.default_sampling_params: Dict[str, Any] = dict(default_sampling_params or {})
         self.tokenizer = tokenizer
@@ -312,8 +338,17 @@ class TokenizerManager:
         self._health_checks: Set[asyncio.Task] = set()  # /health_generate probes still running
 
     # ------------------------------------------------------------------ generate
-    async def generate_request(self, obj: GenerateReqInput, request: Any = None) -> AsyncIterator[Dict[str, Any]]:
-        """Seed 000's order: normalize, rid and field checks, priority, state, tokenize, send, wait."""
+    async def generate_request(
+        self, obj: Union[GenerateReqInput, EmbeddingReqInput], request: Any = None
+    ) -> AsyncIterator[Dict[str, Any]]:
+        """Seed 000's order: normalize, rid and field checks, priority, state, tokenize, send, wait.
+        An EmbeddingReqInput takes the same steps (_embedding_request)."""
+        if isinstance(obj, EmbeddingReqInput):
+            async for out in self._embedding_request(obj, request):
+                yield out
+            return
+        if self.is_embedding:
+            raise ValueError(GENERATION_ON_EMBEDDING_SERVER)
         obj.normalize_batch_and_arguments()
         params = self._validate_request_shape(obj)
         # (a request without one gets the scheduler's default: the least important, SGLang's)
@@ -326,6 +361,22 @@ class TokenizerManager:
         else:
             async for out in self._handle_batch_request(obj, request):
                 yield out
+
+    async def _embedding_request(self, obj: EmbeddingReqInput, request: Any) -> AsyncIterator[Dict[str, Any]]:
+        """An embedding request: its checks, then the generation path (a batch fans out into
+        one rid per prompt, each tokenized and checked before any is sent)."""
+        if not self.is_embedding:
+            raise ValueError(EMBEDDING_ON_GENERATION_SERVER)
+        obj.normalize_batch_and_arguments()
+        obj.check_rids(MAX_RID_CHARS)
+        if obj.batch_size > MAX_SUB_REQUESTS:
+            raise ValueError(f"This request has {obj.batch_size} inputs; at most {MAX_SUB_REQUESTS} per request: split it")
+        tokenization.check_dimensions(
+            obj.dimensions, self.is_matryoshka, self.matryoshka_dimensions, self.hidden_size or 0, self.model_name
+        )
+        outs = self._generate_one(obj, request) if obj.is_single else self._handle_batch_request(obj, request)
+        async for out in outs:
+            yield out
 
     @staticmethod
     def _validate_request_shape(obj: GenerateReqInput) -> List[SamplingParams]:
@@ -393,10 +444,10 @@ class TokenizerManager:
 
     async def _generate_one(
         self,
-        obj: GenerateReqInput,
+        obj: Union[GenerateReqInput, EmbeddingReqInput],
         request: Any,
         state: Optional[ReqState] = None,
-        tokenized: Optional[TokenizedGenerateReqInput] = None,
+        tokenized: Optional[Union[TokenizedGenerateReqInput, TokenizedEmbeddingReqInput]] = None,
     ) -> AsyncIterator[Dict[str, Any]]:
         """One rid: register, tokenize, send, wait (a batch registered and tokenized it already)."""
         state = state or self._init_req_state(obj)
@@ -525,6 +576,8 @@ class TokenizerManager:
 
     @staticmethod
     def _full_output(state: ReqState, last: Dict[str, Any]) -> Dict[str, Any]:
+        if isinstance(state.obj, EmbeddingReqInput):  # one message, whole; None if it ended without one (an abort)
+            return {"embedding": last.get("embedding"), "meta_info": dict(last["meta_info"])}
         meta = dict(last["meta_info"])
         meta.update({key: list(entries) for key, entries in state.logprobs.items()})
         return {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
@@ -710,6 +763,9 @@ class TokenizerManager:
             # control reply comes from the scheduler alone, and /metrics asks for one per scrape)
             self.last_receive_tstamp = time.time()
             self._handle_batch_output(recv)
+        elif isinstance(recv, BatchEmbeddingOutput):
+            self.last_receive_tstamp = time.time()
+            self._handle_embedding_output(recv)
         elif type(recv) in self._control_counts:
             counts = self._control_counts[type(recv)]
             counts[1] += 1
@@ -764,6 +820,34 @@ class TokenizerManager:
             state.out_list.append(out)
             state.event.set()
 
+    def _handle_embedding_output(self, recv: BatchEmbeddingOutput) -> None:
+        """Finished embedding requests: each rid's one answer (SGLang's out_dict for a
+        BatchEmbeddingOutput, with cached_tokens, which minisgl always reports)."""
+        now = time.perf_counter()
+        for i, rid in enumerate(recv.rids):
+            state = self.rid_to_state.get(rid)
+            if state is None:
+                logger.debug("Received output for rid=%s but the state was deleted", rid)
+                continue
+            del self.rid_to_state[rid]  # (an embedding is sent once, finished)
+            state.finished = True
+            state.finished_time = now
+            finish_reason = recv.finished_reasons[i]
+            is_abort = isinstance(finish_reason, dict) and finish_reason.get("type") == "abort"
+            if state.obj.log_metrics and not is_abort:  # a request served: its prompt, latency, cache hits
+                self.metrics.observe_finished(state, recv.prompt_tokens[i], 0, recv.cached_tokens[i])
+            if state.abandoned:  # its reader is gone
+                continue
+            meta_info: Dict[str, Any] = {
+                "id": rid,
+                "finish_reason": finish_reason,
+                "prompt_tokens": recv.prompt_tokens[i],
+                "cached_tokens": recv.cached_tokens[i],
+                "e2e_latency": now - state.created_time,
+            }
+            state.out_list.append({"embedding": recv.embeddings[i], "meta_info": meta_info})
+            state.event.set()
+
     @staticmethod
     def _first_token_time(state: ReqState, recv: BatchStrOutput, i: int) -> Optional[float]:
         """When the first token existed, for a non-streaming request (SGLang 0.5.23: the scheduler's
@@ -783,9 +867,13 @@ class TokenizerManager:
         at once. A process that is alive but stuck (a deadlock, a stopped process) answers
         nothing, which /health, a liveness check, cannot see."""
         tic = time.time()
-        obj = GenerateReqInput(
-            input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0}, rid=f"HEALTH_CHECK_{new_rid()}"
-        )
+        obj: Union[GenerateReqInput, EmbeddingReqInput]
+        if self.is_embedding:  # (SGLang's probe on an embedding server: a one-token embedding)
+            obj = EmbeddingReqInput(input_ids=[0], rid=f"HEALTH_CHECK_{new_rid()}")
+        else:
+            obj = GenerateReqInput(
+                input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0}, rid=f"HEALTH_CHECK_{new_rid()}"
+            )
 
         obj.log_metrics = False  # a probe, not a request: kept out of /metrics, as in SGLang
 

@@ -3,6 +3,7 @@
 Where it sits: the HTTP routes validate the body into `ChatCompletionRequest` /
 `CompletionRequest`; the serving classes turn those into `GenerateReqInput` through
 `to_sampling_params`, and build the responses and stream chunks defined here.
+`EmbeddingRequest` (/v1/embeddings) and SGLang's `/encode` body become an `EmbeddingReqInput`.
 
 Every request model is `extra="forbid"` and `strict=True`: a field minisgl does not
 implement (functions, audio, ...) or a value of the wrong type is a
@@ -576,3 +577,49 @@ class GenerateRequest(BaseModel):
     # with --enable-custom-logit-processor: CustomLogitProcessor.to_str() for all prompts, or a list
     # of one per prompt (None: none); its parameters go in sampling_params["custom_params"]
     custom_logit_processor: Optional[Union[str, List[Optional[str]]]] = None
+
+
+# --------------------------------------------------------------------------- embeddings
+class EmbeddingRequest(BaseModel):
+    """OpenAI's /v1/embeddings body (SGLang's EmbeddingRequest, without its image inputs): one
+    text, a list of texts, one token-id list or a list of them. `user` (OpenAI's end-user id) is
+    written to the request log with --log-requests, and changes nothing else."""
+
+    model_config = _STRICT
+    input: Union[str, List[str], List[int], List[List[int]]]
+    model: str
+    # base64: each embedding as the base64 of its little-endian float32 bytes (what the openai
+    # client asks for when its caller names no format, and decodes back to floats)
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = None  # Matryoshka: only for a model that declares it (tokenization.check_dimensions)
+    user: Optional[str] = None
+
+
+class EmbeddingObject(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    embedding: Union[List[float], str]  # a str with encoding_format base64
+    index: int
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: List[EmbeddingObject]
+    model: str
+    usage: EmbeddingUsage
+
+
+class EncodeRequest(BaseModel):
+    """SGLang's native /encode body (its EmbeddingReqInput's text fields): text or input_ids,
+    single or a batch; the answer is the TokenizerManager's {"embedding", "meta_info"} (a list
+    for a batch)."""
+
+    model_config = _STRICT
+    text: Optional[Union[str, List[str]]] = None
+    input_ids: Optional[Union[List[int], List[List[int]]]] = None
+    rid: Optional[Union[str, List[str]]] = None
+    dimensions: Optional[int] = None

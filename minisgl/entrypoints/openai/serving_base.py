@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from minisgl.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, PromptTokensDetails, UsageInfo
 from minisgl.managers.io_struct import GenerateReqInput
-from minisgl.managers.tokenizer_manager import ReqAbortedError, TokenizerManager
+from minisgl.managers.tokenizer_manager import GENERATION_ON_EMBEDDING_SERVER, ReqAbortedError, TokenizerManager
 
 logger = logging.getLogger("minisgl.serving")
 
@@ -191,6 +191,8 @@ class OpenAIServingBase(ABC):
         unknown = unknown_model_response(request.model, self.tokenizer_manager.model_name)
         if unknown is not None:
             return unknown
+        if self.tokenizer_manager.is_embedding:  # (the TokenizerManager refuses it too; said first, before any other check)
+            return create_error_response(GENERATION_ON_EMBEDDING_SERVER)
         if request.stream_options is not None and not request.stream:
             # OpenAI's rule: stream_options only shapes a stream, so without one it is an error, not ignored
             return create_error_response("stream_options is only allowed when stream is true", param="stream_options")
