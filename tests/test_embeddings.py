@@ -11,6 +11,7 @@ the admission budgets (an embedding request reserves no output tokens).
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Iterator, List
 
 import pytest
@@ -148,6 +149,35 @@ def test_each_kind_of_engine_refuses_the_other_kind_of_call(engine: Engine, tiny
         assert gen.generate("hi", {"max_new_tokens": 2, "temperature": 0})["meta_info"]["completion_tokens"] == 2
     finally:
         gen.shutdown()
+
+
+def test_a_bare_decoder_checkpoint_without_lm_head_serves_embeddings(tiny_model_factory: Any, tmp_path: Any) -> None:
+    """Qwen3-Embedding's layout: the decoder's tensors without the causal LM's "model." prefix and
+    no lm_head.weight (its config still names Qwen3ForCausalLM, untied at 4B/8B). An embedding model
+    loads it; a generation model refuses it, naming the head it lacks."""
+    import shutil
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    source = tiny_model_factory("qwen3", tie_word_embeddings=False)
+    for name in os.listdir(source):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(source, name), tmp_path / name)
+    (shard,) = [n for n in os.listdir(source) if n.endswith(".safetensors")]
+    tensors = load_file(os.path.join(source, shard))
+    assert "lm_head.weight" in tensors
+    save_file({k.removeprefix("model."): v for k, v in tensors.items() if k != "lm_head.weight"}, str(tmp_path / shard))
+
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    eng = Engine(str(tmp_path), device="cpu", is_embedding=True, max_total_tokens=1024)
+    try:
+        ids = eng.tokenizer.encode(TEXTS[0])
+        assert_matches(eng.encode(input_ids=ids), reference(hf_model, ids))
+    finally:
+        eng.shutdown()
+    with pytest.raises(ValueError, match=r"checkpoint is missing tensors \['lm_head.weight'\]"):
+        Engine(str(tmp_path), device="cpu", max_total_tokens=1024)
 
 
 def test_dimensions_cut_a_matryoshka_model_s_embedding(tiny_model_factory: Any) -> None:

@@ -71,7 +71,7 @@ class ModelRunner:
         # the triton and cpu backends also route RMSNorm and RoPE through their kernels
         self.kernels = server_args.attention_backend if server_args.attention_backend in ("triton", "cpu") else "torch"
         self.free_memory_before_load = self._free_cuda_memory() if self.device == "cuda" else 0
-        self.model = load_model(self.model_config, self.device, self.dtype, self.kernels, show_progress)
+        self.model = load_model(self.model_config, self.device, self.dtype, self.kernels, show_progress, not self.is_generation)
         if self.device == "cpu" and self.dtype == torch.float32:
             n = self.model.pack_linear_weights_for_cpu()  # oneDNN layout: ~2x matmul rate at decode sizes
             logger.info("packed %d linear weights for oneDNN", n)

@@ -154,12 +154,14 @@ IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class DecoderForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, kernels: str = "torch") -> None:
+    def __init__(self, config: ModelConfig, kernels: str = "torch", is_embedding: bool = False) -> None:
         super().__init__()
         self.config = config
+        self.is_embedding = is_embedding
         self.model = DecoderModel(config, kernels)
         # Tied: the LM head reuses the embedding table (no lm_head.weight in the checkpoint).
-        self.lm_head = None if config.tie_word_embeddings else ReplicatedLinear(config.hidden_size, config.vocab_size)
+        # An embedding model has no LM head at all: its checkpoint often stores none (Qwen3-Embedding's)
+        self.lm_head = None if config.tie_word_embeddings or is_embedding else ReplicatedLinear(config.hidden_size, config.vocab_size)
         self.logits_processor = LogitsProcessor(config.vocab_size)
         # --is-embedding's head instead of the LM head: last token, L2-normalised (SGLang's Qwen3/Llama)
         self.pooler = Pooler(normalize=True)
@@ -169,7 +171,7 @@ class DecoderForCausalLM(nn.Module):
     def pack_linear_weights_for_cpu(self) -> int:
         """Pack every matmul weight for oneDNN (CPU float32, linear.py); returns how many were packed."""
         packed = sum(m.pack_for_cpu() for m in self.modules() if isinstance(m, ReplicatedLinear))
-        if self.lm_head is None:
+        if self.lm_head is None and not self.is_embedding:
             self.tied_lm_head_packed = pack_weight_for_cpu(self.model.embed_tokens.weight)
             packed += self.tied_lm_head_packed is not None
         return packed
@@ -182,6 +184,7 @@ class DecoderForCausalLM(nn.Module):
         hidden_states = self.model(input_ids, positions, forward_batch)  # [N, hidden]
         if get_embedding:
             return self.pooler(hidden_states, forward_batch)
+        assert not self.is_embedding, "an embedding model has no LM head: forward it with get_embedding"
         if self.lm_head is None:
             weight, packed = self.model.embed_tokens.weight, self.tied_lm_head_packed
         else:
@@ -196,9 +199,15 @@ class DecoderForCausalLM(nn.Module):
         for name, tensor in weights:
             if name.endswith(IGNORED_WEIGHT_SUFFIXES):
                 continue
+            if name == "lm_head.weight" and self.is_embedding:
+                continue  # (the pooler reads the hidden states; a causal LM's head is not used)
             if name == "lm_head.weight" and self.lm_head is None:
                 tied_head = tensor  # tied checkpoints may store a copy of the embedding (checked below)
                 continue
+            if not name.startswith(("model.", "lm_head.")):
+                # a checkpoint of the bare decoder (Qwen3Model: Qwen3-Embedding's, saved without
+                # the causal LM's "model." prefix) holds the same tensors (SGLang prefixes them too)
+                name = "model." + name
             target, shard_id = _param_of(name, self.config.moe)
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {self.config.architecture}")

@@ -88,10 +88,11 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_model(
-    config: ModelConfig, device: str, dtype: torch.dtype, kernels: str = "torch", show_progress: bool = True
+    config: ModelConfig, device: str, dtype: torch.dtype, kernels: str = "torch", show_progress: bool = True,
+    is_embedding: bool = False,
 ) -> DecoderForCausalLM:
     with _default_dtype(dtype), torch.device(device):
-        model = DecoderForCausalLM(config, kernels=kernels)
+        model = DecoderForCausalLM(config, kernels=kernels, is_embedding=is_embedding)
     with torch.no_grad():
         model.load_weights(iterate_weights(config.model_path, show_progress))
     return model.eval()
