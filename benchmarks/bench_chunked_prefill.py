@@ -81,7 +81,7 @@ def main() -> None:
     p.add_argument("--chunk-sizes", type=int, nargs=2, default=(256, 1024), metavar=("SMALL", "LARGE"))
     args = p.parse_args()
     common.apply_runtime_args(args)
-    model_path, shape = common.model_from_args(args)
+    model_path, shape = common.model_from_args(args, flops_floor=False)
     small, large = args.chunk_sizes
     configs = [("off", -1, False), (f"chunk{small}", small, False), (f"chunk{large}", large, False),
                (f"mixed{small}", small, True), (f"mixed{large}", large, True)]  # fmt: skip
@@ -89,7 +89,7 @@ def main() -> None:
         "decode inter-token latency while a long prompt prefills",
         {"num_decode": args.num_decode, "decode_input_len": args.decode_input_len, "long_len": args.long_len,
          "pre_steps": args.pre_steps, "post_steps": args.post_steps},
-        {"model": model_path, "params": shape.matmul_params(), "device": args.device, "dtype": args.dtype,
+        {"model": model_path, "params": common.params_label(model_path, shape), "device": args.device, "dtype": args.dtype,
          "configs": [{"name": n, "chunked_prefill_size": c, "enable_mixed_chunk": m} for n, c, m in configs]},
     )  # fmt: skip
     p99: Dict[str, float] = {}

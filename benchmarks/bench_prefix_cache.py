@@ -52,7 +52,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=32)
     args = p.parse_args()
     common.apply_runtime_args(args)
-    model_path, shape = common.model_from_args(args)
+    model_path, shape = common.model_from_args(args, flops_floor=False)
 
     (prefix,), _ = common.random_requests(1, (args.prefix_len,) * 2, (1, 1), shape.vocab, seed=0)
     questions, _ = common.random_requests(args.num_requests + 1, tuple(args.question_len), (1, 1), shape.vocab, seed=1)
@@ -61,7 +61,7 @@ def main() -> None:
         "prefix cache on a shared-prefix (few-shot) workload",
         {"num_requests": args.num_requests + 1, "prefix_len": args.prefix_len, "question_len": args.question_len,
          "output_len": args.output_len, "prompt_tokens": sum(map(len, prompts)), "greedy": True},
-        {"model": model_path, "params": shape.matmul_params(), "device": args.device, "dtype": args.dtype},
+        {"model": model_path, "params": common.params_label(model_path, shape), "device": args.device, "dtype": args.dtype},
     )  # fmt: skip
     runs = {"cache_off": run(model_path, prompts, args, True), "cache_on": run(model_path, prompts, args, False)}
     n_out = len(prompts) * args.output_len

@@ -85,12 +85,12 @@ def main() -> None:
     tiny_path = common.build_model(TINY, args.model_cache)
     points = [("tiny", tiny_path, TINY, bs) for bs in args.batch_sizes]
     if not args.skip_target_model:
-        path, shape = common.model_from_args(args)
+        path, shape = common.model_from_args(args, flops_floor=False)
         points.append(("model", path, shape, args.target_batch))
     common.print_header(
         "scheduler overhead per decode step",
         {"input_len": args.input_len, "steps": args.steps, "points": [(n, bs) for n, _, _, bs in points]},
-        {"models": {n: {"path": path, "params": s.matmul_params()} for n, path, s, _ in points},
+        {"models": {n: {"path": path, "params": common.params_label(path, s)} for n, path, s, _ in points},
          "device": args.device, "dtype": args.dtype},
     )  # fmt: skip
     for name, path, shape, bs in points:

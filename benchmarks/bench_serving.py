@@ -323,7 +323,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", default="/tmp", help="Where server logs go.")
     args = p.parse_args()
-    model_path, shape = common.model_from_args(args)
+    model_path, shape = common.model_from_args(args, flops_floor=False)
     from minisgl.utils import get_tokenizer
 
     tok = get_tokenizer(model_path)
@@ -337,7 +337,7 @@ def main() -> None:
         # --base-url: the server's own settings apply; only the prompts come from this script's model
         {"base_url": args.base_url, "served_model": args.served_model or model_path, "prompts_tokenized_by": model_path}
         if args.base_url else
-        {"model": model_path, "params": shape.matmul_params(), "device": args.device, "dtype": args.dtype,
+        {"model": model_path, "params": common.params_label(model_path, shape), "device": args.device, "dtype": args.dtype,
          "backends": backends, "server_threads": args.threads},
     )  # fmt: skip
     stats: Dict[str, Dict[str, float]] = {}

@@ -116,28 +116,51 @@ def build_model(shape: ModelShape, cache_dir: str = DEFAULT_MODEL_CACHE) -> str:
     return path
 
 
-def model_from_args(args: argparse.Namespace) -> tuple[str, ModelShape]:
+def model_from_args(args: argparse.Namespace, flops_floor: bool = True) -> tuple[str, ModelShape]:
+    """The model to benchmark and its shape. `flops_floor`: the script computes a FLOPs floor or a
+    matmul rate from the shape, which a mixture-of-experts --model cannot give (refused)."""
     shape = shape_from_args(args)
     if args.model:
-        return args.model, shape_from_config(args.model)
+        return args.model, shape_from_config(args.model, flops_floor)
     return build_model(shape, args.model_cache), shape
 
 
-def shape_from_config(path: str) -> ModelShape:
+def moe_experts(config: Dict[str, Any]) -> int:
+    """The experts a mixture-of-experts config routes over, as minisgl reads it (0: dense; a MoE
+    architecture whose config leaves the count to its class default counts too)."""
+    from minisgl.models.registry import get_arch_spec
+
+    _, spec = get_arch_spec(config)
+    moe = spec.moe(config) if spec.moe is not None else None
+    return moe.num_experts if moe is not None and moe.sparse_layers else 0
+
+
+def shape_from_config(path: str, flops_floor: bool = True) -> ModelShape:
     with open(os.path.join(path, "config.json")) as f:
         c = json.load(f)
-    experts = c.get("num_experts", c.get("num_local_experts"))
-    if experts:  # a token multiplies only its top-k experts' weights: intermediate_size says nothing of that
+    experts = moe_experts(c)
+    if experts and flops_floor:  # a token multiplies only its top-k experts' weights: intermediate_size says nothing of that
         raise ValueError(
-            f"--model {path} is a mixture-of-experts model ({experts} experts): the benchmarks' FLOPs floor and "
-            "matmul-rate probe model a dense decoder and would report wrong numbers; benchmark a dense model"
+            f"--model {path} is a mixture-of-experts model ({experts} experts): this script's FLOPs floor and "
+            "matmul-rate probe model a dense decoder and would report wrong numbers; benchmark a dense model "
+            "(bench_serving, bench_prefix_cache and bench_chunked_prefill take a MoE model)"
         )
     return ModelShape(
         hidden=c["hidden_size"], layers=c["num_hidden_layers"], heads=c["num_attention_heads"],
         kv_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
         head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
-        inter=c["intermediate_size"], vocab=c["vocab_size"], max_pos=c["max_position_embeddings"],
+        inter=c.get("intermediate_size", 0), vocab=c["vocab_size"], max_pos=c["max_position_embeddings"],
     )  # fmt: skip
+
+
+def params_label(model_path: str, shape: ModelShape) -> Any:
+    """The config line's "params": the dense matmul weights, or n/a for a mixture-of-experts model."""
+    config = os.path.join(model_path, "config.json")
+    if os.path.exists(config):
+        with open(config) as f:
+            if moe_experts(json.load(f)):
+                return "n/a (mixture of experts)"
+    return shape.matmul_params()
 
 
 # ---------------------------------------------------------------------- machine

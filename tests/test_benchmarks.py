@@ -117,17 +117,26 @@ def test_flops_floor_counts_only_the_work_generation_does() -> None:
     assert shape.workload_flops(20, 6, 2) == 2 * shape.workload_flops(10, 3, 1)
 
 
-def test_a_moe_model_is_refused_by_the_flops_floor(tmp_path: Any) -> None:
-    """ModelShape counts a dense decoder's weights; a MoE config's intermediate_size would give
-    a floor off by the expert count, so --model with one is refused, saying why."""
+def test_a_moe_model_is_refused_only_where_a_flops_floor_is_computed(tmp_path: Any) -> None:
+    """ModelShape counts a dense decoder's weights; a MoE config's intermediate_size would give a
+    floor off by the expert count, so bench_offline refuses a MoE --model, saying why (also when the
+    config leaves the expert count to its class default), and the scripts without a floor take it."""
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
     try:
         import common
     finally:
         sys.path.pop(0)
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MixtralForCausalLM"], "num_local_experts": 8}))
+    config = {"architectures": ["MixtralForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "vocab_size": 512, "max_position_embeddings": 2048}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="mixture-of-experts model \\(8 experts\\).*benchmark a dense model"):
         common.shape_from_config(str(tmp_path))
+    shape = common.shape_from_config(str(tmp_path), flops_floor=False)
+    assert shape.vocab == 512 and common.params_label(str(tmp_path), shape) == "n/a (mixture of experts)"
+    dense = {**config, "architectures": ["Qwen3ForCausalLM"], "intermediate_size": 128}
+    (tmp_path / "config.json").write_text(json.dumps(dense))
+    shape = common.shape_from_config(str(tmp_path))
+    assert common.params_label(str(tmp_path), shape) == shape.matmul_params() > 0
 
 
 def test_text_prompts_tokenize_back_to_the_workload_lengths() -> None:

@@ -179,7 +179,7 @@ def test_config_keys_and_defaults_match_the_config_classes(tiny_model_factory: C
             hf.num_local_experts if arch != "qwen2_moe" else hf.num_experts, hf.num_experts_per_tok, expert_size
         )
         assert ours.moe.renormalize == getattr(hf, "norm_topk_prob", True)
-        assert ours.moe.shared_expert_intermediate_size == getattr(hf, "shared_expert_intermediate_size", 0)
+        assert ours.moe.shared_expert_intermediate_size == getattr(hf, "shared_expert_intermediate_size", None)
         assert ours.qkv_bias == (arch == "qwen2_moe")  # Qwen2MoeConfig.qkv_bias defaults to True
 
 
@@ -279,3 +279,33 @@ def test_expert_tensors_that_fit_nowhere_are_refused(tiny_model_factory: Callabl
     wrong = _copy_with(src, str(tmp_path / "c"), lambda d: d.update(moe_intermediate_size=32))
     with pytest.raises(ValueError, match=r"checkpoint tensor 'model\.layers\.0\.mlp\.experts\.0\.\w+_proj\.weight' does not fit"):
         make_runner(wrong)
+
+
+def test_a_zero_width_shared_expert_loads_as_transformers_builds_it(tiny_model_factory: Callable[..., str]) -> None:
+    """Qwen2-MoE always has a shared expert and its gate; at shared_expert_intermediate_size 0 the
+    checkpoint holds [0, H] / [H, 0] tensors and a [1, H] gate, and the shared term is 0."""
+    import transformers as tf
+
+    path = tiny_model_factory("qwen2_moe", shared_expert_intermediate_size=0)
+    hf = tf.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    prompt = [5, 9, 200, 31, 7, 77, 12]
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0, -1]
+    driver = BatchDriver(make_runner(path))
+    got = driver.extend([driver.new_req()], [prompt]).next_token_logits[0]
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_moe_config_without_intermediate_size_takes_the_class_default(tmp_path: Any) -> None:
+    """A MoE layer reads the experts' widths: config.json may leave the dense width out (transformers
+    then never reads it); the config class's default stands in. A dense model must state it."""
+    import transformers as tf
+
+    config = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "num_local_experts": 4}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ours, hf = ModelConfig.from_pretrained(str(tmp_path)), tf.AutoConfig.from_pretrained(str(tmp_path))
+    assert ours.moe is not None and ours.moe.intermediate_size == ours.intermediate_size == hf.intermediate_size == 14336
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    with pytest.raises(ValueError, match="config.json has no intermediate_size"):
+        ModelConfig.from_pretrained(str(tmp_path))

@@ -111,7 +111,7 @@ def _make_mlp(config: ModelConfig, layer_id: int, kernels: str) -> nn.Module:
     if moe is None or layer_id not in moe.sparse_layers:
         return DecoderMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, kernels)
     shared = None
-    if moe.shared_expert_intermediate_size:
+    if moe.shared_expert_intermediate_size is not None:
         shared = DecoderMLP(config.hidden_size, moe.shared_expert_intermediate_size, config.mlp_bias, kernels)
     return SparseMoeBlock(
         config.hidden_size, moe.num_experts, moe.top_k, moe.intermediate_size, moe.renormalize, kernels, shared

@@ -85,7 +85,7 @@ class ModelConfig:
             architecture=architecture,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=int(cfg["hidden_size"]),
-            intermediate_size=int(cfg["intermediate_size"]),
+            intermediate_size=int(_required(cfg, "intermediate_size", defaults)),
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
@@ -135,6 +135,16 @@ def _matryoshka_dimensions(value: Any) -> Optional[Tuple[int, ...]]:
     if not isinstance(value, list) or not all(type(d) is int and d > 0 for d in value):
         raise ValueError(f"config.json's matryoshka_dimensions must be a list of positive integers, got {value!r}")
     return tuple(value)
+
+
+def _required(cfg: Dict[str, Any], key: str, defaults: Dict[str, Any]) -> Any:
+    """config.json's `key`, else the MoE config class's default (a MoE layer reads the experts'
+    widths, so its dense width may be absent); a dense model must state it."""
+    if key in cfg:
+        return cfg[key]
+    if key in defaults:
+        return defaults[key]
+    raise ValueError(f"config.json has no {key}; a dense decoder needs it")
 
 
 def _read_json(path: str, required: bool) -> Dict[str, Any]:

@@ -88,7 +88,9 @@ class MoeConfig:
     top_k: int  # num_experts_per_tok
     intermediate_size: int  # of one expert
     renormalize: bool  # the top-k probabilities divided by their sum (norm_topk_prob; Mixtral always)
-    shared_expert_intermediate_size: int  # 0: none (Qwen2-MoE has one on every MoE layer)
+    # None: no shared expert; Qwen2-MoE has one on every MoE layer, even of width 0 (transformers builds
+    # it, and save_pretrained writes its [0, H] tensors and its gate)
+    shared_expert_intermediate_size: Optional[int]
     sparse_layers: FrozenSet[int]  # layers with a MoE block; the others run a dense MLP of intermediate_size
     checkpoint_module: str = "mlp"  # the block's name in the checkpoint ("block_sparse_moe": Mixtral)
     checkpoint_expert_names: Tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
@@ -129,7 +131,7 @@ def _qwen_moe(defaults: Dict[str, Any], shared_expert: bool) -> Callable[[HFConf
             top_k=int(get("num_experts_per_tok")),
             intermediate_size=int(get("moe_intermediate_size")),
             renormalize=bool(get("norm_topk_prob")),
-            shared_expert_intermediate_size=int(get("shared_expert_intermediate_size")) if shared_expert else 0,
+            shared_expert_intermediate_size=int(get("shared_expert_intermediate_size")) if shared_expert else None,
             sparse_layers=sparse,
         ))  # fmt: skip
 
@@ -148,7 +150,7 @@ def _mixtral_moe(cfg: HFConfig) -> MoeConfig:
         top_k=int(cfg.get("num_experts_per_tok", 2)),
         intermediate_size=int(cfg.get("intermediate_size", 14336)),
         renormalize=True,  # MixtralTopKRouter always divides by the top-k sum
-        shared_expert_intermediate_size=0,
+        shared_expert_intermediate_size=None,
         sparse_layers=frozenset(range(int(cfg["num_hidden_layers"]))),
         checkpoint_module="block_sparse_moe",
         checkpoint_expert_names=("w1", "w3", "w2"),
@@ -201,17 +203,17 @@ ARCHITECTURES: Dict[str, ArchSpec] = {
     "Qwen2MoeForCausalLM": ArchSpec(
         qkv_bias=_flag("qkv_bias", True), o_bias=_const(False), mlp_bias=_const(False), qk_norm=False,
         sliding_window=_window_if_used(_even_layers_below_max_window_layers), moe=_qwen_moe(QWEN2_MOE_DEFAULTS, shared_expert=True),
-        config_defaults={"max_position_embeddings": 32768},
+        config_defaults={"max_position_embeddings": 32768, "intermediate_size": 5632},
     ),
     "Qwen3MoeForCausalLM": ArchSpec(
         qkv_bias=_flag("attention_bias"), o_bias=_flag("attention_bias"), mlp_bias=_const(False), qk_norm=True,
         sliding_window=_window_if_used(_every_layer), moe=_qwen_moe(QWEN3_MOE_DEFAULTS, shared_expert=False),  # head_dim: hidden / heads
-        config_defaults={"max_position_embeddings": 32768},
+        config_defaults={"max_position_embeddings": 32768, "intermediate_size": 6144},
     ),
     "MixtralForCausalLM": ArchSpec(
         qkv_bias=_const(False), o_bias=_const(False), mlp_bias=_const(False), qk_norm=False,
         sliding_window=_window_default_none, moe=_mixtral_moe,
-        config_defaults={"rope_theta": 1e6, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072},
+        config_defaults={"rope_theta": 1e6, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "intermediate_size": 14336},
     ),
 }  # fmt: skip
 
