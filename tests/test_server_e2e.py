@@ -617,6 +617,20 @@ def test_freeze_gc_reaches_every_process_and_serving_goes_on(server: Server) -> 
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
 
 
+def test_chat_template_flag_replaces_the_tokenizers_template(server: Server, server_dyn: Server) -> None:
+    """server_dyn renders chat with --chat-template's file: a variable only that file reads is
+    accepted there and changes the prompt; the tokenizer's own template (server) refuses it."""
+    body = {"messages": _chat_msgs(PROMPTS[0]), "max_tokens": 1, "chat_template_kwargs": {"house_style": True}}
+    headers = {"Authorization": "Bearer sekret"}
+    styled = httpx.post(server_dyn.url + "/v1/chat/completions", json={**body, "model": server_dyn.model}, headers=headers, timeout=60)
+    plain = httpx.post(server_dyn.url + "/v1/chat/completions", json={**body, "model": server_dyn.model, "chat_template_kwargs": None},
+                       headers=headers, timeout=60)  # fmt: skip
+    assert styled.status_code == plain.status_code == 200, styled.text
+    assert styled.json()["usage"]["prompt_tokens"] > plain.json()["usage"]["prompt_tokens"]
+    refused = httpx.post(server.url + "/v1/chat/completions", json={**body, "model": server.model}, timeout=60)
+    assert refused.status_code == 400 and "house_style" in refused.json()["error"]["message"]
+
+
 def test_sigterm_shuts_everything_down_cleanly(server: Server) -> None:
     """Runs last among the `server` tests: it stops that server. A stream in flight ends as an
     abort with [DONE] (it was cancelled into a 500 with a traceback in the log)."""
@@ -685,20 +699,6 @@ def test_a_forced_tool_call_through_the_openai_client(server_dyn: Server) -> Non
 
 
 # --------------------------------------------------------------------------- dynamic batch tokenizer, api key, crash
-def test_chat_template_flag_replaces_the_tokenizers_template(server: Server, server_dyn: Server) -> None:
-    """server_dyn renders chat with --chat-template's file: a variable only that file reads is
-    accepted there and changes the prompt; the tokenizer's own template (server) refuses it."""
-    body = {"messages": _chat_msgs(PROMPTS[0]), "max_tokens": 1, "chat_template_kwargs": {"house_style": True}}
-    headers = {"Authorization": "Bearer sekret"}
-    styled = httpx.post(server_dyn.url + "/v1/chat/completions", json={**body, "model": server_dyn.model}, headers=headers, timeout=60)
-    plain = httpx.post(server_dyn.url + "/v1/chat/completions", json={**body, "model": server_dyn.model, "chat_template_kwargs": None},
-                       headers=headers, timeout=60)  # fmt: skip
-    assert styled.status_code == plain.status_code == 200, styled.text
-    assert styled.json()["usage"]["prompt_tokens"] > plain.json()["usage"]["prompt_tokens"]
-    refused = httpx.post(server.url + "/v1/chat/completions", json={**body, "model": server.model}, timeout=60)
-    assert refused.status_code == 400 and "house_style" in refused.json()["error"]["message"]
-
-
 def test_dynamic_batch_tokenizer_concurrent_requests(server_dyn: Server, reference: Dict[str, Any]) -> None:
     assert httpx.get(server_dyn.url + "/v1/models").status_code == 401
     assert httpx.get(server_dyn.url + "/health").status_code == 200
