@@ -27,6 +27,9 @@ from minisgl.managers.io_struct import (
     GenerateReqInput,
     GetLoadReqInput,
     GetLoadReqOutput,
+    ProfileReq,
+    ProfileReqOutput,
+    ProfileReqType,
     SchedulerSnapshotOut,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
@@ -76,6 +79,11 @@ SAMPLES: Dict[str, Any] = {
         protected_tokens=6, max_total_num_tokens=130, token_usage=0.23, cache_hit_rate=0.5, new_token_ratio=0.7,
         num_retracted_reqs_total=1,
     ),  # fmt: skip
+    "ProfileReq": ProfileReq(
+        ProfileReqType.START_PROFILE, output_dir="/tmp/prof é", num_steps=3, activities=["CPU", "GPU"], with_stack=False,
+        record_shapes=None, profile_prefix="run1",
+    ),  # fmt: skip
+    "ProfileReqOutput": ProfileReqOutput(success=True, message="Stop profiling.", paths=["/tmp/1.5-TP-0.trace.json.gz"]),
     "ClearDecodeStatusReq": ClearDecodeStatusReq(rids=["a", "b"]),
     "SchedulerSnapshotOut": SchedulerSnapshotOut(step=12, snapshot_json=json.dumps({"step": 12, "waiting": ["a"]})),
     "BatchTokenIDOutput": BatchTokenIDOutput(

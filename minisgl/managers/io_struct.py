@@ -6,7 +6,7 @@
     BatchStrOutput              DetokenizerManager -> TokenizerManager (ZMQ)
     EmbeddingReqInput -> TokenizedEmbeddingReqInput -> BatchEmbeddingOutput: the same chain for an
         embedding model (--is-embedding); the detokenizer passes the output through
-    AbortReq, FlushCache*, GetLoad*, ClearDecodeStatusReq, FreezeGCReq, SchedulerSnapshotOut: control
+    AbortReq, FlushCache*, GetLoad*, ProfileReq*, ClearDecodeStatusReq, FreezeGCReq, SchedulerSnapshotOut: control
 
 Everything that crosses a process boundary is one of the dataclasses registered in
 `_MESSAGE_TYPES` and travels as JSON through `encode` / `decode`: no pickling of
@@ -398,6 +398,42 @@ class GetLoadReqOutput:
     gen_throughput: float = 0.0  # output tokens/s at the last decode log line (0 when idle)
 
 
+class ProfileReqType:
+    """What a ProfileReq asks for. SGLang's is an Enum; plain strings here keep the message
+    plain JSON."""
+
+    START_PROFILE = "START_PROFILE"
+    STOP_PROFILE = "STOP_PROFILE"
+
+
+@dataclass
+class ProfileReq:
+    """Start or stop torch.profiler in the scheduler (SGLang's ProfileReq): TokenizerManager ->
+    Scheduler for /start_profile and /stop_profile, a direct call for Engine.start_profile.
+
+    None asks for the default, which the scheduler fills in (scheduler_profiler_mixin.py):
+    output_dir $SGLANG_TORCH_PROFILER_DIR or /tmp, activities CPU (+ GPU on CUDA), with_stack and
+    record_shapes true. A stop request uses `type` alone."""
+
+    type: str  # ProfileReqType.START_PROFILE or STOP_PROFILE
+    output_dir: Optional[str] = None
+    num_steps: Optional[int] = None  # stop by itself after this many steps that ran a batch
+    activities: Optional[List[str]] = None  # "CPU", "GPU", "MEM"
+    with_stack: Optional[bool] = None
+    record_shapes: Optional[bool] = None
+    profile_prefix: Optional[str] = None  # the trace file's name starts with "<profile_prefix>-"
+
+
+@dataclass
+class ProfileReqOutput:
+    """The scheduler's answer to a ProfileReq. `success` false: `message` says why (the route's
+    400). `paths`: the files a stop wrote (the Chrome trace, and MEM's snapshot)."""
+
+    success: bool
+    message: str = ""
+    paths: List[str] = field(default_factory=list)
+
+
 @dataclass
 class FreezeGCReq:
     """Freeze the garbage collector (SGLang's /freeze_gc): TokenizerManager -> Scheduler ->
@@ -564,6 +600,8 @@ _MESSAGE_TYPES: Dict[str, type] = {
         FlushCacheReqOutput,
         GetLoadReqInput,
         GetLoadReqOutput,
+        ProfileReq,
+        ProfileReqOutput,
         ClearDecodeStatusReq,
         FreezeGCReq,
         SchedulerSnapshotOut,
