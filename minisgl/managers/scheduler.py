@@ -13,7 +13,8 @@ The class does no socket I/O (STYLE.md habit 7): inputs arrive through
 `process_input_requests(msgs)`, outputs are collected and handed out by
 `pop_outputs()`. Result processing and streaming live in
 scheduler_output_processor_mixin.py, log lines and `snapshot()` in
-scheduler_metrics_mixin.py (SGLang's split). The Engine calls these directly; `event_loop_normal` at the bottom
+scheduler_metrics_mixin.py, the torch.profiler and the named ranges of a step in
+scheduler_profiler_mixin.py (SGLang's split). The Engine calls these directly; `event_loop_normal` at the bottom
 of this file is the thin ZMQ shell the server runs in its own process.
 """
 
@@ -36,6 +37,7 @@ from minisgl.managers.io_struct import (
     FreezeGCReq,
     GetLoadReqInput,
     GetLoadReqOutput,
+    ProfileReq,
     SchedulerSnapshotOut,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
@@ -48,6 +50,7 @@ from minisgl.managers.scheduler_metrics_mixin import SchedulerMetricsMixin
 from minisgl.managers.scheduler_output_processor_mixin import (
     EmbeddingBatchResult, GenerationBatchResult, SchedulerOutputProcessorMixin,
 )  # fmt: skip
+from minisgl.managers.scheduler_profiler_mixin import SchedulerProfilerMixin
 from minisgl.mem_cache.allocator import ceil_paged_tokens, new_page_slots
 from minisgl.mem_cache.radix_cache import RadixCache
 from minisgl.sampling.custom_logit_processor import CustomLogitProcessor, client_error_text
@@ -70,7 +73,7 @@ EMBEDDING_NEEDS_EMBEDDING_SERVER = "An embedding request needs a server started 
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
-class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
+class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerProfilerMixin):
     def __init__(self, server_args: ServerArgs, model_runner: Any, tokenizer: Any = None) -> None:
 
         self.server_args = server_args
@@ -138,6 +141,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         self._step_record_end = (0, 0)  # len(events), len(finished_records) when the last step ended
         self._idle_checked = True  # self_check_during_idle ran since the last batch
         self._reset_step_record()
+        self.init_profiler()
 
     def _empty_batch(self) -> ScheduleBatch:
         return ScheduleBatch.init_new([], self.req_to_token_pool, self.token_to_kv_pool_allocator, self.tree_cache)
@@ -165,12 +169,19 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         """Dispatch each message by type; returns the control replies for the tokenizer."""
         replies: List[Any] = []
         for msg in recv_reqs:
+            # (a range per message, none around the loop: a ProfileReq starts or stops the
+            # profiler here, and a range must not be open across that)
             if isinstance(msg, TokenizedGenerateReqInput):
-                self.handle_generate_request(msg)
+                with self.trace_range("handle_generate_request"):
+                    self.handle_generate_request(msg)
             elif isinstance(msg, TokenizedEmbeddingReqInput):
-                self.handle_embedding_request(msg)
+                with self.trace_range("handle_embedding_request"):
+                    self.handle_embedding_request(msg)
             elif isinstance(msg, AbortReq):
-                self.abort_request(msg)
+                with self.trace_range("abort_request"):
+                    self.abort_request(msg)
+            elif isinstance(msg, ProfileReq):
+                replies.append(self.profile(msg))
             elif isinstance(msg, FlushCacheReqInput):
                 replies.append(self.flush_cache())
             elif isinstance(msg, GetLoadReqInput):
@@ -525,10 +536,22 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
 
     # ------------------------------------------------------------------ one iteration
     def run_step(self) -> Optional[ScheduleBatch]:
-        """One scheduler iteration; returns the batch it ran (None when idle)."""
+        """One scheduler iteration; returns the batch it ran (None when idle).
+
+        While profiling, each stage is a range of the trace named after its function
+        (trace_range; docs/scheduler.md): run_step holds get_next_batch_to_run, run_batch and
+        process_batch_result_prefill / _decode."""
+        with self.trace_range("run_step"):
+            batch = self._run_step()
+        if batch is not None:  # (after the ranges closed: the profile may stop here)
+            self.count_profiled_step()
+        return batch
+
+    def _run_step(self) -> Optional[ScheduleBatch]:
         self._reset_step_record()
         self.move_ready_grammar_requests()
-        batch = self.get_next_batch_to_run()
+        with self.trace_range("get_next_batch_to_run"):
+            batch = self.get_next_batch_to_run()
         self.cur_batch = batch
         if batch is not None and self._idle_checked:  # the first step after an idle period
             # the log lines' rates measure this busy period, not the idle time before it
@@ -536,8 +559,11 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             self.last_decode_log_time = self.last_prefill_log_time = now
             self.num_generated_tokens, self.last_gen_throughput = 0, 0.0
         if batch is not None:
-            result = self.run_batch(batch)
-            self.process_batch_result(batch, result)
+            with self.trace_range("run_batch"):
+                result = self.run_batch(batch)
+            # (SGLang's process_batch_result dispatches to these two by the batch's mode)
+            with self.trace_range("process_batch_result_decode" if batch.forward_mode.is_decode() else "process_batch_result_prefill"):
+                self.process_batch_result(batch, result)
         self.last_batch = batch
         self._step_record_end = (len(self.events), len(self.finished_records))
         if batch is not None:
@@ -802,14 +828,18 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         """Forward + sample: the sampled tokens (and logprobs), and the pass's prompt logprobs; for
         an embedding model, forward only: each request's embedding (SGLang's forward_batch_embedding)."""
         self.forward_ct += 1
-        forward_batch = batch.get_forward_batch(self.model_runner)
+        with self.trace_range("get_forward_batch"):
+            forward_batch = batch.get_forward_batch(self.model_runner)
+        # (SGLang's ModelRunner.forward dispatches to forward_decode / forward_extend, which runs mixed batches too)
+        with self.trace_range("forward_decode" if batch.forward_mode.is_decode() else "forward_extend"):
+            logits_output = self.model_runner.forward(forward_batch)
         if not self.is_generation:
-            return EmbeddingBatchResult(self.model_runner.forward(forward_batch).embeddings)
-        logits_output = self.model_runner.forward(forward_batch)
-        sampling_info = batch.get_sampling_info(
-            self.model_config.vocab_size, self.model_runner.device, self.eos_token_ids
-        )
-        sampled = self.model_runner.sample(logits_output, sampling_info)
+            return EmbeddingBatchResult(logits_output.embeddings)
+        with self.trace_range("sample"):
+            sampling_info = batch.get_sampling_info(
+                self.model_config.vocab_size, self.model_runner.device, self.eos_token_ids
+            )
+            sampled = self.model_runner.sample(logits_output, sampling_info)
         for row, message in (sampled.custom_logit_processor_errors or {}).items():
             # its processor failed: this request ends with the 400 (its token this step is dropped),
             # the rest of the batch goes on
@@ -831,7 +861,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             return
         self._idle_checked = True
         self.new_token_ratio = self.init_new_token_ratio
-        self.check_memory_when_idle()
+        with self.trace_range("self_check_during_idle"):  # (it walks the whole radix tree)
+            self.check_memory_when_idle()
 
     def check_memory_when_idle(self) -> None:
         """invariant: available + evictable + protected == total when idle, nothing protected."""
@@ -902,19 +933,28 @@ def event_loop_normal(scheduler: Scheduler, recv_from_tokenizer: Any, send_to_de
     args = scheduler.server_args
     soft_watchdog = SoftWatchdog("Scheduler", args.soft_watchdog_timeout, describe)
     hard_watchdog = HardWatchdog("Scheduler", args.watchdog_timeout, describe)
+
+    def send_outputs() -> None:
+        outputs = scheduler.pop_outputs()
+        if outputs:
+            with scheduler.trace_range("send_to_detokenizer"):
+                for out in outputs:
+                    send_to_detokenizer.send(encode(out))
+
     while True:
+        # (while profiling, an idle wait shows as one long recv_requests range)
         if scheduler.is_idle():
             with soft_watchdog.disable(), hard_watchdog.disable():  # waiting is not being stuck
-                recv_reqs = recv_requests(recv_from_tokenizer, block=True)
+                with scheduler.trace_range("recv_requests"):
+                    recv_reqs = recv_requests(recv_from_tokenizer, block=True)
         else:
-            recv_reqs = recv_requests(recv_from_tokenizer, block=False)
+            with scheduler.trace_range("recv_requests"):
+                recv_reqs = recv_requests(recv_from_tokenizer, block=False)
         for reply in scheduler.process_input_requests(recv_reqs):
             send_to_tokenizer.send(encode(reply))
-        for out in scheduler.pop_outputs():  # e.g. aborts of waiting requests
-            send_to_detokenizer.send(encode(out))
+        send_outputs()  # e.g. aborts of waiting requests
         batch = scheduler.run_step()
-        for out in scheduler.pop_outputs():
-            send_to_detokenizer.send(encode(out))
+        send_outputs()
         # Outputs are out; if that was the last work, the idle check (ratio reset, leak check)
         # runs now, before the snapshot, so the page shows what Engine.step() shows.
         scheduler.self_check_during_idle()
@@ -924,9 +964,10 @@ def event_loop_normal(scheduler: Scheduler, recv_from_tokenizer: Any, send_to_de
         flushed = any(isinstance(m, FlushCacheReqInput) for m in recv_reqs)
         changed = batch is not None or bool(scheduler.events) or flushed
         if publish_snapshot is not None and changed:
-            msg = SchedulerSnapshotOut(scheduler.forward_ct, json.dumps(scheduler.snapshot()))
-            # PUB never blocks: past its high-water mark a stalled viewer loses frames, not steps
-            publish_snapshot.send(encode(msg), zmq.NOBLOCK)
+            with scheduler.trace_range("publish_snapshot"):
+                msg = SchedulerSnapshotOut(scheduler.forward_ct, json.dumps(scheduler.snapshot()))
+                # PUB never blocks: past its high-water mark a stalled viewer loses frames, not steps
+                publish_snapshot.send(encode(msg), zmq.NOBLOCK)
         soft_watchdog.feed()
         hard_watchdog.feed()
 
