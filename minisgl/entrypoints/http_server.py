@@ -47,6 +47,7 @@ from minisgl.entrypoints.openai.protocol import (
     GenerateRequest,
     ModelCard,
     ModelList,
+    ProfileReqInput,
     TokenizeRequest,
 )
 from minisgl.entrypoints.openai.serving_base import (
@@ -56,7 +57,8 @@ from minisgl.entrypoints.openai.serving_chat import OpenAIServingChat
 from minisgl.entrypoints.openai import serving_tokenize
 from minisgl.entrypoints.openai.serving_completions import OpenAIServingCompletions
 from minisgl.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
-from minisgl.managers.io_struct import LOGPROB_META_KEYS, EmbeddingReqInput, GenerateReqInput
+from minisgl.managers.io_struct import LOGPROB_META_KEYS, EmbeddingReqInput, GenerateReqInput, ProfileReq, ProfileReqType
+from minisgl.managers.scheduler_profiler_mixin import refuse_unsupported_profile_args
 from minisgl.managers.tokenizer_manager import ReqAbortedError, TokenizerManager
 from minisgl.server_args import PortArgs, ServerArgs, resolve_server_args
 from minisgl.chat_template import load_chat_template
@@ -240,7 +242,7 @@ def _add_generate_routes(app: FastAPI, tm: TokenizerManager) -> None:
 
 
 def _add_ops_routes(app: FastAPI, tm: TokenizerManager, is_healthy: Callable[[], bool]) -> None:
-    """Health, load, metrics and cache control (SGLang's ops routes)."""
+    """Health, load, metrics, cache control and profiling (SGLang's ops routes)."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -294,6 +296,23 @@ def _add_ops_routes(app: FastAPI, tm: TokenizerManager, is_healthy: Callable[[],
         status = 200 if out.success else 400
         return Response(out.message or ("Cache flushed." if out.success else "Cache not flushed."), status_code=status)
 
+    @app.api_route("/start_profile", methods=["GET", "POST"])  # (SGLang's methods; no body: every default)
+    async def start_profile(obj: Optional[ProfileReqInput] = None) -> Response:
+        """torch.profiler in the scheduler process (docs/server.md): a refusal is a 400 saying why."""
+        obj = obj or ProfileReqInput()
+        try:
+            refuse_unsupported_profile_args(obj.start_step, obj.profile_by_stage, obj.merge_profiles, obj.profile_stages)
+        except ValueError as e:
+            return create_error_response(str(e))
+        req = ProfileReq(ProfileReqType.START_PROFILE, obj.output_dir, obj.num_steps, obj.activities, obj.with_stack,
+                         obj.record_shapes, obj.profile_prefix)  # fmt: skip
+        return await _profile_response(tm.start_profile(req), "/start_profile")
+
+    @app.api_route("/stop_profile", methods=["GET", "POST"])
+    async def stop_profile() -> Response:
+        """Stop the profiler; it answers once the trace is written, with its path."""
+        return await _profile_response(tm.stop_profile(), "/stop_profile")
+
     @app.api_route("/freeze_gc", methods=["GET", "POST"])
     async def freeze_gc() -> Response:
         tm.freeze_gc()  # the scheduler and the detokenizer follow through their sockets
@@ -311,6 +330,19 @@ def _add_ops_routes(app: FastAPI, tm: TokenizerManager, is_healthy: Callable[[],
             return create_error_response("`abort_all` must be true or false", param="abort_all")
         tm.abort_request(rid=body.get("rid", ""), abort_all=body.get("abort_all", False))
         return Response(status_code=200)
+
+
+async def _profile_response(reply: Any, route: str) -> Response:
+    """A ProfileReqOutput as HTTP: its message as text (SGLang answers "Start profiling." in
+    text), or the OpenAI error body with 400 when the scheduler refused."""
+    try:
+        out = await reply
+    except asyncio.TimeoutError:
+        return create_error_response(f"The scheduler did not answer {route} in time; see the server log", 503,
+                                     err_type="ServiceUnavailableError")  # fmt: skip
+    if not out.success:
+        return create_error_response(out.message)
+    return Response(out.message + "\n", media_type="text/plain")
 
 
 async def _native_generate(tm: TokenizerManager, request: GenerateRequest, raw_request: Request) -> Response:

@@ -55,6 +55,9 @@ from minisgl.managers.io_struct import (
     GenerateReqInput,
     GetLoadReqInput,
     GetLoadReqOutput,
+    ProfileReq,
+    ProfileReqOutput,
+    ProfileReqType,
     Sample,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
@@ -736,6 +739,14 @@ class TokenizerManager:
 
     async def get_load(self) -> GetLoadReqOutput:
         return await self._control_request(GetLoadReqInput(), GetLoadReqOutput)
+
+    async def start_profile(self, req: ProfileReq) -> ProfileReqOutput:
+        return await self._control_request(req, ProfileReqOutput, timeout=self.server_args.watchdog_timeout)
+
+    async def stop_profile(self) -> ProfileReqOutput:
+        # the scheduler writes the trace before it answers: a long profile takes a while (its
+        # hard watchdog bounds the wait, so this does too)
+        return await self._control_request(ProfileReq(ProfileReqType.STOP_PROFILE), ProfileReqOutput, timeout=self.server_args.watchdog_timeout)
 
     async def _control_request(self, msg: Any, reply_type: type, timeout: float = 10.0) -> Any:
         lock = self._control_locks.setdefault(reply_type, asyncio.Lock())

@@ -623,3 +623,22 @@ class EncodeRequest(BaseModel):
     input_ids: Optional[Union[List[int], List[List[int]]]] = None
     rid: Optional[Union[str, List[str]]] = None
     dimensions: Optional[int] = None
+
+
+# --------------------------------------------------------------------------- /start_profile
+class ProfileReqInput(BaseModel):
+    """SGLang's /start_profile body (its io_struct.ProfileReqInput): every field may be left out,
+    and null asks for the default (docs/server.md). start_step, profile_by_stage, merge_profiles
+    and profile_stages ask for what minisgl does not do: set, each is a 400 that says why."""
+
+    model_config = _STRICT
+    output_dir: Optional[str] = None  # default: $SGLANG_TORCH_PROFILER_DIR, else /tmp
+    start_step: Optional[int] = None
+    num_steps: Optional[int] = None  # stop by itself after this many steps that run a batch
+    activities: Optional[List[str]] = None  # CPU, GPU, MEM; default CPU (+ GPU on CUDA)
+    profile_by_stage: bool = False
+    with_stack: Optional[bool] = None  # default true
+    record_shapes: Optional[bool] = None  # default true
+    merge_profiles: bool = False
+    profile_prefix: Optional[str] = None  # the trace's file name starts with "<profile_prefix>-"
+    profile_stages: Optional[List[str]] = None
