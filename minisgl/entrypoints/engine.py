@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Union
 
 from minisgl.managers.io_struct import (
-    LOGPROB_META_KEYS, AbortReq, BatchEmbeddingOutput, BatchStrOutput, EmbeddingReqInput, GenerateReqInput,
-    TokenizedEmbeddingReqInput, TokenizedGenerateReqInput, check_logprob_args, expand_samples, logprobs_of, new_rid,
-    prefix_warmups,
+    LOGPROB_META_KEYS, AbortReq, BatchEmbeddingOutput, BatchStrOutput, EmbeddingReqInput, GenerateReqInput, ProfileReq,
+    ProfileReqType, TokenizedEmbeddingReqInput, TokenizedGenerateReqInput, check_logprob_args, expand_samples, logprobs_of,
+    new_rid, prefix_warmups,
 )  # fmt: skip
 from minisgl.managers.tokenization import (
     check_custom_logit_processor, check_dimensions, check_priority, tokenize_one_request, validate_context_length,
@@ -639,12 +639,16 @@ class Engine:
         return steps
 
     def _drain_outputs(self) -> None:
+        trace_range = self.scheduler.trace_range  # (named after the server's processes' functions)
         for out in self.scheduler.pop_outputs():
-            text_out = self.detokenizer.dispatch(out)
+            with trace_range("handle_batch_token_id_out"):
+                text_out = self.detokenizer.dispatch(out)
             if isinstance(text_out, BatchEmbeddingOutput):  # (passed through: embeddings have no text)
-                self._handle_embedding_output(text_out)
+                with trace_range("handle_batch_output"):
+                    self._handle_embedding_output(text_out)
             elif text_out is not None:
-                self._handle_str_output(text_out)
+                with trace_range("handle_batch_output"):
+                    self._handle_str_output(text_out)
 
     def _handle_embedding_output(self, out: BatchEmbeddingOutput) -> None:
         """Each finished encode() request's one answer (TokenizerManager._handle_embedding_output's twin)."""
@@ -748,6 +752,41 @@ class Engine:
         return self.scheduler.get_load()
 
     @_locked
+    def start_profile(
+        self, output_dir: Optional[str] = None, num_steps: Optional[int] = None, activities: Optional[List[str]] = None,
+        with_stack: Optional[bool] = None, record_shapes: Optional[bool] = None, profile_prefix: Optional[str] = None,
+        *, start_step: Optional[int] = None, profile_by_stage: bool = False, merge_profiles: bool = False,
+        profile_stages: Optional[List[str]] = None,
+    ) -> str:  # fmt: skip
+        """Start torch.profiler on the scheduler's steps (POST /start_profile's fields; docs/engine.md).
+
+        The trace `<output_dir>/<profile_id>-TP-0.trace.json.gz` is written by stop_profile(), or
+        by the step that completes `num_steps` steps that ran a batch. Returns the scheduler's
+        message (it names the file). ValueError: an argument to change; RuntimeError: already
+        profiling, an output_dir that cannot be written, or torch.profiler refused to start."""
+        from minisgl.managers.scheduler_profiler_mixin import refuse_unsupported_profile_args, resolve_profile_args
+
+        self._check_open()
+        refuse_unsupported_profile_args(start_step, profile_by_stage, merge_profiles, profile_stages)
+        req = ProfileReq(ProfileReqType.START_PROFILE, output_dir, num_steps, activities, with_stack, record_shapes, profile_prefix)
+        resolve_profile_args(req, self.server_args.device)  # (the scheduler checks again; here as a ValueError)
+        out = self.scheduler.profile(req)
+        if not out.success:
+            raise RuntimeError(out.message.replace("/stop_profile", "stop_profile()"))
+        return out.message
+
+    @_locked
+    def stop_profile(self) -> List[str]:
+        """Stop the profiler started by start_profile() and write its files; returns their paths.
+        RuntimeError when no profile runs (num_steps may have ended it: see
+        `scheduler.last_profile_paths`) or the files could not be written."""
+        self._check_open()
+        out = self.scheduler.profile(ProfileReq(ProfileReqType.STOP_PROFILE))
+        if not out.success:
+            raise RuntimeError(out.message.replace("/start_profile", "start_profile()"))
+        return out.paths
+
+    @_locked
     def shutdown(self) -> None:
         """Abort everything in flight and drop the model, its KV pool and the scheduler holding them.
 
@@ -768,6 +807,9 @@ class Engine:
         self.rid_to_state.clear()
         self._samples_of.clear()
         self.scheduler.shutdown_grammar_backend()  # (its threads and compiled grammars)
+        if self.scheduler.profile_in_progress:  # (torch.profiler is the process's: it must not record on)
+            out = self.scheduler.profile(ProfileReq(ProfileReqType.STOP_PROFILE))
+            logger.warning("shutdown: profiling was still on; %s", out.message)
         self._closed = True
         # the scheduler references the ModelRunner too: both go, so the memory is freed
         on_cuda = self.server_args.device == "cuda"
