@@ -200,6 +200,18 @@ def test_engine_shutdown_while_profiling_writes_the_trace(tiny_model: str, tmp_p
         torch.ones(1).sum()
 
 
+def test_an_embedding_engine_profiles_its_prefill_only_steps(tiny_model: str, tmp_path: Path) -> None:
+    from minisgl import Engine
+
+    with Engine(tiny_model, device="cpu", max_total_tokens=4096, is_embedding=True) as eng:
+        eng.start_profile(output_dir=str(tmp_path), with_stack=False)
+        eng.encode(PROMPTS)
+        [path] = eng.stop_profile()
+    counts = range_counts(load_trace(path))
+    assert counts["handle_embedding_request"] == 2 and counts["forward_extend"] == counts["run_batch"] >= 1
+    assert "sample" not in counts and "forward_decode" not in counts
+
+
 # --------------------------------------------------------------------------- a real server
 @pytest.fixture(scope="module")
 def server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
