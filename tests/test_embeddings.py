@@ -180,6 +180,28 @@ def test_a_bare_decoder_checkpoint_without_lm_head_serves_embeddings(tiny_model_
         Engine(str(tmp_path), device="cpu", max_total_tokens=1024)
 
 
+def test_an_over_long_input_is_refused_without_talk_of_generating(tiny_model: str) -> None:
+    eng = Engine(tiny_model, device="cpu", is_embedding=True, context_length=64, max_total_tokens=1024)
+    try:
+        with pytest.raises(ValueError, match=r"accepts \(57 tokens: the context length of 64 tokens or the KV pool, less a margin of"):
+            eng.encode(input_ids=list(range(10, 68)))
+    finally:
+        eng.shutdown()
+
+
+def test_encode_raises_when_a_prompt_of_its_batch_was_refused(tiny_model: str) -> None:
+    """A batch longer than --max-queued-requests loses its tail to the queue's 503: encode() raises
+    with that message rather than hand back vectors of None."""
+    eng = Engine(tiny_model, device="cpu", is_embedding=True, max_total_tokens=1024, max_queued_requests=2)
+    try:
+        with pytest.raises(RuntimeError, match="The embedding of prompt 2 was not computed: .*queue"):
+            eng.encode(["a b", "c d", "e f", "g h"])
+        assert len(eng.encode(["a b", "c d"])) == 2  # nothing was left behind
+        eng.scheduler.check_memory_when_idle()
+    finally:
+        eng.shutdown()
+
+
 def test_dimensions_cut_a_matryoshka_model_s_embedding(tiny_model_factory: Any) -> None:
     """config.json's matryoshka_dimensions (SGLang's way to declare it): dimensions=d keeps the
     first d numbers and normalises them again; sizes the model does not declare are refused."""
@@ -233,7 +255,8 @@ def test_prefill_only_steps_reserve_no_output_and_show_in_the_snapshot(engine: E
         render_panels(snaps[-1], [], snaps[-1]["finished"])  # the page draws it
         outputs += sched.pop_outputs()
     first = snaps[0]
-    assert [(r["rid"], r["extend_len"], r["max_new_tokens"]) for r in first["batch"]["reqs"]] == [("short", 10, 0), ("long", 6, 0)]
+    assert [(r["rid"], r["extend_len"], r["max_new_tokens"], r["output_len"]) for r in first["batch"]["reqs"]] == [
+        ("short", 10, 0, 0), ("long", 6, 0, 0)]  # (output_len: the token that finishes it is no output)
     # admission charged the extend tokens only: no output reservation (max_new_tokens 0)
     assert first["adder"]["budgets"]["rem_total_tokens"] == sched.max_total_num_tokens - 16
     assert first["running_batch"] == []  # nothing ever decodes

@@ -179,9 +179,11 @@ def test_dimensions_on_a_matryoshka_model(tiny_model: str, tmp_path: Any) -> Non
         ({"input": [[1], [10**6]]}, 400, "outside the vocabulary"),
         ({"input": "word " * 200}, 400, "is longer than the model's context length (64 tokens)"),
         ({"input": "hi", "model": "other"}, 404, "The model `other` does not exist"),
+        ({"input": ["a"] * 2049}, 400, "At most 2048 inputs per request (OpenAI's limit), got 2049"),
+        ({"input": [[1]] * 2049}, 400, "At most 2048 inputs per request"),
     ],
     ids=["empty", "blank", "empty-list", "blank-item", "empty-ids", "mixed", "format", "unknown-field", "dimensions",
-         "vocab", "too-long", "model"],  # fmt: skip
+         "vocab", "too-long", "model", "too-many-texts", "too-many-id-lists"],  # fmt: skip
 )
 def test_bad_requests_are_clear_errors(served: Any, body: Any, status: int, message: str) -> None:
     c, sent, tm = served

@@ -354,6 +354,10 @@ class Engine:
             self._release_after_error(rids)
             raise
         results = _refused_raises(self._pop_results(rids))
+        for i, out in enumerate(results):
+            if out["embedding"] is None:  # aborted before its prompt ran (a full --max-queued-requests queue: a 503)
+                reason = out["meta_info"]["finish_reason"] or {}
+                raise RuntimeError(f"The embedding of prompt {i} was not computed: {reason.get('message') or 'aborted'}")
         return results[0] if single else results
 
     @_locked

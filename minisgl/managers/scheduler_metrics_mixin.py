@@ -154,7 +154,8 @@ class SchedulerMetricsMixin:
                     "chunk_index": 0 if is_decode else r.num_chunks_done,
                     "num_chunks": 0 if is_decode else self._num_chunks(r, batch.chunked_req),
                     "is_decode": is_decode,
-                    "output_len": len(r.output_ids),
+                    # (an embedding request's dummy token, SGLang's way to finish it, is not an output)
+                    "output_len": len(r.output_ids) if self.is_generation else 0,
                     "max_new_tokens": r.sampling_params.max_new_tokens,
                 }
             )

@@ -202,12 +202,14 @@ def validate_context_length(
     input_len = len(tokenized.input_ids)
     params = tokenized.sampling_params
     if input_len >= limit:
+        # (SGLang's margin: an embedding request generates nothing, and the scheduler keeps it all the same)
+        margin = "less a margin of a few tokens" if isinstance(tokenized, TokenizedEmbeddingReqInput) else "less room to generate"
         if not allow_auto_truncate:
             if input_len >= context_len:
                 raise ValueError(f"The input ({input_len} tokens) is longer than the model's context length ({context_len} tokens).")
             raise ValueError(
                 f"The input ({input_len} tokens) is longer than this server accepts ({limit - 1} tokens: the "
-                f"context length of {context_len} tokens or the KV pool, less room to generate). Use a shorter input "
+                f"context length of {context_len} tokens or the KV pool, {margin}). Use a shorter input "
                 "or enable --allow-auto-truncate."
             )
         # limit - 1: the longest prompt the scheduler's gate accepts as it is (its own

@@ -12,13 +12,15 @@ asks for when its caller names no format, and decodes back to the same floats.
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import json
 import logging
 import struct
 from typing import Any, Dict, List, Optional
 
 from fastapi import HTTPException, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from minisgl.entrypoints.openai.protocol import EmbeddingObject, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
 from minisgl.entrypoints.openai.serving_base import create_error_response, unknown_model_response
@@ -26,6 +28,7 @@ from minisgl.managers.io_struct import EmbeddingReqInput
 from minisgl.managers.tokenizer_manager import EMBEDDING_ON_GENERATION_SERVER, ReqAbortedError, TokenizerManager
 
 logger = logging.getLogger("minisgl.serving")
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's; each answer is inputs x hidden floats, built on the HTTP process
 
 
 def encode_base64(embedding: List[float]) -> str:
@@ -62,6 +65,8 @@ class OpenAIServingEmbedding:
         if not tm.is_embedding:  # (the TokenizerManager refuses it too; said first, before any other check)
             return create_error_response(EMBEDDING_ON_GENERATION_SERVER)
         error = validate_embedding_input(request.input)
+        if error is None and isinstance(request.input, list) and isinstance(request.input[0], (str, list)) and len(request.input) > MAX_EMBEDDING_INPUTS:
+            error = f"At most {MAX_EMBEDDING_INPUTS} inputs per request (OpenAI's limit), got {len(request.input)}: split it"
         if error is not None:
             return create_error_response(error, param="input")
         if request.user is not None and tm.server_args.log_requests:
@@ -69,7 +74,11 @@ class OpenAIServingEmbedding:
         try:
             outs = [out async for out in tm.generate_request(self._convert_to_internal_request(request), raw_request)]
             outs.sort(key=lambda out: out.get("index", 0))
-            return JSONResponse(self._build_embedding_response(outs, request).model_dump())
+            # built and encoded in a worker thread, one embedding at a time: the event loop (every
+            # other client's stream) gets the GIL between them; 2,048 vectors of 1,024 floats made
+            # one json.dumps of ~45 MB that held it for over a second
+            body = await asyncio.to_thread(self._response_body, outs, request)
+            return Response(content=body, media_type="application/json")
         except HTTPException as e:
             return create_error_response(str(e.detail), status_code=e.status_code)
         except ReqAbortedError as e:
@@ -90,6 +99,17 @@ class OpenAIServingEmbedding:
             input_ids=value if is_ids else None,  # type: ignore[arg-type]
             dimensions=request.dimensions,
         )
+
+    @staticmethod
+    def _response_body(outs: List[Dict[str, Any]], request: EmbeddingRequest) -> bytes:
+        """EmbeddingResponse as JSON, each EmbeddingObject encoded on its own (see handle_request)."""
+        response = OpenAIServingEmbedding._build_embedding_response(outs, request)
+        def dumps(value: Any) -> str:  # (compact, as JSONResponse writes)
+            return json.dumps(value, separators=(",", ":"))
+
+        items = ",".join(dumps(item.model_dump()) for item in response.data)
+        return (f'{{"object":"list","data":[{items}],"model":{dumps(response.model)},'
+                f'"usage":{dumps(response.usage.model_dump())}}}').encode()  # fmt: skip
 
     @staticmethod
     def _build_embedding_response(outs: List[Dict[str, Any]], request: EmbeddingRequest) -> EmbeddingResponse:
