@@ -200,6 +200,52 @@ def test_engine_shutdown_while_profiling_writes_the_trace(tiny_model: str, tmp_p
         torch.ones(1).sum()
 
 
+def test_steps_on_other_threads_are_recorded_and_stopped_safely(engine: Any, tmp_path: Path) -> None:
+    """async_generate runs steps in executor threads: a num_steps profile stops in one of them, and an
+    explicit stop may come from another thread than the start. torch records only the starting
+    thread unless told otherwise, and such a stop crashed the process in export_chrome_trace."""
+    import asyncio
+    import pathlib
+
+    auto = tmp_path / "auto"
+    engine.start_profile(output_dir=pathlib.Path(auto), num_steps=3, activities=("CPU",), with_stack=False)  # (Path, tuple)
+    out = asyncio.run(engine.async_generate(PROMPTS[0], GREEDY))
+    assert out["meta_info"]["completion_tokens"] == GREEDY["max_new_tokens"]
+    assert range_counts(load_trace(only_trace(auto)))["run_batch"] == 3  # the steps of the worker threads
+
+    manual = tmp_path / "manual"
+    engine.start_profile(output_dir=str(manual), with_stack=False)
+    worker = threading.Thread(target=engine.generate, args=(PROMPTS[1], GREEDY))
+    worker.start()
+    worker.join()
+    stopped: List[str] = []
+    stopper = threading.Thread(target=lambda: stopped.extend(engine.stop_profile()))
+    stopper.start()
+    stopper.join()
+    assert stopped == [only_trace(manual)] and range_counts(load_trace(stopped[0]))["run_batch"] >= 1
+
+
+def test_the_trace_is_written_under_the_write_guard_and_appears_whole(engine: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server's scheduler pauses its watchdogs through profile_write_guard while a trace is
+    written (a long profile takes minutes to write; the hard watchdog killed the server)."""
+    import contextlib
+
+    seen: List[Any] = []
+
+    @contextlib.contextmanager
+    def guard() -> Iterator[None]:
+        seen.append("enter")
+        yield
+        seen.append(sorted(p.name for p in tmp_path.iterdir()))  # the trace is written by now
+
+    monkeypatch.setattr(engine.scheduler, "profile_write_guard", guard)
+    engine.start_profile(output_dir=str(tmp_path), with_stack=False)
+    engine.generate(PROMPTS[0], GREEDY)
+    [path] = engine.stop_profile()
+    assert seen == ["enter", [os.path.basename(path)]]  # written inside the guard, no temporary file left
+    assert "run_batch" in range_counts(load_trace(path))
+
+
 def test_an_embedding_engine_profiles_its_prefill_only_steps(tiny_model: str, tmp_path: Path) -> None:
     from minisgl import Engine
 
@@ -309,3 +355,19 @@ def test_server_refusals_are_400s_and_serving_goes_on(server: Any, tmp_path: Pat
     r = httpx.post(server.url + "/v1/completions", json={"model": server.model, "prompt": "Hi", "max_tokens": 3})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     assert "Profiling is not in progress" in _error(httpx.post(server.url + "/stop_profile"))  # none of them started one
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_server_shutdown_while_profiling_writes_the_trace(server: Any, tmp_path: Path) -> None:
+    """(Last: it stops the module's server.) A SIGTERM while a profile records writes its trace, as
+    Engine.shutdown does; without it a /start_profile with no /stop_profile left nothing."""
+    import signal
+
+    r = httpx.post(server.url + "/start_profile", json={"output_dir": str(tmp_path), "with_stack": False})
+    assert r.status_code == 200, r.text
+    r = httpx.post(server.url + "/v1/completions", json={"model": server.model, "prompt": "Hi", "max_tokens": 3})
+    assert r.status_code == 200
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(timeout=60) == 0
+    assert "run_batch" in range_counts(load_trace(only_trace(tmp_path)))

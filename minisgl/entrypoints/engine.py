@@ -34,11 +34,12 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
 import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Union
+from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 from minisgl.managers.io_struct import (
     LOGPROB_META_KEYS, AbortReq, BatchEmbeddingOutput, BatchStrOutput, EmbeddingReqInput, GenerateReqInput, ProfileReq,
@@ -757,7 +758,8 @@ class Engine:
 
     @_locked
     def start_profile(
-        self, output_dir: Optional[str] = None, num_steps: Optional[int] = None, activities: Optional[List[str]] = None,
+        self, output_dir: Optional[Union[str, "os.PathLike[str]"]] = None, num_steps: Optional[int] = None,
+        activities: Optional[Sequence[str]] = None,
         with_stack: Optional[bool] = None, record_shapes: Optional[bool] = None, profile_prefix: Optional[str] = None,
         *, start_step: Optional[int] = None, profile_by_stage: bool = False, merge_profiles: bool = False,
         profile_stages: Optional[List[str]] = None,
@@ -772,6 +774,11 @@ class Engine:
 
         self._check_open()
         refuse_unsupported_profile_args(start_step, profile_by_stage, merge_profiles, profile_stages)
+        # (Python's other spellings of the same values: a pathlib.Path, a tuple of names)
+        if output_dir is not None and isinstance(output_dir, os.PathLike):
+            output_dir = os.fspath(output_dir)
+        if isinstance(activities, tuple):
+            activities = list(activities)
         req = ProfileReq(ProfileReqType.START_PROFILE, output_dir, num_steps, activities, with_stack, record_shapes, profile_prefix)
         resolve_profile_args(req, self.server_args.device)  # (the scheduler checks again; here as a ValueError)
         out = self.scheduler.profile(req)

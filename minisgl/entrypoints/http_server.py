@@ -81,6 +81,7 @@ MINISGL_VERSION = _installed_version()
 READY_TIMEOUT_S = 600.0  # loading a real model on CPU can take minutes
 GRACEFUL_SHUTDOWN_S = 2  # uvicorn cancels the handlers still running after this
 SHUTDOWN_ABORT_WAIT_S = 1.5  # within that: how long the scheduler gets to end aborted requests
+SHUTDOWN_PROFILE_WAIT_S = 60  # how long a shutdown waits for a running profile's trace to be written
 
 
 # --------------------------------------------------------------------------- the app
@@ -529,6 +530,8 @@ async def _serve(
         await server.serve(sockets=[sock])
     finally:
         monitor.cancel()
+        if is_healthy():  # a requested shutdown: a profile still recording writes its trace first
+            await _stop_profile_before_exit(tm)
         handle_loop.cancel()
         tm.close()
     return monitor.result() if monitor.done() and not monitor.cancelled() else 0
@@ -567,6 +570,18 @@ async def _monitor(
         await asyncio.sleep(0.05)
     tm.fail_all_requests("The server is shutting down")
     return 0
+
+
+async def _stop_profile_before_exit(tm: TokenizerManager) -> None:
+    """As Engine.shutdown does: a /start_profile without its /stop_profile would otherwise leave no
+    trace at all. Bounded: a very long profile may take longer to write than a shutdown may wait."""
+    try:
+        out = await asyncio.wait_for(tm.stop_profile(), timeout=SHUTDOWN_PROFILE_WAIT_S)
+    except asyncio.TimeoutError:
+        logger.warning("The running profile's trace was not written within %ss of the shutdown", SHUTDOWN_PROFILE_WAIT_S)
+        return
+    if out.success:  # ("not in progress" otherwise: nothing to say)
+        logger.info("Shutting down while profiling: %s", out.message)
 
 
 class _ShutdownRequested(Exception):

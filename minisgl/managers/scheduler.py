@@ -20,11 +20,12 @@ of this file is the thin ZMQ shell the server runs in its own process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, Iterator, List, Optional, Union
 
 from minisgl.constrained.reasoner_grammar import REASONING_TAGS, ReasonerGrammar
 from minisgl.constrained.xgrammar_backend import XGrammarGrammarBackend
@@ -933,6 +934,13 @@ def event_loop_normal(scheduler: Scheduler, recv_from_tokenizer: Any, send_to_de
     args = scheduler.server_args
     soft_watchdog = SoftWatchdog("Scheduler", args.soft_watchdog_timeout, describe)
     hard_watchdog = HardWatchdog("Scheduler", args.watchdog_timeout, describe)
+
+    @contextlib.contextmanager
+    def watchdogs_paused() -> Iterator[None]:
+        with soft_watchdog.disable(), hard_watchdog.disable():
+            yield
+
+    scheduler.profile_write_guard = watchdogs_paused  # (writing a long trace is not a hung step)
 
     def send_outputs() -> None:
         outputs = scheduler.pop_outputs()

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, List, Optional, Tuple
@@ -59,6 +60,16 @@ class ProfileSettings:
     with_stack: bool
     record_shapes: bool
     profile_prefix: Optional[str]
+
+
+def _all_threads_config() -> Any:
+    """torch.profiler's option to record every thread (torch >= 2.9), or None on a torch without it."""
+    import torch
+
+    try:
+        return torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except (AttributeError, TypeError):
+        return None
 
 
 def _env_flag(name: str, default: bool = True) -> bool:
@@ -147,6 +158,11 @@ class SchedulerProfilerMixin:
         self.last_profile_paths: List[str] = []  # what the last stop wrote (an automatic one too)
         # torch.profiler.record_function while a profiler records, else None (trace_range's flag)
         self._record_function: Optional[Callable[[str], ContextManager[Any]]] = None
+        # the thread that started the profiler, when this torch records that thread only (see _start_recording)
+        self._profiled_thread: Optional[int] = None
+        # the process shell (event_loop_normal) pauses its watchdogs with this while a trace is
+        # written: a long profile takes seconds to minutes to write, which is not a hung forward
+        self.profile_write_guard: Callable[[], ContextManager[Any]] = contextlib.nullcontext
 
     def trace_range(self, name: str) -> ContextManager[Any]:
         """`with self.trace_range("run_batch"):` a range named `name` in the trace while
@@ -202,12 +218,18 @@ class SchedulerProfilerMixin:
         if "MEM" in settings.activities:
             torch.cuda.memory._record_memory_history(max_entries=MEM_HISTORY_MAX_ENTRIES)
         if torch_activities:
+            # every thread's ops: the Engine's steps may run in executor threads (async_generate, a
+            # generate() in a thread). torch records only the starting thread by default, and a stop
+            # from another thread then crashed the process in export_chrome_trace.
+            all_threads = _all_threads_config()
             profiler = torch.profiler.profile(
-                activities=torch_activities, with_stack=settings.with_stack, record_shapes=settings.record_shapes
-            )
+                activities=torch_activities, with_stack=settings.with_stack, record_shapes=settings.record_shapes,
+                **({"experimental_config": all_threads} if all_threads is not None else {}),
+            )  # fmt: skip
             profiler.start()
             self.torch_profiler = profiler
             self._record_function = torch.profiler.record_function
+            self._profiled_thread = None if all_threads is not None else threading.get_ident()
 
     def _profile_paths(self) -> List[str]:
         """The files this profile writes at its stop: the trace (CPU / GPU), MEM's snapshot."""
@@ -223,6 +245,9 @@ class SchedulerProfilerMixin:
         the callers are process_input_requests, count_profiled_step and Engine.shutdown."""
         if not self.profile_in_progress:  # (SGLang's words)
             return ProfileReqOutput(False, "Profiling is not in progress. Call /start_profile first.")
+        if self._profiled_thread is not None and self._profiled_thread != threading.get_ident():
+            return ProfileReqOutput(False, "This torch's profiler records only the thread that started it, and cannot be "
+                                    "stopped from another: stop it from that thread (torch >= 2.9 records every thread)")  # fmt: skip
         logger.info("Stop profiling...")
         paths = self._profile_paths()
         try:
@@ -245,8 +270,14 @@ class SchedulerProfilerMixin:
         profiler, self.torch_profiler, self._record_function = self.torch_profiler, None, None
         try:
             if profiler is not None:
-                profiler.stop()
-                profiler.export_chrome_trace(paths[0])  # (a .gz name: torch writes it gzipped)
+                with self.profile_write_guard():
+                    profiler.stop()
+                    # (a .gz name: torch writes it gzipped); under a temporary name until whole, so a
+                    # write cut short (a full disk, a killed process) never leaves a truncated trace
+                    # under the name the answer gives
+                    part = paths[0][: -len(".json.gz")] + ".part.json.gz"
+                    profiler.export_chrome_trace(part)
+                    os.replace(part, paths[0])
         finally:
             if "MEM" in self.profile_settings.activities:  # (stopped even when the trace failed)
                 try:
@@ -271,6 +302,8 @@ class SchedulerProfilerMixin:
             return
         self.profile_steps_done += 1
         if self.profile_steps_done >= settings.num_steps:
+            if self._profiled_thread is not None and self._profiled_thread != threading.get_ident():
+                return  # (this torch cannot stop it here: the next step on the starting thread does)
             out = self.stop_profile()
             if not out.success:  # (nobody waits for this answer: the log is where it goes)
                 logger.error("Profiling after %d steps: %s", self.profile_steps_done, out.message)

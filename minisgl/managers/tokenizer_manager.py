@@ -744,11 +744,11 @@ class TokenizerManager:
         return await self._control_request(req, ProfileReqOutput, timeout=self.server_args.watchdog_timeout)
 
     async def stop_profile(self) -> ProfileReqOutput:
-        # the scheduler writes the trace before it answers: a long profile takes a while (its
-        # hard watchdog bounds the wait, so this does too)
-        return await self._control_request(ProfileReq(ProfileReqType.STOP_PROFILE), ProfileReqOutput, timeout=self.server_args.watchdog_timeout)
+        # the scheduler writes the trace before it answers: a long profile takes a while (minutes),
+        # with its watchdogs paused, so no timeout here either (a scheduler that dies ends the server)
+        return await self._control_request(ProfileReq(ProfileReqType.STOP_PROFILE), ProfileReqOutput, timeout=None)
 
-    async def _control_request(self, msg: Any, reply_type: type, timeout: float = 10.0) -> Any:
+    async def _control_request(self, msg: Any, reply_type: type, timeout: Optional[float] = 10.0) -> Any:
         lock = self._control_locks.setdefault(reply_type, asyncio.Lock())
         async with lock:
             fut = asyncio.get_running_loop().create_future()
