@@ -200,6 +200,14 @@ class ServerArgs:
         )
     )
 
+    enable_return_hidden_states: bool = field(
+        default=False, metadata=_opt(
+            "Accept requests' return_hidden_states (SGLang's): the model's final-norm hidden state of every token it "
+            "computes for the request comes back in meta_info[\"hidden_states\"] (docs/server.md). Off by default: "
+            "each token costs hidden_size floats, ~20 bytes of JSON each, on every hop to the client."
+        )
+    )
+
     # --- server ---
     host: str = field(default="127.0.0.1", metadata=_opt("HTTP host."))
     port: int = field(default=30000, metadata=_opt("HTTP port (0 picks a free one)."))
@@ -244,6 +252,13 @@ class ServerArgs:
             raise ValueError(f"--priority-scheduling-preemption-threshold must be >= 0, got {self.priority_scheduling_preemption_threshold}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
+        if self.enable_return_hidden_states and self.is_embedding:
+            # (SGLang accepts the pair and the flag does nothing: an embedding request has no such field)
+            raise ValueError(
+                "--enable-return-hidden-states is for generation requests, which an embedding server (--is-embedding) "
+                "does not run; its embeddings already are the final-norm hidden state (of the last prompt token, "
+                "L2-normalised). Drop one of the two flags."
+            )
         if self.grammar_backend not in GRAMMAR_BACKENDS:  # (SGLang's outlines / llguidance are not built)
             raise ValueError(f"--grammar-backend must be one of {', '.join(GRAMMAR_BACKENDS)}, got {self.grammar_backend!r}")
         # Settings under which no request could ever be scheduled: refuse them, not hang.

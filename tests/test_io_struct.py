@@ -54,7 +54,7 @@ SAMPLES: Dict[str, Any] = {
     "TokenizedGenerateReqInput": TokenizedGenerateReqInput(
         rid="r1", input_text="héllo 👩‍👩‍👧‍👦", input_ids=[1, 2, 3], sampling_params=_sampling_params(),
         return_logprob=True, logprob_start_len=0, top_logprobs_num=2, stream=True, priority=-1, created_time=1.5,
-        custom_logit_processor='{"callable": "80"}',
+        custom_logit_processor='{"callable": "80"}', return_hidden_states=True,
     ),  # fmt: skip
     "TokenizedEmbeddingReqInput": TokenizedEmbeddingReqInput(
         rid="e1", input_text="héllo", input_ids=[4, 5], sampling_params=SamplingParams.from_dict({"max_new_tokens": 0}),
@@ -113,6 +113,8 @@ SAMPLES: Dict[str, Any] = {
         input_token_ids_logprobs_val=[[None, [-2.0, -3.0]], []],
         input_token_ids_logprobs_idx=[[None, [3, 4]], []],
         time_stats=[{"queue": 0.01}, {"queue": 0.02, "e2e": 0.5}],
+        # request a's first output: its prompt's rows [2, H] and one decode row [H]; b did not ask
+        output_hidden_states=[[[[0.5, -1e-30], [3.25, 0.0]], [1.5, -2.0]], None],
     ),
     "BatchStrOutput": BatchStrOutput(
         rids=["a", "b"],
@@ -131,6 +133,7 @@ SAMPLES: Dict[str, Any] = {
         input_top_logprobs_val=[[], [None, [NEG_INF]]],
         input_top_logprobs_idx=[[], [None, [8]]],
         time_stats=[{"ttft": 0.1}, {}],
+        output_hidden_states=[[], None],  # (a asked: nothing new in this message)
     ),
 }
 
@@ -205,3 +208,22 @@ def test_float32_embeddings_survive_exactly() -> None:
     msg = BatchEmbeddingOutput(rids=["e"], finished_reasons=[None], embeddings=[values], prompt_tokens=[1], cached_tokens=[0])
     back = decode(encode(msg))
     assert torch.equal(torch.tensor(back.embeddings[0], dtype=torch.float32), torch.tensor(values, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_hidden_states_survive_exactly(dtype: str) -> None:
+    """Hidden states cross two process boundaries (scheduler -> detokenizer -> HTTP process) as
+    JSON numbers: every value of the model's dtype comes back bit for bit, the prompt's [n, H]
+    entry and the [H] decode entries alike."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    rows = (torch.randn(7, 96, generator=gen) * torch.logspace(-20, 20, 96)).to(getattr(torch, dtype))  # [7, H]
+    prompt, decoded = rows[:5].tolist(), rows[5:].tolist()
+    sent = [prompt, *decoded]
+    msg = dataclasses.replace(SAMPLES["BatchTokenIDOutput"], output_hidden_states=[sent, None])
+    back = decode(encode(msg)).output_hidden_states
+    assert back[1] is None
+    got = torch.tensor([*back[0][0], *back[0][1:]], dtype=getattr(torch, dtype))
+    bits = torch.int16 if dtype == "bfloat16" else torch.int32  # (compared as bits: -0.0 and NaNs too)
+    assert torch.equal(got.view(bits), rows.view(bits))

@@ -121,6 +121,9 @@ class GenerateReqInput:
     top_logprobs_num: Union[int, List[int]] = 0
     token_ids_logprob: Optional[Union[List[int], List[Optional[List[int]]]]] = None  # ids every position reports
     return_text_in_logprobs: bool = False  # each logprob entry's third element: the token's text
+    # SGLang's: the final-norm hidden states of the tokens the model computes for the request, in
+    # meta_info["hidden_states"] (needs --enable-return-hidden-states); one for all prompts or one per prompt
+    return_hidden_states: Union[bool, List[bool]] = False
     stream: bool = False
     priority: Optional[int] = None
     # SGLang's: CustomLogitProcessor.to_str() (needs --enable-custom-logit-processor), one for every
@@ -141,7 +144,9 @@ class GenerateReqInput:
     def normalize_batch_and_arguments(self) -> None:
         """Decide single vs batch and broadcast per-request arguments to lists for a batch."""
         # None is SGLang's default for these (its Engine.generate passes it on): the default here
-        for name, default in (("return_logprob", False), ("logprob_start_len", -1), ("top_logprobs_num", 0)):
+        for name, default in (
+            ("return_logprob", False), ("logprob_start_len", -1), ("top_logprobs_num", 0), ("return_hidden_states", False),
+        ):  # fmt: skip
             if getattr(self, name) is None:
                 setattr(self, name, default)
         self.is_single, self.batch_size = prompt_shape(self.text, self.input_ids)
@@ -150,8 +155,9 @@ class GenerateReqInput:
                 self.rid = new_rid()
             if isinstance(self.sampling_params, list) or any(isinstance(v, list) for v in self._one_per_prompt_fields()):
                 raise ValueError("A single prompt takes one `sampling_params` dict and one value of `return_logprob`, "
-                                 "`logprob_start_len`, `top_logprobs_num`, `custom_logit_processor` (and one "
-                                 "`token_ids_logprob` list); lists are per prompt of a batch")  # fmt: skip
+                                 "`logprob_start_len`, `top_logprobs_num`, `custom_logit_processor`, "
+                                 "`return_hidden_states` (and one `token_ids_logprob` list); lists are per prompt of "
+                                 "a batch")  # fmt: skip
             return
         n = self.batch_size
         if self.rid is None:
@@ -163,7 +169,7 @@ class GenerateReqInput:
         elif len(self.sampling_params) != n:
             raise ValueError(f"`sampling_params` must have {n} entries for a batch of {n} prompts")
         check_same_n(self.sampling_params)
-        for name in ("return_logprob", "logprob_start_len", "top_logprobs_num", "custom_logit_processor"):
+        for name in ("return_logprob", "logprob_start_len", "top_logprobs_num", "custom_logit_processor", "return_hidden_states"):
             value = getattr(self, name)
             if not isinstance(value, list):
                 setattr(self, name, [value] * n)
@@ -188,7 +194,10 @@ class GenerateReqInput:
         """The fields a batch may give as one list per prompt (a single prompt: a list of them is
         an error); token_ids_logprob only when it is a list of lists."""
         per_prompt_ids = [self.token_ids_logprob] if self._token_ids_per_prompt() else []
-        return [self.return_logprob, self.logprob_start_len, self.top_logprobs_num, self.custom_logit_processor, *per_prompt_ids]
+        return [
+            self.return_logprob, self.logprob_start_len, self.top_logprobs_num, self.custom_logit_processor,
+            self.return_hidden_states, *per_prompt_ids,
+        ]  # fmt: skip
 
     def __getitem__(self, i: int) -> "GenerateReqInput":
         """The i-th request of a normalized batch, as a single request."""
@@ -203,6 +212,7 @@ class GenerateReqInput:
             top_logprobs_num=self.top_logprobs_num[i],  # type: ignore[index]
             token_ids_logprob=self.token_ids_logprob[i],  # type: ignore[index]
             return_text_in_logprobs=self.return_text_in_logprobs,
+            return_hidden_states=self.return_hidden_states[i],  # type: ignore[index]
             stream=self.stream,
             priority=self.priority,
             custom_logit_processor=self.custom_logit_processor[i],  # type: ignore[index]
@@ -258,6 +268,7 @@ class TokenizedGenerateReqInput:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     token_ids_logprob: Optional[List[int]] = None
+    return_hidden_states: bool = False  # (checked against --enable-return-hidden-states before it is built)
     stream: bool = False
     priority: Optional[int] = None
     custom_logit_processor: Optional[str] = None  # CustomLogitProcessor.to_str(): loaded by the scheduler
@@ -512,6 +523,9 @@ class BatchTokenIDOutput(LogprobLists):
     cached_tokens: List[int]
     # per-request timing in milliseconds (ReqTimeStats.to_ms_dict): queue_ms / schedule_ms / forward_ms / ttft_ms / e2e_ms
     time_stats: List[Dict[str, Optional[float]]] = field(default_factory=list)  # None = not reached
+    # return_hidden_states: per request, the entries of its Req.hidden_states not sent before (None: it
+    # did not ask); an empty list, not a list of Nones, when no request of the message asked
+    output_hidden_states: List[Optional[List[Any]]] = field(default_factory=list)
 
 
 @dataclass
@@ -526,6 +540,7 @@ class BatchStrOutput(LogprobLists):
     completion_tokens: List[int]
     cached_tokens: List[int]
     time_stats: List[Dict[str, Optional[float]]] = field(default_factory=list)  # to_ms_dict: None = not reached
+    output_hidden_states: List[Optional[List[Any]]] = field(default_factory=list)  # BatchTokenIDOutput's, passed through
 
 
 @dataclass
@@ -588,6 +603,13 @@ def logprobs_of(recv: BatchStrOutput, i: int, decode: Optional[Callable[[List[Li
     }
 
 
+def hidden_states_of(recv: Union[BatchTokenIDOutput, BatchStrOutput], i: int) -> Optional[List[Any]]:
+    """Request i's new hidden-state entries in this message (Req.hidden_states' layout: the
+    prompt's [n, H] rows first, then one [H] row per output token), or None when it did not ask."""
+    rows = recv.output_hidden_states
+    return rows[i] if i < len(rows) else None
+
+
 # --------------------------------------------------------------------------- codec
 _MESSAGE_TYPES: Dict[str, type] = {
     cls.__name__: cls
@@ -639,6 +661,10 @@ def _message_from_fields(obj: Dict[str, Any]) -> Any:
 
 def encode(msg: Any) -> bytes:
     """Serialize a registered message (JSON; -inf logprobs survive as `-Infinity`).
+
+    Floats are written as Python's repr, the shortest text that reads back as the same double:
+    a float32 (or bfloat16) value from `tensor.tolist()` is exactly a double, so hidden states and
+    logprobs arrive bit for bit (tests/test_io_struct.py), at ~20 characters a number.
 
     Every output token of every running request crosses two process boundaries, so this
     runs in C (json's encoder) except for the per-message hook above.

@@ -71,6 +71,25 @@ def check_custom_logit_processor(obj: GenerateReqInput, enabled: bool) -> None:
         )
 
 
+# SGLang's message (tokenizer_manager.py, _validate_one_request), word for word
+RETURN_HIDDEN_STATES_DISABLED = (
+    "The server is not configured to return the hidden states. "
+    "Please set `--enable-return-hidden-states` to enable this feature."
+)
+
+
+def check_return_hidden_states(obj: GenerateReqInput, enabled: bool, hint: str = "") -> None:
+    """A normalized request's return_hidden_states (one bool, or one per prompt of a batch): booleans,
+    and true only where the server returns them (SGLang's refusal, its message; `hint` adds how the
+    caller turns it on, the Engine's argument)."""
+    values = obj.return_hidden_states if isinstance(obj.return_hidden_states, list) else [obj.return_hidden_states]
+    for value in values:
+        if not isinstance(value, bool):
+            raise ValueError(f"return_hidden_states must be true or false, got {value!r}")
+    if any(values) and not enabled:
+        raise ValueError(RETURN_HIDDEN_STATES_DISABLED + hint)
+
+
 def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True) -> List[int]:
     """Prompt text -> ids. Special tokens in the text (e.g. a rendered chat template) stay special;
     add_special_tokens adds the tokenizer's own around it (a Llama tokenizer's BOS: without it such
@@ -133,6 +152,7 @@ def create_tokenized_object(
         logprob_start_len=obj.logprob_start_len,
         top_logprobs_num=obj.top_logprobs_num,
         token_ids_logprob=list(obj.token_ids_logprob) if obj.token_ids_logprob else None,
+        return_hidden_states=bool(obj.return_hidden_states),
         stream=obj.stream,
         priority=obj.priority,
         custom_logit_processor=obj.custom_logit_processor,
