@@ -9,6 +9,11 @@ so only bs rows go through the [H, V] matmul, not all N; a 2000-token prompt the
 one LM-head row, not 2000. With `return_all_logits` (set only by the transformers parity
 tests) every position is kept in `full_logits [N, V]` as well.
 
+Hidden states (a request of the pass asked for return_hidden_states, so the ForwardBatch's
+`capture_hidden_mode` is FULL): `hidden_states` keeps the input [N, H] itself, the final-norm
+hidden state of every token of the pass (SGLang's hidden_states_to_store): no copy, no work; the
+scheduler reads each asking request's rows. NULL (every other pass) keeps nothing.
+
 Prompt logprobs (a request with `logprob_start_len` >= 0): the rows the ForwardBatch names in
 `input_logprob_indices` also go through the LM head, and `input_logprobs` holds log p(the next
 prompt token) at each, with the top-k and the logprobs of the ids a request names
@@ -49,6 +54,8 @@ class LogitsProcessorOutput:
     next_token_logits: torch.Tensor  # [bs, V] float32: logits that pick each request's next token
     full_logits: Optional[torch.Tensor] = None  # [N, V] float32, only with return_all_logits
     input_logprobs: Optional[InputLogprobs] = None  # only when the batch asks for prompt logprobs
+    # [N, H] in the model dtype: every token's final-norm hidden state, only with CaptureHiddenMode.FULL
+    hidden_states: Optional[torch.Tensor] = None
 
 
 class LogitsProcessor(nn.Module):
@@ -75,12 +82,17 @@ class LogitsProcessor(nn.Module):
                 lm_head_packed,
                 forward_batch.input_logprob_token_ids,
             )
+        # SGLang's _get_hidden_states_to_store, FULL mode: the hidden states as the model handed them
+        # over, after its final norm (what transformers' output_hidden_states[-1] is)
+        stored = hidden_states if forward_batch.capture_hidden_mode.is_full() else None  # [N, H]
         if forward_batch.return_all_logits:
             full = linear(hidden_states, lm_head_weight, packed=lm_head_packed).float()  # [N, V]
-            return LogitsProcessorOutput(next_token_logits=full[last], full_logits=full, input_logprobs=input_logprobs)
+            return LogitsProcessorOutput(
+                next_token_logits=full[last], full_logits=full, input_logprobs=input_logprobs, hidden_states=stored
+            )
         pruned = hidden_states[last]  # [bs, H]
         next_token_logits = linear(pruned, lm_head_weight, packed=lm_head_packed).float()  # [bs, V]
-        return LogitsProcessorOutput(next_token_logits=next_token_logits, input_logprobs=input_logprobs)
+        return LogitsProcessorOutput(next_token_logits=next_token_logits, input_logprobs=input_logprobs, hidden_states=stored)
 
     def input_logprobs(
         self,

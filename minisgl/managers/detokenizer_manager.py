@@ -275,6 +275,7 @@ class DetokenizerManager:
             completion_tokens=list(recv.completion_tokens),
             cached_tokens=list(recv.cached_tokens),
             time_stats=list(recv.time_stats),
+            output_hidden_states=list(recv.output_hidden_states),  # (passed through, as the logprobs)
             **recv.logprob_lists(),
         )
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 import torch
 
 from minisgl.mem_cache.allocator import decode_starts_page, new_page_slots
-from minisgl.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from minisgl.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from minisgl.sampling import stop_regex
 from minisgl.sampling.sampling_params import SamplingParams, stop_token_set
 
@@ -163,6 +163,7 @@ class Req:
         tokenizer: Any = None,
         priority: Optional[int] = None,
         require_reasoning: bool = False,
+        return_hidden_states: bool = False,
     ) -> None:
         self.rid = rid
         self.origin_input_text = origin_input_text
@@ -256,6 +257,17 @@ class Req:
         self.output_token_ids_logprobs_val: List[List[float]] = []
         self.output_token_ids_logprobs_idx: List[List[int]] = []
 
+        # return_hidden_states (SGLang's Req.hidden_states): the final-norm hidden state of every
+        # position the model computed for this request. Entry 0 holds the prompt's rows ([n, H]: the
+        # positions its prefill computed, every chunk's, from the end of its radix hit), then one [H]
+        # entry per decoded position (output_ids[k]'s, fed back at step k + 1). hidden_states_len: the
+        # position after the last one recorded (a retracted request's re-prefill skips those before);
+        # send_hidden_states_offset: the entries already sent to the detokenizer.
+        self.return_hidden_states = return_hidden_states
+        self.hidden_states: List[Any] = []
+        self.hidden_states_len = 0
+        self.send_hidden_states_offset = 0
+
         self.time_stats = ReqTimeStats(scheduler_recv_time=time.perf_counter())
 
     # ------------------------------------------------------------------ lengths
@@ -338,11 +350,33 @@ class Req:
             self.input_token_ids_logprobs_val.insert(0, None)
             self.input_token_ids_logprobs_idx.insert(0, None)
 
+    # ------------------------------------------------------------------ hidden states
+    def add_hidden_states(self, first_position: int, rows: List[List[float]]) -> None:
+        """One pass's rows of this request (positions first_position, first_position + 1, ...) into
+        SGLang's layout: prompt positions extend entry 0, each output position is an entry of its own.
+
+        SGLang appends what each pass computed: its prompt entry is the rows of the uncached tokens
+        (a radix hit's prefix was never computed, so it has no rows), and a chunked prompt keeps its
+        last chunk's rows only; here every chunk's rows join entry 0, so chunking never changes the
+        answer. Positions already recorded are skipped: a retracted request's re-prefill recomputes
+        its prompt and output (SGLang would append them all again)."""
+        skip = max(self.hidden_states_len - first_position, 0) if self.hidden_states else 0
+        prompt_len = len(self.origin_input_ids)
+        for position, row in enumerate(rows[skip:], start=first_position + skip):
+            if position < prompt_len:
+                if not self.hidden_states:
+                    self.hidden_states.append([])
+                self.hidden_states[0].append(row)
+            else:
+                self.hidden_states.append(row)
+            self.hidden_states_len = position + 1
+
     # ------------------------------------------------------------------ finishing
     def set_finish_with_abort(self, error_msg: str) -> None:
         """Reject before running: a one-token prefill carries the abort out the normal path."""
         self.origin_input_ids = [0]
         self.return_logprob = False
+        self.return_hidden_states = False  # (token 0's row is nobody's hidden state)
         self.logprob_start_len = -1
         self.to_finish = FINISH_ABORT(error_msg, 400, "BadRequestError")
 
@@ -575,6 +609,11 @@ class ScheduleBatch:
     def return_logprob(self) -> bool:
         return any(r.return_logprob for r in self.reqs)
 
+    @property
+    def return_hidden_states(self) -> bool:
+        """A request of the batch asked: the pass keeps every token's hidden state (CaptureHiddenMode.FULL)."""
+        return any(r.return_hidden_states for r in self.reqs)
+
     def is_prefill_only(self) -> bool:
         return all(r.sampling_params.max_new_tokens == 0 for r in self.reqs)
 
@@ -791,6 +830,7 @@ class ScheduleBatch:
             if named
             else None,
             dimensions=[r.dimensions for r in self.reqs] if any(r.dimensions is not None for r in self.reqs) else None,
+            capture_hidden_mode=CaptureHiddenMode.FULL if self.return_hidden_states else CaptureHiddenMode.NULL,
         )
 
     def get_sampling_info(self, vocab_size: int, device: str, eos_token_ids: Set[int]) -> Any:

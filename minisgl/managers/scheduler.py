@@ -47,6 +47,7 @@ from minisgl.managers.io_struct import (
 )
 from minisgl.managers.schedule_batch import FINISH_ABORT, LEAST_PRIORITY, Req, ScheduleBatch, priority_text
 from minisgl.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
+from minisgl.managers.tokenization import RETURN_HIDDEN_STATES_DISABLED
 from minisgl.managers.scheduler_metrics_mixin import SchedulerMetricsMixin
 from minisgl.managers.scheduler_output_processor_mixin import (
     EmbeddingBatchResult, GenerationBatchResult, SchedulerOutputProcessorMixin,
@@ -211,6 +212,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
             tokenizer=self.tokenizer,
             priority=recv_req.priority,
             require_reasoning=recv_req.require_reasoning,
+            return_hidden_states=recv_req.return_hidden_states,
         )
         if self.priority_order is not None and req.priority is None:
             req.priority = self.priority_order * LEAST_PRIORITY  # (SGLang's default: the least important)
@@ -222,6 +224,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
         self.init_req_max_new_tokens(req)
         if not self.is_generation:  # (the TokenizerManager and the Engine refuse it first)
             error_msg = EMBEDDING_SCHEDULER_REFUSES_GENERATION
+        if error_msg is None and req.return_hidden_states and not self.server_args.enable_return_hidden_states:
+            error_msg = RETURN_HIDDEN_STATES_DISABLED  # (the TokenizerManager and the Engine refuse it first)
         if error_msg is None and recv_req.custom_logit_processor is not None:
             error_msg = self.load_custom_logit_processor(req, recv_req.custom_logit_processor)
         if error_msg is not None:
@@ -848,7 +852,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
             if req.to_finish is None and not req.finished():
                 logger.warning("Request %s: %s", req.rid, message)
                 req.to_finish = FINISH_ABORT(message, 400, "BadRequestError")
-        return GenerationBatchResult(*sampled, input_logprobs=logits_output.input_logprobs)
+        return GenerationBatchResult(*sampled, input_logprobs=logits_output.input_logprobs, hidden_states=logits_output.hidden_states)
 
     def self_check_during_idle(self) -> None:
         """Idle: reset the ratio and check that no KV slot leaked (§12.1), once per idle period.

@@ -39,6 +39,9 @@ class GenerationBatchResult(NamedTuple):
     token_ids_logprobs: Optional[List[Optional[List[float]]]] = None  # per request, at its token_ids_logprob
     custom_logit_processor_errors: Optional[Dict[int, str]] = None  # (run_batch turned them into to_finish)
     input_logprobs: Optional[InputLogprobs] = None  # rows in ScheduleBatch.input_logprob_rows order
+    # [N, H]: every token's final-norm hidden state, in input_ids order (LogitsProcessorOutput.hidden_states);
+    # None unless a request of the batch asked for return_hidden_states
+    hidden_states: Optional[torch.Tensor] = None
 
 
 class EmbeddingBatchResult(NamedTuple):
@@ -66,6 +69,7 @@ class SchedulerOutputProcessorMixin:
         next_token_ids = result.next_token_ids.tolist()
         logprobs = _logprob_lists(result)
         input_logprobs = _input_logprob_rows(batch, result.input_logprobs)
+        _store_hidden_states(batch, result.hidden_states)
         decoding = {id(r) for r in batch.decoding_reqs or []}
         skip_stream_req: Optional[Req] = None
         for i, (req, token) in enumerate(zip(batch.reqs, next_token_ids)):
@@ -128,6 +132,7 @@ class SchedulerOutputProcessorMixin:
     def process_batch_result_decode(self, batch: ScheduleBatch, result: Any) -> None:
         next_token_ids = result.next_token_ids.tolist()
         logprobs = _logprob_lists(result)
+        _store_hidden_states(batch, result.hidden_states)
         self.token_to_kv_pool_allocator.free_group_begin()
         for i, (req, token) in enumerate(zip(batch.reqs, next_token_ids)):
             if req.finished() or req.is_retracted:
@@ -227,6 +232,7 @@ class SchedulerOutputProcessorMixin:
         # the logprob lists stay empty (not a list of empties per request) when no one asks:
         # they cross two process boundaries with every token (logprobs_of reads a short list as none)
         with_logprobs = any(r.return_logprob for r in emitting)
+        with_hidden_states = any(r.return_hidden_states for r in emitting)  # (the same rule as the logprob lists)
         out = BatchTokenIDOutput(
             rids=[], finished_reasons=[], decode_ids=[], read_offsets=[], output_ids=[], skip_special_tokens=[],
             spaces_between_special_tokens=[], no_stop_trim=[], stop_strs=[], stop_regexes=[], prompt_tokens=[],
@@ -254,6 +260,10 @@ class SchedulerOutputProcessorMixin:
             out.cached_tokens.append(req.cached_tokens)
             if with_logprobs:
                 _add_logprobs(out, req, start, end)
+            if with_hidden_states:
+                # the entries added since its last output: the prompt's rows come with its first one
+                out.output_hidden_states.append(req.hidden_states[req.send_hidden_states_offset :] if req.return_hidden_states else None)
+                req.send_hidden_states_offset = len(req.hidden_states)
             out.time_stats.append(req.time_stats.to_ms_dict())
             req.send_decode_id_offset = len(decode_ids)
             req.send_token_offset = end
@@ -297,6 +307,21 @@ def _add_logprobs(out: BatchTokenIDOutput, req: Req, start: int, end: int) -> No
     out.input_top_logprobs_idx.append(req.input_top_logprobs_idx if send_input else [])
     out.input_token_ids_logprobs_val.append(req.input_token_ids_logprobs_val if send_input else [])
     out.input_token_ids_logprobs_idx.append(req.input_token_ids_logprobs_idx if send_input else [])
+
+
+def _store_hidden_states(batch: ScheduleBatch, hidden_states: Optional[torch.Tensor]) -> None:
+    """Each asking request's rows of the pass into Req.hidden_states (SGLang does this in its
+    prefill and decode result loops). Row order is input_ids': request i has extend_lens[i] rows
+    (1 in a decode pass, and for a decode request riding a mixed pass), for positions from
+    prefix_lens[i] on. Only the asking requests' rows leave the device, one transfer each."""
+    if hidden_states is None:
+        return
+    start = 0
+    for req, prefix_len, count in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+        # (SGLang's guard too: a request finished meanwhile, an abort that came in this step, keeps what it has)
+        if req.return_hidden_states and not req.finished():
+            req.add_hidden_states(prefix_len, hidden_states[start : start + count].tolist())
+        start += count
 
 
 def _logprob_lists(result: Any) -> Tuple[Any, Any, Any, Any]:

@@ -42,6 +42,22 @@ class ForwardMode(enum.IntEnum):
         return self == ForwardMode.MIXED
 
 
+class CaptureHiddenMode(enum.IntEnum):
+    """Which final-norm hidden states a pass hands back (SGLang's enum, forward_batch_info.py).
+    FULL, every token's, when a request of the batch asked for return_hidden_states; NULL
+    otherwise, and then the pass keeps nothing. (SGLang's LAST = 1, the last token's only, is for
+    speculative decoding's draft model, which minisgl does not have.)"""
+
+    NULL = 0
+    FULL = 2
+
+    def need_capture(self) -> bool:
+        return self != CaptureHiddenMode.NULL
+
+    def is_full(self) -> bool:
+        return self == CaptureHiddenMode.FULL
+
+
 @dataclass
 class ForwardBatch:
     forward_mode: ForwardMode
@@ -74,6 +90,9 @@ class ForwardBatch:
     # --is-embedding: each request's Matryoshka `dimensions` (None: the whole embedding); None when
     # no request of the pass asked (the Pooler then cuts nothing)
     dimensions: Optional[List[Optional[int]]] = None
+    # FULL when a request of the pass asked for return_hidden_states: the LogitsProcessor then hands
+    # back the final-norm hidden state of every token of the pass (LogitsProcessorOutput.hidden_states)
+    capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
 
     @property
     def num_tokens(self) -> int:
