@@ -349,9 +349,10 @@ async def _profile_response(reply: Any, route: str) -> Response:
 async def _native_generate(tm: TokenizerManager, request: GenerateRequest, raw_request: Request) -> Response:
     """SGLang's /generate: {"text", "output_ids", "meta_info"} (a list for batches).
 
-    A stream's chunks are cumulative, as SGLang's: each carries all text, ids and logprobs so
-    far, and the last equals the non-stream answer; with --incremental-streaming-output, what
-    each adds (the TokenizerManager's own dicts).
+    A stream's chunks are cumulative, as SGLang's: each carries all text, ids, logprobs and
+    hidden states so far, and the last equals the non-stream answer; with
+    --incremental-streaming-output, what each adds (the TokenizerManager's own dicts; SGLang sends
+    the whole hidden-state list in every chunk there too).
     """
     obj = GenerateReqInput(
         text=request.text,
@@ -363,6 +364,7 @@ async def _native_generate(tm: TokenizerManager, request: GenerateRequest, raw_r
         top_logprobs_num=request.top_logprobs_num,
         return_text_in_logprobs=request.return_text_in_logprobs,
         token_ids_logprob=request.token_ids_logprob,
+        return_hidden_states=request.return_hidden_states,
         stream=request.stream,
         priority=request.priority,
         custom_logit_processor=request.custom_logit_processor,
@@ -384,6 +386,7 @@ async def _native_generate(tm: TokenizerManager, request: GenerateRequest, raw_r
         texts: Dict[int, str] = {}
         ids: Dict[int, List[int]] = {}
         logprobs: Dict[int, Dict[str, List[Any]]] = {}
+        hidden_states: Dict[int, List[Any]] = {}
         try:
             async for out in prepend(first, gen):
                 if incremental:
@@ -397,6 +400,10 @@ async def _native_generate(tm: TokenizerManager, request: GenerateRequest, raw_r
                 for key in LOGPROB_META_KEYS:
                     so_far[key].extend(meta.get(key, ()))
                     meta[key] = list(so_far[key])
+                if "hidden_states" in meta:  # (only a prompt that asked has them)
+                    entries = hidden_states.setdefault(index, [])
+                    entries.extend(meta["hidden_states"])
+                    meta["hidden_states"] = list(entries)
                 yield sse_data({**out, "text": texts[index], "output_ids": ids[index], "meta_info": meta})
         except ValueError as e:  # after the headers: an error event, then [DONE] as usual (SGLang)
             yield sse_data(error_body(str(e)))

@@ -12,7 +12,7 @@ stream of dicts the serving layer renders:
      "output_top_logprobs": [[(logprob, id, text), ...]], "input_token_logprobs": [(logprob | None,
      id, text)], "input_top_logprobs": [None | [(logprob, id, text), ...]],
      "output_token_ids_logprobs" / "input_token_ids_logprobs": the same per position for the
-     ids of token_ids_logprob, "e2e_latency"?}}
+     ids of token_ids_logprob, "hidden_states"? (only when asked: return_hidden_states), "e2e_latency"?}}
     (+ "index" for batches; text is None unless return_text_in_logprobs, as SGLang's)
 
 An embedding request (EmbeddingReqInput, a server started with --is-embedding) takes the same
@@ -21,8 +21,9 @@ path with TokenizedEmbeddingReqInput and comes back as one BatchEmbeddingOutput,
 Each kind of server refuses the other kind of request with a ValueError (a 400).
 
 Streaming dicts carry deltas (SGLang's incremental streaming); the final dict of a
-non-streaming request carries the whole text, ids and logprobs. Prompt logprobs (asked for by
-`logprob_start_len`) come once, in the first dict after the prompt was prefilled.
+non-streaming request carries the whole text, ids, logprobs and hidden states. Prompt logprobs
+(asked for by `logprob_start_len`) come once, in the first dict after the prompt was prefilled;
+so does the prompt's entry of the hidden states (Req.hidden_states' layout).
 Owns: rid_to_state, the request-side Prometheus metrics, the dynamic batch tokenizer.
 """
 
@@ -65,6 +66,7 @@ from minisgl.managers.io_struct import (
     decode,
     encode,
     expand_samples,
+    hidden_states_of,
     logprobs_of,
     new_rid,
     prefix_warmups,
@@ -141,6 +143,7 @@ class ReqState:
     text: str = ""
     output_ids: List[int] = field(default_factory=list)
     logprobs: Dict[str, List[Any]] = field(default_factory=lambda: {key: [] for key in LOGPROB_META_KEYS})
+    hidden_states: List[Any] = field(default_factory=list)  # every entry so far (return_hidden_states)
     prompt_tokens: int = 0
 
 
@@ -357,6 +360,7 @@ class TokenizerManager:
         # (a request without one gets the scheduler's default: the least important, SGLang's)
         tokenization.check_priority(obj.priority, self.server_args.enable_priority_scheduling)
         tokenization.check_custom_logit_processor(obj, self.server_args.enable_custom_logit_processor)
+        tokenization.check_return_hidden_states(obj, self.server_args.enable_return_hidden_states)
         n = params[0].n if obj.is_single else 1
         if obj.is_single and n == 1:
             async for out in self._generate_one(obj, request):
@@ -583,6 +587,8 @@ class TokenizerManager:
             return {"embedding": last.get("embedding"), "meta_info": dict(last["meta_info"])}
         meta = dict(last["meta_info"])
         meta.update({key: list(entries) for key, entries in state.logprobs.items()})
+        if "hidden_states" in meta:
+            meta["hidden_states"] = list(state.hidden_states)
         return {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
 
     @staticmethod
@@ -815,6 +821,10 @@ class TokenizerManager:
                 "cached_tokens": recv.cached_tokens[i],
                 **logprobs,
             }
+            if getattr(state.obj, "return_hidden_states", False):  # (one that asked always has the key: [] when nothing is new)
+                hidden_states = hidden_states_of(recv, i) or []
+                state.hidden_states.extend(hidden_states)
+                meta_info["hidden_states"] = hidden_states
             out = {"text": recv.output_strs[i], "output_ids": list(recv.output_ids[i]), "meta_info": meta_info}
             is_abort = isinstance(finish_reason, dict) and finish_reason.get("type") == "abort"
             if state.obj.log_metrics and not is_abort:  # (SGLang: TTFT from a non-abort output only)
@@ -961,6 +971,8 @@ def coalesce_streaming_chunks(out_list: List[Dict[str, Any]]) -> Dict[str, Any]:
     meta = copy.copy(out_list[-1]["meta_info"])
     for key in LOGPROB_META_KEYS:
         meta[key] = [lp for out in out_list for lp in out["meta_info"][key]]
+    if "hidden_states" in meta:
+        meta["hidden_states"] = [entry for out in out_list for entry in out["meta_info"]["hidden_states"]]
     return {
         "text": "".join(out["text"] for out in out_list),
         "output_ids": [t for out in out_list for t in out["output_ids"]],
