@@ -31,7 +31,7 @@ UNSUPPORTED_FIELDS = frozenset(
     {
         "functions", "function_call", "audio", "modalities", "prediction", "store",
         "metadata", "service_tier", "web_search_options", "suffix", "best_of", "user",
-        "lora_path", "image_data", "return_hidden_states",
+        "lora_path", "image_data",
         # SGLang's own, on /generate or the OpenAI routes
         "audio_data", "video_data", "input_embeds", "session_params", "bootstrap_host",
         "bootstrap_port", "bootstrap_room", "data_parallel_rank", "extra_key", "cache_salt",
@@ -41,7 +41,9 @@ UNSUPPORTED_FIELDS = frozenset(
 )  # fmt: skip
 
 # /generate fields SGLang types as nullable: null is their default there
-GENERATE_NULL_MEANS_DEFAULT = frozenset({"return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "stream"})
+GENERATE_NULL_MEANS_DEFAULT = frozenset(
+    {"return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "stream", "return_hidden_states"}
+)
 
 
 def _drop_nulls(data: Any, null_means_default: FrozenSet[str]) -> Any:
@@ -99,7 +101,7 @@ class ModelList(BaseModel):
 
 # Fields the OpenAI reference documents as nullable whose minisgl type is not: an explicit
 # null (the openai SDK sends one for `n=None`) means the default, as leaving the field out does.
-NULL_MEANS_DEFAULT = frozenset({"frequency_penalty", "presence_penalty", "n", "logprobs", "stream", "echo"})
+NULL_MEANS_DEFAULT = frozenset({"frequency_penalty", "presence_penalty", "n", "logprobs", "stream", "echo", "return_hidden_states"})
 
 # what a knob neither the request nor generation_config.json sets takes: SamplingParams' default
 _BUILTIN_DEFAULTS = {key: getattr(SamplingParams(), key) for key in GENERATION_CONFIG_SAMPLING_KEYS}
@@ -231,6 +233,9 @@ class _SamplingFields(BaseModel):
     # logits before sampling, and the parameters it reads (sampling/custom_logit_processor.py)
     custom_logit_processor: Optional[str] = None
     custom_params: Optional[Dict[str, Any]] = None
+    # SGLang's (chat and completions): with --enable-return-hidden-states, each choice carries the
+    # hidden state of its last decode step (OpenAIServingBase.last_hidden_state)
+    return_hidden_states: bool = False
 
     def _common_sampling_params(self, max_new_tokens: Optional[int], defaults: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
         """The SGLang sampling_params dict. An unset knob takes `defaults` (the model's
@@ -431,12 +436,25 @@ class ChatChoiceLogprobs(BaseModel):
     content: Optional[List[ChatTokenLogprob]] = None
 
 
+def _without_null_hidden_states(data: Dict[str, Any]) -> Dict[str, Any]:
+    """A choice's `hidden_states` key only when the request asked (SGLang's serializers drop a null
+    one: a client that never asks never sees the field)."""
+    if data.get("hidden_states") is None:
+        data.pop("hidden_states", None)
+    return data
+
+
 class ChatCompletionResponseChoice(BaseModel):
     index: int
     message: ChatCompletionMessage
     logprobs: Optional[ChatChoiceLogprobs] = None
     finish_reason: Optional[str] = None
     matched_stop: Optional[Union[int, str]] = None
+    hidden_states: Optional[List[float]] = None  # return_hidden_states: the last decode step's
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: Any) -> Dict[str, Any]:
+        return _without_null_hidden_states(handler(self))
 
 
 class ChatCompletionResponse(BaseModel):
@@ -457,6 +475,7 @@ class DeltaMessage(BaseModel):
     content: Optional[str] = None
     reasoning_content: Optional[str] = None
     tool_calls: Optional[List[DeltaToolCall]] = None
+    hidden_states: Optional[List[float]] = None  # return_hidden_states: in a chunk of its own, after the finish
 
     @model_serializer(mode="wrap")
     def _only_what_changed(self, handler: Any) -> Dict[str, Any]:
@@ -511,6 +530,11 @@ class CompletionResponseChoice(BaseModel):
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
     matched_stop: Optional[Union[int, str]] = None
+    hidden_states: Optional[List[float]] = None  # return_hidden_states: the last decode step's
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: Any) -> Dict[str, Any]:
+        return _without_null_hidden_states(handler(self))
 
 
 class CompletionResponse(BaseModel):
@@ -572,6 +596,8 @@ class GenerateRequest(BaseModel):
     top_logprobs_num: Union[int, List[int]] = 0
     return_text_in_logprobs: bool = False  # each (logprob, id, text) entry with its token's text
     token_ids_logprob: Optional[Union[List[int], List[Optional[List[int]]]]] = None  # ids every position reports
+    # SGLang's: with --enable-return-hidden-states, meta_info["hidden_states"] (one for all prompts, or one per prompt)
+    return_hidden_states: Union[bool, List[bool]] = False
     stream: bool = False
     priority: Optional[int] = None  # with --enable-priority-scheduling: how important (all prompts of a batch)
     # with --enable-custom-logit-processor: CustomLogitProcessor.to_str() for all prompts, or a list

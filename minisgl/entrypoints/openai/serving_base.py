@@ -159,6 +159,41 @@ class UsageCounter:
         )
 
 
+def last_hidden_state(meta_info: Dict[str, Any], request: Any) -> Optional[List[float]]:
+    """A choice's `hidden_states` (SGLang's process_hidden_states_from_ret, entrypoints/openai/utils.py):
+    None unless the request asked; else the last entry of meta_info["hidden_states"], the hidden
+    state of the output token the last decode step fed in, or [] when there is only the prompt's
+    entry (max_tokens 1: no decode step ran). The prompt's rows never reach an OpenAI client."""
+    if not request.return_hidden_states:
+        return None
+    entries = meta_info.get("hidden_states")
+    if entries is None:
+        return None
+    return entries[-1] if len(entries) > 1 else []
+
+
+class StreamedHiddenStates:
+    """A stream's hidden states, per choice, for the chunk SGLang sends after the finish chunks (and
+    before the usage chunk): `{"index", <the choice's hidden_states>, "finish_reason": null}` per
+    choice that had any, the last entry as last_hidden_state picks it. The streamed dicts carry what
+    each adds: only the count and the last entry are kept, not the prompt's rows."""
+
+    def __init__(self) -> None:
+        self.count: Dict[int, int] = {}  # choice index -> entries so far (in the order choices first came)
+        self.last: Dict[int, List[float]] = {}
+
+    def update(self, index: int, meta_info: Dict[str, Any]) -> None:
+        entries = meta_info.get("hidden_states")
+        if entries is None:  # (it did not ask)
+            return
+        self.count[index] = self.count.get(index, 0) + len(entries)
+        if entries:
+            self.last[index] = entries[-1]
+
+    def final(self) -> List[Tuple[int, List[float]]]:
+        return [(index, self.last[index] if count > 1 else []) for index, count in self.count.items() if count > 0]
+
+
 class OpenAIServingBase(ABC):
     """handle_request: validate -> convert -> stream or not, with SGLang's error mapping."""
 

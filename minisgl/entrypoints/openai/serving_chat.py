@@ -5,7 +5,9 @@ and builds a `GenerateReqInput` (text + `to_sampling_params`), which no longer k
 came from a chat request. The rendered prompt travels as text so that it goes through
 the same TokenizerManager tokenization (and dynamic batching) as every other prompt.
 Streaming follows sglang-facts.md §10.4: a role chunk per choice, content deltas, a
-finish chunk per choice, an optional usage chunk, then `data: [DONE]`.
+finish chunk per choice, with `return_hidden_states` a chunk per choice whose delta carries the
+last decode step's hidden state (SGLang's; a non-streaming choice has it as `hidden_states`), an
+optional usage chunk, then `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -33,9 +35,11 @@ from minisgl.entrypoints.openai.protocol import (
 )
 from minisgl.entrypoints.openai.serving_base import (
     OpenAIServingBase,
+    StreamedHiddenStates,
     UsageCounter,
     abort_events,
     abort_status,
+    last_hidden_state,
     openai_finish_reason,
     prepend,
     response_id,
@@ -296,6 +300,7 @@ class OpenAIServingChat(OpenAIServingBase):
             priority=request.priority,
             custom_logit_processor=request.custom_logit_processor,
             require_reasoning=self._thinks(request),
+            return_hidden_states=request.return_hidden_states,
         )
 
     # ------------------------------------------------------------------ logprobs
@@ -351,6 +356,7 @@ class OpenAIServingChat(OpenAIServingBase):
                     logprobs=self._logprobs(meta, request),
                     finish_reason=finish_reason,
                     matched_stop=matched,
+                    hidden_states=last_hidden_state(meta, request),
                 )
             )
         response = ChatCompletionResponse(id=response_id(outs[0], request.n), model=request.model, choices=choices, usage=usage.usage())
@@ -364,6 +370,7 @@ class OpenAIServingChat(OpenAIServingBase):
         created = int(time.time())  # one timestamp for every chunk of the stream, as OpenAI's
         usage = UsageCounter(request.n)
         role_sent: set = set()
+        hidden_states = StreamedHiddenStates()
 
         continuous = request.stream_options is not None and request.stream_options.continuous_usage_stats
 
@@ -397,6 +404,7 @@ class OpenAIServingChat(OpenAIServingBase):
             index = out.get("index", 0)
             meta = out["meta_info"]
             usage.update(index, meta)
+            hidden_states.update(index, meta)
             reason = meta["finish_reason"]
             if index not in role_sent and abort_status(reason) is None:  # (a refused request: the error event alone, as SGLang)
                 role_sent.add(index)
@@ -449,6 +457,10 @@ class OpenAIServingChat(OpenAIServingBase):
             elif text or tokens:
                 yield chunk(index, DeltaMessage(content=text), logprobs=whole)
             yield chunk(index, DeltaMessage(), finish_reason=finish_reason, matched_stop=matched)
+        if request.return_hidden_states:  # (SGLang's: after every finish chunk, before the usage)
+            for index, last in hidden_states.final():
+                choice = ChatCompletionResponseStreamChoice(index=index, delta=DeltaMessage(hidden_states=last))
+                yield sse_data(ChatCompletionStreamResponse(id=rid, created=created, model=request.model, choices=[choice]))
         if request.stream_options is not None and request.stream_options.include_usage:
             body = ChatCompletionStreamResponse(id=rid, created=created, model=request.model, choices=[], usage=usage.usage())
             yield sse_data(body)

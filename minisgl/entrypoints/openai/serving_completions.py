@@ -7,7 +7,9 @@ with `echo` the prompt's tokens come first in it (their logprobs computed from p
 first one null: nothing comes before it), as OpenAI's and SGLang's do. That is the request
 lm-eval-harness scores a continuation with (`max_tokens: 1`, `echo`, `logprobs: 1`; it sums
 `token_logprobs[ctxlen:-1]`). `text_offset` counts characters of the decoded text
-(`text_offsets`), not token_str lengths.
+(`text_offsets`), not token_str lengths. `return_hidden_states` (SGLang's) puts the last decode
+step's hidden state in each choice's `hidden_states`; a stream sends it in one chunk per choice
+after the others (serving_base.last_hidden_state / StreamedHiddenStates).
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from minisgl.entrypoints.openai.protocol import (
 )
 from minisgl.entrypoints.openai.serving_base import (
     OpenAIServingBase,
+    StreamedHiddenStates,
     UsageCounter,
     abort_events,
+    last_hidden_state,
     openai_finish_reason,
     prepend,
     response_id,
@@ -62,6 +66,7 @@ class OpenAIServingCompletions(OpenAIServingBase):
             stream=request.stream,
             priority=request.priority,
             custom_logit_processor=request.custom_logit_processor,
+            return_hidden_states=request.return_hidden_states,
         )
 
     def _prompt_text(self, request: CompletionRequest, index: int) -> str:
@@ -126,6 +131,7 @@ class OpenAIServingCompletions(OpenAIServingBase):
                     logprobs=self._logprobs(meta, request, prefix, out["text"], len(prefix)),
                     finish_reason=finish_reason,
                     matched_stop=matched,
+                    hidden_states=last_hidden_state(meta, request),
                 )
             )
         response = CompletionResponse(id=response_id(outs[0], request.n), model=request.model, choices=choices, usage=usage.usage())
@@ -138,6 +144,7 @@ class OpenAIServingCompletions(OpenAIServingBase):
         created = int(time.time())  # one timestamp for every chunk of the stream, as OpenAI's
         usage = UsageCounter(request.n)
         text_offsets: Dict[int, int] = {}
+        hidden_states = StreamedHiddenStates()
         continuous = request.stream_options is not None and request.stream_options.continuous_usage_stats
 
         def chunk(choice: CompletionResponseChoice) -> str:
@@ -148,6 +155,7 @@ class OpenAIServingCompletions(OpenAIServingBase):
             index = out.get("index", 0)
             meta = out["meta_info"]
             usage.update(index, meta)
+            hidden_states.update(index, meta)
             echoed = ""
             if index not in text_offsets:  # the choice's first chunk: the echoed prompt comes first
                 echoed = self._prompt_text(request, index) if request.echo else ""
@@ -164,6 +172,10 @@ class OpenAIServingCompletions(OpenAIServingBase):
             text_offsets[index] += len(out["text"])
             if text or finish_reason is not None or (logprobs is not None and logprobs.tokens):
                 yield chunk(CompletionResponseChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason, matched_stop=matched))
+        if request.return_hidden_states:  # (SGLang's: after every choice finished, before the usage)
+            for index, last in hidden_states.final():
+                choice = CompletionResponseChoice(index=index, text="", hidden_states=last)
+                yield sse_data(CompletionStreamResponse(id=rid, created=created, model=request.model, choices=[choice]))
         if request.stream_options is not None and request.stream_options.include_usage:
             body = CompletionStreamResponse(id=rid, created=created, model=request.model, choices=[], usage=usage.usage())
             yield sse_data(body)
