@@ -22,7 +22,9 @@ Results have the TokenizerManager's shape (docs/engine.md): `meta_info` always c
 None)] * k], the prompt's `input_token_logprobs` [(logprob | None, id, None)] and
 `input_top_logprobs`, and `output_token_ids_logprobs` / `input_token_ids_logprobs` (the ids
 of token_ids_logprob at each position), empty unless asked for. Entries are SGLang's
-triples; the text stays None here (the server fills it with return_text_in_logprobs). A
+triples; the text stays None here (the server fills it with return_text_in_logprobs). With
+return_hidden_states (and enable_return_hidden_states=True), `meta_info["hidden_states"]` holds
+the final-norm hidden states in SGLang's layout: the prompt's rows, then one per decode step. A
 streamed chunk carries everything so far, as SGLang's (only what it adds with
 incremental_streaming_output), a final result the whole lists.
 """
@@ -43,11 +45,12 @@ from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional,
 
 from minisgl.managers.io_struct import (
     LOGPROB_META_KEYS, AbortReq, BatchEmbeddingOutput, BatchStrOutput, EmbeddingReqInput, GenerateReqInput, ProfileReq,
-    ProfileReqType, TokenizedEmbeddingReqInput, TokenizedGenerateReqInput, check_logprob_args, expand_samples, logprobs_of,
-    new_rid, prefix_warmups,
+    ProfileReqType, TokenizedEmbeddingReqInput, TokenizedGenerateReqInput, check_logprob_args, expand_samples,
+    hidden_states_of, logprobs_of, new_rid, prefix_warmups,
 )  # fmt: skip
 from minisgl.managers.tokenization import (
-    check_custom_logit_processor, check_dimensions, check_priority, tokenize_one_request, validate_context_length,
+    check_custom_logit_processor, check_dimensions, check_priority, check_return_hidden_states, tokenize_one_request,
+    validate_context_length,
 )  # fmt: skip
 from minisgl.sampling.sampling_params import SamplingParams
 from minisgl.server_args import SERVER_ONLY_FIELDS, SGLANG_OPTIONS_ALREADY_SO, ServerArgs, resolve_server_args
@@ -63,6 +66,8 @@ GENERATE_ON_EMBEDDING_ENGINE = (
     "This Engine serves an embedding model (is_embedding=True): call encode() for embeddings; generate() and "
     "add_request() need an Engine built without is_embedding"
 )
+# what the Engine adds to SGLang's refusal (tokenization.RETURN_HIDDEN_STATES_DISABLED), which names the server's flag
+RETURN_HIDDEN_STATES_ENGINE_HINT = " (The Engine's argument: Engine(..., enable_return_hidden_states=True).)"
 ENCODE_ON_GENERATION_ENGINE = (
     "This model does not appear to be an embedding model by default: build the Engine with is_embedding=True "
     "(the server: --is-embedding) to call encode()"
@@ -97,6 +102,8 @@ class _ReqState:
     # accumulated over every message: the scheduler emits at least every 50 tokens even
     # for a non-streaming request, so one message holds only part of the answer
     logprobs: Dict[str, List[Any]] = field(default_factory=lambda: {key: [] for key in LOGPROB_META_KEYS})
+    # return_hidden_states: every entry so far (meta_info["hidden_states"] of its results); None when not asked
+    hidden_states: Optional[List[Any]] = None
     # a generate(stream=True) reads it: each message adds a delta to `pending`, or marks it `updated`
     streamed: bool = False
     # --incremental-streaming-output: the delta chunks not yet handed to the stream
@@ -166,6 +173,7 @@ class Engine:
         token_ids_logprob: Optional[List[int]] = None,
         priority: Optional[int] = None,
         custom_logit_processor: Optional[Any] = None,
+        return_hidden_states: bool = False,
     ) -> str:
         """Tokenize one request and queue it in the scheduler; returns its rid.
 
@@ -177,7 +185,9 @@ class Engine:
         With return_logprob, logprob_start_len >= 0 asks for the prompt's logprobs from that
         position on too (meta_info["input_token_logprobs"]); -1 for output logprobs only.
         token_ids_logprob: ids whose logprobs every output token (and scored prompt position)
-        reports, in meta_info["output_token_ids_logprobs"] ("input_token_ids_logprobs")."""
+        reports, in meta_info["output_token_ids_logprobs"] ("input_token_ids_logprobs").
+        return_hidden_states: with enable_return_hidden_states, the final-norm hidden states in
+        meta_info["hidden_states"] (docs/engine.md)."""
         self._check_open()
         if self.server_args.is_embedding:
             raise ValueError(GENERATE_ON_EMBEDDING_ENGINE)
@@ -191,11 +201,12 @@ class Engine:
             text=prompt, input_ids=input_ids, sampling_params=dict(sampling_params or {}), rid=rid or new_rid(),
             return_logprob=return_logprob, logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
             token_ids_logprob=token_ids_logprob, stream=stream, priority=priority,
-            custom_logit_processor=_processor_str(custom_logit_processor),
+            custom_logit_processor=_processor_str(custom_logit_processor), return_hidden_states=return_hidden_states,
         )  # fmt: skip
         obj.normalize_batch_and_arguments()
         check_priority(priority, self.server_args.enable_priority_scheduling)
         check_custom_logit_processor(obj, self.server_args.enable_custom_logit_processor)
+        check_return_hidden_states(obj, self.server_args.enable_return_hidden_states, RETURN_HIDDEN_STATES_ENGINE_HINT)
         tokenized = self._tokenize(obj)
         try:
             self._enqueue([tokenized])
@@ -242,6 +253,7 @@ class Engine:
                 self.rid_to_state[tokenized.rid] = _ReqState(
                     rid=tokenized.rid, created_time=now, streamed=streamed,
                     is_embedding=isinstance(tokenized, TokenizedEmbeddingReqInput),
+                    hidden_states=[] if getattr(tokenized, "return_hidden_states", False) else None,
                 )  # fmt: skip
             self._guarded(self.scheduler.process_input_requests, requests)
             self._drain_outputs()  # a request rejected at the gate (queue full) finishes here
@@ -250,7 +262,7 @@ class Engine:
     def _submit(
         self, prompt: Prompt, sampling_params: Any, input_ids: InputIds, stream: bool, return_logprob: Any,
         top_logprobs_num: Any, logprob_start_len: Any, token_ids_logprob: Any, rid: Any = None, priority: Any = None,
-        custom_logit_processor: Any = None,
+        custom_logit_processor: Any = None, return_hidden_states: Any = False,
     ) -> tuple[List[str], bool]:
         """Fan a generate() call out into single requests (n copies each). Returns (rids, single).
 
@@ -267,10 +279,12 @@ class Engine:
             text=prompt, input_ids=input_ids, sampling_params=sampling_params, return_logprob=return_logprob,
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, token_ids_logprob=token_ids_logprob,
             stream=stream, rid=rid, priority=priority, custom_logit_processor=_processor_str(custom_logit_processor),
+            return_hidden_states=return_hidden_states,
         )  # fmt: skip
         check_priority(priority, self.server_args.enable_priority_scheduling)
         obj.normalize_batch_and_arguments()  # single or batch, lists per prompt, the same n for all
         check_custom_logit_processor(obj, self.server_args.enable_custom_logit_processor)
+        check_return_hidden_states(obj, self.server_args.enable_return_hidden_states, RETURN_HIDDEN_STATES_ENGINE_HINT)
         obj.check_rids()  # the server's rules (in-process, without its length bound)
         for single in obj.singles():  # before any prompt is tokenized
             check_logprob_args(
@@ -309,6 +323,7 @@ class Engine:
         rid: Optional[Union[str, List[str]]] = None,
         priority: Optional[int] = None,
         custom_logit_processor: Optional[Any] = None,
+        return_hidden_states: Union[bool, List[bool]] = False,
     ) -> Any:
         """SGLang's shapes: one prompt -> dict; a list (or n > 1) -> list; stream -> iterator.
 
@@ -319,11 +334,16 @@ class Engine:
         the request is (all prompts of a batch; docs/scheduler.md). custom_logit_processor: with
         enable_custom_logit_processor, a CustomLogitProcessor subclass or its to_str() (one for all
         prompts, or a list of one per prompt) that edits the logits before sampling, reading each
-        prompt's sampling_params["custom_params"] (docs/server.md, "Custom logit processors")."""
+        prompt's sampling_params["custom_params"] (docs/server.md, "Custom logit processors").
+        return_hidden_states (with enable_return_hidden_states=True; one for all prompts or one per
+        prompt): meta_info["hidden_states"], SGLang's list: the prompt's final-norm rows [n, H] (the
+        tokens the prefill computed: after a radix hit, only the uncached ones), then one [H] row per
+        decode step (docs/engine.md)."""
         rids, single = self._submit(
             prompt, sampling_params, input_ids, stream, return_logprob=return_logprob,
             top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, token_ids_logprob=token_ids_logprob,
             rid=rid, priority=priority, custom_logit_processor=custom_logit_processor,
+            return_hidden_states=return_hidden_states,
         )  # fmt: skip
         if stream:
             chunks = self._stream(rids, single)
@@ -393,6 +413,7 @@ class Engine:
         rid: Optional[Union[str, List[str]]] = None,
         priority: Optional[int] = None,
         custom_logit_processor: Optional[Any] = None,
+        return_hidden_states: Union[bool, List[bool]] = False,
     ) -> Any:
         """generate() for asyncio code (SGLang's async_generate): `await` it for the result, or
         with stream=True for an async iterator of the same chunks.
@@ -408,6 +429,7 @@ class Engine:
             self._submit, prompt, sampling_params, input_ids, stream, return_logprob=return_logprob,
             top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, token_ids_logprob=token_ids_logprob,
             rid=rid, priority=priority, custom_logit_processor=custom_logit_processor,
+            return_hidden_states=return_hidden_states,
         )  # fmt: skip
         submitted = loop.run_in_executor(None, submit)
         try:
@@ -685,6 +707,9 @@ class Engine:
             state.output_ids.extend(out.output_ids[i])
             for key, entries in logprobs.items():
                 state.logprobs[key].extend(entries)
+            new_hidden_states = hidden_states_of(out, i) or []
+            if state.hidden_states is not None:
+                state.hidden_states.extend(new_hidden_states)
             finish = out.finished_reasons[i]
             state.meta_info = {
                 "id": rid,
@@ -705,6 +730,8 @@ class Engine:
                 continue
             if self.server_args.incremental_streaming_output:  # this message's text, ids and logprobs only
                 delta_meta = {**state.meta_info, **logprobs}
+                if state.hidden_states is not None:
+                    delta_meta["hidden_states"] = new_hidden_states
                 state.pending.append({"text": out.output_strs[i], "output_ids": list(out.output_ids[i]), "meta_info": delta_meta})
             else:
                 state.updated = True
@@ -723,6 +750,8 @@ class Engine:
         if state.is_embedding:
             return {"embedding": state.embedding, "meta_info": dict(state.meta_info)}
         meta = {**state.meta_info, **{key: list(entries) for key, entries in state.logprobs.items()}}
+        if state.hidden_states is not None:
+            meta["hidden_states"] = list(state.hidden_states)
         return {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
 
     @_locked
