@@ -1,0 +1,228 @@
+"""return_hidden_states on the HTTP side, in process: /generate (cumulative and incremental
+streams), the OpenAI routes' `hidden_states` (SGLang's process_hidden_states_from_ret and its
+stream chunk), and the refusals, over a stand-in scheduler.
+
+The app runs under FastAPI's TestClient with a real TokenizerManager; the stand-in answers a
+request as the detokenizer would, one BatchStrOutput per output token: the first carries the
+prompt's entry ([n, H] rows) and every later one a decode step's [H] row, with values that name
+their position (so a wrong slice or a lost message shows). tests/test_hidden_states_e2e.py runs
+the real processes and the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, Dict, Iterator, List, Tuple
+
+import pytest
+from fastapi.testclient import TestClient
+
+from minisgl.entrypoints.http_server import create_app
+from minisgl.managers.io_struct import BatchStrOutput, TokenizedGenerateReqInput
+from minisgl.managers.tokenization import RETURN_HIDDEN_STATES_DISABLED
+from minisgl.managers.tokenizer_manager import TokenizerManager
+from minisgl.server_args import PortArgs, ServerArgs, resolve_server_args
+from minisgl.utils import get_tokenizer
+
+CONTEXT_LEN = 256
+
+
+def prompt_entry(input_ids: List[int]) -> List[List[float]]:
+    return [[float(t), 0.5] for t in input_ids]
+
+
+def decode_row(step: int) -> List[float]:
+    return [float(step), -0.25]
+
+
+def expected(input_ids: List[int], max_new_tokens: int) -> List[Any]:
+    """What a request that asked gets in all: the prompt's entry, then steps 1 .. k - 1."""
+    return [prompt_entry(input_ids)] + [decode_row(k) for k in range(1, max_new_tokens)]
+
+
+def _tm(model: str, tmp_path: Any, **overrides: Any) -> TokenizerManager:
+    """A TokenizerManager whose scheduler is a stand-in that answers every generation request."""
+    args = resolve_server_args(ServerArgs(model_path=model, device="cpu", **{"enable_return_hidden_states": True, **overrides}))
+    tokenizer = get_tokenizer(model)
+    tm = TokenizerManager(args, PortArgs.init_new(str(tmp_path)), tokenizer, CONTEXT_LEN, len(tokenizer))
+
+    def send(msg: Any) -> None:
+        if not isinstance(msg, TokenizedGenerateReqInput):
+            return
+        loop = asyncio.get_running_loop()
+        steps = msg.sampling_params.max_new_tokens
+        for k in range(steps):  # one message per token, as a stream gets them
+            hidden = [prompt_entry(msg.input_ids)] if k == 0 else [decode_row(k)]
+            out = BatchStrOutput(
+                rids=[msg.rid], finished_reasons=[{"type": "length", "length": steps} if k == steps - 1 else None],
+                output_strs=[f"t{k} "], output_ids=[[10 + k]], prompt_tokens=[len(msg.input_ids)], completion_tokens=[k + 1],
+                cached_tokens=[0], output_hidden_states=[hidden if msg.return_hidden_states else None],
+            )  # fmt: skip
+            loop.call_later(0.005 * (k + 1), tm._dispatch, out)
+        if steps == 0:  # (an n > 1 request's prefix warm-up: finished at once)
+            done = BatchStrOutput(
+                rids=[msg.rid], finished_reasons=[{"type": "length", "length": 0}], output_strs=[""], output_ids=[[]],
+                prompt_tokens=[len(msg.input_ids)], completion_tokens=[0], cached_tokens=[0],
+            )  # fmt: skip
+            loop.call_soon(tm._dispatch, done)
+
+    tm._send_to_scheduler = send  # type: ignore[method-assign]
+    return tm
+
+
+def _client(tm: TokenizerManager) -> Iterator[TestClient]:
+    with TestClient(create_app(tm.server_args, tm, is_healthy=lambda: True)) as c:
+        yield c
+    tm.close()
+
+
+@pytest.fixture()
+def served(tiny_model: str, tmp_path: Any) -> Iterator[Tuple[TestClient, TokenizerManager]]:
+    tm = _tm(tiny_model, tmp_path)
+    for c in _client(tm):
+        yield c, tm
+
+
+def events(response: Any) -> List[Any]:
+    """The SSE events of a stream, parsed (without the final [DONE])."""
+    lines = [line[len("data: "):] for line in response.text.split("\n") if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+# --------------------------------------------------------------------------- /generate
+def test_generate_returns_every_entry_only_to_prompts_that_asked(served: Any) -> None:
+    c, tm = served
+    ids = [[3, 4, 5], [6, 7]]
+    r = c.post("/generate", json={"input_ids": ids[0], "sampling_params": {"max_new_tokens": 4}, "return_hidden_states": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["meta_info"]["hidden_states"] == expected(ids[0], 4)
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 3}, "return_hidden_states": [False, True]}
+    outs = c.post("/generate", json=body).json()
+    assert "hidden_states" not in outs[0]["meta_info"]
+    assert outs[1]["meta_info"]["hidden_states"] == expected(ids[1], 3)
+    # null asks for the default, as for SGLang's other nullable /generate fields
+    r = c.post("/generate", json={"input_ids": ids[0], "sampling_params": {"max_new_tokens": 2}, "return_hidden_states": None})
+    assert r.status_code == 200 and "hidden_states" not in r.json()["meta_info"]
+
+
+def test_a_cumulative_stream_carries_every_entry_so_far(served: Any) -> None:
+    """SGLang's /generate stream: each chunk's hidden states are the whole list so far."""
+    c, _ = served
+    ids = [3, 4, 5]
+    r = c.post("/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 4}, "return_hidden_states": True, "stream": True})
+    chunks = [e["meta_info"]["hidden_states"] for e in events(r)]
+    whole = expected(ids, 4)
+    assert chunks[-1] == whole
+    assert all(chunk == whole[: len(chunk)] for chunk in chunks) and len(chunks[0]) >= 1
+
+
+def test_an_incremental_stream_carries_what_each_chunk_adds(tiny_model: str, tmp_path: Any) -> None:
+    """--incremental-streaming-output: the new entries only (SGLang sends the whole list there too:
+    docs/server.md); the chunks' entries together are the whole list."""
+    tm = _tm(tiny_model, tmp_path, incremental_streaming_output=True)
+    for c in _client(tm):
+        ids = [3, 4, 5]
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 4}, "return_hidden_states": True, "stream": True}
+        chunks = [e["meta_info"]["hidden_states"] for e in events(c.post("/generate", json=body))]
+        assert [entry for chunk in chunks for entry in chunk] == expected(ids, 4)
+        assert chunks[0][0] == prompt_entry(ids)
+
+
+# --------------------------------------------------------------------------- OpenAI routes
+def test_a_completion_choice_carries_the_last_decode_row(served: Any) -> None:
+    c, tm = served
+    prompt = "hello there"
+    ids = tm.tokenizer.encode(prompt)
+    body = {"model": tm.model_name, "prompt": prompt, "max_tokens": 4, "return_hidden_states": True}
+    choice = c.post("/v1/completions", json=body).json()["choices"][0]
+    assert choice["hidden_states"] == expected(ids, 4)[-1] == decode_row(3)
+    # one output token: only the prompt's entry, which SGLang's OpenAI routes never return
+    one = c.post("/v1/completions", json={**body, "max_tokens": 1}).json()["choices"][0]
+    assert one["hidden_states"] == []
+    plain = c.post("/v1/completions", json={**body, "return_hidden_states": False}).json()["choices"][0]
+    assert "hidden_states" not in plain
+    # n > 1: every choice its own
+    choices = c.post("/v1/completions", json={**body, "n": 2}).json()["choices"]
+    assert [ch["hidden_states"] for ch in choices] == [decode_row(3)] * 2
+
+
+def test_a_chat_choice_carries_it_beside_its_message(served: Any) -> None:
+    c, tm = served
+    body = {"model": tm.model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "return_hidden_states": True}
+    choice = c.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert choice["hidden_states"] == decode_row(2) and "hidden_states" not in choice["message"]
+    plain = c.post("/v1/chat/completions", json={**body, "return_hidden_states": False}).json()["choices"][0]
+    assert "hidden_states" not in plain
+
+
+def test_streams_send_one_hidden_state_chunk_per_choice_after_the_finish_before_the_usage(served: Any) -> None:
+    c, tm = served
+    usage = {"stream_options": {"include_usage": True}}
+    body = {"model": tm.model_name, "prompt": "hello", "max_tokens": 3, "n": 2, "stream": True, "return_hidden_states": True, **usage}
+    got = events(c.post("/v1/completions", json=body))
+    assert got[-1]["choices"] == [] and got[-1]["usage"]["completion_tokens"] == 6
+    tail = got[-3:-1]
+    assert sorted(e["choices"][0]["index"] for e in tail) == [0, 1]
+    for e in tail:
+        assert e["choices"][0]["hidden_states"] == decode_row(2) and e["choices"][0]["text"] == ""
+        assert e["choices"][0]["finish_reason"] is None
+    finishes = [i for i, e in enumerate(got) if e["choices"] and e["choices"][0]["finish_reason"] is not None]
+    assert len(finishes) == 2 and max(finishes) < len(got) - 3
+    assert not any("hidden_states" in e["choices"][0] for e in got[:-3] if e["choices"])
+
+    chat = {"model": tm.model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "stream": True,
+            "return_hidden_states": True}  # fmt: skip
+    got = events(c.post("/v1/chat/completions", json=chat))
+    assert got[-1]["choices"][0]["delta"] == {"hidden_states": []}  # one token: no decode step ran
+    assert got[-2]["choices"][0]["finish_reason"] == "length"
+    plain = events(c.post("/v1/chat/completions", json={**chat, "return_hidden_states": False}))
+    assert not any("hidden_states" in e["choices"][0]["delta"] for e in plain)
+
+
+# --------------------------------------------------------------------------- refusals
+def test_without_the_flag_every_route_refuses_with_sglang_s_message(tiny_model: str, tmp_path: Any) -> None:
+    tm = _tm(tiny_model, tmp_path, enable_return_hidden_states=False)
+    for c in _client(tm):
+        bodies: Dict[str, Dict[str, Any]] = {
+            "/generate": {"text": "hi", "sampling_params": {"max_new_tokens": 2}},
+            "/v1/completions": {"model": tm.model_name, "prompt": "hi", "max_tokens": 2},
+            "/v1/chat/completions": {"model": tm.model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        }
+        for route, body in bodies.items():
+            for stream in (False, True):
+                r = c.post(route, json={**body, "return_hidden_states": True, "stream": stream})
+                assert r.status_code == 400, (route, r.text)
+                assert r.json()["error"]["message"] == RETURN_HIDDEN_STATES_DISABLED
+            ok = c.post(route, json={**body, "return_hidden_states": False})
+            assert ok.status_code == 200, (route, ok.text)
+        r = c.post("/generate", json={"text": ["a", "b"], "sampling_params": {"max_new_tokens": 2}, "return_hidden_states": [False, True]})
+        assert r.status_code == 400 and r.json()["error"]["message"] == RETURN_HIDDEN_STATES_DISABLED
+        assert not tm.rid_to_state
+
+
+def test_bad_values_are_400s_that_name_the_field(served: Any) -> None:
+    c, tm = served
+    for route, body in (
+        ("/generate", {"text": "hi", "return_hidden_states": "yes"}),
+        ("/v1/completions", {"model": tm.model_name, "prompt": "hi", "return_hidden_states": 1}),
+    ):
+        r = c.post(route, json=body)
+        assert r.status_code == 400 and "return_hidden_states" in r.text, r.text
+    r = c.post("/generate", json={"text": "hi", "return_hidden_states": [True]})
+    assert r.status_code == 400 and "lists are per prompt of a batch" in r.json()["error"]["message"]
+
+
+def test_an_embedding_server_has_no_hidden_states_to_return(tiny_model: str, tmp_path: Any) -> None:
+    """SGLang's embedding requests have no return_hidden_states (the embedding is the pooled
+    final-norm hidden state): /v1/embeddings and /encode refuse the field by name, /generate is
+    an embedding server's refusal."""
+    tm = _tm(tiny_model, tmp_path, enable_return_hidden_states=False, is_embedding=True)
+    for c in _client(tm):
+        r = c.post("/v1/embeddings", json={"model": tm.model_name, "input": "hi", "return_hidden_states": True})
+        assert r.status_code == 400 and "return_hidden_states" in r.text
+        r = c.post("/encode", json={"text": "hi", "return_hidden_states": True})
+        assert r.status_code == 400 and "return_hidden_states" in r.text
+        r = c.post("/generate", json={"text": "hi", "return_hidden_states": True})
+        assert r.status_code == 400 and "embedding server" in r.json()["error"]["message"]
