@@ -109,6 +109,15 @@ def test_a_prompt_and_its_greedy_decode_steps_equal_transformers(engine: Engine,
     assert plain["output_ids"] == out["output_ids"] and "hidden_states" not in plain["meta_info"]
 
 
+def test_async_generate_returns_them_too(engine: Engine, hf_model: Any) -> None:
+    import asyncio
+
+    engine.flush_cache()
+    prompt = list(range(210, 222))
+    out = asyncio.run(engine.async_generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 3}, return_hidden_states=True))
+    check_layout(hf_model, prompt, out)
+
+
 def test_a_prefill_only_request_gets_its_prompt_rows(engine: Engine, hf_model: Any) -> None:
     """max_new_tokens 0: the prompt's entry alone (the rows a reward head or a probe reads)."""
     engine.flush_cache()
@@ -206,6 +215,27 @@ def test_a_retracted_request_recomputes_without_recording_anything_twice(tiny_mo
             out = eng.get_result(rid)
             assert len(out["output_ids"]) == 40
             check_layout(hf_model, prompt, out)
+    finally:
+        eng.shutdown()
+
+
+def test_a_preempted_request_resumes_without_recording_anything_twice(tiny_model: str, hf_model: Any) -> None:
+    """Priority preemption sends a running request back to the queue as a retraction does."""
+    eng = Engine(
+        tiny_model, device="cpu", max_total_tokens=1024, max_running_requests=1, enable_priority_scheduling=True,
+        enable_return_hidden_states=True,
+    )  # fmt: skip
+    try:
+        prompt = list(range(50, 62))
+        eng.add_request(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 12}, rid="a", priority=0, return_hidden_states=True)
+        eng.step(snapshot=False)
+        eng.step(snapshot=False)  # a decodes, holding the only request slot
+        eng.add_request(input_ids=[70, 71, 72], sampling_params={**GREEDY, "max_new_tokens": 2}, rid="b", priority=20)
+        snap = eng.step()
+        assert ("retract", "a") in [(e["type"], e["rid"]) for e in snap["events"]]
+        eng.run_until_idle()
+        eng.get_result("b")
+        check_layout(hf_model, prompt, eng.get_result("a"))
     finally:
         eng.shutdown()
 

@@ -416,7 +416,8 @@ class Engine:
         return_hidden_states: Union[bool, List[bool]] = False,
     ) -> Any:
         """generate() for asyncio code (SGLang's async_generate): `await` it for the result, or
-        with stream=True for an async iterator of the same chunks.
+        with stream=True for an async iterator of the same chunks (the same arguments, hidden
+        states included).
 
         The work (tokenizing, each scheduler step) runs in the event loop's default executor,
         so the loop stays free, and concurrent calls share the steps: each step advances every
