@@ -30,6 +30,15 @@ def new_rid() -> str:
     return uuid.uuid4().hex
 
 
+def batch_rids(rid: Any, n: int) -> List[str]:
+    """A batch of n prompts' rids: the caller's list of n, or n new ones."""
+    if rid is None:
+        return [new_rid() for _ in range(n)]
+    if not isinstance(rid, list) or len(rid) != n:
+        raise ValueError(f"`rid` must be a list of {n} ids for a batch of {n} prompts")
+    return rid
+
+
 # --------------------------------------------------------------------------- requests
 def check_same_n(param_dicts: List[Any]) -> None:
     """SGLang's rule for a batch: every prompt asks for the same number of samples, so that
@@ -160,10 +169,7 @@ class GenerateReqInput:
                                  "a batch")  # fmt: skip
             return
         n = self.batch_size
-        if self.rid is None:
-            self.rid = [new_rid() for _ in range(n)]
-        elif not isinstance(self.rid, list) or len(self.rid) != n:
-            raise ValueError(f"`rid` must be a list of {n} ids for a batch of {n} prompts")
+        self.rid = batch_rids(self.rid, n)
         if not isinstance(self.sampling_params, list):
             self.sampling_params = [dict(self.sampling_params or {}) for _ in range(n)]
         elif len(self.sampling_params) != n:
@@ -326,10 +332,7 @@ class EmbeddingReqInput:
             self.sampling_params = {"max_new_tokens": 0}
             return
         n = self.batch_size
-        if self.rid is None:
-            self.rid = [new_rid() for _ in range(n)]
-        elif not isinstance(self.rid, list) or len(self.rid) != n:
-            raise ValueError(f"`rid` must be a list of {n} ids for a batch of {n} prompts")
+        self.rid = batch_rids(self.rid, n)
         self.sampling_params = [{"max_new_tokens": 0} for _ in range(n)]
 
     def check_rids(self, max_chars: Optional[int] = None) -> None:

@@ -44,6 +44,20 @@ def create_error_response(message: str, status_code: int = 400, err_type: Option
     return JSONResponse(error_body(message, status_code, err_type, param), status_code=status_code)
 
 
+def handler_error_response(e: Exception) -> JSONResponse:
+    """What a route's handler raised, as its OpenAI error: an HTTPException's status, an aborted
+    request's (ReqAbortedError: 400, 503, ...), a ValueError's 400 (bad input found late, e.g. by
+    the tokenizer), anything else a logged 500. Call it inside the `except` block (it logs the traceback)."""
+    if isinstance(e, HTTPException):
+        return create_error_response(str(e.detail), status_code=e.status_code)
+    if isinstance(e, ReqAbortedError):
+        return create_error_response(e.message, status_code=e.status_code)
+    if isinstance(e, ValueError):
+        return create_error_response(str(e))
+    logger.exception("Internal server error")
+    return create_error_response(f"Internal server error: {e}", status_code=500, err_type="InternalServerError")
+
+
 def unknown_model_response(model: str, served: str) -> Optional[JSONResponse]:
     """The 404 for a model this server does not serve; None for its name or "default" (which
     names whatever this server serves: handy for clients written for any model)."""
@@ -240,15 +254,8 @@ class OpenAIServingBase(ABC):
             if request.stream:
                 return await self._handle_streaming_request(adapted, request, raw_request)
             return await self._handle_non_streaming_request(adapted, request, raw_request)
-        except HTTPException as e:
-            return create_error_response(str(e.detail), status_code=e.status_code)
-        except ReqAbortedError as e:
-            return create_error_response(e.message, status_code=e.status_code)
-        except ValueError as e:
-            return create_error_response(str(e))
         except Exception as e:
-            logger.exception("Internal server error")
-            return create_error_response(f"Internal server error: {e}", status_code=500, err_type="InternalServerError")
+            return handler_error_response(e)
 
     async def _handle_streaming_request(self, adapted: GenerateReqInput, request: Any, raw_request: Request) -> Response:
         gen = self.tokenizer_manager.generate_request(adapted, raw_request)

@@ -19,13 +19,13 @@ import logging
 import struct
 from typing import Any, Dict, List, Optional
 
-from fastapi import HTTPException, Request
+from fastapi import Request
 from fastapi.responses import Response
 
 from minisgl.entrypoints.openai.protocol import EmbeddingObject, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
-from minisgl.entrypoints.openai.serving_base import create_error_response, unknown_model_response
+from minisgl.entrypoints.openai.serving_base import create_error_response, handler_error_response, unknown_model_response
 from minisgl.managers.io_struct import EmbeddingReqInput
-from minisgl.managers.tokenizer_manager import EMBEDDING_ON_GENERATION_SERVER, ReqAbortedError, TokenizerManager
+from minisgl.managers.tokenizer_manager import EMBEDDING_ON_GENERATION_SERVER, TokenizerManager
 
 logger = logging.getLogger("minisgl.serving")
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's; each answer is inputs x hidden floats, built on the HTTP process
@@ -79,15 +79,8 @@ class OpenAIServingEmbedding:
             # one json.dumps of ~45 MB that held it for over a second
             body = await asyncio.to_thread(self._response_body, outs, request)
             return Response(content=body, media_type="application/json")
-        except HTTPException as e:
-            return create_error_response(str(e.detail), status_code=e.status_code)
-        except ReqAbortedError as e:
-            return create_error_response(e.message, status_code=e.status_code)
-        except ValueError as e:
-            return create_error_response(str(e))
         except Exception as e:
-            logger.exception("Internal server error")
-            return create_error_response(f"Internal server error: {e}", status_code=500, err_type="InternalServerError")
+            return handler_error_response(e)
 
     @staticmethod
     def _convert_to_internal_request(request: EmbeddingRequest) -> EmbeddingReqInput:
