@@ -143,7 +143,7 @@ def shape_from_config(path: str, flops_floor: bool = True) -> ModelShape:
         raise ValueError(
             f"--model {path} is a mixture-of-experts model ({experts} experts): this script's FLOPs floor and "
             "matmul-rate probe model a dense decoder and would report wrong numbers; benchmark a dense model "
-            "(bench_serving, bench_prefix_cache and bench_chunked_prefill take a MoE model)"
+            "(bench_serving, bench_prefix_cache, bench_chunked_prefill and bench_scheduler_overhead take a MoE model)"
         )
     return ModelShape(
         hidden=c["hidden_size"], layers=c["num_hidden_layers"], heads=c["num_attention_heads"],

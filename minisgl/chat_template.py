@@ -2,8 +2,8 @@
 
 Where it sits: ServerArgs checks `--chat-template` at start (`read_chat_template`); the HTTP
 process puts the file on its tokenizer (`load_chat_template`) before serving; OpenAIServingChat
-asks `template_variables` which names a template reads, to refuse `chat_template_kwargs`, `name`
-or `reasoning_effort` that the template would drop. transformers renders; this module only parses,
+asks `template_variables` which names a template reads, to refuse `chat_template_kwargs` or
+`reasoning_effort` that the template would drop (an unused `name` is found by rendering without it). transformers renders; this module only parses,
 with the Jinja extensions transformers renders with, so what parses here renders there.
 """
 

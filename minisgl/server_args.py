@@ -39,7 +39,7 @@ SGLANG_OPTIONS_ALREADY_SO = {
 SERVER_ONLY_FIELDS = (
     "host", "port", "api_key", "visualize", "enable_dynamic_batch_tokenizer", "soft_watchdog_timeout",
     "watchdog_timeout", "log_requests", "served_model_name",
-    "tool_call_parser", "reasoning_parser",  # (the chat route's: the Engine has no chat)
+    "tool_call_parser", "reasoning_parser", "chat_template",  # (the chat route's: the Engine has no chat)
 )  # fmt: skip
 
 # The built-in model ships inside the package (DESIGN.md, "The built-in model").
@@ -220,7 +220,8 @@ class ServerArgs:
     log_requests: bool = field(default=False, metadata=_opt("Log every request's inputs and outputs."))
 
     def __post_init__(self) -> None:
-        # Validation only: no I/O, no mutation (STYLE.md habit 5).
+        # Validation only: no mutation (STYLE.md habit 5); the one read is --chat-template's file, checked here
+        # so that a missing file or a typo fails the start, not every chat request.
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.tp_size != 1:

@@ -374,3 +374,5 @@ def test_chat_template_flag_is_checked_at_start(tmp_path: Any) -> None:
     tok = Tok()
     load_chat_template(tok, str(good))
     assert tok.chat_template == good.read_text()
+    with pytest.raises(ValueError, match="chat_template: option"):  # the Engine has no chat route to render for
+        Engine(device="cpu", chat_template=str(good))

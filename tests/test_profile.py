@@ -317,7 +317,8 @@ def test_server_num_steps_while_requests_stream(server: Any) -> None:
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_server_start_and_stop(server: Any, tmp_path: Path) -> None:
-    body = {"output_dir": str(tmp_path), "activities": ["CPU"], "with_stack": False, "record_shapes": None, "profile_prefix": "run1"}
+    body = {"output_dir": str(tmp_path), "activities": ["CPU"], "with_stack": False, "record_shapes": None, "profile_prefix": "run1",
+            "start_step": None, "profile_by_stage": None, "merge_profiles": False, "profile_stages": None}  # (null: the default)
     r = httpx.post(server.url + "/start_profile", json=body)
     assert r.status_code == 200, r.text
     assert "already in progress. Call /stop_profile first." in _error(httpx.get(server.url + "/start_profile"))

@@ -1,10 +1,11 @@
 """Req and ScheduleBatch (stage 3, the scheduler's data; sglang-facts.md §6).
 
-Where it sits: `Scheduler.handle_generate_request` turns a TokenizedGenerateReqInput into
-a `Req`; the PrefillAdder picks requests into a `ScheduleBatch`, which allocates request
-rows and KV slots (`prepare_for_extend` / `prepare_for_decode`) and builds the
-`ForwardBatch` the ModelRunner consumes. Results come back as token ids that the
-Scheduler appends to `Req.output_ids`, after which `Req.check_finished` decides.
+Where it sits: `Scheduler.handle_generate_request` (`handle_embedding_request` with
+--is-embedding) turns a TokenizedGenerateReqInput into a `Req`; the PrefillAdder picks
+requests into a `ScheduleBatch`, which allocates request rows and KV slots
+(`prepare_for_extend` / `prepare_for_decode`) and builds the `ForwardBatch` the ModelRunner
+consumes. Results come back as token ids that the Scheduler appends to `Req.output_ids`, after
+which `Req.check_finished` decides (an embedding request's result is its `Req.embedding`).
 
 Length vocabulary (SGLang's, one word per concept):
     fill_ids          = origin_input_ids + output_ids, cut at the chunk end when chunked

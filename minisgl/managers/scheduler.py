@@ -6,7 +6,7 @@ Owns: waiting_queue, running_batch, chunked_req, the RadixCache, new_token_ratio
 One iteration (`run_step`) is SGLang's event_loop_normal body without the I/O:
 
     batch = get_next_batch_to_run()   # stash chunk, merge last prefill, prefill first, else decode
-    result = run_batch(batch)         # ModelRunner.forward + sample
+    result = run_batch(batch)         # ModelRunner.forward + sample (forward only: embeddings)
     process_batch_result(batch, result)  # append tokens, finish, release, stream
 
 The class does no socket I/O (STYLE.md habit 7): inputs arrive through

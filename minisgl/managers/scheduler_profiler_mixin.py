@@ -119,7 +119,7 @@ def resolve_profile_args(req: ProfileReq, device: str) -> ProfileSettings:
 
 
 def refuse_unsupported_profile_args(
-    start_step: Optional[int] = None, profile_by_stage: bool = False, merge_profiles: bool = False,
+    start_step: Optional[int] = None, profile_by_stage: Optional[bool] = False, merge_profiles: Optional[bool] = False,
     profile_stages: Optional[List[str]] = None,
 ) -> None:  # fmt: skip
     """SGLang's ProfileReqInput fields that minisgl does not implement: left at their defaults

@@ -3,7 +3,9 @@
 Where it sits: ModelRunner.forward(forward_batch) -> DecoderForCausalLM.forward(input_ids,
 positions, forward_batch) -> LogitsProcessorOutput. In: the flattened tokens of a batch
 (every request's extend tokens, or one token per request in decode); out: next-token
-logits per request. K/V go into the paged pool through RadixAttention and the backend.
+logits per request (and, for a batch that asked, every token's final-norm hidden state), or
+with `get_embedding` (an embedding model, --is-embedding) the Pooler's embedding per request.
+K/V go into the paged pool through RadixAttention and the backend.
 
 Per layer (pre-norm, residual stream carried beside the hidden states):
     h, residual = input_layernorm(h, residual)            # residual += h; h = norm(residual)

@@ -125,7 +125,7 @@ function radixNode(n, depth) {
   const label = n.id === 0 ? "root" : `#${n.id} · ${n.len} tok`;
   const kids = n.children && n.children.length ? `<ul>${n.children.map((c) => radixNode(c, depth + 1)).join("")}</ul>` : "";
   return `<li><span class="rnode" data-node="${n.id}" data-len="${n.len}" data-locked="${n.lock_ref > 0 && n.id !== 0 ? 1 : 0}"
-    data-root="${n.id === 0 ? 1 : 0}" title="lock_ref ${n.lock_ref}${n.tokens_preview ? " · tokens " + n.tokens_preview.join(" ") : ""}">${label}</span>${kids}</li>`;
+    data-root="${n.id === 0 ? 1 : 0}" title="lock_ref ${n.lock_ref} · hits ${n.hits || 0}${n.tokens_preview ? " · tokens " + n.tokens_preview.join(" ") : ""}">${label}</span>${kids}</li>`;
 }
 
 function renderMemory(snap) {

@@ -662,9 +662,9 @@ class ProfileReqInput(BaseModel):
     start_step: Optional[int] = None
     num_steps: Optional[int] = None  # stop by itself after this many steps that run a batch
     activities: Optional[List[str]] = None  # CPU, GPU, MEM; default CPU (+ GPU on CUDA)
-    profile_by_stage: bool = False
+    profile_by_stage: Optional[bool] = None  # (null or false: asks for nothing)
     with_stack: Optional[bool] = None  # default true
     record_shapes: Optional[bool] = None  # default true
-    merge_profiles: bool = False
+    merge_profiles: Optional[bool] = None
     profile_prefix: Optional[str] = None  # the trace's file name starts with "<profile_prefix>-"
     profile_stages: Optional[List[str]] = None

@@ -216,7 +216,7 @@ class OpenAIServingChat(OpenAIServingBase):
     def _apply_chat_template(self, request: ChatCompletionRequest) -> str:
         """Render the messages; each goes to the template whole (role, content and name, as in SGLang)."""
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("This model's tokenizer has no chat template; use /v1/completions instead.")
+            raise ValueError("This model's tokenizer has no chat template; start the server with --chat-template FILE, or use /v1/completions.")
         messages = [_template_message(m) for m in request.messages]
         prompt = self._render(messages, request)
         # A template that never reads `name`, or an assistant's earlier `tool_calls`, would drop
