@@ -15,6 +15,7 @@ passes without an asking request unchanged), mixed chunks, retraction (no entry 
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, Iterator, List
 
 import pytest
@@ -321,3 +322,57 @@ def test_an_embedding_server_refuses_the_flag() -> None:
     field); here it is refused rather than ignored. The embedding itself is the hidden state."""
     with pytest.raises(ValueError, match="--enable-return-hidden-states is for generation requests"):
         ServerArgs(is_embedding=True, enable_return_hidden_states=True)
+
+
+# --------------------------------------------------------------------------- what the scheduler keeps
+def test_an_abort_mid_decode_returns_one_entry_per_token(engine: Engine, hf_model: Any) -> None:
+    """The token sampled in the step the abort came in is not returned, and neither is its row:
+    k tokens, k entries, each still transformers' (the OpenAI choice reads the last)."""
+    prompt = list(range(20, 32))
+    rid = engine.add_request(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 50}, return_hidden_states=True)
+    for _ in range(5):
+        engine.step(snapshot=False)
+    engine.abort(rid)
+    engine.run_until_idle()
+    out = engine.get_result(rid)
+    assert out["meta_info"]["finish_reason"]["type"] == "abort" and 1 < len(out["output_ids"]) < 50
+    check_layout(hf_model, prompt, out)
+
+
+def test_the_scheduler_keeps_no_row_it_sent(engine: Engine) -> None:
+    """Each output sends the entries added since the last (deltas): the request keeps none of them
+    (Python floats, 32 bytes a value, held for its whole life)."""
+    rid = engine.add_request(input_ids=list(range(40, 70)), sampling_params={**GREEDY, "max_new_tokens": 8},
+                             return_hidden_states=True, stream=True)  # fmt: skip
+    for _ in range(4):
+        engine.step(snapshot=False)
+    (req,) = [r for r in engine.scheduler.running_batch.reqs if r.rid == rid]
+    assert req.send_hidden_states_offset == len(req.hidden_states) >= 3
+    assert all(entry is None for entry in req.hidden_states)
+    engine.run_until_idle()
+    chunks = engine.get_result(rid)
+    assert len(chunks["meta_info"]["hidden_states"]) == len(chunks["output_ids"]) == 8
+
+
+def test_a_non_finite_hidden_state_is_null_not_an_error(tiny_model_factory: Any, tmp_path: Any) -> None:
+    """JSON has no NaN or inf: such a value is null (SGLang's orjson writes null), so a valid request
+    still gets its answer (the server's JSONResponse refused it, a 400)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source = tiny_model_factory("qwen3")
+    for name in os.listdir(source):
+        shutil.copy(os.path.join(source, name), tmp_path / name)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors["model.norm.weight"][0] = float("inf")
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    eng = Engine(str(tmp_path), device="cpu", max_total_tokens=1024, enable_return_hidden_states=True)
+    try:
+        out = generate(eng, list(range(20, 26)), 2, return_hidden_states=True)
+    finally:
+        eng.shutdown()
+    hidden = out["meta_info"]["hidden_states"]
+    assert hidden[0][0][0] is None and all(isinstance(v, float) for v in hidden[0][0][1:])
+    json.dumps(out["meta_info"], allow_nan=False)  # (what a strict JSON writer needs)

@@ -395,6 +395,11 @@ class Req:
             # The token sampled in this step was produced after the abort was asked for:
             # it is not part of the answer.
             self.finished_len = max(len(self.output_ids) - 1, 0)
+            if self.return_hidden_states:  # that token's row goes too: k tokens returned, k entries
+                extra = len(self.hidden_states) - max(self.finished_len, 1)
+                if extra > 0:
+                    del self.hidden_states[-extra:]
+                    self.hidden_states_len -= extra
             return
         last_token = self.output_ids[-1]
         if self.vocab_size is not None and not 0 <= last_token < self.vocab_size:

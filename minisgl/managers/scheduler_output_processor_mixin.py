@@ -15,6 +15,7 @@ and it leaves in one BatchEmbeddingOutput (`stream_output_embedding`).
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
@@ -263,6 +264,11 @@ class SchedulerOutputProcessorMixin:
             if with_hidden_states:
                 # the entries added since its last output: the prompt's rows come with its first one
                 out.output_hidden_states.append(req.hidden_states[req.send_hidden_states_offset :] if req.return_hidden_states else None)
+                # sent: the scheduler keeps no row it sent (Python floats, 32 bytes a value: a 2,000-token
+                # prompt at H = 1,024 held 66 MB for the request's whole life); the entries stay as
+                # None, since positions and counts are read from the list's length
+                for k in range(req.send_hidden_states_offset, len(req.hidden_states)):
+                    req.hidden_states[k] = None
                 req.send_hidden_states_offset = len(req.hidden_states)
             out.time_stats.append(req.time_stats.to_ms_dict())
             req.send_decode_id_offset = len(decode_ids)
@@ -320,7 +326,11 @@ def _store_hidden_states(batch: ScheduleBatch, hidden_states: Optional[torch.Ten
     for req, prefix_len, count in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
         # (SGLang's guard too: a request finished meanwhile, an abort that came in this step, keeps what it has)
         if req.return_hidden_states and not req.finished():
-            req.add_hidden_states(prefix_len, hidden_states[start : start + count].tolist())
+            rows = hidden_states[start : start + count]  # [count, H]
+            values = rows.tolist()
+            if not bool(torch.isfinite(rows).all()):  # NaN / inf: JSON has no such number; null, as SGLang's orjson writes
+                values = [[v if math.isfinite(v) else None for v in row] for row in values]
+            req.add_hidden_states(prefix_len, values)
         start += count
 
 
