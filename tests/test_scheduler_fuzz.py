@@ -43,7 +43,7 @@ The seeds are fixed, so a failure reproduces alone with `pytest tests/test_sched
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 import pytest
@@ -61,6 +61,7 @@ from engine_helpers import GREEDY
 # rows were still charged to the chunk budget: preempted for a request it then could not admit)
 SEEDS = list(range(32)) + [336]
 TOKEN_LO, TOKEN_HI = 10, 500  # ordinary tokens of the tiny model's 512-token vocabulary
+HIDDEN = 64  # the tiny model's hidden size: a hidden-state row's length
 ABORT_STATES = ("waiting", "chunked", "just_prefilled", "decoding", "retracted", "mixed")
 
 FinishReason = Dict[str, Any]
@@ -151,6 +152,7 @@ class Job:
     stream: bool
     logprob_start_len: int = -1  # drawn apart (test body), so the workloads of the seeds stay as they were
     priority: Optional[int] = None  # drawn apart too (draw_priorities)
+    return_hidden_states: bool = False  # drawn apart too (draw_hidden_states)
 
 
 def _tokens(rng: random.Random, n: int) -> List[int]:
@@ -259,6 +261,18 @@ def draw_eviction_policy(seed: int, priorities: Dict[str, Any]) -> Dict[str, Any
     if rng.random() >= 0.4:
         return {}
     return {"radix_eviction_policy": rng.choice(["mru", "lfu", "fifo", "filo"] + ["priority"] * bool(priorities))}
+
+
+def draw_hidden_states(seed: int, jobs: List[Job]) -> Dict[str, Any]:
+    """return_hidden_states for some jobs of some seeds, from an rng of its own: the rows a request
+    records go through chunks, mixed passes, radix hits, retraction, preemption and aborts, and a
+    request gets one entry per returned token (the other draws stay as they were)."""
+    rng = random.Random(13_000_019 * (seed + 1))
+    if rng.random() >= 0.3:
+        return {}
+    for job in jobs:
+        job.return_hidden_states = rng.random() < 0.5
+    return {"enable_return_hidden_states": True}
 
 
 def queue_refused(finish: FinishReason) -> bool:
@@ -439,7 +453,7 @@ def run_workload(engine: Engine, jobs: List[Job], rng: random.Random,
                 rid = engine.add_request(
                     input_ids=job.prompt, sampling_params=job.params, rid=f"r{len(rid_job)}",
                     return_logprob=job.return_logprob, stream=job.stream, logprob_start_len=job.logprob_start_len,
-                    priority=job.priority,
+                    priority=job.priority, return_hidden_states=job.return_hidden_states,
                 )  # fmt: skip
                 rid_job[rid] = job
                 if job.abort_after is not None:
@@ -491,9 +505,10 @@ def test_random_workload_matches_solo_runs_and_never_leaks(tiny_model: str, solo
     jobs = draw_workload(rng, engine, solo, pressure)
     priorities = draw_priorities(seed, jobs)
     eviction = draw_eviction_policy(seed, priorities)
-    if priorities or eviction:  # (the workload was drawn against the same limits: these change none)
+    hidden = draw_hidden_states(seed, jobs)
+    if priorities or eviction or hidden:  # (the workload was drawn against the same limits: these change none)
         engine.shutdown()
-        engine = Engine(tiny_model, **config, **priorities, **eviction)
+        engine = Engine(tiny_model, **config, **priorities, **eviction, **hidden)
     lp_rng = random.Random(1_000_003 * (seed + 1))
     for job in jobs:
         if job.return_logprob and lp_rng.random() < 0.7:
@@ -514,6 +529,10 @@ def test_random_workload_matches_solo_runs_and_never_leaks(tiny_model: str, solo
             assert output == expected_output[: len(output)], f"{rid}: evicted output is not a prefix of the solo run"
         else:
             assert (output, finish) == (expected_output, expected_finish), f"{rid}: differs from the solo run"
+        if job.return_hidden_states and output:  # (a request refused before it ran has none)
+            entries = result["meta_info"]["hidden_states"]
+            assert len(entries) == len(output), f"{rid}: {len(entries)} hidden-state entries for {len(output)} tokens"
+            assert all(len(row) == HIDDEN for row in entries[0]) and all(len(row) == HIDDEN for row in entries[1:]), rid
         scored = result["meta_info"]["input_token_logprobs"]
         if job.logprob_start_len >= 0 and (scored or (rid not in aborted and not refused)):  # (an abort mid-prompt has none)
             expected = solo.prompt_logprobs(job.prompt, job.logprob_start_len)
@@ -557,3 +576,5 @@ def test_the_seeds_cover_every_config_feature() -> None:
     assert any(p.get("max_queued_requests") for _, p in drawn) and any(p and p["priority_scheduling_preemption_threshold"] == 0 for _, p in drawn)
     policies = {draw_eviction_policy(seed, p).get("radix_eviction_policy", "lru") for seed, (_, p) in zip(SEEDS, drawn)}
     assert policies == {"lru", "mru", "lfu", "fifo", "filo", "priority"}
+    hidden = [seed for seed in SEEDS if draw_hidden_states(seed, [replace(jobs[0])])]
+    assert hidden and any(draw_case(seed)[1] for seed in hidden)  # (with memory pressure too: retraction)
