@@ -678,13 +678,18 @@ class Engine:
                 with trace_range("handle_batch_output"):
                     self._handle_str_output(text_out)
 
+    def _live_states(self, out: Union[BatchStrOutput, BatchEmbeddingOutput]) -> Iterator[tuple[int, str, Any]]:
+        """(index in the message, rid, its state) for each output whose request is still held (one
+        collected already, e.g. aborted by the caller or released after an error, is skipped)."""
+        for i, rid in enumerate(out.rids):
+            state = self.rid_to_state.get(rid)
+            if state is not None:
+                yield i, rid, state
+
     def _handle_embedding_output(self, out: BatchEmbeddingOutput) -> None:
         """Each finished encode() request's one answer (TokenizerManager._handle_embedding_output's twin)."""
         now = time.perf_counter()
-        for i, rid in enumerate(out.rids):
-            state = self.rid_to_state.get(rid)
-            if state is None:
-                continue  # collected already (e.g. released after an error)
+        for i, rid, state in self._live_states(out):
             state.embedding = out.embeddings[i]
             state.finished = True
             state.meta_info = {
@@ -699,10 +704,7 @@ class Engine:
     def _handle_str_output(self, out: BatchStrOutput) -> None:
         """Fill each rid's state from one message, as TokenizerManager._handle_batch_output does."""
         now = time.perf_counter()
-        for i, rid in enumerate(out.rids):
-            state = self.rid_to_state.get(rid)
-            if state is None:
-                continue  # collected already (e.g. aborted by the caller)
+        for i, rid, state in self._live_states(out):
             logprobs = logprobs_of(out, i)
             state.text += out.output_strs[i]
             state.output_ids.extend(out.output_ids[i])

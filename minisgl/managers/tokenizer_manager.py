@@ -38,7 +38,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Deque, Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, AsyncIterator, Deque, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 import zmq
 import zmq.asyncio
@@ -793,13 +793,19 @@ class TokenizerManager:
         else:
             logger.warning("TokenizerManager received an unexpected %s", type(recv).__name__)
 
-    def _handle_batch_output(self, recv: BatchStrOutput) -> None:
-        now = time.perf_counter()
+    def _live_states(self, recv: Union[BatchStrOutput, BatchEmbeddingOutput]) -> Iterator[Tuple[int, str, ReqState]]:
+        """(index in the message, rid, its ReqState) for each output whose request is still known
+        (one whose state is gone, e.g. its client left and its finish freed it, is skipped)."""
         for i, rid in enumerate(recv.rids):
             state = self.rid_to_state.get(rid)
             if state is None:
                 logger.debug("Received output for rid=%s but the state was deleted", rid)
                 continue
+            yield i, rid, state
+
+    def _handle_batch_output(self, recv: BatchStrOutput) -> None:
+        now = time.perf_counter()
+        for i, rid, state in self._live_states(recv):
             if state.abandoned:  # its reader is gone: only its finish matters (it frees the rid)
                 if recv.finished_reasons[i] is not None:
                     del self.rid_to_state[rid]
@@ -845,11 +851,7 @@ class TokenizerManager:
         """Finished embedding requests: each rid's one answer (SGLang's out_dict for a
         BatchEmbeddingOutput, with cached_tokens, which minisgl always reports)."""
         now = time.perf_counter()
-        for i, rid in enumerate(recv.rids):
-            state = self.rid_to_state.get(rid)
-            if state is None:
-                logger.debug("Received output for rid=%s but the state was deleted", rid)
-                continue
+        for i, rid, state in self._live_states(recv):
             del self.rid_to_state[rid]  # (an embedding is sent once, finished)
             state.finished = True
             state.finished_time = now
