@@ -8,6 +8,9 @@ exactly as SGLang's write_cache_indices / alloc_for_decode do (sglang-facts.md Â
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 from dataclasses import dataclass, field
 from typing import Any, List, Sequence
 
@@ -146,3 +149,18 @@ def greedy_generate(driver: BatchDriver, prompts: Sequence[Sequence[int]], max_n
 def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
     """max |ours - ref| / max |ref|: the parity metric of the model tests."""
     return float((ours.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+def copy_model_with(src: str, dst: str, config_edits: Any = None, gen_edits: Any = None) -> str:
+    """A copy of the model directory `src` at `dst`, its config.json / generation_config.json
+    edited in place by the given functions (each gets the parsed dict)."""
+    shutil.copytree(src, dst)
+    for name, edits in (("config.json", config_edits), ("generation_config.json", gen_edits)):
+        if edits:
+            path = os.path.join(dst, name)
+            with open(path) as f:
+                data = json.load(f)
+            edits(data)
+            with open(path, "w") as f:
+                json.dump(data, f)
+    return dst

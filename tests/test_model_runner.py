@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from typing import Any, Callable, Dict, Optional
@@ -10,7 +9,7 @@ from typing import Any, Callable, Dict, Optional
 import pytest
 import torch
 
-from forward_helpers import BatchDriver, make_runner
+from forward_helpers import BatchDriver, copy_model_with, make_runner
 from kernel_helpers import cpu_kernels_unavailable
 from minisgl.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from minisgl.model_executor.model_runner import CPU_MAX_RUNNING_REQUESTS, CPU_POOL_CONTEXTS, ModelRunner
@@ -22,19 +21,6 @@ from minisgl.server_args import ServerArgs, resolve_server_args
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest.py)
-
-
-def _copy_with(src: str, dst: str, config_edits: Any = None, gen_edits: Any = None) -> str:
-    shutil.copytree(src, dst)
-    for name, edits in (("config.json", config_edits), ("generation_config.json", gen_edits)):
-        if edits:
-            path = os.path.join(dst, name)
-            with open(path) as f:
-                data = json.load(f)
-            edits(data)
-            with open(path, "w") as f:
-                json.dump(data, f)
-    return dst
 
 
 def test_kv_pool_and_request_slots_follow_the_args(tiny_model: str) -> None:
@@ -82,14 +68,14 @@ def test_a_linear_rope_scaling_extends_the_models_context_as_sglang_derives_it(
         d.pop("rope_parameters", None)
         d.update(rope_theta=10000.0, rope_scaling={"type": "linear", "factor": 4.0})
 
-    path = _copy_with(tiny_model_factory("llama"), str(tmp_path / "m"), linear)
+    path = copy_model_with(tiny_model_factory("llama"), str(tmp_path / "m"), linear)
     assert ModelConfig.from_pretrained(path).context_len == 8192
     assert ModelConfig.from_pretrained(path, 8192).context_len == 8192
     with pytest.raises(ValueError, match="longer than the model's context \\(8192"):
         ModelConfig.from_pretrained(path, 8193)
     llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
               "original_max_position_embeddings": 512}  # fmt: skip
-    path3 = _copy_with(tiny_model_factory("llama"), str(tmp_path / "l3"), lambda d: d.update(rope_scaling=llama3))
+    path3 = copy_model_with(tiny_model_factory("llama"), str(tmp_path / "l3"), lambda d: d.update(rope_scaling=llama3))
     assert ModelConfig.from_pretrained(path3).context_len == 2048  # max_position_embeddings, already extended
 
 
@@ -175,7 +161,7 @@ def test_eos_ids_are_the_union_of_config_and_generation_config(tiny_model: str, 
     def cfg(d: dict) -> None:
         d["eos_token_id"] = 5
 
-    path = _copy_with(tiny_model, str(tmp_path / "m"), cfg, gen)
+    path = copy_model_with(tiny_model, str(tmp_path / "m"), cfg, gen)
     assert ModelConfig.from_pretrained(path).hf_eos_token_ids == {2, 5, 7}
 
 
@@ -237,7 +223,7 @@ def test_llama3_top_level_original_max_position_embeddings_wins_as_in_transforme
                                 "original_max_position_embeddings": 64, "rope_theta": 5e5}  # fmt: skip
         d["original_max_position_embeddings"] = 16
 
-    path = _copy_with(tiny_model_factory("llama"), str(tmp_path / "m"), cfg)
+    path = copy_model_with(tiny_model_factory("llama"), str(tmp_path / "m"), cfg)
     ours = ModelConfig.from_pretrained(path).rope_scaling
     assert ours is not None and ours["original_max_position_embeddings"] == 16
     hf = tf.AutoModelForCausalLM.from_pretrained(path)  # the model standardizes its config's rope
@@ -249,9 +235,9 @@ def test_a_qwen3_config_without_head_dim_has_qwen3s_default(tiny_model_factory: 
     applied to every architecture): such a checkpoint failed on a weight shape."""
     import transformers as tf
 
-    path = _copy_with(tiny_model_factory("qwen3"), str(tmp_path / "m"), lambda d: d.pop("head_dim"))
+    path = copy_model_with(tiny_model_factory("qwen3"), str(tmp_path / "m"), lambda d: d.pop("head_dim"))
     assert ModelConfig.from_pretrained(path).head_dim == tf.AutoConfig.from_pretrained(path).head_dim == 128
-    llama = _copy_with(tiny_model_factory("llama"), str(tmp_path / "l"), lambda d: d.pop("head_dim", None))
+    llama = copy_model_with(tiny_model_factory("llama"), str(tmp_path / "l"), lambda d: d.pop("head_dim", None))
     assert ModelConfig.from_pretrained(llama).head_dim == tf.AutoConfig.from_pretrained(llama).head_dim
 
 
@@ -262,7 +248,7 @@ def test_keys_a_config_leaves_out_take_the_config_classs_default(tiny_model_fact
     import transformers as tf
 
     keys = ("rope_theta", "rope_parameters", "rope_scaling", "rms_norm_eps", "max_position_embeddings")
-    path = _copy_with(tiny_model_factory(arch), str(tmp_path / "m"), lambda d: [d.pop(k, None) for k in keys])
+    path = copy_model_with(tiny_model_factory(arch), str(tmp_path / "m"), lambda d: [d.pop(k, None) for k in keys])
     ours, hf = ModelConfig.from_pretrained(path), tf.AutoConfig.from_pretrained(path)
     assert ours.rope_theta == hf.rope_parameters["rope_theta"]
     assert (ours.rms_norm_eps, ours.max_position_embeddings) == (hf.rms_norm_eps, hf.max_position_embeddings)
@@ -270,7 +256,7 @@ def test_keys_a_config_leaves_out_take_the_config_classs_default(tiny_model_fact
 
 def test_transformers_spellings_of_supported_settings_are_accepted(tiny_model: str, tmp_path: Any) -> None:
     """hidden_act "swish" is SiLU and partial_rotary_factor null is full rotary in transformers."""
-    path = _copy_with(tiny_model, str(tmp_path / "m"), lambda d: d.update(hidden_act="swish", partial_rotary_factor=None))
+    path = copy_model_with(tiny_model, str(tmp_path / "m"), lambda d: d.update(hidden_act="swish", partial_rotary_factor=None))
     ModelConfig.from_pretrained(path)  # both were refused
 
 
@@ -286,7 +272,7 @@ def test_a_tied_checkpoints_lm_head_is_the_embedding_or_refused(tiny_model_facto
     reference = d.extend([d.new_req()], prompt).next_token_logits
 
     def rewrite(name: str, edit: Callable[[Dict[str, Any]], None]) -> str:
-        path = _copy_with(src, str(tmp_path / name))
+        path = copy_model_with(src, str(tmp_path / name))
         weights = load_file(os.path.join(path, "model.safetensors"))
         edit(weights)
         save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
@@ -307,7 +293,7 @@ def test_quantized_checkpoints_are_refused_by_name(tiny_model: str, tmp_path: An
     def quantized(d: dict) -> None:
         d["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
 
-    path = _copy_with(tiny_model, str(tmp_path / "m"), quantized)
+    path = copy_model_with(tiny_model, str(tmp_path / "m"), quantized)
     with pytest.raises(ValueError, match="Quantized checkpoints are not supported.*'fp8'"):
         ModelConfig.from_pretrained(path)
 
@@ -316,10 +302,10 @@ def test_loader_errors_name_the_checkpoint_tensor(tiny_model_factory: Callable[.
     from safetensors.torch import load_file, save_file
 
     src = tiny_model_factory("llama")
-    wrong_shape = _copy_with(src, str(tmp_path / "a"), lambda d: d.update(intermediate_size=d["intermediate_size"] - 32))
+    wrong_shape = copy_model_with(src, str(tmp_path / "a"), lambda d: d.update(intermediate_size=d["intermediate_size"] - 32))
     with pytest.raises(ValueError, match=r"checkpoint tensor 'model\.layers\.0\.mlp\.\w+_proj\.weight' does not fit"):
         make_runner(wrong_shape)
-    missing = _copy_with(src, str(tmp_path / "b"))
+    missing = copy_model_with(src, str(tmp_path / "b"))
     weights = load_file(os.path.join(missing, "model.safetensors"))
     del weights["model.layers.1.self_attn.k_proj.weight"]
     save_file(weights, os.path.join(missing, "model.safetensors"), metadata={"format": "pt"})
@@ -333,7 +319,7 @@ def test_a_checkpoint_with_fused_qkv_and_gate_up_loads_the_same_model(tiny_model
     from safetensors.torch import load_file, save_file
 
     src = tiny_model_factory("llama")
-    fused = _copy_with(src, str(tmp_path / "fused"))
+    fused = copy_model_with(src, str(tmp_path / "fused"))
     weights = load_file(os.path.join(fused, "model.safetensors"))
     for layer in range(2):
         attn, mlp = f"model.layers.{layer}.self_attn.", f"model.layers.{layer}.mlp."
@@ -352,7 +338,7 @@ def test_unsupported_architecture_names_the_supported_ones(tiny_model: str, tmp_
     def cfg(d: dict) -> None:
         d["architectures"] = ["GPT2LMHeadModel"]
 
-    path = _copy_with(tiny_model, str(tmp_path / "m"), cfg)
+    path = copy_model_with(tiny_model, str(tmp_path / "m"), cfg)
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM.*MistralForCausalLM.*MixtralForCausalLM.*Qwen2ForCausalLM.*Qwen2MoeForCausalLM.*Qwen3ForCausalLM.*Qwen3MoeForCausalLM"):
         ModelConfig.from_pretrained(path)
 
@@ -452,7 +438,7 @@ def test_mistral_sliding_window_caps_the_context(tiny_model_factory: Callable[..
     path = tiny_model_factory("mistral", sliding_window=128)
     assert ModelConfig.from_pretrained(path).context_len == 128
     # a hand-written config without the key has MistralConfig's default window, 4096 (it had none)
-    no_key = _copy_with(path, str(tmp_path / "no-key"), lambda d: (d.pop("sliding_window"), d.update(max_position_embeddings=8192)))
+    no_key = copy_model_with(path, str(tmp_path / "no-key"), lambda d: (d.pop("sliding_window"), d.update(max_position_embeddings=8192)))
     assert ModelConfig.from_pretrained(no_key).context_len == 4096
     assert ModelConfig.from_pretrained(tiny_model_factory("qwen3")).context_len == 2048  # use_sliding_window False
 
@@ -478,7 +464,7 @@ def test_qwen2_window_counts_only_when_switched_on_and_some_layer_slides(
             d.pop("layer_types", None)
             d["max_window_layers"] = max_window_layers
 
-    path = _copy_with(tiny_model_factory("qwen2"), str(tmp_path / "m"), cfg)
+    path = copy_model_with(tiny_model_factory("qwen2"), str(tmp_path / "m"), cfg)
     assert ModelConfig.from_pretrained(path).context_len == context_len
 
 

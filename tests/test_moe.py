@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from typing import Any, Callable, Dict, List, Optional
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from forward_helpers import BatchDriver, make_runner
+from forward_helpers import BatchDriver, copy_model_with, make_runner
 from minisgl.layers.moe import MoeExperts, SparseMoeBlock, run_experts, select_experts
 from minisgl.models.model_config import ModelConfig
 
@@ -123,18 +122,6 @@ def test_expert_weight_loader_fills_slices_and_refuses_an_unknown_expert() -> No
 # ---------------------------------------------------------------------- config
 
 
-def _copy_with(src: str, dst: str, edit: Optional[Callable[[Dict[str, Any]], None]] = None) -> str:
-    shutil.copytree(src, dst)
-    if edit is not None:
-        path = os.path.join(dst, "config.json")
-        with open(path) as f:
-            cfg = json.load(f)
-        edit(cfg)
-        with open(path, "w") as f:
-            json.dump(cfg, f)
-    return dst
-
-
 def _transformers_sparse_layers(path: str) -> set:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -152,7 +139,7 @@ def _transformers_sparse_layers(path: str) -> set:
     ],
 )
 def test_sparse_layers_follow_transformers(tiny_model_factory: Callable[..., str], tmp_path: Any, arch: str, edit: Dict[str, Any]) -> None:
-    path = _copy_with(tiny_model_factory(arch), str(tmp_path / "m"), lambda d: d.update(edit))
+    path = copy_model_with(tiny_model_factory(arch), str(tmp_path / "m"), lambda d: d.update(edit))
     moe = ModelConfig.from_pretrained(path).moe
     assert moe is not None and set(moe.sparse_layers) == _transformers_sparse_layers(path)
 
@@ -165,13 +152,13 @@ def test_config_keys_and_defaults_match_the_config_classes(tiny_model_factory: C
     qwen3 = tiny_model_factory("qwen3_moe")
     with open(os.path.join(qwen3, "config.json")) as f:
         assert "num_local_experts" in json.load(f)  # what transformers 5.24 writes for Qwen3-MoE
-    hub_spelling = _copy_with(qwen3, str(tmp_path / "q3"), lambda d: d.update(num_experts=d.pop("num_local_experts")))
+    hub_spelling = copy_model_with(qwen3, str(tmp_path / "q3"), lambda d: d.update(num_experts=d.pop("num_local_experts")))
     assert ModelConfig.from_pretrained(hub_spelling).moe.num_experts == 4  # type: ignore[union-attr]
 
     keys = ("norm_topk_prob", "moe_intermediate_size", "num_experts_per_tok", "shared_expert_intermediate_size",
             "qkv_bias", "decoder_sparse_step", "num_local_experts", "num_experts")  # fmt: skip
     for arch in ("qwen3_moe", "qwen2_moe", "mixtral"):
-        bare = _copy_with(tiny_model_factory(arch), str(tmp_path / arch), lambda d: [d.pop(k, None) for k in keys])
+        bare = copy_model_with(tiny_model_factory(arch), str(tmp_path / arch), lambda d: [d.pop(k, None) for k in keys])
         ours, hf = ModelConfig.from_pretrained(bare), tf.AutoConfig.from_pretrained(bare)
         assert ours.moe is not None
         expert_size = hf.intermediate_size if arch == "mixtral" else hf.moe_intermediate_size
@@ -203,7 +190,7 @@ def test_sliding_window_rules_of_the_moe_families(
         d.pop("sliding_window", None)
         d.update(edit)
 
-    path = _copy_with(tiny_model_factory(arch), str(tmp_path / "m"), apply)
+    path = copy_model_with(tiny_model_factory(arch), str(tmp_path / "m"), apply)
     hf = AutoConfig.from_pretrained(path)
     slides = getattr(hf, "layer_types", None)
     hf_window = hf.sliding_window if (slides is None or "sliding_attention" in slides) else None
@@ -212,7 +199,7 @@ def test_sliding_window_rules_of_the_moe_families(
 
 
 def test_too_many_experts_per_token_is_refused(tiny_model_factory: Callable[..., str], tmp_path: Any) -> None:
-    path = _copy_with(tiny_model_factory("mixtral"), str(tmp_path / "m"), lambda d: d.update(num_experts_per_tok=5))
+    path = copy_model_with(tiny_model_factory("mixtral"), str(tmp_path / "m"), lambda d: d.update(num_experts_per_tok=5))
     with pytest.raises(ValueError, match=r"num_experts_per_tok \(5\) must be between 1 and the number of experts \(4\)"):
         ModelConfig.from_pretrained(path)
 
@@ -223,7 +210,7 @@ def test_too_many_experts_per_token_is_refused(tiny_model_factory: Callable[...,
 def _rewrite_weights(src: str, dst: str, edit: Callable[[Dict[str, torch.Tensor]], None]) -> str:
     from safetensors.torch import load_file, save_file
 
-    path = _copy_with(src, dst)
+    path = copy_model_with(src, dst)
     weights = load_file(os.path.join(path, "model.safetensors"))
     edit(weights)
     save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
@@ -244,7 +231,7 @@ def test_a_checkpoint_of_stacked_experts_loads_the_same_model(tiny_model_factory
     from transformers import AutoModelForCausalLM
 
     src = tiny_model_factory(arch)
-    stacked = _copy_with(src, str(tmp_path / "stacked"))
+    stacked = copy_model_with(src, str(tmp_path / "stacked"))
     state = AutoModelForCausalLM.from_pretrained(src).state_dict()
     assert state["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 2 * 48 if arch != "mixtral" else 2 * 96, 64)
     save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(stacked, "model.safetensors"), metadata={"format": "pt"})
@@ -276,7 +263,7 @@ def test_expert_tensors_that_fit_nowhere_are_refused(tiny_model_factory: Callabl
     dense = _rewrite_weights(src, str(tmp_path / "b"), lambda w: w.update({on_dense: w["model.layers.0.mlp.experts.0.gate_proj.weight"].clone()}))
     with pytest.raises(ValueError, match=rf"checkpoint tensor '{on_dense}' has no place in Qwen3MoeForCausalLM"):
         make_runner(dense)
-    wrong = _copy_with(src, str(tmp_path / "c"), lambda d: d.update(moe_intermediate_size=32))
+    wrong = copy_model_with(src, str(tmp_path / "c"), lambda d: d.update(moe_intermediate_size=32))
     with pytest.raises(ValueError, match=r"checkpoint tensor 'model\.layers\.0\.mlp\.experts\.0\.\w+_proj\.weight' does not fit"):
         make_runner(wrong)
 
