@@ -51,12 +51,12 @@ from minisgl.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from minisgl.entrypoints.openai.serving_base import (
-    create_error_response, error_body, prepend, sse_data, sse_response, unknown_model_response,
+    create_error_response, error_body, handler_error_response, prepend, sse_data, sse_response, unknown_model_response,
 )  # fmt: skip
 from minisgl.entrypoints.openai.serving_chat import OpenAIServingChat
 from minisgl.entrypoints.openai import serving_tokenize
 from minisgl.entrypoints.openai.serving_completions import OpenAIServingCompletions
-from minisgl.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from minisgl.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, json_list_in_pieces
 from minisgl.managers.io_struct import LOGPROB_META_KEYS, EmbeddingReqInput, GenerateReqInput, ProfileReq, ProfileReqType
 from minisgl.managers.scheduler_profiler_mixin import refuse_unsupported_profile_args
 from minisgl.managers.tokenizer_manager import ReqAbortedError, TokenizerManager
@@ -419,11 +419,13 @@ async def _native_encode(tm: TokenizerManager, request: EncodeRequest, raw_reque
     obj = EmbeddingReqInput(text=request.text, input_ids=request.input_ids, rid=request.rid, dimensions=request.dimensions)
     try:
         outs = sorted([out async for out in tm.generate_request(obj, raw_request)], key=lambda o: o.get("index", 0))
-    except ReqAbortedError as e:
-        return create_error_response(e.message, e.status_code)
-    except ValueError as e:
-        return create_error_response(str(e))
-    return JSONResponse(outs[0] if obj.is_single else outs)
+        if obj.is_single:
+            return JSONResponse(outs[0])
+        # a batch: encoded off the event loop, one embedding at a time (as /v1/embeddings' answer)
+        body = await asyncio.to_thread(json_list_in_pieces, outs)
+        return Response(content=body.encode(), media_type="application/json")
+    except Exception as e:
+        return handler_error_response(e)
 
 
 # --------------------------------------------------------------------------- launch

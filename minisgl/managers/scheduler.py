@@ -47,12 +47,12 @@ from minisgl.managers.io_struct import (
 )
 from minisgl.managers.schedule_batch import FINISH_ABORT, LEAST_PRIORITY, Req, ScheduleBatch, priority_text
 from minisgl.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
-from minisgl.managers.tokenization import RETURN_HIDDEN_STATES_DISABLED
 from minisgl.managers.scheduler_metrics_mixin import SchedulerMetricsMixin
 from minisgl.managers.scheduler_output_processor_mixin import (
     EmbeddingBatchResult, GenerationBatchResult, SchedulerOutputProcessorMixin,
 )  # fmt: skip
 from minisgl.managers.scheduler_profiler_mixin import SchedulerProfilerMixin
+from minisgl.managers.tokenization import RETURN_HIDDEN_STATES_DISABLED
 from minisgl.mem_cache.allocator import ceil_paged_tokens, new_page_slots
 from minisgl.mem_cache.radix_cache import RadixCache
 from minisgl.sampling.custom_logit_processor import CustomLogitProcessor, client_error_text

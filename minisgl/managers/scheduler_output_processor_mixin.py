@@ -275,7 +275,6 @@ class SchedulerOutputProcessorMixin:
             req.send_token_offset = end
         self._outputs.append(out)
 
-
     def stream_output_embedding(self, reqs: List[Req]) -> None:
         """One BatchEmbeddingOutput for the requests that finished this step and were not sent yet
         (SGLang's stream_output_embedding): an embedding has no partial result to stream."""

@@ -36,6 +36,17 @@ def encode_base64(embedding: List[float]) -> str:
     return base64.b64encode(struct.pack(f"<{len(embedding)}f", *embedding)).decode("ascii")
 
 
+def _dumps(value: Any) -> str:  # (compact, as JSONResponse writes)
+    return json.dumps(value, separators=(",", ":"))
+
+
+def json_list_in_pieces(items: List[Any]) -> str:
+    """A JSON list encoded one item at a time. Run in a worker thread (asyncio.to_thread), it lets
+    the event loop take the GIL between items: one json.dumps of 2,048 embeddings of 1,024 floats
+    held it for over a second, and every other client waited."""
+    return "[" + ",".join(_dumps(item) for item in items) + "]"
+
+
 def validate_embedding_input(value: Any) -> Optional[str]:
     """SGLang's checks of an embedding input (its messages): no empty or whitespace-only text,
     no empty list, no empty token-id list. Ids outside the vocabulary are the tokenizer's check."""
@@ -97,12 +108,9 @@ class OpenAIServingEmbedding:
     def _response_body(outs: List[Dict[str, Any]], request: EmbeddingRequest) -> bytes:
         """EmbeddingResponse as JSON, each EmbeddingObject encoded on its own (see handle_request)."""
         response = OpenAIServingEmbedding._build_embedding_response(outs, request)
-        def dumps(value: Any) -> str:  # (compact, as JSONResponse writes)
-            return json.dumps(value, separators=(",", ":"))
-
-        items = ",".join(dumps(item.model_dump()) for item in response.data)
-        return (f'{{"object":"list","data":[{items}],"model":{dumps(response.model)},'
-                f'"usage":{dumps(response.usage.model_dump())}}}').encode()  # fmt: skip
+        items = json_list_in_pieces([item.model_dump() for item in response.data])
+        return (f'{{"object":"list","data":{items},"model":{_dumps(response.model)},'
+                f'"usage":{_dumps(response.usage.model_dump())}}}').encode()  # fmt: skip
 
     @staticmethod
     def _build_embedding_response(outs: List[Dict[str, Any]], request: EmbeddingRequest) -> EmbeddingResponse:
