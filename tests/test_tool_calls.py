@@ -13,6 +13,7 @@ import pytest
 
 from test_openai_fields import _events
 from test_openai_protocol import _out, _scripted_client
+from test_tool_parsers import streamed_calls, tool_deltas
 
 from minisgl.entrypoints.openai.protocol import ChatCompletionRequest
 from minisgl.entrypoints.openai.tool_calls import parse_tool_calls, tool_call_constraint
@@ -96,18 +97,27 @@ def test_a_call_cut_by_max_tokens_stays_content_with_finish_length(tiny_model: s
     assert choice["finish_reason"] == "length" and choice["message"] == {"role": "assistant", "content": CALL[:20], "reasoning_content": None, "tool_calls": None}
 
 
-def test_a_streamed_call_is_one_tool_calls_delta_then_the_finish(tiny_model: str, tmp_path: Any) -> None:
-    outs = [_out("r", CALL[:10], 3), _out("r", CALL[10:], 9, STOP)]
+def test_a_streamed_forced_call_sends_its_name_then_its_arguments_as_they_come(tiny_model: str, tmp_path: Any) -> None:
+    """OpenAI's stream of a call: its id and name (arguments "") once the name and the "parameters"
+    key are read, then the arguments' pieces as their tokens arrive, adding up to the whole answer's."""
+    pieces = ['[{"name": "get_wea', 'ther", "param', 'eters": {"city": "Os', 'lo"}}]']
+    outs = [_out("r", p, 3 * (i + 1), STOP if i == 3 else None) for i, p in enumerate(pieces)]
     client, _ = _scripted_client(tiny_model, tmp_path, outs)
     with client:
         r = _chat(client, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True)
+    client, _ = _scripted_client(tiny_model, tmp_path, [_out("r", "".join(pieces), 12, STOP)])
+    with client:
+        whole = _chat(client, tools=[WEATHER], tool_choice="required").json()["choices"][0]["message"]["tool_calls"]
     chunks = [e for e in _events(r) if e != "[DONE]"]
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert deltas[0] == {"role": "assistant", "content": ""}
     assert [d for d in deltas[1:] if "content" in d] == []  # the JSON text is never streamed as content
-    (call,) = deltas[1]["tool_calls"]
-    assert call["index"] == 0 and call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
-    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    (header,) = deltas[1]["tool_calls"]
+    assert header == {"index": 0, "id": header["id"], "type": "function", "function": {"name": "get_weather", "arguments": ""}}
+    assert header["id"].startswith("call_")
+    assert [d["tool_calls"] for d in deltas[2:-1]] == [[{"index": 0, "function": {"arguments": '{"city": "Os'}}],
+                                                       [{"index": 0, "function": {"arguments": 'lo"}'}}]]  # fmt: skip
+    assert whole[0]["function"]["arguments"] == '{"city": "Oslo"}' and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
 def test_tool_results_go_back_to_the_template_with_the_calls_as_dicts(tiny_model: str, tmp_path: Any) -> None:
@@ -208,13 +218,16 @@ def test_call_arguments_keep_their_characters_and_only_a_stop_becomes_tool_calls
 
 
 def test_a_streamed_answer_cut_short_stays_content(tiny_model: str, tmp_path: Any) -> None:
-    """Streamed too, only a stop becomes tool_calls: a whole array cut by max_tokens is content."""
+    """Streamed too, only a stop becomes tool_calls: a whole array cut by max_tokens is content,
+    sent at the end, finish "length". (The stream's limit, docs/server.md: the call's deltas went
+    out as it came, before the cut said it was none: a client trusts them on "tool_calls" only.)"""
     client, _ = _scripted_client(tiny_model, tmp_path, [_out("r", CALL[:10], 3), _out("r", CALL[10:], 9, {"type": "length", "length": 9})])
     with client:
         chunks = [c for c in _events(_chat(client, tools=[WEATHER], tool_choice="required", stream=True)) if c != "[DONE]"]
     deltas = [c["choices"][0]["delta"] for c in chunks]
-    assert [d.get("content") for d in deltas[1:-1]] == [CALL] and not any("tool_calls" in d for d in deltas)
+    assert [d.get("content") for d in deltas[1:-1] if "content" in d] == [CALL]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert [(c["name"], c["arguments"]) for c in streamed_calls(tool_deltas(chunks))] == [("get_weather", '{"city": "Oslo"}')]
 
 
 # --------------------------------------------------------------------------- tool_choice "auto", --tool-call-parser qwen25

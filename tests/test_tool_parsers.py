@@ -98,6 +98,30 @@ def _calls(calls: Any) -> Calls:
     return [(c.function.name, json.loads(c.function.arguments)) for c in calls] if calls else None
 
 
+def streamed_calls(deltas: List[Dict[str, Any]]) -> List[Dict[str, str]]:
+    """A stream's tool-call deltas (as sent, JSON) put together as a client does, each checked
+    for OpenAI's shape: a call's first delta {index, id, type, function: {name, arguments: ""}},
+    then {index, function: {arguments: piece}}. Returns [{"id", "name", "arguments"}] by index."""
+    calls: List[Dict[str, str]] = []
+    for delta in deltas:
+        if "id" in delta:
+            assert set(delta) == {"index", "id", "type", "function"} and delta["type"] == "function", delta
+            assert delta["index"] == len(calls) and delta["function"]["arguments"] == "" and delta["function"]["name"], delta
+            calls.append({"id": delta["id"], "name": delta["function"]["name"], "arguments": ""})
+        else:
+            assert set(delta) == {"index", "function"} and list(delta["function"]) == ["arguments"], delta
+            assert delta["function"]["arguments"] and delta["index"] < len(calls), delta
+            calls[delta["index"]]["arguments"] += delta["function"]["arguments"]
+    return calls
+
+
+def tool_deltas(chunks: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The tool-call deltas of a stream's chunks (one a chunk: the openai SDK merges a chunk's list by index)."""
+    deltas = [c["choices"][0]["delta"].get("tool_calls") for c in chunks if c["choices"]]
+    assert all(d is None or len(d) == 1 for d in deltas)
+    return [d[0] for d in deltas if d]
+
+
 def test_the_formats_are_the_parsers_the_server_takes() -> None:
     from minisgl.server_args import TOOL_CALL_PARSERS, ServerArgs
 
@@ -245,8 +269,9 @@ def test_the_chat_route_returns_the_formats_calls_streamed_or_not(tiny_model: st
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Zürich"}'}
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert "".join(d.get("content") or "" for d in deltas) == (content or "")
-    (streamed,) = next(d["tool_calls"] for d in deltas if "tool_calls" in d)
-    assert streamed["function"] == call["function"] and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    (streamed,) = streamed_calls(tool_deltas(chunks))
+    assert {"name": streamed["name"], "arguments": streamed["arguments"]} == call["function"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
 @pytest.mark.parametrize("parser, answer, content", ROUTE_CASES)

@@ -466,8 +466,31 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class DeltaToolCall(ToolCall):
-    index: int  # the call's place in the message's tool_calls (a stream may send a call in pieces)
+def _without_nulls(fields: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+class DeltaFunctionCall(BaseModel):
+    name: Optional[str] = None  # in the call's first delta only
+    arguments: str  # "" in the first delta, then the next piece of the arguments' JSON text
+
+    @model_serializer(mode="wrap")
+    def _only_what_is_sent(self, handler: Any) -> Dict[str, Any]:
+        return _without_nulls(handler(self))
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a streamed call, OpenAI's: the first names the call (index, id, type, function
+    name, arguments ""), the next ones add to its arguments ({index, function: {arguments}})."""
+
+    index: int  # the call's place in the choice's tool_calls
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _only_what_is_sent(self, handler: Any) -> Dict[str, Any]:
+        return _without_nulls(handler(self))
 
 
 class DeltaMessage(BaseModel):

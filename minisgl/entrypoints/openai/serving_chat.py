@@ -49,7 +49,8 @@ from minisgl.chat_template import template_variables
 from minisgl.constrained.reasoner_grammar import REASONING_TAGS
 from minisgl.entrypoints.openai.reasoning import ReasoningSplitter, split_reasoning
 from minisgl.entrypoints.openai.tool_calls import (
-    StreamedText, auto_call_constraint, parse_tool_calls, tool_call_constraint, validate_tools, visible_tools,
+    StreamedText, auto_call_constraint, forced_call_stream, parse_tool_calls, tool_call_constraint, validate_tools,
+    visible_tools,
 )  # fmt: skip
 from minisgl.entrypoints.openai.tool_parsers import NOT_JSON, TOOL_CALL_FORMATS, ToolCallFormat
 from minisgl.managers.io_struct import GenerateReqInput
@@ -110,51 +111,55 @@ def _choice_name(request: ChatCompletionRequest) -> str:
 class _StreamedCalls:
     """One streamed choice's text as content: all of it, as it comes (no tools to call)."""
 
-    def feed(self, text: str, tokens: List[ChatTokenLogprob]) -> Tuple[str, List[ChatTokenLogprob]]:
-        """What to send now of a chunk's text and its tokens' logprobs."""
-        return text, tokens
+    def feed(self, text: str, tokens: List[ChatTokenLogprob]) -> Tuple[str, List[ChatTokenLogprob], List[DeltaToolCall]]:
+        """What to send now of a chunk's text: content, its tokens' logprobs, tool-call deltas."""
+        return text, tokens, []
 
-    def finish(self, stopped: bool) -> Tuple[str, List[ChatTokenLogprob], Optional[List[Any]]]:
-        """At the choice's end: (text still to send, logprobs still to send, its tool calls or None)."""
-        return "", [], None
+    def finish(self, stopped: bool) -> Tuple[str, List[DeltaToolCall], bool]:
+        """At the choice's end: (content still to send, tool-call deltas still to send, whether
+        the answer is tool calls). `stopped`: the finish was a stop (a cut answer is no call)."""
+        return "", [], False
 
 
-class _HeldForcedCall(_StreamedCalls):
-    """A forced tool call: held back whole, since only the whole text says whether it is a call
-    (then one delta carries the calls, arguments whole) or content cut short."""
+class _ForcedCalls(_StreamedCalls):
+    """A forced tool call: the JSON array streams as tool-call deltas, never as content; only the
+    whole text says whether it was calls or content cut short (then sent whole, as content)."""
 
     def __init__(self) -> None:
-        self.text, self.tokens = "", []
+        self.text: List[str] = []
+        self.calls = forced_call_stream()
 
-    def feed(self, text: str, tokens: List[ChatTokenLogprob]) -> Tuple[str, List[ChatTokenLogprob]]:
-        self.text, self.tokens = self.text + text, self.tokens + tokens
-        return "", []
+    def feed(self, text: str, tokens: List[ChatTokenLogprob]) -> Tuple[str, List[ChatTokenLogprob], List[DeltaToolCall]]:
+        self.text.append(text)
+        return "", tokens, self.calls.feed(text)
 
-    def finish(self, stopped: bool) -> Tuple[str, List[ChatTokenLogprob], Optional[List[Any]]]:
-        calls = parse_tool_calls(self.text) if stopped else None
-        return ("" if calls else self.text), self.tokens, calls
+    def finish(self, stopped: bool) -> Tuple[str, List[DeltaToolCall], bool]:
+        text = "".join(self.text)
+        calls = parse_tool_calls(text) if stopped else None
+        return ("" if calls else text), self.calls.finish(calls), bool(calls)
 
 
 class _ParsedCalls(_StreamedCalls):
-    """tool_choice "auto" with --tool-call-parser: the text as it comes, up to a possible call."""
+    """tool_choice "auto" with --tool-call-parser: the text as it comes, up to a possible call;
+    the calls as they come."""
 
     def __init__(self, tool_names: set, fmt: ToolCallFormat) -> None:
         self.splitter = StreamedText(tool_names, fmt)
 
-    def feed(self, text: str, tokens: List[ChatTokenLogprob]) -> Tuple[str, List[ChatTokenLogprob]]:
-        return self.splitter.feed(text), tokens
+    def feed(self, text: str, tokens: List[ChatTokenLogprob]) -> Tuple[str, List[ChatTokenLogprob], List[DeltaToolCall]]:
+        return self.splitter.feed(text), tokens, self.splitter.tool_deltas()
 
-    def finish(self, stopped: bool) -> Tuple[str, List[ChatTokenLogprob], Optional[List[Any]]]:
+    def finish(self, stopped: bool) -> Tuple[str, List[DeltaToolCall], bool]:
         if stopped:
             text, calls = self.splitter.finish()
-            return text, [], calls
-        return self.splitter.unsent(), [], None  # (cut short: all of it is content)
+            return text, self.splitter.finish_deltas(calls), bool(calls)
+        return self.splitter.unsent(), self.splitter.finish_deltas(None), False  # (cut short: all of it is content)
 
 
 class OpenAIServingChat(OpenAIServingBase):
     def _streamed_calls(self, request: ChatCompletionRequest) -> _StreamedCalls:
         if _forces_calls(request):
-            return _HeldForcedCall()
+            return _ForcedCalls()
         return _ParsedCalls(_tool_names(request), self._call_format()) if self._parses_calls(request) else _StreamedCalls()
 
     def _reasoning_splitter(self, request: ChatCompletionRequest) -> Optional[ReasoningSplitter]:
@@ -426,9 +431,11 @@ class OpenAIServingChat(OpenAIServingBase):
                 if sent is not None:
                     yield sent
                 tokens_in = [] if with_reasoning else tokens_in
-            text, tokens = calls.feed(answer, tokens_in)
+            text, tokens, deltas = calls.feed(answer, tokens_in)
             if text or tokens:
                 yield chunk(index, DeltaMessage(content=text), logprobs=ChatChoiceLogprobs(content=tokens) if logprobs else None)
+            for delta in deltas:  # (one a chunk: the openai SDK merges a chunk's tool_calls by index)
+                yield chunk(index, DeltaMessage(tool_calls=[delta]))
             if reason is None:
                 continue
             refused = abort_events(reason)
@@ -443,19 +450,18 @@ class OpenAIServingChat(OpenAIServingBase):
                 sent = reasoning_chunk(index, reasoning, [], done=True)
                 if sent is not None:
                     yield sent
-                text, tokens = calls_of[index].feed(answer, [])
-                if text or tokens:
-                    yield chunk(index, DeltaMessage(content=text))
-            text, tokens, found = calls_of.pop(index).finish(stopped=finish_reason == "stop")
-            whole = ChatChoiceLogprobs(content=tokens) if request.logprobs and tokens else None
-            if found:
+                text, _, deltas = calls_of[index].feed(answer, [])
                 if text:
                     yield chunk(index, DeltaMessage(content=text))
-                deltas = [DeltaToolCall(index=i, **call.model_dump()) for i, call in enumerate(found)]
-                yield chunk(index, DeltaMessage(tool_calls=deltas), logprobs=whole)
+                for delta in deltas:
+                    yield chunk(index, DeltaMessage(tool_calls=[delta]))
+            text, deltas, called = calls_of.pop(index).finish(stopped=finish_reason == "stop")
+            if text:
+                yield chunk(index, DeltaMessage(content=text))
+            for delta in deltas:  # (what the calls still owe: the end of the last one's arguments, ...)
+                yield chunk(index, DeltaMessage(tool_calls=[delta]))
+            if called:
                 finish_reason, matched = "tool_calls", None  # (SGLang's)
-            elif text or tokens:
-                yield chunk(index, DeltaMessage(content=text), logprobs=whole)
             yield chunk(index, DeltaMessage(), finish_reason=finish_reason, matched_stop=matched)
         if request.return_hidden_states:  # (SGLang's: after every finish chunk, before the usage)
             for index, last in hidden_states.final():

@@ -12,7 +12,8 @@ This is SGLang's path for these two choices (its `get_json_schema_constraint` an
 parser for the model family's own tool-call format (SGLang's --tool-call-parser): the formats
 are in tool_parsers.py (qwen25, llama3, mistral, pythonic); this file holds what they share:
 the structural tag of strict tools (`auto_call_constraint`) and, at its end, the streamed split
-of text and calls (`StreamedText`). Without a parser, "auto" is refused.
+of text and calls (`StreamedText`; the calls themselves stream through tool_call_stream.py,
+a forced call's too: `forced_call_stream`). Without a parser, "auto" is refused.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import json
 import uuid
 from typing import Any, Collection, Dict, List, Optional, Tuple
 
-from minisgl.entrypoints.openai.protocol import ChatCompletionRequest, FunctionCall, Tool, ToolCall, ToolChoice
+from minisgl.entrypoints.openai.protocol import ChatCompletionRequest, DeltaToolCall, FunctionCall, Tool, ToolCall, ToolChoice
+from minisgl.entrypoints.openai.tool_call_stream import CallStream, read_forced_calls
 from minisgl.entrypoints.openai.tool_parsers import NOT_JSON, TOOL_CALL_FORMATS, ToolCallFormat
 
 _QWEN25 = TOOL_CALL_FORMATS["qwen25"]
@@ -131,6 +133,17 @@ def visible_tools(request: ChatCompletionRequest) -> List[Tool]:
     return list(request.tools or [])
 
 
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def forced_call_stream() -> CallStream:
+    """The stream of a forced call's answer, the JSON array `parse_tool_calls` reads whole: each
+    call once its name and its "parameters" key are read (any name: the grammar holds them to
+    the tools, and parse_tool_calls takes them as written)."""
+    return CallStream(read_forced_calls, None, _call_id, arg_keys=("parameters",), needs_arg_key=True)
+
+
 def parse_tool_calls(text: str) -> Optional[List[ToolCall]]:
     """The calls in a forced answer (a JSON array of {"name", "parameters"}), or None when the text is
     not one: an answer cut by max_tokens or a stop string is not a call, and is returned as content."""
@@ -145,8 +158,7 @@ def parse_tool_calls(text: str) -> Optional[List[ToolCall]]:
     try:
         return [
             # (ensure_ascii off: "Zürich" as OpenAI and SGLang send it, not "Z\\u00fcrich")
-            ToolCall(id=f"call_{uuid.uuid4().hex[:24]}",
-                     function=FunctionCall(name=c["name"], arguments=json.dumps(c["parameters"], ensure_ascii=False)))  # fmt: skip
+            ToolCall(id=_call_id(), function=FunctionCall(name=c["name"], arguments=json.dumps(c["parameters"], ensure_ascii=False)))
             for c in calls
         ]
     except RecursionError:  # (decoded just under the limit, encoded just over it)
@@ -165,10 +177,13 @@ def parse_qwen25(text: str, tool_names: Collection[str]) -> Tuple[str, Optional[
 
 class StreamedText:
     """Splits a streamed answer of tool_choice "auto" into the content to send now and the tool
-    calls held back: text that could be the start of a call (or of one of the format's special
-    tokens) waits until it is known, and so do blanks that may end the text before a call (the
+    calls: text that could be the start of a call (or of one of the format's special tokens)
+    waits until it is known, and so do blanks that may end the text before a call (the
     answer's content drops them), so that a stream sends exactly the non-streaming answer's
-    content. `fmt`: the model family's format (qwen25's when not given)."""
+    content. From the first call markup on, the text goes to the format's CallStream, whose
+    deltas `tool_deltas` hands out (a call once its name is read, then its arguments as they
+    come), and `finish_deltas` settles them against the whole answer's calls. `fmt`: the model
+    family's format (qwen25's when not given)."""
 
     def __init__(self, tool_names: Collection[str], fmt: Optional[ToolCallFormat] = None) -> None:
         self.tool_names = tool_names
@@ -180,11 +195,14 @@ class StreamedText:
         self.sent = ""  # what feed() gave out: always a prefix of the final content
         self.blanks = ""  # the content's trailing blanks, held: they may end the text before a call
         self.calls_from: Optional[int] = None  # where the calls begin in `full`
+        self.calls: Optional[CallStream] = None  # reads them as they come, from calls_from on
+        self.deltas: List[DeltaToolCall] = []  # the calls' deltas not handed out yet
 
     def feed(self, delta: str) -> str:
         """The part of `delta` (with what was held back) that is content for sure."""
         self.full += delta
-        if self.calls_from is not None:
+        if self.calls is not None:
+            self.deltas += self.calls.feed(delta)
             return ""
         tail = self.full[self.safe :]
         # (the answer's opening: nothing sent yet, so what came before was blanks, or special
@@ -192,12 +210,24 @@ class StreamedText:
         start = self.format.find_start(tail, at_start=not self.sent)
         if start >= 0:
             self.calls_from = end = self.safe + start
+            self.calls = self.format.stream(self.tool_names)
+            self.deltas += self.calls.feed(self.full[end:])
         else:
             end = len(self.full) - self.format.held(tail)
         text = self.blanks + self.format.content(self.full[self.safe : end])
         sure = text.rstrip()
         self.safe, self.blanks, self.sent = end, text[len(sure) :], self.sent + sure
         return sure
+
+    def tool_deltas(self) -> List[DeltaToolCall]:
+        """The calls' deltas since the last call: to send after the content `feed` gave out."""
+        deltas, self.deltas = self.deltas, []
+        return deltas
+
+    def finish_deltas(self, calls: Optional[List[ToolCall]]) -> List[DeltaToolCall]:
+        """At the end: the deltas still owed, given the answer's calls (`finish`'s; None when
+        it holds none, or was cut short)."""
+        return self.tool_deltas() + (self.calls.finish(calls) if self.calls is not None else [])
 
     def unsent(self) -> str:
         """Everything fed and not given out (an answer cut short: all of it is content)."""

@@ -5,10 +5,11 @@ function_call/*_detector.py).
 Where it sits: OpenAIServingChat picks the format --tool-call-parser names
 (`TOOL_CALL_FORMATS`). tool_calls.py hands it the answer's text, after the reasoning parser
 took the thinking out: whole (`ToolCallFormat.parse` -> (content, calls)), or as it streams
-(`StreamedText` asks `find_start` and `held` what may still begin a call); and it asks the
-format for a strict tool's structural-tag begin/end/trigger (`structures`). In: text. Out:
-content text and ToolCalls. Owns: nothing (a format is stateless; a stream's state is
-StreamedText's).
+(`StreamedText` asks `find_start` and `held` what may still begin a call, then `stream` reads
+the calls as they come: `read_streamed`, over tool_call_stream.py's CallStream); and it asks
+the format for a strict tool's structural-tag begin/end/trigger (`structures`). In: text. Out:
+content text and ToolCalls (or, streamed, their deltas). Owns: nothing (a format is
+stateless; a stream's state is StreamedText's and CallStream's).
 
 | parser   | models                                         | a call                                             |
 |----------|------------------------------------------------|----------------------------------------------------|
@@ -38,6 +39,7 @@ import uuid
 from typing import Any, Collection, Dict, List, Optional, Tuple
 
 from minisgl.entrypoints.openai.protocol import FunctionCall, ToolCall
+from minisgl.entrypoints.openai.tool_call_stream import CallStream, NotCalls, Reader
 
 logger = logging.getLogger("minisgl.tool_calls")
 
@@ -91,6 +93,16 @@ class ToolCallFormat(abc.ABC):
     def read_calls(self, tail: str) -> Optional[List[RawCall]]:
         """The calls in `tail` (the answer from its first call markup on), or None when `tail`
         is not calls only."""
+
+    @abc.abstractmethod
+    def read_streamed(self, stream: CallStream) -> Reader:
+        """Reads the calls as they stream, a character at a time, from the first call markup on
+        (as `read_calls` reads them whole), handing each call to `stream` (its `call_object`,
+        `named_call` or `whole_call`); raises NotCalls where the text is not calls."""
+
+    def stream(self, tool_names: Collection[str]) -> CallStream:
+        """A stream of the calls of one answer, from its first call markup on."""
+        return CallStream(self.read_streamed, tool_names, self.call_id)
 
     def structures(self, name_json: str) -> List[Structure]:
         """The structural tag's structures for a call of the tool named `name_json` (its name
@@ -159,6 +171,15 @@ class Qwen25Format(ToolCallFormat):
             return None
         return calls or None
 
+    def read_streamed(self, stream: CallStream) -> Reader:
+        while True:  # (blocks with blanks between them, as the regex reads them)
+            yield from stream.expect("<tool_call>")
+            yield from stream.peek_nonblank(json_blanks=False)
+            yield from stream.call_object()
+            yield from stream.peek_nonblank(json_blanks=False)
+            yield from stream.expect("</tool_call>")
+            yield from stream.peek_nonblank(json_blanks=False)
+
     def structures(self, name_json: str) -> List[Structure]:
         return [('<tool_call>\n{"name":' + name_json + ', "arguments":', "}\n</tool_call>", "<tool_call>")]
 
@@ -209,6 +230,24 @@ class Llama3Format(ToolCallFormat):
             if text[i] != "{":
                 return None
 
+    def read_streamed(self, stream: CallStream) -> Reader:
+        tagged = (yield from stream.peek()) == "<"
+        if tagged:
+            yield from stream.expect(self._TAG)
+        stream.needs_arg_key = not tagged  # (as read_calls: an untagged call names its arguments)
+        while True:
+            yield from stream.peek_nonblank(json_blanks=False)
+            yield from stream.call_object()
+            ch = yield from stream.peek_nonblank(json_blanks=False)
+            if ch == ";":
+                yield from stream.char()
+                ch = yield from stream.peek_nonblank(json_blanks=False)
+            if ch == "<":
+                yield from stream.expect(self._TAG)
+                ch = yield from stream.peek_nonblank(json_blanks=False)
+            if ch != "{":
+                raise NotCalls
+
     def structures(self, name_json: str) -> List[Structure]:
         # SGLang's is the tagged one (with "arguments"). The bare one, triggered by `{"name":`,
         # is minisgl's: Meta's template asks for bare JSON, which a `<|python_tag|>` trigger
@@ -257,6 +296,40 @@ class MistralFormat(ToolCallFormat):
             return None
         return [{"name": name.strip(), "arguments": arguments}] if isinstance(arguments, dict) else None
 
+    def read_streamed(self, stream: CallStream) -> Reader:
+        while True:  # (each tag: an array of calls, or one compact call)
+            yield from stream.expect(self._TAG)
+            if (yield from stream.peek_nonblank(json_blanks=False)) == "[":
+                yield from stream.char()
+                if (yield from stream.peek_nonblank()) == "]":
+                    raise NotCalls  # (an empty array is no calls)
+                while True:
+                    yield from stream.peek_nonblank()
+                    yield from stream.call_object()
+                    ch = yield from stream.take_nonblank()
+                    if ch == "]":
+                        break
+                    if ch != ",":
+                        raise NotCalls
+                yield from stream.peek_nonblank(json_blanks=False)
+            else:
+                yield from self._stream_compact(stream)
+
+    def _stream_compact(self, stream: CallStream) -> Reader:
+        """`name[ARGS]{...}`: the name once `[ARGS]` ends it, then the arguments."""
+        chars: List[str] = []
+        while not (chars[-1:] == ["]"] and "".join(chars[-len(self._ARGS) :]) == self._ARGS):
+            chars.append((yield from stream.char()))
+            # (a tag first is a piece without [ARGS]; a name past any tool's is never one sent)
+            if "".join(chars[-len(self._TAG) :]) == self._TAG or len(chars) > 256:
+                raise NotCalls
+        name = "".join(chars[: -len(self._ARGS)]).strip()
+        if not name:
+            raise NotCalls
+        yield from stream.named_call(name)
+        if (yield from stream.peek_nonblank()) != "[":  # (json.loads: only json's blanks after the object)
+            raise NotCalls
+
     def structures(self, name_json: str) -> List[Structure]:
         return [('[TOOL_CALLS] [{"name":' + name_json + ', "arguments":', "}]", self._TAG)]
 
@@ -290,26 +363,100 @@ class PythonicFormat(ToolCallFormat):
         return max(super().held(text), len(text) - match.start() if match else 0)
 
     def read_calls(self, tail: str) -> Optional[List[RawCall]]:
-        try:
-            tree = ast.parse(self.content(tail).strip(), mode="eval")
-        except (SyntaxError, ValueError, RecursionError, MemoryError):
+        tree = _python_expression(self.content(tail).strip())
+        if tree is None or not isinstance(tree.body, ast.List) or not tree.body.elts:
             return None
-        if not isinstance(tree.body, ast.List) or not tree.body.elts:
-            return None
-        calls = []
-        for node in tree.body.elts:
-            # keyword arguments only: a positional one (or **kwargs) has no parameter name
-            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
-                return None
-            if any(keyword.arg is None for keyword in node.keywords):
-                return None
-            try:
-                arguments = {keyword.arg: ast.literal_eval(keyword.value) for keyword in node.keywords}
-                json.dumps(arguments, allow_nan=False)  # (a set, bytes or 1e999 has no JSON)
-            except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
-                return None
-            calls.append({"name": node.func.id, "arguments": arguments})
-        return calls
+        calls = [_python_call(node) for node in tree.body.elts]
+        return None if None in calls else calls  # type: ignore[return-value]
+
+    def read_streamed(self, stream: CallStream) -> Reader:
+        """Each call whole, once its `)` arrives (its arguments are Python, not JSON: they are
+        known only whole)."""
+        if (yield from stream.peek()) == "<":
+            yield from stream.expect("<|python_start|>")
+        if (yield from stream.take_nonblank(json_blanks=False)) != "[":
+            raise NotCalls
+        while True:
+            yield from stream.peek_nonblank(json_blanks=False)
+            text = yield from _read_python_call(stream)
+            tree = _python_expression(text)
+            call = _python_call(tree.body) if tree is not None else None
+            if call is None:
+                raise NotCalls
+            try:  # (as parse writes them)
+                stream.whole_call(call["name"], json.dumps(call["arguments"], ensure_ascii=False))
+            except RecursionError:
+                raise NotCalls from None
+            ch = yield from stream.take_nonblank(json_blanks=False)
+            if ch == "]":
+                return
+            if ch != ",":
+                raise NotCalls
+
+
+def _python_expression(text: str) -> Optional[ast.Expression]:
+    try:
+        return ast.parse(text, mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+
+
+def _python_call(node: ast.AST) -> Optional[RawCall]:
+    """A pythonic call `f(a=1)` as a RawCall, or None: keyword arguments only (a positional one,
+    or **kwargs, has no parameter name), each a literal with a JSON form."""
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+        return None
+    if any(keyword.arg is None for keyword in node.keywords):
+        return None
+    try:
+        arguments = {keyword.arg: ast.literal_eval(keyword.value) for keyword in node.keywords}
+        json.dumps(arguments, allow_nan=False)  # (a set, bytes or 1e999 has no JSON)
+    except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+        return None
+    return {"name": node.func.id, "arguments": arguments}
+
+
+def _read_python_call(stream: CallStream) -> Reader:
+    """The text of one call, `name(...)`, through the `)` that closes it: brackets counted
+    outside string literals ('', "", triple-quoted; a backslash escapes the next character)."""
+    chars: List[str] = []
+    depth, quote, run = 0, "", 0  # brackets open; the open string's quote; unescaped quotes in a row
+    while True:
+        ch = yield from stream.char()
+        chars.append(ch)
+        if quote:
+            if ch == "\\":
+                chars.append((yield from stream.char()))
+                run = 0
+            elif ch == quote[0]:
+                run += 1
+                if run == len(quote):
+                    quote, run = "", 0
+            else:
+                run = 0
+        elif ch in "'\"":
+            second = yield from stream.char()
+            if second != ch:  # (a string opens)
+                stream.put_back(second)
+                quote = ch
+                continue
+            chars.append(second)
+            third = yield from stream.char()
+            if third == ch:  # (a triple-quoted one opens)
+                chars.append(third)
+                quote = ch * 3
+            else:  # ('' or "": an empty string)
+                stream.put_back(third)
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+            if depth <= 0:
+                if depth < 0 or ch != ")":
+                    raise NotCalls
+                return "".join(chars)
+        elif depth == 0 and not (ch.isalnum() or ch == "_"):
+            raise NotCalls  # (only the function's name before its `(`)
 
 
 TOOL_CALL_FORMATS: Dict[str, ToolCallFormat] = {
