@@ -679,23 +679,29 @@ def test_the_openai_clients_parse_helper_gets_its_pydantic_object(server_dyn: Se
 
 
 def test_a_forced_tool_call_through_the_openai_client(server_dyn: Server) -> None:
-    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    """Greedy, so both answers are one: the stream sends the call's id and name (arguments ""),
+    then its arguments in pieces, which the SDK's stream helper puts together into exactly the
+    non-streamed call (the server's JSON is compact, --constrained-json-disable-any-whitespace:
+    both answers' arguments are json.dumps' normalised form of it)."""
+    weather = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
         "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}}}  # fmt: skip
     client = _client(server_dyn, api_key="sekret")
-    for stream in (False, True):
-        # (a random model spells the call a character per token at worst: ~60 tokens)
-        args = dict(model=server_dyn.model, messages=_chat_msgs("Weather?"), max_tokens=128, tools=[weather],
-                    tool_choice={"type": "function", "function": {"name": "get_weather"}}, parallel_tool_calls=False)  # fmt: skip
-        if stream:
-            chunks = list(client.chat.completions.create(stream=True, **args))
-            (call,) = next(c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls)
-            finish = chunks[-1].choices[0].finish_reason
-        else:
-            choice = client.chat.completions.create(**args).choices[0]
-            (call,) = choice.message.tool_calls
-            finish = choice.finish_reason
-        assert finish == "tool_calls" and call.function.name == "get_weather"
-        assert json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
+    # (a random model spells the call a character per token at worst: ~60 tokens)
+    args = dict(model=server_dyn.model, messages=_chat_msgs("Weather?"), max_tokens=128, tools=[weather], temperature=0,
+                tool_choice={"type": "function", "function": {"name": "get_weather"}}, parallel_tool_calls=False)  # fmt: skip
+    choice = client.chat.completions.create(**args).choices[0]
+    (call,) = choice.message.tool_calls
+    assert choice.finish_reason == "tool_calls" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
+    with client.chat.completions.stream(**args) as stream:  # (the openai SDK's helper: it accumulates the deltas)
+        chunks = [event.chunk for event in stream if event.type == "chunk"]
+        final = stream.get_final_completion().choices[0]
+    deltas = [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert deltas[0].id and deltas[0].function.name == "get_weather" and deltas[0].function.arguments == ""
+    assert len(deltas) >= 3 and all(d.id is None and d.function.name is None for d in deltas[1:])  # (pieces as they came)
+    (streamed,) = final.message.tool_calls
+    assert final.finish_reason == "tool_calls" and (streamed.function.name, streamed.function.arguments) == (call.function.name, call.function.arguments)
+    assert streamed.function.parsed_arguments == json.loads(call.function.arguments)
 
 
 # --------------------------------------------------------------------------- dynamic batch tokenizer, api key, crash
