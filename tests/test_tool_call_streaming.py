@@ -259,3 +259,24 @@ def test_the_whole_answer_is_unchanged(tiny_model: str, tmp_path: Any) -> None:
         r = client.post("/v1/chat/completions", json={"model": client.model, "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER]})
     (call,) = r.json()["choices"][0]["message"]["tool_calls"]
     assert call["function"]["arguments"] == json.dumps({"city": "Zürich", "days": 10.0}, ensure_ascii=False)
+
+
+def test_a_forced_calls_token_logprobs_go_out_with_its_chunks_in_order(tiny_model: str, tmp_path: Any) -> None:
+    """Forced calls' tokens are no longer held to the end with the text: each chunk's logprobs go
+    out with it (an empty content delta, as for any text that is not content), all of them, in order."""
+    from test_openai_protocol import _scripted_client
+
+    pieces = ['[{"name": "get_weather", ', '"parameters": {"city": ', '"Oslo"}}]']
+    outs = [_out("r", p, i + 1, STOP if i == 2 else None) for i, p in enumerate(pieces)]
+    for i, out in enumerate(outs):  # one token per piece, with its logprob
+        out["meta_info"]["output_token_logprobs"] = [(-0.5 - i, 10 + i, None)]
+    client, _ = _scripted_client(tiny_model, tmp_path, outs)
+    body = {"model": client.model, "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER], "tool_choice": "required",
+            "stream": True, "logprobs": True}  # fmt: skip
+    with client:
+        chunks = [c for c in _events(client.post("/v1/chat/completions", json=body)) if c != "[DONE]"]
+    with_logprobs = [c["choices"][0] for c in chunks if c["choices"][0].get("logprobs")]
+    assert [t["logprob"] for c in with_logprobs for t in c["logprobs"]["content"]] == [-0.5, -1.5, -2.5]
+    assert all(c["delta"] == {"content": ""} for c in with_logprobs)
+    assert [(c["name"], c["arguments"]) for c in streamed_calls(tool_deltas(chunks))] == [("get_weather", '{"city": "Oslo"}')]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"

@@ -4,8 +4,9 @@
 and builds a `GenerateReqInput` (text + `to_sampling_params`), which no longer knows it
 came from a chat request. The rendered prompt travels as text so that it goes through
 the same TokenizerManager tokenization (and dynamic batching) as every other prompt.
-Streaming follows sglang-facts.md §10.4: a role chunk per choice, content deltas, a
-finish chunk per choice, with `return_hidden_states` a chunk per choice whose delta carries the
+Streaming follows sglang-facts.md §10.4: a role chunk per choice, content deltas, tool-call
+deltas as the calls are generated (tool_call_stream.py: a call's id and name, then pieces of its
+arguments), a finish chunk per choice, with `return_hidden_states` a chunk per choice whose delta carries the
 last decode step's hidden state (SGLang's; a non-streaming choice has it as `hidden_states`), an
 optional usage chunk, then `data: [DONE]`.
 """
