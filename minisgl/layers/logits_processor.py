@@ -7,7 +7,9 @@ In: hidden [N, H] for every token of the pass; out: LogitsProcessorOutput with
 In an extend only the last token of each request needs logits (`last_token_indices()`),
 so only bs rows go through the [H, V] matmul, not all N; a 2000-token prompt then costs
 one LM-head row, not 2000. With `return_all_logits` (set only by the transformers parity
-tests) every position is kept in `full_logits [N, V]` as well.
+tests) every position is kept in `full_logits [N, V]` as well. A TARGET_VERIFY pass (speculative
+decoding) needs every row: row j of a request scores its j-th draft token, so `next_token_logits`
+is [N, V] there, one row per token of the pass.
 
 Hidden states (a request of the pass asked for return_hidden_states, so the ForwardBatch's
 `capture_hidden_mode` is FULL): `hidden_states` keeps the input [N, H] itself, the final-norm
@@ -51,7 +53,7 @@ class InputLogprobs(NamedTuple):
 
 @dataclass
 class LogitsProcessorOutput:
-    next_token_logits: torch.Tensor  # [bs, V] float32: logits that pick each request's next token
+    next_token_logits: torch.Tensor  # [bs, V] float32: logits that pick each request's next token ([N, V] in TARGET_VERIFY)
     full_logits: Optional[torch.Tensor] = None  # [N, V] float32, only with return_all_logits
     input_logprobs: Optional[InputLogprobs] = None  # only when the batch asks for prompt logprobs
     # [N, H] in the model dtype: every token's final-norm hidden state, only with CaptureHiddenMode.FULL
@@ -90,7 +92,8 @@ class LogitsProcessor(nn.Module):
             return LogitsProcessorOutput(
                 next_token_logits=full[last], full_logits=full, input_logprobs=input_logprobs, hidden_states=stored
             )
-        pruned = hidden_states[last]  # [bs, H]
+        # (a verify pass samples at every row: nothing to prune)
+        pruned = hidden_states if forward_batch.forward_mode.is_target_verify() else hidden_states[last]  # [bs or N, H]
         next_token_logits = linear(pruned, lm_head_weight, packed=lm_head_packed).float()  # [bs, V]
         return LogitsProcessorOutput(next_token_logits=next_token_logits, input_logprobs=input_logprobs, hidden_states=stored)
 

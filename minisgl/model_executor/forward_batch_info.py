@@ -30,6 +30,9 @@ class ForwardMode(enum.IntEnum):
     DECODE = 2  # one token per request
     MIXED = 3  # extend batch with decoding requests riding as 1-token extends (--enable-mixed-chunk)
     IDLE = 4  # nothing to run
+    # speculative decoding (--speculative-algorithm): each running request's last sampled token and
+    # its draft tokens, an extend over its own KV; every row's logits are kept (SGLang's name)
+    TARGET_VERIFY = 5
 
     def is_extend(self) -> bool:
         """MIXED runs through the extend path: a decode row is an extend of length 1."""
@@ -40,6 +43,14 @@ class ForwardMode(enum.IntEnum):
 
     def is_mixed(self) -> bool:
         return self == ForwardMode.MIXED
+
+    def is_target_verify(self) -> bool:
+        return self == ForwardMode.TARGET_VERIFY
+
+    def is_extend_or_verify(self) -> bool:
+        """The passes with extend-shaped tensors (several tokens per request over a prefix): the
+        attention backends run these through their extend path."""
+        return self.is_extend() or self.is_target_verify()
 
 
 class CaptureHiddenMode(enum.IntEnum):
@@ -99,7 +110,8 @@ class ForwardBatch:
         return int(self.input_ids.shape[0])
 
     def last_token_indices(self) -> torch.Tensor:
-        """Index into input_ids of each request's last token: the only rows that reach the LM head."""
+        """Index into input_ids of each request's last token: the only rows that reach the LM head
+        (in a TARGET_VERIFY pass every row does: LogitsProcessor)."""
         if self.forward_mode.is_decode():
             return torch.arange(self.batch_size, device=self.input_ids.device)
         assert self.extend_seq_lens is not None
