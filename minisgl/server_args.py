@@ -52,6 +52,7 @@ RETRACTION_POLICIES = ("length", "priority")  # (SGLang 0.5.23's --retraction-po
 RADIX_EVICTION_POLICIES = ("lru", "mru", "lfu", "fifo", "filo", "priority")
 TOOL_CALL_PARSERS = ("qwen25", "llama3", "mistral", "pythonic")  # (entrypoints/openai/tool_parsers.py)
 REASONING_PARSERS = ("qwen3", "deepseek-r1")  # (entrypoints/openai/reasoning.py)
+SPECULATIVE_ALGORITHMS = ("NGRAM",)  # (speculative/ngram_worker.py; SGLang's draft-model algorithms are not built)
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -200,6 +201,25 @@ class ServerArgs:
         )
     )
 
+    # --- speculative decoding ---
+    speculative_algorithm: Optional[str] = field(
+        default=None, metadata=_opt(
+            "Speculative decoding: NGRAM guesses each running request's next tokens from an earlier occurrence of its "
+            "last tokens in its own prompt and output, and one forward checks them all; the output is what decoding "
+            "one token at a time gives (docs/scheduler.md).",
+            choices=SPECULATIVE_ALGORITHMS,
+        )
+    )
+    speculative_num_draft_tokens: int = field(
+        default=4, metadata=_opt("Tokens per request in a verify pass, the last sampled token included (so at most N - 1 guesses).")
+    )
+    speculative_ngram_min_match_window_size: int = field(
+        default=1, metadata=_opt("NGRAM: the shortest suffix of a request's tokens whose earlier occurrence makes a draft.")
+    )
+    speculative_ngram_max_match_window_size: int = field(
+        default=12, metadata=_opt("NGRAM: the longest suffix matched (the longest match that occurred wins).")
+    )
+
     enable_return_hidden_states: bool = field(
         default=False, metadata=_opt(
             "Accept requests' return_hidden_states (SGLang's): the model's final-norm hidden state of every token it "
@@ -260,6 +280,8 @@ class ServerArgs:
                 "does not run; its embeddings already are the final-norm hidden state (of the last prompt token, "
                 "L2-normalised). Drop one of the two flags."
             )
+        if self.speculative_algorithm is not None:
+            self._check_speculative()
         if self.grammar_backend not in GRAMMAR_BACKENDS:  # (SGLang's outlines / llguidance are not built)
             raise ValueError(f"--grammar-backend must be one of {', '.join(GRAMMAR_BACKENDS)}, got {self.grammar_backend!r}")
         # Settings under which no request could ever be scheduled: refuse them, not hang.
@@ -285,6 +307,27 @@ class ServerArgs:
             raise ValueError(f"--port must be in [0, 65535] (0 picks a free one), got {self.port}")
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):  # what configure_logging reads
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+
+    def _check_speculative(self) -> None:
+        if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:  # (SGLang's EAGLE / MTP / STANDALONE need a draft model: not built)
+            raise ValueError(f"--speculative-algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}, got {self.speculative_algorithm!r}")
+        if self.speculative_num_draft_tokens < 2:
+            raise ValueError(
+                f"--speculative-num-draft-tokens must be >= 2 (it counts the last sampled token too), got {self.speculative_num_draft_tokens}"
+            )
+        low, high = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
+        if not 1 <= low <= high:
+            raise ValueError(
+                "--speculative-ngram-min-match-window-size and --speculative-ngram-max-match-window-size must satisfy "
+                f"1 <= min <= max, got {low} and {high}"
+            )
+        if self.is_embedding:
+            raise ValueError("--speculative-algorithm speeds up decoding, which an embedding server (--is-embedding) never runs: drop one of the two flags")
+        if self.enable_mixed_chunk:  # (SGLang turns mixed chunks off under speculative decoding)
+            raise ValueError(
+                "--enable-mixed-chunk does not combine with --speculative-algorithm: a verify pass checks the running "
+                "requests' drafts, and a prefill chunk cannot ride in it. Drop one of the two flags."
+            )
 
     @property
     def is_resolved(self) -> bool:

@@ -46,7 +46,7 @@ from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional,
 from minisgl.managers.io_struct import (
     LOGPROB_META_KEYS, AbortReq, BatchEmbeddingOutput, BatchStrOutput, EmbeddingReqInput, GenerateReqInput, ProfileReq,
     ProfileReqType, TokenizedEmbeddingReqInput, TokenizedGenerateReqInput, check_logprob_args, expand_samples,
-    hidden_states_of, logprobs_of, new_rid, prefix_warmups,
+    hidden_states_of, logprobs_of, new_rid, prefix_warmups, spec_meta_info,
 )  # fmt: skip
 from minisgl.managers.tokenization import (
     check_custom_logit_processor, check_dimensions, check_priority, check_return_hidden_states, tokenize_one_request,
@@ -719,6 +719,7 @@ class Engine:
                 "prompt_tokens": out.prompt_tokens[i],
                 "completion_tokens": out.completion_tokens[i],
                 "cached_tokens": out.cached_tokens[i],
+                **spec_meta_info(out, i),
                 "finish_reason": finish,
                 **(out.time_stats[i] if i < len(out.time_stats) else {}),
             }

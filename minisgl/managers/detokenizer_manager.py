@@ -276,6 +276,8 @@ class DetokenizerManager:
             cached_tokens=list(recv.cached_tokens),
             time_stats=list(recv.time_stats),
             output_hidden_states=list(recv.output_hidden_states),  # (passed through, as the logprobs)
+            spec_verify_ct=list(recv.spec_verify_ct),
+            spec_accepted_tokens=list(recv.spec_accepted_tokens),
             **recv.logprob_lists(),
         )
 

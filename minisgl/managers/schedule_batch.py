@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
-from minisgl.mem_cache.allocator import decode_starts_page, new_page_slots
+from minisgl.mem_cache.allocator import ceil_paged_tokens, decode_starts_page, new_page_slots
 from minisgl.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from minisgl.sampling import stop_regex
 from minisgl.sampling.sampling_params import SamplingParams, stop_token_set
@@ -229,6 +229,12 @@ class Req:
         self.cached_tokens = 0
         self.already_computed = 0
 
+        # speculative decoding (--speculative-algorithm NGRAM): the request's n-gram index, built at its
+        # first draft (speculative/ngram_worker.py), its verify passes and the drafts they accepted
+        self.ngram_index: Any = None
+        self.spec_verify_ct = 0
+        self.spec_accepted_tokens = 0
+
         # streaming state (§6.8)
         self.surr_offset: Optional[int] = None
         self.read_offset: Optional[int] = None
@@ -236,6 +242,7 @@ class Req:
         self.cur_decode_ids_len = 0
         self.send_token_offset = 0
         self.send_decode_id_offset = 0
+        self.stream_checked_len = 0  # len(output_ids) when the output processor last asked whether to stream
 
         # prompt logprobs (SGLang's layout): for origin_input_ids[logprob_start_len:], the first
         # entry None (the token before it is not scored), then log p(token | the tokens before
@@ -604,6 +611,7 @@ class ScheduleBatch:
         self.input_logprob_targets: List[int] = []
         self.input_logprob_counts: List[int] = []
         self.input_logprob_token_ids: List[List[int]] = []  # per row: its request's token_ids_logprob, or []
+        self.draft_token_ids: List[List[int]] = []  # TARGET_VERIFY: each request's drafts (after its last token)
 
     def is_empty(self) -> bool:
         return len(self.reqs) == 0
@@ -749,6 +757,61 @@ class ScheduleBatch:
         for req in self.reqs:
             req.kv_committed_len += 1
 
+    def room_for_drafts(self, drafts: List[List[int]]) -> bool:
+        """Evict from the tree if needed, then: is there room for each request's last token and
+        its drafts? (The caller made room for the last tokens; drafts are only a bonus.)"""
+        lens = [r.kv_committed_len for r in self.reqs]
+        need = sum(new_page_slots(n, n + 1 + len(d), self.page_size) for n, d in zip(lens, drafts))
+        self.tree_cache.evict_if_needed(need)
+        return self.token_to_kv_pool_allocator.available_size() >= need
+
+    def prepare_for_verify(self, drafts: List[List[int]]) -> None:
+        """Speculative decoding's pass (TARGET_VERIFY): each request extends its own KV by its last
+        sampled token and its drafts, and every row is sampled. K/V slots are taken for all of them;
+        process_batch_result_decode gives back those of the drafts that were not accepted
+        (release_unaccepted)."""
+        self.forward_mode = ForwardMode.TARGET_VERIFY
+        self._reset_pass_arrays()
+        self.draft_token_ids = [list(d) for d in drafts]
+        pool = self.req_to_token_pool
+        last_loc = []
+        for req, draft in zip(self.reqs, self.draft_token_ids):
+            n = req.kv_committed_len  # (as in a decode step, the last sampled token has no K/V yet)
+            assert n == req.seqlen - 1
+            self.input_ids += [req.output_ids[-1], *draft]
+            self.positions.extend(range(n, n + 1 + len(draft)))
+            self.prefix_lens.append(n)
+            self.seq_lens.append(n + 1 + len(draft))
+            self.extend_lens.append(1 + len(draft))
+            last_loc.append(int(pool.req_to_token[req.req_pool_idx, n - 1]) if self.page_size > 1 else -1)
+        self.input_logprob_counts = [0] * len(self.reqs)  # (no prompt rows)
+        allocator = self.token_to_kv_pool_allocator
+        self.out_cache_loc = self._alloc_token_slots(
+            allocator.alloc_extend, self._pages_needed_for_extend(), self.prefix_lens, self.seq_lens, last_loc, len(self.input_ids)
+        )  # [num_tokens] int64
+        offset = 0
+        for req, n, count in zip(self.reqs, self.prefix_lens, self.extend_lens):
+            pool.write(req.req_pool_idx, n, self.out_cache_loc[offset : offset + count])
+            offset += count
+            req.kv_committed_len = n + count
+
+    def release_unaccepted(self, req: Req, committed_len: int) -> None:
+        """After a verify pass: the request keeps K/V for positions [0, committed_len); the slots
+        its rejected drafts (and, when it finished early, its accepted ones) took go back. With
+        pages, only whole pages past committed_len: the partial page stays the request's, and its
+        next decode step writes the slot after committed_len - 1 in it, as always."""
+        end = req.kv_committed_len
+        start = ceil_paged_tokens(committed_len, self.page_size)
+        if start < end:
+            self.token_to_kv_pool_allocator.free(self.req_to_token_pool.req_to_token[req.req_pool_idx, start:end].clone())
+        req.kv_committed_len = committed_len
+
+    def row_reqs(self) -> List[Req]:
+        """The request of each sampled row: one per request, or, in a verify pass, one per token."""
+        if not self.forward_mode.is_target_verify():
+            return self.reqs
+        return [r for r, count in zip(self.reqs, self.extend_lens) for _ in range(count)]
+
     # ------------------------------------------------------------------ membership
     def filter_batch(self, chunked_req_to_exclude: Optional[Set[Req]] = None, keep_indices: Optional[List[int]] = None) -> None:
         """Drop finished (and excluded) requests. Frees nothing: finishing already did."""
@@ -809,7 +872,7 @@ class ScheduleBatch:
         def as_tensor(values: List[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
-        is_extend = self.forward_mode.is_extend()
+        is_extend = self.forward_mode.is_extend_or_verify()  # (the extend-shaped fields)
         scored = [r for r, n in zip(self.reqs, self.input_logprob_counts) if n > 0]
         named = max((len(ids) for ids in self.input_logprob_token_ids), default=0)
         return ForwardBatch(
@@ -840,7 +903,12 @@ class ScheduleBatch:
         )
 
     def get_sampling_info(self, vocab_size: int, device: str, eos_token_ids: Set[int]) -> Any:
-        """SamplingBatchInfo of this pass (penalties read output_ids, so it is rebuilt per pass)."""
+        """SamplingBatchInfo of this pass (penalties read output_ids, so it is rebuilt per pass).
+        A verify pass has a row per token: row j of a request samples position seqlen + j, so a
+        seeded request draws there what its decode step at that position would."""
         from minisgl.sampling.sampling_batch_info import SamplingBatchInfo
 
-        return SamplingBatchInfo.from_reqs(self.reqs, vocab_size, device, eos_token_ids)
+        info = SamplingBatchInfo.from_reqs(self.row_reqs(), vocab_size, device, eos_token_ids)
+        if self.forward_mode.is_target_verify():
+            info.positions = torch.tensor(self.positions, dtype=torch.int64, device=device) + 1  # [N]: the token each row samples
+        return info

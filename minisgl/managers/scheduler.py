@@ -57,6 +57,7 @@ from minisgl.mem_cache.allocator import ceil_paged_tokens, new_page_slots
 from minisgl.mem_cache.radix_cache import RadixCache
 from minisgl.sampling.custom_logit_processor import CustomLogitProcessor, client_error_text
 from minisgl.server_args import ServerArgs, chunked_prefill_enabled
+from minisgl.speculative.ngram_worker import NGRAMWorker
 from minisgl.utils import freeze_gc
 
 logger = logging.getLogger("minisgl.scheduler")
@@ -105,6 +106,16 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
                 f"tokens) leave no room for a prompt: prompts must be shorter than min(context - 1, pool - 1) - 5 "
                 f"= {self.max_req_input_len} tokens. Use --max-total-tokens and --context-length of at least 8."
             )
+        # --speculative-algorithm NGRAM: drafts for the running requests, checked by TARGET_VERIFY passes
+        self.draft_worker = (
+            NGRAMWorker(
+                server_args.speculative_num_draft_tokens,
+                server_args.speculative_ngram_min_match_window_size,
+                server_args.speculative_ngram_max_match_window_size,
+            )
+            if server_args.speculative_algorithm == "NGRAM"
+            else None
+        )
         self.chunked_prefill_size = server_args.chunked_prefill_size if chunked_prefill_enabled(server_args) else None
         self.is_mixed_chunk = self.chunked_prefill_size is not None and server_args.enable_mixed_chunk
         # The EOS ids that end a request (unless ignore_eos): the model's (config.json +
@@ -136,6 +147,11 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
         self.last_prefill_log_time = time.perf_counter()
         self.last_decode_log_time = time.perf_counter()
         self.num_generated_tokens = 0
+        # speculative decoding, in all: verify passes' request rows, and the tokens they produced
+        # (accepted drafts + one each); SGLang's "accept len" is their ratio since the last log line
+        self.spec_num_verify_rows = 0
+        self.spec_num_verify_tokens = 0
+        self._spec_logged = (0, 0)  # (the two at the last decode log line)
         self.last_gen_throughput = 0.0  # tokens/s of the last decode log line (sglang:gen_throughput)
         self._outputs: List[Union[BatchTokenIDOutput, BatchEmbeddingOutput, FreezeGCReq]] = []  # for the detokenizer
         self.events: List[Dict[str, Any]] = []
@@ -567,7 +583,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
             with self.trace_range("run_batch"):
                 result = self.run_batch(batch)
             # (SGLang's process_batch_result dispatches to these two by the batch's mode)
-            with self.trace_range("process_batch_result_decode" if batch.forward_mode.is_decode() else "process_batch_result_prefill"):
+            with self.trace_range("process_batch_result_prefill" if batch.forward_mode.is_extend() else "process_batch_result_decode"):
                 self.process_batch_result(batch, result)
         self.last_batch = batch
         self._step_record_end = (len(self.events), len(self.finished_records))
@@ -826,6 +842,12 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
             self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
         if batch.batch_size() < initial_bs:
             batch.batch_is_full = False
+        if self.draft_worker is not None:
+            drafts = self.draft_worker.propose(batch.reqs)
+            # (no drafts, or no room for them: a plain decode step; drafts are only ever a bonus)
+            if any(drafts) and batch.room_for_drafts(drafts):
+                batch.prepare_for_verify(drafts)
+                return batch
         batch.prepare_for_decode()
         return batch
 
@@ -836,7 +858,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
         with self.trace_range("get_forward_batch"):
             forward_batch = batch.get_forward_batch(self.model_runner)
         # (SGLang's ModelRunner.forward dispatches to forward_decode / forward_extend, which runs mixed batches too)
-        with self.trace_range("forward_decode" if batch.forward_mode.is_decode() else "forward_extend"):
+        mode = batch.forward_mode
+        with self.trace_range("forward_decode" if mode.is_decode() else "forward_target_verify" if mode.is_target_verify() else "forward_extend"):
             logits_output = self.model_runner.forward(forward_batch)
         if not self.is_generation:
             return EmbeddingBatchResult(logits_output.embeddings)
@@ -845,10 +868,11 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
                 self.model_config.vocab_size, self.model_runner.device, self.eos_token_ids
             )
             sampled = self.model_runner.sample(logits_output, sampling_info)
+        row_reqs = batch.row_reqs()
         for row, message in (sampled.custom_logit_processor_errors or {}).items():
             # its processor failed: this request ends with the 400 (its token this step is dropped),
             # the rest of the batch goes on
-            req = batch.reqs[row]
+            req = row_reqs[row]
             if req.to_finish is None and not req.finished():
                 logger.warning("Request %s: %s", req.rid, message)
                 req.to_finish = FINISH_ABORT(message, 400, "BadRequestError")

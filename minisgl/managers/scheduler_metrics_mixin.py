@@ -54,8 +54,14 @@ class SchedulerMetricsMixin:
         self.last_decode_log_time, self.num_generated_tokens = now, 0
         self.last_gen_throughput = gen_throughput
         num_used, usage = self._token_usage()
+        accept = ""
+        if self.draft_worker is not None:
+            # SGLang's accept len: tokens a request got per verify pass (accepted drafts + 1), since the last line
+            rows, tokens = self.spec_num_verify_rows - self._spec_logged[0], self.spec_num_verify_tokens - self._spec_logged[1]
+            accept = f"accept len: {tokens / rows if rows else 1.0:.2f}, "
+            self._spec_logged = (self.spec_num_verify_rows, self.spec_num_verify_tokens)
         self.log_line = (
-            f"Decode batch, #running-req: {batch.batch_size()}, #token: {num_used}, token usage: {usage:.2f}, "
+            f"Decode batch, #running-req: {batch.batch_size()}, #token: {num_used}, token usage: {usage:.2f}, {accept}"
             f"{self._graph_label()}: False, gen throughput (token/s): {gen_throughput:.2f}, "
             f"#queue-req: {len(self.waiting_queue)}"
         )
@@ -142,7 +148,7 @@ class SchedulerMetricsMixin:
         decoding = {id(r) for r in batch.decoding_reqs or []}
         out = []
         for i, r in enumerate(batch.reqs):
-            is_decode = batch.forward_mode.is_decode() or id(r) in decoding
+            is_decode = batch.forward_mode.is_decode() or batch.forward_mode.is_target_verify() or id(r) in decoding
             out.append(
                 {
                     "rid": r.rid,

@@ -24,6 +24,7 @@ import torch
 from minisgl.layers.logits_processor import InputLogprobs
 from minisgl.managers.io_struct import BatchEmbeddingOutput, BatchTokenIDOutput
 from minisgl.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch, release_kv_cache
+from minisgl.speculative.ngram_worker import NGRAMWorker
 
 # a non-streaming request still emits every 50 tokens, keeping the detokenizer incremental
 DEFAULT_FORCE_STREAM_INTERVAL = 50
@@ -57,7 +58,7 @@ class SchedulerOutputProcessorMixin:
 
     # ------------------------------------------------------------------ results
     def process_batch_result(self, batch: ScheduleBatch, result: Any) -> None:
-        if batch.forward_mode.is_decode():
+        if batch.forward_mode.is_decode() or batch.forward_mode.is_target_verify():
             self.process_batch_result_decode(batch, result)
         elif batch.forward_mode.is_extend():
             self.process_batch_result_prefill(batch, result)
@@ -131,23 +132,51 @@ class SchedulerOutputProcessorMixin:
         self.log_prefill_stats(batch)
 
     def process_batch_result_decode(self, batch: ScheduleBatch, result: Any) -> None:
+        """Append each request's token, finish or go on (§6.8). A verify pass (speculative decoding)
+        has a row per token of each request: the request takes the tokens its rows sampled up to
+        the first one that is not its next draft (that one included), one at a time, exactly as
+        that many decode steps would (each checked for a stop), and gives back the K/V slots of
+        what it did not take."""
         next_token_ids = result.next_token_ids.tolist()
         logprobs = _logprob_lists(result)
-        _store_hidden_states(batch, result.hidden_states)
+        verify = batch.forward_mode.is_target_verify()
+        if not verify:
+            _store_hidden_states(batch, result.hidden_states)
         self.token_to_kv_pool_allocator.free_group_begin()
-        for i, (req, token) in enumerate(zip(batch.reqs, next_token_ids)):
+        num_tokens = 0
+        row = 0
+        for i, req in enumerate(batch.reqs):
+            first = row
+            row += batch.extend_lens[i] if verify else 1
             if req.finished() or req.is_retracted:
                 continue
-            req.output_ids.append(int(token))
-            self._append_logprobs(req, logprobs, i)
-            self._advance_grammar(req)
-            req.check_finished()
+            tokens, before = next_token_ids[first:row], len(req.output_ids)
+            if verify:
+                drafts = batch.draft_token_ids[i]
+                tokens = tokens[: NGRAMWorker.accepted(drafts, tokens) + 1]
+            for j, token in enumerate(tokens):
+                if verify and result.hidden_states is not None and req.return_hidden_states:
+                    _store_hidden_row(req, batch.prefix_lens[i] + j, result.hidden_states[first + j])
+                req.output_ids.append(int(token))
+                self._append_logprobs(req, logprobs, first + j)
+                self._advance_grammar(req)
+                req.check_finished()
+                num_tokens += 1
+                if req.finished():
+                    break
+            if verify:
+                taken = len(req.output_ids) - before
+                batch.release_unaccepted(req, batch.prefix_lens[i] + taken)
+                req.spec_verify_ct += 1
+                req.spec_accepted_tokens += taken - 1
+                self.spec_num_verify_rows += 1
+                self.spec_num_verify_tokens += taken
             if req.finished():
                 self._release_finished(req)
         self.stream_output(batch.reqs)
         self.token_to_kv_pool_allocator.free_group_end()
         self.forward_ct_decode += 1
-        self.num_generated_tokens += len(batch.reqs)
+        self.num_generated_tokens += num_tokens
         if self.forward_ct_decode % self.server_args.decode_log_interval == 0:
             self.log_decode_stats(batch)
 
@@ -212,14 +241,18 @@ class SchedulerOutputProcessorMixin:
         if req.finished():
             return not req.finished_output
         n = len(req.output_ids)
+        # due when the output reached a multiple of the interval since the last check: a verify pass
+        # (speculative decoding) adds several tokens at once and may step over it
+        before, req.stream_checked_len = req.stream_checked_len, n
         if n == 0:
             return False
         if req.stream:
             interval = req.sampling_params.stream_interval or self.server_args.stream_interval
-            due = n % interval == 1 if interval > 1 else n % interval == 0
+            # (SGLang's: the 1st, (k + 1)-th, (2k + 1)-th ... token with an interval k > 1, every one with 1)
+            due = _reached(before, n, interval, 1 if interval > 1 else 0)
             # hold back while the tail could still become a stop string
             return due and not req.check_match_stop_str_prefix()
-        return n % DEFAULT_FORCE_STREAM_INTERVAL == 0
+        return _reached(before, n, DEFAULT_FORCE_STREAM_INTERVAL, 0)
 
     def stream_output(self, reqs: List[Req], skip_req: Optional[Req] = None) -> None:
         """Collect one BatchTokenIDOutput for every request that emits this step (an embedding
@@ -271,6 +304,9 @@ class SchedulerOutputProcessorMixin:
                     req.hidden_states[k] = None
                 req.send_hidden_states_offset = len(req.hidden_states)
             out.time_stats.append(req.time_stats.to_ms_dict())
+            if self.draft_worker is not None:
+                out.spec_verify_ct.append(req.spec_verify_ct)
+                out.spec_accepted_tokens.append(req.spec_accepted_tokens)
             req.send_decode_id_offset = len(decode_ids)
             req.send_token_offset = end
         self._outputs.append(out)
@@ -295,6 +331,11 @@ class SchedulerOutputProcessorMixin:
         )
 
 
+def _reached(before: int, now: int, interval: int, remainder: int) -> bool:
+    """Whether a length m with m % interval == remainder lies in (before, now]."""
+    return (now - remainder) // interval > (before - remainder) // interval
+
+
 def _add_logprobs(out: BatchTokenIDOutput, req: Req, start: int, end: int) -> None:
     """Request req's logprobs of output tokens [start, end) into out (one entry per list, in
     request order), and its prompt logprobs once, with its first output after the prefill."""
@@ -312,6 +353,14 @@ def _add_logprobs(out: BatchTokenIDOutput, req: Req, start: int, end: int) -> No
     out.input_top_logprobs_idx.append(req.input_top_logprobs_idx if send_input else [])
     out.input_token_ids_logprobs_val.append(req.input_token_ids_logprobs_val if send_input else [])
     out.input_token_ids_logprobs_idx.append(req.input_token_ids_logprobs_idx if send_input else [])
+
+
+def _store_hidden_row(req: Req, position: int, row: torch.Tensor) -> None:
+    """A verify pass's row [H] of one token the request took (a decode step's single row)."""
+    values = row.tolist()
+    if not bool(torch.isfinite(row).all()):  # (as _store_hidden_states: JSON has no NaN / inf)
+        values = [v if math.isfinite(v) else None for v in values]
+    req.add_hidden_states(position, [values])
 
 
 def _store_hidden_states(batch: ScheduleBatch, hidden_states: Optional[torch.Tensor]) -> None:

@@ -70,6 +70,7 @@ from minisgl.managers.io_struct import (
     logprobs_of,
     new_rid,
     prefix_warmups,
+    spec_meta_info,
 )
 from minisgl.sampling.sampling_params import MAX_TOP_LOGPROBS_NUM, SamplingParams
 from minisgl.server_args import PortArgs, ServerArgs
@@ -825,6 +826,7 @@ class TokenizerManager:
                 "prompt_tokens": recv.prompt_tokens[i],
                 "completion_tokens": recv.completion_tokens[i],
                 "cached_tokens": recv.cached_tokens[i],
+                **spec_meta_info(recv, i),
                 **logprobs,
             }
             if getattr(state.obj, "return_hidden_states", False):  # (one that asked always has the key: [] when nothing is new)
