@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Sequence
 
-FORWARD_MODES = ("EXTEND", "DECODE", "MIXED", "IDLE")
+FORWARD_MODES = ("EXTEND", "DECODE", "MIXED", "TARGET_VERIFY", "IDLE")
 STOP_REASONS = ("NO_TOKEN", "OTHER", "BATCH_FULL", "QUEUE_EMPTY", None)
 EVENT_TYPES = ("arrive", "chunk", "prefill_done", "retract", "finish", "abort")
 
