@@ -275,6 +275,21 @@ def draw_hidden_states(seed: int, jobs: List[Job]) -> Dict[str, Any]:
     return {"enable_return_hidden_states": True}
 
 
+def draw_speculative(seed: int, config: Dict[str, Any]) -> Dict[str, Any]:
+    """--speculative-algorithm NGRAM for some seeds (not with mixed chunks, which it refuses), from
+    an rng of its own: verify passes take K/V slots for drafts and give back the rejected ones,
+    across pages, retraction, aborts and finishes mid-draft, and the outputs stay the solo runs'."""
+    rng = random.Random(17_000_023 * (seed + 1))
+    if rng.random() >= 0.35 or config["enable_mixed_chunk"]:
+        return {}
+    return {
+        "speculative_algorithm": "NGRAM",
+        "speculative_num_draft_tokens": rng.choice([2, 4, 8]),
+        "speculative_ngram_min_match_window_size": rng.choice([1, 2]),
+        "speculative_ngram_max_match_window_size": rng.choice([2, 12]),
+    }
+
+
 def queue_refused(finish: FinishReason) -> bool:
     """A 503 of --max-queued-requests: refused on arrival, or evicted from the queue for a more important one."""
     return finish.get("status_code") == 503 and finish["message"] in (
@@ -506,9 +521,10 @@ def test_random_workload_matches_solo_runs_and_never_leaks(tiny_model: str, solo
     priorities = draw_priorities(seed, jobs)
     eviction = draw_eviction_policy(seed, priorities)
     hidden = draw_hidden_states(seed, jobs)
-    if priorities or eviction or hidden:  # (the workload was drawn against the same limits: these change none)
+    speculative = draw_speculative(seed, config)
+    if priorities or eviction or hidden or speculative:  # (the workload was drawn against the same limits: these change none)
         engine.shutdown()
-        engine = Engine(tiny_model, **config, **priorities, **eviction, **hidden)
+        engine = Engine(tiny_model, **config, **priorities, **eviction, **hidden, **speculative)
     lp_rng = random.Random(1_000_003 * (seed + 1))
     for job in jobs:
         if job.return_logprob and lp_rng.random() < 0.7:
@@ -576,5 +592,8 @@ def test_the_seeds_cover_every_config_feature() -> None:
     assert any(p.get("max_queued_requests") for _, p in drawn) and any(p and p["priority_scheduling_preemption_threshold"] == 0 for _, p in drawn)
     policies = {draw_eviction_policy(seed, p).get("radix_eviction_policy", "lru") for seed, (_, p) in zip(SEEDS, drawn)}
     assert policies == {"lru", "mru", "lfu", "fifo", "filo", "priority"}
+    speculative = [seed for seed in SEEDS if draw_speculative(seed, draw_case(seed)[2])]
+    assert any(draw_case(seed)[1] for seed in speculative)  # (with memory pressure: retraction, no room for drafts)
+    assert {draw_case(seed)[2]["page_size"] for seed in speculative} & {2, 4, 16}
     hidden = [seed for seed in SEEDS if draw_hidden_states(seed, [replace(jobs[0])])]
     assert hidden and any(draw_case(seed)[1] for seed in hidden)  # (with memory pressure too: retraction)
