@@ -7,9 +7,14 @@ present; `torch` otherwise). In: q [N, Hq, D], k/v [N, Hkv, D] of this pass; out
 - decode: store the new K/V at `out_cache_loc`, then `decode_attention_cpu`
   (kernels/decode_attention_cpu.py) reads each request's K/V rows where they lie in the
   pool, through req_to_token, once. No gather copy, no padding, no per-group metadata.
-- extend and MIXED, per request:
+- extend, MIXED and TARGET_VERIFY, per request:
   - one new token (the decode rows riding in a MIXED batch, or a 1-token prompt): decode
     attention too -- one query over all of its keys -- through the same kernel;
+  - a few new tokens over a prefix (at most SHORT_EXTEND_ROWS: a verify pass's last token and
+    drafts, the tail of a prompt the radix cache mostly held): each row is a decode query of its
+    own, over the keys up to its position (causal by seq_len), through the same kernel. The
+    group path gathered the whole prefix's K/V through the pool for them, in every layer: a verify
+    pass with drafts cost 3x a decode step of the same batch;
   - a fresh prompt (no cached prefix) of at least FRESH_MIN_TOKENS tokens: its keys are
     exactly this pass's k/v rows, so SDPA runs on them with `is_causal=True`: no gather
     through the pool, no padding, no mask tensor (1.3x faster than a padded, masked group
@@ -42,6 +47,8 @@ from minisgl.model_executor.forward_batch_info import ForwardBatch
 
 # Below this, per-request SDPA calls cost more in dispatch than padding costs in a group.
 FRESH_MIN_TOKENS = 32
+# Up to this many new tokens over a prefix, each row runs as a decode query (no gather of the prefix).
+SHORT_EXTEND_ROWS = 16
 
 
 class CpuAttnBackend(TorchNativeAttnBackend):
@@ -50,7 +57,8 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         # Build (or load the cached build of) the kernels now: a missing compiler fails at
         # startup with its message, not in the middle of the first decode step.
         load_all_cpu_kernels()
-        # extend batches: (q rows, req_pool_indices, seq_lens) of the one-token requests, or None
+        # extend batches: (q rows, req_pool_indices, seq_lens) of the rows that run as decode
+        # queries (one-token requests, short extends over a prefix), or None
         self.single_token: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
         # extend batches: (first row, length) in q/k/v of each fresh prompt
         self.fresh: List[Tuple[int, int]] = []
@@ -66,7 +74,7 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         q_starts = first_rows(q_lens)
         single, fresh, grouped = [], [], []
         for i, (n, prefix) in enumerate(zip(q_lens, prefix_lens)):
-            if n == 1:
+            if n == 1 or (prefix > 0 and n <= SHORT_EXTEND_ROWS):
                 single.append(i)
             elif prefix == 0 and n >= FRESH_MIN_TOKENS and SDPA_HAS_GQA:  # (views need SDPA's own GQA)
                 fresh.append(i)
@@ -75,11 +83,13 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         self.groups = self.make_groups(fb, grouped)
         self.fresh = [(q_starts[i], q_lens[i]) for i in fresh]
         if single:
-            picked = torch.tensor(single, dtype=torch.int64)
+            # row j of request i attends to positions [0, prefix + j]: seq_len prefix + j + 1
+            rows = [(q_starts[i] + j, i, prefix_lens[i] + j + 1) for i in single for j in range(q_lens[i])]
+            picked = torch.tensor([i for _, i, _ in rows], dtype=torch.int64)
             self.single_token = (
-                torch.tensor([q_starts[i] for i in single], dtype=torch.int64),  # their rows in q
+                torch.tensor([row for row, _, _ in rows], dtype=torch.int64),  # their rows in q
                 fb.req_pool_indices[picked],
-                fb.seq_lens[picked],
+                torch.tensor([seq_len for _, _, seq_len in rows], dtype=torch.int64),
             )
 
     def forward(
