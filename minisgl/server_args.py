@@ -280,8 +280,7 @@ class ServerArgs:
                 "does not run; its embeddings already are the final-norm hidden state (of the last prompt token, "
                 "L2-normalised). Drop one of the two flags."
             )
-        if self.speculative_algorithm is not None:
-            self._check_speculative()
+        self._check_speculative()
         if self.grammar_backend not in GRAMMAR_BACKENDS:  # (SGLang's outlines / llguidance are not built)
             raise ValueError(f"--grammar-backend must be one of {', '.join(GRAMMAR_BACKENDS)}, got {self.grammar_backend!r}")
         # Settings under which no request could ever be scheduled: refuse them, not hang.
@@ -309,11 +308,17 @@ class ServerArgs:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
 
     def _check_speculative(self) -> None:
+        if self.speculative_algorithm is None:
+            changed = [f"--{_flag(f.name)}" for f in fields(self) if f.name.startswith("speculative_") and getattr(self, f.name) != f.default]
+            if changed:  # (not silently ignored)
+                raise ValueError(f"{', '.join(changed)} set without --speculative-algorithm: add --speculative-algorithm NGRAM, or drop it")
+            return
         if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:  # (SGLang's EAGLE / MTP / STANDALONE need a draft model: not built)
             raise ValueError(f"--speculative-algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}, got {self.speculative_algorithm!r}")
-        if self.speculative_num_draft_tokens < 2:
+        if not 2 <= self.speculative_num_draft_tokens <= 64:
             raise ValueError(
-                f"--speculative-num-draft-tokens must be >= 2 (it counts the last sampled token too), got {self.speculative_num_draft_tokens}"
+                "--speculative-num-draft-tokens must be in [2, 64] (it counts the last sampled token too; each one is a "
+                f"row of logits per request in a verify pass), got {self.speculative_num_draft_tokens}"
             )
         low, high = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
         if not 1 <= low <= high:

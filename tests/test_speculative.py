@@ -10,14 +10,15 @@ so a verify path that silently stopped speculating would fail them.
 from __future__ import annotations
 
 import random
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from types import SimpleNamespace
+from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minisgl import Engine
-from minisgl.managers.scheduler_output_processor_mixin import _reached
+from minisgl.managers.scheduler_output_processor_mixin import SchedulerOutputProcessorMixin, _reached
 from minisgl.sampling.sampling_params import SamplingParams
 from minisgl.server_args import ServerArgs
 from minisgl.speculative.ngram_worker import NGRAMWorker, NgramIndex
@@ -116,10 +117,11 @@ class StandInReq:
         self.custom_logit_processor = None
         self.to_finish = None
         self.ngram_index = None
+        self.spec_hit_rate = NGRAMWorker.HIT_RATE_START
 
 
 def test_drafts_stop_short_of_max_new_tokens_and_skip_what_a_row_cannot_sample() -> None:
-    worker = NGRAMWorker(num_draft_tokens=6, min_window=1, max_window=4)
+    worker = NGRAMWorker(num_draft_tokens=6, min_window=1, max_window=4, max_total_drafts=100)
     # 5 guesses at most; with max_new_tokens 4 and one token out, two more guesses and the bonus token
     assert worker.propose([StandInReq([1], max_new_tokens=100)]) == [[2, 1, 2, 1, 2]]
     assert worker.propose([StandInReq([1], max_new_tokens=4)]) == [[2, 1]]
@@ -133,6 +135,27 @@ def test_drafts_stop_short_of_max_new_tokens_and_skip_what_a_row_cannot_sample()
     assert worker.propose([grammar]) == [[]]
 
 
+def test_all_drafts_of_a_pass_stay_within_the_cap() -> None:
+    worker = NGRAMWorker(num_draft_tokens=6, min_window=1, max_window=4, max_total_drafts=7)
+    assert [len(d) for d in worker.propose([StandInReq([1], max_new_tokens=100) for _ in range(3)])] == [5, 2, 0]
+
+
+def test_a_request_whose_drafts_keep_failing_stops_drafting_and_probes_now_and_then() -> None:
+    """Text that does not repeat: each draft costs a verify row and is rejected. Two failed passes
+    stop a fresh request's drafts; it drafts again once every PROBE_INTERVAL passes, and a probe
+    that is accepted brings it back."""
+    worker = NGRAMWorker(num_draft_tokens=4, min_window=1, max_window=4, max_total_drafts=100)
+    req = StandInReq([1], max_new_tokens=10_000)
+    for _ in range(2):
+        assert worker.propose([req]) != [[]]
+        worker.record(req, 3, 0)
+    # every request probes on the same passes (the worker's 16th, 32nd, ...): one probe, one verify pass
+    drafted = [worker.num_passes for _ in range(3 * NGRAMWorker.PROBE_INTERVAL) if worker.propose([req]) != [[]]]
+    assert drafted and all(n % NGRAMWorker.PROBE_INTERVAL == 0 for n in drafted) and len(drafted) == 3
+    worker.record(req, 3, 3)  # the probe's drafts were all accepted: the text repeats now
+    assert all(worker.propose([req]) != [[]] for _ in range(4))
+
+
 def test_stream_points_are_not_skipped_when_a_step_adds_several_tokens() -> None:
     # one token a step: the old rule (the 1st, 5th, 9th ... token with an interval of 4)
     assert [n for n in range(1, 14) if _reached(n - 1, n, 4, 1)] == [1, 5, 9, 13]
@@ -140,11 +163,33 @@ def test_stream_points_are_not_skipped_when_a_step_adds_several_tokens() -> None
     assert _reached(3, 6, 4, 1) and not _reached(5, 8, 4, 1) and _reached(48, 52, 50, 0)
 
 
+class Emitter(SchedulerOutputProcessorMixin):
+    def __init__(self) -> None:
+        self.server_args = SimpleNamespace(stream_interval=4)
+
+
+def test_should_stream_sends_when_a_pass_steps_over_a_send_point() -> None:
+    """A streaming request at interval 4 sends at its 1st, 5th, 9th ... token; a pass that takes it
+    from 3 to 6 tokens stepped over the 5th, so that check sends (at 6), and the next pass to 8 does
+    not; the 9th is passed on the way to 10."""
+    emitter, req = Emitter(), SimpleNamespace(finished=lambda: False, stream=True, output_ids=[], stream_checked_len=0,
+                                              sampling_params=SimpleNamespace(stream_interval=None),
+                                              check_match_stop_str_prefix=lambda: False)  # fmt: skip
+    sent = []
+    for n in (1, 3, 6, 8, 10):
+        req.output_ids = [7] * n
+        sent.append(emitter._should_stream(req))
+    assert sent == [True, False, True, False, True]
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
         ({"speculative_algorithm": "EAGLE"}, "must be one of NGRAM"),
-        ({**SPEC, "speculative_num_draft_tokens": 1}, "must be >= 2"),
+        ({**SPEC, "speculative_num_draft_tokens": 1}, r"must be in \[2, 64\]"),
+        ({**SPEC, "speculative_num_draft_tokens": 65}, r"must be in \[2, 64\]"),
+        ({"speculative_num_draft_tokens": 8}, "set without --speculative-algorithm"),
+        ({"speculative_ngram_max_match_window_size": 4}, "set without --speculative-algorithm"),
         ({**SPEC, "speculative_ngram_min_match_window_size": 3, "speculative_ngram_max_match_window_size": 2}, "1 <= min <= max"),
         ({**SPEC, "enable_mixed_chunk": True}, "does not combine with --speculative-algorithm"),
         ({**SPEC, "is_embedding": True}, "embedding server"),
@@ -207,8 +252,8 @@ def test_outputs_equal_decoding_one_token_at_a_time(engines: Dict[Tuple[str, int
     got = run(spec, PROMPTS, params)
     assert [r["output_ids"] for r in got] == expected
     assert accepted_drafts(spec, before) > (20 if params.get("temperature") == 0 else 5), "few drafts were accepted: nothing was speculated"
-    # fewer passes than tokens: the point of it
-    assert spec.scheduler.forward_ct_decode - steps_before < 40 - 1
+    if params.get("temperature") == 0:  # fewer passes than tokens: the point of it (the greedy loops repeat most)
+        assert spec.scheduler.forward_ct_decode - steps_before < 40 - 1
     meta = got[0]["meta_info"]
     assert meta["spec_verify_ct"] > 0 and meta["spec_accept_length"] > 1.0
 
@@ -271,8 +316,10 @@ def test_requests_that_cannot_speculate_ride_along_one_token_a_pass(engines: Dic
         spec.scheduler.check_integrity()
     first, second = (spec.get_result(r) for r in rids)
     assert first["output_ids"] == expected[0]
-    assert first["meta_info"]["spec_accept_length"] == 1.0 and first["meta_info"]["spec_verify_ct"] > 0
-    assert second["meta_info"]["spec_accept_length"] > 1.0
+    # SGLang's meta_info: a pass per token after the prefill's for the penalised one, fewer for the other
+    assert first["meta_info"]["spec_verify_ct"] == len(first["output_ids"]) - 1
+    assert second["meta_info"]["spec_verify_ct"] < len(second["output_ids"]) - 1
+    assert second["meta_info"]["spec_accept_length"] == len(second["output_ids"]) / second["meta_info"]["spec_verify_ct"]
 
 
 def test_a_full_kv_pool_retracts_and_skips_drafts_without_leaking(tiny_model: str, one_thread: None) -> None:
@@ -299,18 +346,3 @@ def test_a_full_kv_pool_retracts_and_skips_drafts_without_leaking(tiny_model: st
 def test_no_speculation_keeps_meta_info_as_it_was(engines: Dict[Tuple[str, int], Engine]) -> None:
     meta = run(engines["plain", 1], PROMPTS[:1], {**GREEDY, "max_new_tokens": 4})[0]["meta_info"]
     assert "spec_verify_ct" not in meta and "spec_accept_length" not in meta
-
-
-def stream_text(engine: Engine, prompt: List[int], params: Dict[str, Any]) -> Tuple[List[str], Optional[str]]:
-    chunks = list(engine.generate(input_ids=prompt, sampling_params=params, stream=True))
-    return [c["text"] for c in chunks], chunks[-1]["text"]
-
-
-def test_a_stream_with_an_interval_still_sends_every_few_tokens(engines: Dict[Tuple[str, int], Engine]) -> None:
-    """--stream-interval k sends at the 1st, (k+1)-th ... token; a verify pass that steps over such a
-    count still sends, so a speculating stream is no coarser than the interval asks."""
-    params = {**GREEDY, "max_new_tokens": 40, "stream_interval": 4}
-    texts, final = stream_text(engines["spec", 1], PROMPTS[0], params)
-    plain_texts, plain_final = stream_text(engines["plain", 1], PROMPTS[0], params)
-    assert final == plain_final
-    assert len(texts) >= len(plain_texts) // 2 > 2  # (a pass gives up to 4 tokens: at worst every other stream point merges)

@@ -277,7 +277,6 @@ class DetokenizerManager:
             time_stats=list(recv.time_stats),
             output_hidden_states=list(recv.output_hidden_states),  # (passed through, as the logprobs)
             spec_verify_ct=list(recv.spec_verify_ct),
-            spec_accepted_tokens=list(recv.spec_accepted_tokens),
             **recv.logprob_lists(),
         )
 

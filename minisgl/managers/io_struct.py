@@ -529,10 +529,9 @@ class BatchTokenIDOutput(LogprobLists):
     # return_hidden_states: per request, the entries of its Req.hidden_states not sent before (None: it
     # did not ask); an empty list, not a list of Nones, when no request of the message asked
     output_hidden_states: List[Optional[List[Any]]] = field(default_factory=list)
-    # --speculative-algorithm: per request, its verify passes so far and the drafts they accepted
-    # (SGLang's spec_verify_ct); empty lists when the server does not speculate
+    # --speculative-algorithm: per request, its decoding passes so far (SGLang's spec_verify_ct); an
+    # empty list when the server does not speculate
     spec_verify_ct: List[int] = field(default_factory=list)
-    spec_accepted_tokens: List[int] = field(default_factory=list)
 
 
 @dataclass
@@ -549,7 +548,6 @@ class BatchStrOutput(LogprobLists):
     time_stats: List[Dict[str, Optional[float]]] = field(default_factory=list)  # to_ms_dict: None = not reached
     output_hidden_states: List[Optional[List[Any]]] = field(default_factory=list)  # BatchTokenIDOutput's, passed through
     spec_verify_ct: List[int] = field(default_factory=list)  # BatchTokenIDOutput's, passed through
-    spec_accepted_tokens: List[int] = field(default_factory=list)
 
 
 @dataclass
@@ -620,13 +618,14 @@ def hidden_states_of(recv: Union[BatchTokenIDOutput, BatchStrOutput], i: int) ->
 
 
 def spec_meta_info(recv: Union[BatchTokenIDOutput, BatchStrOutput], i: int) -> Dict[str, Any]:
-    """meta_info's speculative-decoding keys for request i ({} when the server does not speculate):
-    SGLang's spec_verify_ct (its verify passes) and spec_accept_length (tokens per verify pass: the
-    accepted drafts + the one token every pass gives; 1.0 before the first)."""
+    """meta_info's speculative-decoding keys for request i ({} when the server does not speculate),
+    SGLang's: spec_verify_ct (its decoding passes, each a verify or a plain decode step) and
+    spec_accept_length (completion tokens per pass; the first token, the prefill's, counts too,
+    as in SGLang)."""
     if i >= len(recv.spec_verify_ct):
         return {}
     passes = recv.spec_verify_ct[i]
-    return {"spec_verify_ct": passes, "spec_accept_length": (recv.spec_accepted_tokens[i] + passes) / passes if passes else 1.0}
+    return {"spec_verify_ct": passes, "spec_accept_length": recv.completion_tokens[i] / passes if passes else 1.0}
 
 
 # --------------------------------------------------------------------------- codec

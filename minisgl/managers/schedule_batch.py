@@ -31,6 +31,7 @@ from minisgl.mem_cache.allocator import ceil_paged_tokens, decode_starts_page, n
 from minisgl.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from minisgl.sampling import stop_regex
 from minisgl.sampling.sampling_params import SamplingParams, stop_token_set
+from minisgl.speculative.ngram_worker import NGRAMWorker
 
 if TYPE_CHECKING:
     from minisgl.mem_cache.allocator import TokenToKVPoolAllocator
@@ -229,11 +230,13 @@ class Req:
         self.cached_tokens = 0
         self.already_computed = 0
 
-        # speculative decoding (--speculative-algorithm NGRAM): the request's n-gram index, built at its
-        # first draft (speculative/ngram_worker.py), its verify passes and the drafts they accepted
+        # speculative decoding (--speculative-algorithm NGRAM; speculative/ngram_worker.py): the request's
+        # n-gram index, built at its first draft; its decoding passes (decode or verify: SGLang's
+        # spec_verify_ct, completion tokens / this = its accept length); the running share of its
+        # drafted tokens that were accepted (too low: it drafts on probe passes only)
         self.ngram_index: Any = None
         self.spec_verify_ct = 0
-        self.spec_accepted_tokens = 0
+        self.spec_hit_rate = NGRAMWorker.HIT_RATE_START
 
         # streaming state (§6.8)
         self.surr_offset: Optional[int] = None
@@ -762,6 +765,8 @@ class ScheduleBatch:
         its drafts? (The caller made room for the last tokens; drafts are only a bonus.)"""
         lens = [r.kv_committed_len for r in self.reqs]
         need = sum(new_page_slots(n, n + 1 + len(d), self.page_size) for n, d in zip(lens, drafts))
+        if self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size() < need:
+            return False  # (evicting first would empty the cache for drafts that then do not run)
         self.tree_cache.evict_if_needed(need)
         return self.token_to_kv_pool_allocator.available_size() >= need
 
@@ -774,7 +779,6 @@ class ScheduleBatch:
         self._reset_pass_arrays()
         self.draft_token_ids = [list(d) for d in drafts]
         pool = self.req_to_token_pool
-        last_loc = []
         for req, draft in zip(self.reqs, self.draft_token_ids):
             n = req.kv_committed_len  # (as in a decode step, the last sampled token has no K/V yet)
             assert n == req.seqlen - 1
@@ -783,17 +787,22 @@ class ScheduleBatch:
             self.prefix_lens.append(n)
             self.seq_lens.append(n + 1 + len(draft))
             self.extend_lens.append(1 + len(draft))
-            last_loc.append(int(pool.req_to_token[req.req_pool_idx, n - 1]) if self.page_size > 1 else -1)
         self.input_logprob_counts = [0] * len(self.reqs)  # (no prompt rows)
+        # whole-batch reads and writes of req_to_token, as prepare_for_decode's (row r, position p) per token
+        rows = torch.tensor([r.req_pool_idx for r, k in zip(self.reqs, self.extend_lens) for _ in range(k)], dtype=torch.int64, device=pool.device)
+        cols = torch.tensor(self.positions, dtype=torch.int64, device=pool.device)
+        if self.page_size > 1:  # the slot of each request's position n - 1 (its first row's column - 1)
+            firsts = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64, device=pool.device)
+            last_loc = pool.req_to_token[firsts, torch.tensor(self.prefix_lens, device=pool.device) - 1].tolist()
+        else:
+            last_loc = [-1] * len(self.reqs)
         allocator = self.token_to_kv_pool_allocator
         self.out_cache_loc = self._alloc_token_slots(
             allocator.alloc_extend, self._pages_needed_for_extend(), self.prefix_lens, self.seq_lens, last_loc, len(self.input_ids)
         )  # [num_tokens] int64
-        offset = 0
-        for req, n, count in zip(self.reqs, self.prefix_lens, self.extend_lens):
-            pool.write(req.req_pool_idx, n, self.out_cache_loc[offset : offset + count])
-            offset += count
-            req.kv_committed_len = n + count
+        pool.req_to_token[rows, cols] = self.out_cache_loc
+        for req, seq_len in zip(self.reqs, self.seq_lens):
+            req.kv_committed_len = seq_len
 
     def release_unaccepted(self, req: Req, committed_len: int) -> None:
         """After a verify pass: the request keeps K/V for positions [0, committed_len); the slots

@@ -106,18 +106,21 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
                 f"tokens) leave no room for a prompt: prompts must be shorter than min(context - 1, pool - 1) - 5 "
                 f"= {self.max_req_input_len} tokens. Use --max-total-tokens and --context-length of at least 8."
             )
+        self.chunked_prefill_size = server_args.chunked_prefill_size if chunked_prefill_enabled(server_args) else None
+        self.is_mixed_chunk = self.chunked_prefill_size is not None and server_args.enable_mixed_chunk
         # --speculative-algorithm NGRAM: drafts for the running requests, checked by TARGET_VERIFY passes
         self.draft_worker = (
             NGRAMWorker(
                 server_args.speculative_num_draft_tokens,
                 server_args.speculative_ngram_min_match_window_size,
                 server_args.speculative_ngram_max_match_window_size,
+                # (a verify pass computes a logits row per token: bounded like a prefill chunk's tokens,
+                # 2,048 when chunking is off)
+                max_total_drafts=self.chunked_prefill_size or 2048,
             )
             if server_args.speculative_algorithm == "NGRAM"
             else None
         )
-        self.chunked_prefill_size = server_args.chunked_prefill_size if chunked_prefill_enabled(server_args) else None
-        self.is_mixed_chunk = self.chunked_prefill_size is not None and server_args.enable_mixed_chunk
         # The EOS ids that end a request (unless ignore_eos): the model's (config.json +
         # generation_config.json) and the tokenizer's. One set for Req.check_finished and for
         # the min_new_tokens mask, so a token that would stop a request is also held back.
@@ -147,8 +150,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
         self.last_prefill_log_time = time.perf_counter()
         self.last_decode_log_time = time.perf_counter()
         self.num_generated_tokens = 0
-        # speculative decoding, in all: verify passes' request rows, and the tokens they produced
-        # (accepted drafts + one each); SGLang's "accept len" is their ratio since the last log line
+        # speculative decoding, in all: the requests' decoding passes (decode or verify rows), and the
+        # tokens they gave; SGLang's "accept len" is their ratio since the last log line
         self.spec_num_verify_rows = 0
         self.spec_num_verify_tokens = 0
         self._spec_logged = (0, 0)  # (the two at the last decode log line)

@@ -55,6 +55,8 @@ class EmbeddingBatchResult(NamedTuple):
 class SchedulerOutputProcessorMixin:
     # False for an embedding model's scheduler (--is-embedding; Scheduler.__init__ sets its own)
     is_generation: bool = True
+    # --speculative-algorithm NGRAM: the scheduler's NGRAMWorker (None: every decoding pass is a plain decode step)
+    draft_worker: Any = None
 
     # ------------------------------------------------------------------ results
     def process_batch_result(self, batch: ScheduleBatch, result: Any) -> None:
@@ -153,7 +155,9 @@ class SchedulerOutputProcessorMixin:
             tokens, before = next_token_ids[first:row], len(req.output_ids)
             if verify:
                 drafts = batch.draft_token_ids[i]
-                tokens = tokens[: NGRAMWorker.accepted(drafts, tokens) + 1]
+                num_accepted = NGRAMWorker.accepted(drafts, tokens)
+                self.draft_worker.record(req, len(drafts), num_accepted)
+                tokens = tokens[: num_accepted + 1]
             for j, token in enumerate(tokens):
                 if verify and result.hidden_states is not None and req.return_hidden_states:
                     _store_hidden_row(req, batch.prefix_lens[i] + j, result.hidden_states[first + j])
@@ -165,12 +169,11 @@ class SchedulerOutputProcessorMixin:
                 if req.finished():
                     break
             if verify:
-                taken = len(req.output_ids) - before
-                batch.release_unaccepted(req, batch.prefix_lens[i] + taken)
+                batch.release_unaccepted(req, batch.prefix_lens[i] + len(req.output_ids) - before)
+            if self.draft_worker is not None:  # (every decoding pass counts, as in SGLang, where each one verifies)
                 req.spec_verify_ct += 1
-                req.spec_accepted_tokens += taken - 1
                 self.spec_num_verify_rows += 1
-                self.spec_num_verify_tokens += taken
+                self.spec_num_verify_tokens += len(req.output_ids) - before
             if req.finished():
                 self._release_finished(req)
         self.stream_output(batch.reqs)
@@ -306,7 +309,6 @@ class SchedulerOutputProcessorMixin:
             out.time_stats.append(req.time_stats.to_ms_dict())
             if self.draft_worker is not None:
                 out.spec_verify_ct.append(req.spec_verify_ct)
-                out.spec_accepted_tokens.append(req.spec_accepted_tokens)
             req.send_decode_id_offset = len(decode_ids)
             req.send_token_offset = end
         self._outputs.append(out)

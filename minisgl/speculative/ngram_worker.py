@@ -85,12 +85,32 @@ class NgramIndex:
 
 
 class NGRAMWorker:
-    """Drafts for the running batch, and the count of drafts a verify pass accepted."""
+    """Drafts for the running batch, the count of drafts a verify pass accepted, and each request's
+    record of how its drafts fare.
 
-    def __init__(self, num_draft_tokens: int, min_window: int, max_window: int) -> None:
+    A draft row costs a row of compute in the verify pass, whether it is accepted or not: text that
+    does not repeat (sampled prose) keeps finding short matches whose continuations are wrong, and
+    verifying them made such a batch 1.5x slower than plain decoding. So each request keeps a
+    running hit rate (the share of its drafted tokens that were accepted, an exponential average
+    over its verify passes, starting at HIT_RATE_START); below MIN_HIT_RATE it stops drafting, and
+    tries again once every PROBE_INTERVAL passes, so a request whose text starts repeating later
+    (a list, a quote) speculates again. The probes of all requests fall on the same passes: one
+    request's draft makes the whole batch's pass a verify pass, which costs more than a decode step
+    even for the rows without drafts, so probes spread over different passes kept most passes
+    verifying."""
+
+    HIT_RATE_START = 0.5
+    HIT_RATE_DECAY = 0.5  # weight of the history: two failed drafts in a row stop a fresh request
+    MIN_HIT_RATE = 0.2
+    PROBE_INTERVAL = 16
+
+    def __init__(self, num_draft_tokens: int, min_window: int, max_window: int, max_total_drafts: int) -> None:
         # SGLang's --speculative-num-draft-tokens counts the verified last token too: k guesses
         self.max_drafts = num_draft_tokens - 1
         self.min_window, self.max_window = min_window, max_window
+        # a verify pass computes a logits row per token: its drafts are capped like a prefill chunk's tokens
+        self.max_total_drafts = max_total_drafts
+        self.num_passes = 0  # propose() calls: the decoding passes, which the probes count
 
     @staticmethod
     def can_speculate(req: Any) -> bool:
@@ -110,13 +130,20 @@ class NGRAMWorker:
             or req.to_finish is not None  # (an abort is pending: the next token ends it)
         )
 
+    def wants_to_draft(self, req: Any) -> bool:
+        """A request whose drafts keep failing sits out, but for the probe pass (one in PROBE_INTERVAL)."""
+        return req.spec_hit_rate >= self.MIN_HIT_RATE or self.num_passes % self.PROBE_INTERVAL == 0
+
     def propose(self, reqs: Sequence[Any]) -> List[List[int]]:
-        """Each request's draft tokens ([] for one that cannot speculate or found no match). A draft
-        never runs past max_new_tokens: the bonus token after it must fit too."""
+        """Each request's draft tokens ([] for one that cannot or need not speculate, or found no
+        match). A draft never runs past max_new_tokens (the bonus token after it must fit too), and
+        all of them together stay within max_total_drafts (in batch order)."""
+        self.num_passes += 1
         drafts = []
+        room = self.max_total_drafts
         for req in reqs:
-            budget = min(self.max_drafts, req.sampling_params.max_new_tokens - len(req.output_ids) - 1)
-            if budget <= 0 or not self.can_speculate(req):
+            budget = min(self.max_drafts, req.sampling_params.max_new_tokens - len(req.output_ids) - 1, room)
+            if budget <= 0 or not self.can_speculate(req) or not self.wants_to_draft(req):
                 drafts.append([])
                 continue
             index = req.ngram_index
@@ -125,6 +152,7 @@ class NGRAMWorker:
                 index.extend(req.origin_input_ids)
             index.extend(req.output_ids[len(index.tokens) - len(req.origin_input_ids) :])  # (the tokens since its last draft)
             drafts.append(index.propose(budget))
+            room -= len(drafts[-1])
         return drafts
 
     @staticmethod
@@ -135,3 +163,8 @@ class NGRAMWorker:
         while n < len(drafts) and sampled[n] == drafts[n]:
             n += 1
         return n
+
+    def record(self, req: Any, num_drafts: int, num_accepted: int) -> None:
+        """A verify pass's outcome for a request that drafted: its hit rate moves toward this pass's."""
+        if num_drafts:
+            req.spec_hit_rate = self.HIT_RATE_DECAY * req.spec_hit_rate + (1 - self.HIT_RATE_DECAY) * num_accepted / num_drafts
