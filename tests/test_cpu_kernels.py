@@ -27,7 +27,7 @@ from minisgl.kernels.fused_add_rmsnorm_cpu import fused_add_rmsnorm_cpu
 from minisgl.kernels.rotary_embedding import rotary_embedding_ref
 from minisgl.kernels.rotary_embedding_cpu import rotary_embedding_cpu
 from minisgl.kernels.silu_and_mul_cpu import silu_and_mul_cpu, silu_and_mul_ref
-from minisgl.layers.attention.cpu_backend import FRESH_MIN_TOKENS, CpuAttnBackend
+from minisgl.layers.attention.cpu_backend import FRESH_MIN_TOKENS, SHORT_EXTEND_ROWS, CpuAttnBackend
 from minisgl.layers.attention.torch_backend import TorchNativeAttnBackend
 from minisgl.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from minisgl.model_executor.forward_batch_info import ForwardBatch, ForwardMode
@@ -281,14 +281,15 @@ def test_auto_backend_on_cpu() -> None:
         resolve_server_args(ServerArgs(device="cpu", dtype="bfloat16", attention_backend="cpu"))
 
 
-@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.MIXED])
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY])
 def test_cpu_backend_extend_paths_equal_the_torch_backend(mode: ForwardMode) -> None:
     """One extend batch holding every kind of row the cpu backend routes differently: a fresh
-    long prompt (causal SDPA on this pass's rows), a short fresh prompt and a chunk on a cached
-    prefix (gather + grouped SDPA), and one-token rows (the decode kernel)."""
+    long prompt (causal SDPA on this pass's rows), a short fresh prompt and a long chunk on a cached
+    prefix (gather + grouped SDPA), and one-token rows and short extends over a prefix (a verify
+    pass's rows: the decode kernel, one query per row, causal by seq_len)."""
     torch.manual_seed(0)
     # (cached prefix, new tokens) per request
-    shapes = [(0, FRESH_MIN_TOKENS + 70), (50, 20), (30, 1), (0, 5), (0, 1), (0, 2 * FRESH_MIN_TOKENS)]
+    shapes = [(0, FRESH_MIN_TOKENS + 70), (50, 20), (30, 1), (0, 5), (0, 1), (0, 2 * FRESH_MIN_TOKENS), (40, 4), (9, SHORT_EXTEND_ROWS)]
     hq, hkv, d, size = 8, 2, 64, 2048
     seq_lens = [p + n for p, n in shapes]
     slots = (torch.randperm(size - 1)[: sum(seq_lens)] + 1).tolist()  # scattered, never slot 0
@@ -317,6 +318,7 @@ def test_cpu_backend_extend_paths_equal_the_torch_backend(mode: ForwardMode) -> 
         outs.append(backend.forward(q, k, v, 0, d**-0.5, fb))
     cpu_backend = backend
     assert len(cpu_backend.fresh) == 2 and cpu_backend.single_token is not None  # every path was taken
+    assert len(cpu_backend.single_token[0]) == 1 + 1 + 4 + SHORT_EXTEND_ROWS  # (the short extends row by row)
     torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=1e-4)
 
 
