@@ -9,7 +9,7 @@ from minisgl import Engine
 GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
 SNAPSHOT_KEYS = {
     "step", "time", "forward_mode", "log_line", "waiting_queue", "grammar_queue", "chunked_req", "batch", "running_batch",
-    "adder", "memory", "radix", "new_token_ratio", "events", "finished",
+    "adder", "memory", "radix", "new_token_ratio", "speculative", "events", "finished",
 }  # fmt: skip
 
 

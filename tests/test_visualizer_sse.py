@@ -28,7 +28,8 @@ def make_snapshot(step: int, mode: str = "DECODE", events: Sequence[Dict[str, An
     """A schema-conforming snapshot: one waiting request, two running ones, a small tree."""
     children = [{"id": i, "len": 8, "lock_ref": i % 2, "children": []} for i in range(1, num_radix_nodes)]
     reqs = [{"rid": r, "extend_len": 1, "prefix_len": 40 + step, "cached_len": 0, "is_chunked": 0, "chunk_index": 0, "num_chunks": 0,
-             "is_decode": True, "output_len": step, "max_new_tokens": 64} for r in ("a", "b")]  # fmt: skip
+             "is_decode": True, "output_len": step, "max_new_tokens": 64, "draft_len": 0, "accepted_len": 0}
+            for r in ("a", "b")]  # fmt: skip
     return {
         "step": step, "time": 1.7e9 + step, "forward_mode": mode,
         "log_line": f"Decode batch, #running-req: 2, step {step}",
@@ -44,6 +45,7 @@ def make_snapshot(step: int, mode: str = "DECODE", events: Sequence[Dict[str, An
         "radix": {"num_nodes": num_radix_nodes, "total_tokens": 8 * (num_radix_nodes - 1), "evictable": 500,
                   "protected": 96, "tree": {"id": 0, "len": 0, "lock_ref": 1, "children": children}},
         "new_token_ratio": 0.7,
+        "speculative": None,
         "events": list(events),
         "finished": list(finished),
     }  # fmt: skip

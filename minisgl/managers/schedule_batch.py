@@ -615,6 +615,8 @@ class ScheduleBatch:
         self.input_logprob_counts: List[int] = []
         self.input_logprob_token_ids: List[List[int]] = []  # per row: its request's token_ids_logprob, or []
         self.draft_token_ids: List[List[int]] = []  # TARGET_VERIFY: each request's drafts (after its last token)
+        # TARGET_VERIFY: the drafts each request took, filled by process_batch_result_decode (the snapshot's accepted_len)
+        self.accepted_draft_lens: List[int] = []
 
     def is_empty(self) -> bool:
         return len(self.reqs) == 0

@@ -121,6 +121,7 @@ class SchedulerMetricsMixin:
             },
             "radix": summary,
             "new_token_ratio": self.new_token_ratio,
+            "speculative": self._speculative_snapshot(),
             "events": list(self.events),
             "finished": list(self.finished_records),
         }
@@ -144,11 +145,26 @@ class SchedulerMetricsMixin:
         return {"rid": req.rid, "done_tokens": len(req.fill_ids), "total_tokens": req.seqlen,
                 "chunk_index": req.num_chunks_done, "num_chunks": self._num_chunks(req, req)}  # fmt: skip
 
+    def _speculative_snapshot(self) -> Optional[Dict[str, Any]]:
+        """--speculative-algorithm: the running totals since start (None when it is off). The accept
+        length is the decode log line's (tokens per request per verify pass), over the whole run."""
+        if self.draft_worker is None:
+            return None
+        rows, tokens = self.spec_num_verify_rows, self.spec_num_verify_tokens
+        return {
+            "algorithm": self.server_args.speculative_algorithm,
+            "num_draft_tokens": self.server_args.speculative_num_draft_tokens,
+            "verify_rows": rows,
+            "verify_tokens": tokens,
+            "accept_length": tokens / rows if rows else None,  # (no verify pass yet: nothing to divide)
+        }
+
     def _batch_reqs_snapshot(self, batch: ScheduleBatch) -> List[Dict[str, Any]]:
         decoding = {id(r) for r in batch.decoding_reqs or []}
+        verify = batch.forward_mode.is_target_verify()
         out = []
         for i, r in enumerate(batch.reqs):
-            is_decode = batch.forward_mode.is_decode() or batch.forward_mode.is_target_verify() or id(r) in decoding
+            is_decode = batch.forward_mode.is_decode() or verify or id(r) in decoding
             out.append(
                 {
                     "rid": r.rid,
@@ -163,6 +179,10 @@ class SchedulerMetricsMixin:
                     # (an embedding request's dummy token, SGLang's way to finish it, is not an output)
                     "output_len": len(r.output_ids) if self.is_generation else 0,
                     "max_new_tokens": r.sampling_params.max_new_tokens,
+                    # a verify pass (speculative decoding): the drafts the row carried after its last
+                    # token, and how many of them the request took (0 in every other mode)
+                    "draft_len": len(batch.draft_token_ids[i]) if verify and i < len(batch.draft_token_ids) else 0,
+                    "accepted_len": batch.accepted_draft_lens[i] if verify and i < len(batch.accepted_draft_lens) else 0,
                 }
             )
         return out

@@ -147,6 +147,8 @@ class SchedulerOutputProcessorMixin:
         self.token_to_kv_pool_allocator.free_group_begin()
         num_tokens = 0
         row = 0
+        if verify:  # (known only in this loop; the snapshot's accepted_len reads it; 0: a row it skips)
+            batch.accepted_draft_lens = [0] * len(batch.reqs)
         for i, req in enumerate(batch.reqs):
             first = row
             row += batch.extend_lens[i] if verify else 1
@@ -170,6 +172,8 @@ class SchedulerOutputProcessorMixin:
                     break
             if verify:
                 batch.release_unaccepted(req, batch.prefix_lens[i] + len(req.output_ids) - before)
+                # (for the snapshot: the drafts it took, the bonus token aside; fewer when a stop cut them)
+                batch.accepted_draft_lens[i] = len(req.output_ids) - before - 1
             if self.draft_worker is not None:  # (every decoding pass counts, as in SGLang, where each one verifies)
                 req.spec_verify_ct += 1
                 self.spec_num_verify_rows += 1

@@ -40,12 +40,15 @@ _TOP_LEVEL: Dict[str, Any] = {
     "memory": dict,
     "radix": dict,
     "new_token_ratio": _NUMBER,
+    "speculative": (dict, type(None)),
     "events": list,
     "finished": list,
 }
 _MEMORY_KEYS = ("total", "available", "evictable", "protected", "used")
 _WAITING_KEYS = ("rid", "input_len", "prefix_len", "waited_ms", "retracted")
-_BATCH_REQ_KEYS = ("rid", "extend_len", "prefix_len", "cached_len", "chunk_index", "num_chunks", "is_decode")
+_BATCH_REQ_KEYS = ("rid", "extend_len", "prefix_len", "cached_len", "chunk_index", "num_chunks", "is_decode",
+                   "draft_len", "accepted_len")  # fmt: skip
+_SPECULATIVE_KEYS = ("algorithm", "num_draft_tokens", "verify_rows", "verify_tokens", "accept_length")
 _FINISHED_KEYS = ("rid", "finish_reason", "queue_ms", "schedule_ms", "forward_ms", "ttft_ms")
 # None = that part never happened (an abort while waiting has no forward, so no TTFT)
 _FINISHED_MS_KEYS = ("queue_ms", "schedule_ms", "forward_ms", "ttft_ms", "e2e_ms")
@@ -74,7 +77,12 @@ def validate_snapshot(snap: Any) -> List[str]:
         problems += _missing(req, _WAITING_KEYS, f"waiting_queue[{i}]")
     if snap["batch"] is not None:
         for i, req in enumerate(snap["batch"].get("reqs", [])):
-            problems += _missing(req, _BATCH_REQ_KEYS, f"batch.reqs[{i}]")
+            problems += _missing(req, _BATCH_REQ_KEYS, f"batch.reqs[{i}]") or _draft_problems(req, snap["forward_mode"], i)
+    if snap["speculative"] is not None:
+        problems += _missing(snap["speculative"], _SPECULATIVE_KEYS, "speculative")
+        accept = snap["speculative"].get("accept_length")
+        if accept is not None and (isinstance(accept, bool) or not isinstance(accept, _NUMBER)):
+            problems.append(f"speculative.accept_length must be a number or null, got {type(accept).__name__}")
     if snap["adder"] is not None and snap["adder"].get("stop_reason") not in STOP_REASONS:
         problems.append(f"adder.stop_reason {snap['adder'].get('stop_reason')!r} is not one of {STOP_REASONS}")
     for i, ev in enumerate(snap["events"]):
@@ -87,6 +95,19 @@ def validate_snapshot(snap: Any) -> List[str]:
             if v is not None and (isinstance(v, bool) or not isinstance(v, _NUMBER)):
                 problems.append(f"finished[{i}].{k} must be a number or null, got {type(v).__name__}")
     return problems
+
+
+def _draft_problems(req: Mapping[str, Any], mode: str, i: int) -> List[str]:
+    """A batch row's drafts: whole counts, the accepted ones among the carried ones, and none
+    outside a TARGET_VERIFY step (only a verify pass checks drafts)."""
+    draft, accepted = req["draft_len"], req["accepted_len"]
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in (draft, accepted)):
+        return [f"batch.reqs[{i}]: draft_len and accepted_len must be ints >= 0, got {draft!r} and {accepted!r}"]
+    if accepted > draft:
+        return [f"batch.reqs[{i}]: accepted_len {accepted} exceeds draft_len {draft}"]
+    if draft and mode != "TARGET_VERIFY":
+        return [f"batch.reqs[{i}]: draft_len {draft} in a {mode} step (only TARGET_VERIFY carries drafts)"]
+    return []
 
 
 def check_snapshot(snap: Any) -> Dict[str, Any]:
@@ -123,6 +144,8 @@ def step_summary(snap: Mapping[str, Any]) -> Dict[str, Any]:
         "batch_size": len(reqs),
         "num_extend_tokens": sum(r["extend_len"] for r in reqs if not r.get("is_decode")),
         "num_decode_reqs": sum(1 for r in reqs if r.get("is_decode")),
+        "num_drafts": sum(r.get("draft_len", 0) for r in reqs),  # (a TARGET_VERIFY step's; 0 otherwise)
+        "num_accepted_drafts": sum(r.get("accepted_len", 0) for r in reqs),
         "has_chunked": any(r.get("num_chunks", 0) > 1 for r in reqs if not r.get("is_decode")),
         "num_waiting": len(snap.get("waiting_queue", [])) + len(snap.get("grammar_queue", [])),  # (as get_load counts)
         "event_types": sorted({ev["type"] for ev in snap.get("events", [])}),
