@@ -204,3 +204,74 @@ def test_a_waiting_request_shows_the_priority_it_named(tiny_model: str) -> None:
         html = render_waiting(snap)
         assert '<span class="badge">priority -2</span>' in html and html.count("priority") == 1
         e.run_until_idle()
+
+
+# --------------------------------------------------------------------------- speculative decoding
+def test_a_verify_step_shows_each_rows_drafts_and_how_many_the_request_took(tiny_model: str) -> None:
+    """--speculative-algorithm NGRAM on a repetitive prompt: each TARGET_VERIFY row says how many
+    drafts it carried and how many the request took, which is exactly what its output grew by
+    beyond one token; the panels draw one segment per draft, the taken ones solid."""
+    from minisgl import Engine
+
+    with Engine(tiny_model, device="cpu", max_total_tokens=2048, speculative_algorithm="NGRAM") as e:
+        snap = e.snapshot()
+        assert snap["speculative"] == {"algorithm": "NGRAM", "num_draft_tokens": 4, "verify_rows": 0, "verify_tokens": 0,
+                                       "accept_length": None}  # fmt: skip
+        rid = e.add_request(input_ids=[11, 12, 13, 14, 15] * 4, sampling_params={**SP, "max_new_tokens": 40})
+        out_len, verify_rows = 0, []
+        while e.has_unfinished_requests():
+            snap = e.step()
+            assert validate_snapshot(snap) == []
+            [row] = snap["batch"]["reqs"]
+            if snap["forward_mode"] == "TARGET_VERIFY":
+                assert row["is_decode"] and 0 <= row["accepted_len"] <= row["draft_len"] <= 3  # (4 draft tokens: 3 guesses)
+                assert row["extend_len"] == 1 + row["draft_len"]
+                assert row["output_len"] - out_len == row["accepted_len"] + 1, row
+                verify_rows.append(row)
+                html = render_panels(snap)["batch"]
+                assert html.count('class="seg draft accepted"') == row["accepted_len"]
+                assert html.count('class="seg draft rejected"') == row["draft_len"] - row["accepted_len"]
+                assert '<span class="mode-tag" data-mode="TARGET_VERIFY">VERIFY</span>' in html
+                assert f'+{row["accepted_len"]}/{row["draft_len"]} drafts' in html
+            else:
+                assert row["draft_len"] == row["accepted_len"] == 0
+            out_len = row["output_len"]
+        assert sum(r["accepted_len"] for r in verify_rows) > 10, "few drafts taken: the prompt did not speculate"
+        spec = snap["speculative"]
+        assert spec["verify_rows"] == len(verify_rows) and spec["verify_tokens"] == sum(r["accepted_len"] + 1 for r in verify_rows)
+        meta = e.get_result(rid)["meta_info"]
+        assert spec["accept_length"] == pytest.approx(meta["spec_accept_length"]) and meta["spec_verify_ct"] == len(verify_rows)
+        assert f'accept len {spec["accept_length"]:.2f}' in render_panels(snap)["batch"]
+
+
+def test_without_speculation_the_snapshot_says_null_and_rows_carry_no_drafts(engine: Any) -> None:
+    engine.add_request(input_ids=demo_input_ids(10, 11), sampling_params=SP, rid="plain")
+    snaps = [engine.step() for _ in range(2)]
+    engine.run_until_idle()
+    engine.get_result("plain")
+    assert [s["forward_mode"] for s in snaps] == ["EXTEND", "DECODE"]
+    assert all(s["speculative"] is None for s in snaps)
+    assert [(r["draft_len"], r["accepted_len"]) for s in snaps for r in s["batch"]["reqs"]] == [(0, 0), (0, 0)]
+    assert "accept len" not in render_panels(snaps[1])["batch"] and "seg draft" not in render_panels(snaps[1])["batch"]
+
+
+def test_draft_counts_are_checked() -> None:
+    from test_visualizer_sse import make_snapshot
+
+    def with_rows(mode: str, draft: Any, accepted: Any) -> Dict[str, Any]:
+        snap = make_snapshot(3, mode=mode)
+        for r in snap["batch"]["reqs"]:
+            r.update(draft_len=draft, accepted_len=accepted, extend_len=1 + (draft if isinstance(draft, int) else 0))
+        return snap
+
+    assert validate_snapshot(with_rows("TARGET_VERIFY", 3, 2)) == []
+    assert any("exceeds draft_len" in p for p in validate_snapshot(with_rows("TARGET_VERIFY", 2, 3)))
+    assert any("only TARGET_VERIFY carries drafts" in p for p in validate_snapshot(with_rows("DECODE", 2, 0)))
+    assert any("must be ints" in p for p in validate_snapshot(with_rows("TARGET_VERIFY", "2", 0)))
+    missing = make_snapshot(3)
+    del missing["batch"]["reqs"][0]["accepted_len"]
+    assert validate_snapshot(missing) == ["batch.reqs[0]: missing key 'accepted_len'"]
+    spec = {**make_snapshot(3), "speculative": {"algorithm": "NGRAM", "num_draft_tokens": 4, "verify_rows": 2,
+                                                "verify_tokens": 5, "accept_length": "2.5"}}  # fmt: skip
+    assert any("accept_length must be a number or null" in p for p in validate_snapshot(spec))
+    assert any("'speculative'" in p for p in validate_snapshot({**make_snapshot(3), "speculative": 2.5}))

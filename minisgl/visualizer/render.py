@@ -91,36 +91,72 @@ def render_waiting(snap: Mapping[str, Any]) -> str:
     return _panel("waiting", f'waiting_queue <span class="count">{count}</span>', body)
 
 
-def _batch_row(r: Mapping[str, Any]) -> str:
+# the mode tag's text (its data-mode stays the ForwardMode name, which the CSS colours by)
+MODE_LABELS = {"TARGET_VERIFY": "VERIFY"}
+
+
+def mode_label(mode: str) -> str:
+    return MODE_LABELS.get(mode, mode)
+
+
+def _draft_segs(r: Mapping[str, Any], total: float) -> str:
+    """A verify row's drafts after its decode token, one segment each: the ones the request took
+    solid, the rest hatched (their K/V slots went back)."""
+    accepted = r.get("accepted_len", 0)
+    return "".join(
+        _seg(f"draft {'accepted' if k < accepted else 'rejected'}", 1, total,
+             f"draft {k + 1}: {'accepted' if k < accepted else 'rejected'}", f'data-draft="{k + 1}"')
+        for k in range(r.get("draft_len", 0))
+    )  # fmt: skip
+
+
+def _batch_row(r: Mapping[str, Any], mode: str = "") -> str:
+    verify = mode == "TARGET_VERIFY"
+    drafts = r.get("draft_len", 0)
     total = r["prefix_len"] + r["extend_len"]
-    cached, extend = r["cached_len"], r["extend_len"]
+    cached, extend = r["cached_len"], r["extend_len"] - drafts  # (a verify row extends by its last token and drafts)
     computed = r["prefix_len"] - cached  # KV of its own: earlier chunks, or a decoding request's context
     own = "context" if r["is_decode"] else "earlier chunks"
     kind = "decode" if r["is_decode"] else "extend"
-    if r["is_decode"]:
-        label = f'decode · out {r.get("output_len", 0)}/{r.get("max_new_tokens", "?")}'
+    out = f'out {r.get("output_len", 0)}/{r.get("max_new_tokens", "?")}'
+    if verify:
+        got = f'+{r.get("accepted_len", 0)}/{drafts} drafts' if drafts else "no drafts"
+        label = f'verify · <span class="drafts">{got}</span> · {out}'
+    elif r["is_decode"]:
+        label = f"decode · {out}"
     else:
         chunk = f'<span class="chunk">chunk {r["chunk_index"]}/{r["num_chunks"]}</span> ' if r["num_chunks"] > 1 else ""
         label = f'{chunk}+{r["extend_len"]} on {r["prefix_len"]}'
     return (
         f'<div class="row batch-req" data-rid="{escape(r["rid"])}" data-decode="{int(r["is_decode"])}" '
-        f'data-chunk-index="{r["chunk_index"]}" data-num-chunks="{r["num_chunks"]}">'
+        f'data-chunk-index="{r["chunk_index"]}" data-num-chunks="{r["num_chunks"]}" '
+        f'data-draft-len="{drafts}" data-accepted-len="{r.get("accepted_len", 0)}">'
         f'<span class="rid">{escape(r["rid"])}</span><div class="stackbar">'
         f'{_seg("prefix", cached, total, f"cached prefix (radix hit) {cached}")}'
-        f'{_seg("computed", computed, total, f"{own} {computed}")}{_seg(kind, extend, total, f"{kind} {extend}")}</div>'
+        f'{_seg("computed", computed, total, f"{own} {computed}")}{_seg(kind, extend, total, f"{kind} {extend}")}'
+        f'{_draft_segs(r, total)}</div>'
         f'<span class="label">{label}</span></div>'
     )
+
+
+def _accept_length(snap: Mapping[str, Any]) -> str:
+    """The batch panel's note under --speculative-algorithm: tokens per request per verify pass so far."""
+    spec = snap.get("speculative")
+    if spec is None:
+        return ""
+    value = "–" if spec["accept_length"] is None else f'{spec["accept_length"]:.2f}'
+    return f'<span class="detail spec-accept" title="tokens a request got per verify pass, since start">accept len {value}</span>'
 
 
 def render_batch(snap: Mapping[str, Any]) -> str:
     mode = snap["forward_mode"]
     reqs = (snap["batch"] or {}).get("reqs", [])
-    rows = "".join(_batch_row(r) for r in reqs) or '<p class="empty">no batch ran</p>'
+    rows = "".join(_batch_row(r, mode) for r in reqs) or '<p class="empty">no batch ran</p>'
     c = snap["chunked_req"]
     if c:
         rows += (f'<p class="detail">chunked_req <b>{escape(c["rid"])}</b>: {c["done_tokens"]}/{c["total_tokens"]} '
                  f'tokens prefilled, chunk {c["chunk_index"]}/{c["num_chunks"]}</p>')  # fmt: skip
-    title = f'batch of this step <span class="mode-tag" data-mode="{mode}">{mode}</span>'
+    title = f'batch of this step <span class="mode-tag" data-mode="{mode}">{mode_label(mode)}</span>{_accept_length(snap)}'
     return _panel("batch", title, rows)
 
 
@@ -212,16 +248,24 @@ def render_events(snap: Mapping[str, Any]) -> str:
     return _panel("events", "events of this step", f'<ul id="events">{items or "<li class=empty>none</li>"}</ul>')
 
 
+def _step_title(s: Mapping[str, Any]) -> str:
+    """A timeline bar's tooltip: its log line, and for a verify step the drafts it checked."""
+    if s.get("num_drafts"):
+        return f'{s["num_accepted_drafts"]}/{s["num_drafts"]} drafts accepted\n{s["log_line"]}'
+    return s["log_line"]
+
+
 def render_timeline(snap: Mapping[str, Any], timeline: Sequence[Mapping[str, Any]]) -> str:
     max_bs = max([1] + [s["batch_size"] for s in timeline])
     bars = "".join(
         f'<div class="tl-step{" current" if s["step"] == snap["step"] else ""}" data-step="{s["step"]}" '
         f'data-mode="{s["forward_mode"]}" data-bs="{s["batch_size"]}" data-chunked="{int(s["has_chunked"])}" '
         f'data-events="{escape(" ".join(s.get("event_types", [])))}" '
-        f'style="height:{10 + 44 * s["batch_size"] / max_bs:.0f}px" title="{escape(s["log_line"])}"></div>'
+        f'data-drafts="{s.get("num_drafts", 0)}" data-accepted="{s.get("num_accepted_drafts", 0)}" '
+        f'style="height:{10 + 44 * s["batch_size"] / max_bs:.0f}px" title="{escape(_step_title(s))}"></div>'
         for s in timeline
     )
-    log = escape(snap["log_line"] or f'(step {snap["step"]}: {snap["forward_mode"]}, no log line)')
+    log = escape(snap["log_line"] or f'(step {snap["step"]}: {mode_label(snap["forward_mode"])}, no log line)')
     return _panel("timeline", "timeline", f'<div id="timeline">{bars}</div><pre id="log-line">{log}</pre>')
 
 

@@ -208,6 +208,7 @@ def _page_config(server_args: Any, hub: SnapshotHub) -> Dict[str, Any]:
         "max_running_requests": server_args.max_running_requests,
         "schedule_policy": server_args.schedule_policy,
         "enable_mixed_chunk": server_args.enable_mixed_chunk,
+        "speculative_algorithm": server_args.speculative_algorithm,  # (the legend's draft and VERIFY swatches)
         "model": server_args.served_model_name or server_args.model_path,
         "history_size": hub.history_size,
         "max_rate_hz": round(1.0 / hub.min_interval, 3),

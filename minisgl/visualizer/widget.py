@@ -21,7 +21,7 @@ from __future__ import annotations
 import html
 from typing import Any, Dict, List, Optional
 
-from minisgl.visualizer.render import PANEL_NAMES, render_panels, scope_css, web_dir
+from minisgl.visualizer.render import PANEL_NAMES, mode_label, render_panels, scope_css, web_dir
 from minisgl.visualizer.snapshot import merge_step_summaries, step_summary
 
 # Token ids for generated prompts: 10..249 exist in every byte-level vocabulary.
@@ -156,7 +156,7 @@ class SchedulerWidget:
             self._panel_widgets[name].value = panel
         mode = snap["forward_mode"]
         self._header.value = (f'<div class="minisgl-viz-header"><b>step {snap["step"]}</b> '
-                              f'<span class="mode-tag" data-mode="{mode}">{mode}</span> '
+                              f'<span class="mode-tag" data-mode="{mode}">{mode_label(mode)}</span> '
                               f'<span class="detail">{self.step_count} steps run here</span></div>')  # fmt: skip
 
     def _ipython_display_(self) -> None:

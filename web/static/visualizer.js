@@ -46,26 +46,49 @@ function renderWaiting(snap) {
     </div>`).join("");
 }
 
-function batchRow(r) {
+// The mode tag's text (its data-mode stays the ForwardMode name, which the CSS colours by).
+// Mirrors render.py's mode_label.
+const modeLabel = (mode) => (mode === "TARGET_VERIFY" ? "VERIFY" : mode);
+
+// A verify row's drafts after its decode token, one segment each: the ones the request took
+// solid, the rest hatched (their K/V slots went back). Mirrors render.py's _draft_segs.
+function draftSegs(r, total) {
+  const out = [];
+  for (let k = 0; k < (r.draft_len || 0); k++) {
+    const kind = k < r.accepted_len ? "accepted" : "rejected";
+    out.push(`<div class="seg draft ${kind}" data-draft="${k + 1}" style="width:${pct(1, total)}%" title="draft ${k + 1}: ${kind}"></div>`);
+  }
+  return out.join("");
+}
+
+function batchRow(r, mode) {
+  const verify = mode === "TARGET_VERIFY";
+  const drafts = r.draft_len || 0, accepted = r.accepted_len || 0;
   const total = r.prefix_len + r.extend_len;
+  const own = r.extend_len - drafts;  // (a verify row extends by its last token and its drafts)
   const kind = r.is_decode ? "decode" : "extend";
   const chunk = !r.is_decode && r.num_chunks > 1 ? `<span class="chunk">chunk ${r.chunk_index}/${r.num_chunks}</span> ` : "";
-  const label = r.is_decode ? `decode · out ${r.output_len}/${r.max_new_tokens}` : `${chunk}+${r.extend_len} on ${r.prefix_len}`;
+  const out = `out ${r.output_len}/${r.max_new_tokens}`;
+  const label = verify ? `verify · <span class="drafts">${drafts ? `+${accepted}/${drafts} drafts` : "no drafts"}</span> · ${out}`
+    : r.is_decode ? `decode · ${out}` : `${chunk}+${r.extend_len} on ${r.prefix_len}`;
   return `<div class="row batch-req" data-rid="${esc(r.rid)}" data-decode="${r.is_decode ? 1 : 0}"
-      data-chunk-index="${r.chunk_index}" data-num-chunks="${r.num_chunks}" data-extend-len="${r.extend_len}" data-prefix-len="${r.prefix_len}" data-cached-len="${r.cached_len}">
+      data-chunk-index="${r.chunk_index}" data-num-chunks="${r.num_chunks}" data-extend-len="${r.extend_len}" data-prefix-len="${r.prefix_len}" data-cached-len="${r.cached_len}"
+      data-draft-len="${drafts}" data-accepted-len="${accepted}">
     <span class="rid">${esc(r.rid)}</span>
     <div class="stackbar">${seg("prefix", r.cached_len, total, `cached prefix (radix hit) ${r.cached_len}`)}${seg("computed",
       r.prefix_len - r.cached_len, total, `${r.is_decode ? "context" : "earlier chunks"} ${r.prefix_len - r.cached_len}`)}${seg(kind,
-      r.extend_len, total, `${kind} ${r.extend_len}`)}</div>
+      own, total, `${kind} ${own}`)}${draftSegs(r, total)}</div>
     <span class="label">${label}</span></div>`;
 }
 
 function renderBatch(snap) {
   const mode = snap.forward_mode;
-  for (const el of [$("forward-mode"), $("batch-mode")]) { el.dataset.mode = mode; el.textContent = mode; }
+  for (const el of [$("forward-mode"), $("batch-mode")]) { el.dataset.mode = mode; el.textContent = modeLabel(mode); }
+  const spec = snap.speculative;  // null unless --speculative-algorithm
+  $("spec-accept").textContent = spec ? `accept len ${spec.accept_length == null ? "–" : spec.accept_length.toFixed(2)}` : "";
   const reqs = snap.batch ? snap.batch.reqs : [];
   $("batch").dataset.size = reqs.length;
-  $("batch").innerHTML = reqs.length === 0 ? '<p class="empty">no batch ran</p>' : reqs.map(batchRow).join("");
+  $("batch").innerHTML = reqs.length === 0 ? '<p class="empty">no batch ran</p>' : reqs.map((r) => batchRow(r, mode)).join("");
   const c = snap.chunked_req;
   $("chunked-req").innerHTML = c ? `<p class="detail" data-rid="${esc(c.rid)}">chunked_req <b>${esc(c.rid)}</b>:
       ${c.done_tokens}/${c.total_tokens} tokens prefilled, chunk ${c.chunk_index}/${c.num_chunks}</p>` : "";
@@ -152,10 +175,12 @@ function renderTimeline(snap) {
   const maxBs = Math.max(1, ...state.timeline.map((s) => s.batch_size));
   $("timeline").innerHTML = state.timeline.map((s) => `<div class="tl-step${s.step === snap.step ? " current" : ""}"
       data-step="${s.step}" data-mode="${s.forward_mode}" data-bs="${s.batch_size}" data-chunked="${s.has_chunked ? 1 : 0}"
-      data-waiting="${s.num_waiting}" data-events="${s.event_types.join(" ")}" style="height:${10 + (44 * s.batch_size) / maxBs}px"
-      title="${esc(`step ${s.step} ${s.forward_mode} bs=${s.batch_size} +${s.num_extend_tokens} tok\n${s.log_line}`)}"></div>`).join("");
+      data-waiting="${s.num_waiting}" data-events="${s.event_types.join(" ")}" data-drafts="${s.num_drafts || 0}"
+      data-accepted="${s.num_accepted_drafts || 0}" style="height:${10 + (44 * s.batch_size) / maxBs}px"
+      title="${esc(`step ${s.step} ${modeLabel(s.forward_mode)} bs=${s.batch_size} +${s.num_extend_tokens} tok${s.num_drafts
+        ? ` · ${s.num_accepted_drafts}/${s.num_drafts} drafts accepted` : ""}\n${s.log_line}`)}"></div>`).join("");
   $("timeline").scrollLeft = $("timeline").scrollWidth;
-  $("log-line").textContent = snap.log_line || `(step ${snap.step}: ${snap.forward_mode}, no log line)`;
+  $("log-line").textContent = snap.log_line || `(step ${snap.step}: ${modeLabel(snap.forward_mode)}, no log line)`;
 }
 
 function finishedRow(f) {
