@@ -40,7 +40,9 @@ if not os.path.isdir(os.path.join(_here, "kernels")) and os.path.isfile(os.path.
             init = os.path.join(folder, "__init__.py")
             return importlib.util.spec_from_file_location(fullname, init, submodule_search_locations=[folder])
 
-    sys.meta_path.append(_CheckoutFolders())
+    # first: an editable install of another checkout (a git worktree beside it) maps these names
+    # to its own folders, and this package then drew the other checkout's pages and kernels
+    sys.meta_path.insert(0, _CheckoutFolders())
 
 
 def __getattr__(name: str) -> Any:
