@@ -181,6 +181,54 @@ def test_demo_is_served_whole_when_the_chunk_outgrows_the_context(tiny_model: st
         browser.close()
 
 
+def test_a_verify_step_shows_its_drafts_taken_and_rejected(tiny_model: str) -> None:
+    """`--speculative-algorithm NGRAM` and a prompt that repeats itself: the timeline has VERIFY
+    steps; clicking one whose drafts were taken shows, per request, its decode token followed by
+    one segment per draft (taken solid, rejected hatched), the counts in its label, the running
+    accept length, and the legend's draft swatches."""
+    import httpx
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    with _serve(tiny_model, "--speculative-algorithm", "NGRAM", "--max-total-tokens", "2048") as url, sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"])
+        page = browser.new_page(viewport={"width": 1440, "height": 1000})
+        errors = _console_errors(page)
+        page.goto(url + "/visualizer")
+        page.wait_for_selector('#conn-status[data-state="open"]', timeout=15000)
+        assert "draft, accepted" in page.inner_text("#panel-batch .legend") and "VERIFY" in page.inner_text("#panel-timeline h2")
+        params = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+        for rid, ids in (("loop-a", [11, 12, 13, 14, 15] * 4), ("loop-b", [21, 22, 23] * 5)):
+            r = httpx.post(url + "/generate", json={"input_ids": ids, "rid": rid, "sampling_params": params}, timeout=120)
+            assert r.status_code == 200 and r.json()["meta_info"]["spec_verify_ct"] > 0, r.text
+        page.wait_for_function("document.querySelectorAll('#finished .finished-req').length >= 2", timeout=10000)
+        bars = "#timeline .tl-step[data-mode='TARGET_VERIFY']"
+        assert page.locator(bars).count() >= 3
+        assert page.inner_text("#spec-accept").startswith("accept len ")
+        page.click(f"{bars}:not([data-accepted='0'])")  # a step that took drafts (clicking pauses on it)
+        page.wait_for_selector('#view-status[data-live="0"]')
+        assert page.inner_text("#batch-mode") == "VERIFY"
+        rows = page.eval_on_selector_all(
+            "#batch .batch-req",
+            """els => els.map(r => ({draft: Number(r.dataset.draftLen), accepted: Number(r.dataset.acceptedLen),
+                                    label: r.querySelector('.label').textContent,
+                                    fits: r.querySelector('.label').scrollWidth <= r.querySelector('.label').clientWidth,
+                                    segs: [...r.querySelectorAll('.stackbar .seg')].map(s => s.className),
+                                    widths: [...r.querySelectorAll('.seg.draft')].map(s => s.getBoundingClientRect().width)}))""",
+        )
+        assert sum(r["accepted"] for r in rows) > 0, rows
+        for r in rows:
+            drafts = ["seg draft accepted"] * r["accepted"] + ["seg draft rejected"] * (r["draft"] - r["accepted"])
+            # the decode token, then the drafts in order; each draft wide enough to count
+            assert r["segs"] == ["seg prefix", "seg computed", "seg decode", *drafts], r
+            assert all(w >= 4 for w in r["widths"]), r
+            assert r["fits"], r  # (the label column is narrow: not cut to "+3/3 draft…")
+            assert f"+{r['accepted']}/{r['draft']} drafts" in r["label"] if r["draft"] else "no drafts" in r["label"]
+        page.screenshot(path=str(ARTIFACTS / "visualizer_verify_step.png"), full_page=True)
+        assert errors == []
+        browser.close()
+
+
 # --------------------------------------------------------------------------- the page against a synthetic hub
 # No model here: a SnapshotHub fed by hand (test_visualizer_sse.make_snapshot) behind the
 # real routes, so each test sets up exactly the stream a user would hit.

@@ -118,12 +118,13 @@ def _batch_row(r: Mapping[str, Any], mode: str = "") -> str:
     computed = r["prefix_len"] - cached  # KV of its own: earlier chunks, or a decoding request's context
     own = "context" if r["is_decode"] else "earlier chunks"
     kind = "decode" if r["is_decode"] else "extend"
-    out = f'out {r.get("output_len", 0)}/{r.get("max_new_tokens", "?")}'
+    progress = f'{r.get("output_len", 0)}/{r.get("max_new_tokens", "?")}'
     if verify:
+        # (short: the label column is narrow, and the mode tag already says VERIFY)
         got = f'+{r.get("accepted_len", 0)}/{drafts} drafts' if drafts else "no drafts"
-        label = f'verify · <span class="drafts">{got}</span> · {out}'
+        label = f'<span class="drafts" title="drafts taken / drafts checked">{got}</span> · {progress}'
     elif r["is_decode"]:
-        label = f"decode · {out}"
+        label = f"decode · out {progress}"
     else:
         chunk = f'<span class="chunk">chunk {r["chunk_index"]}/{r["num_chunks"]}</span> ' if r["num_chunks"] > 1 else ""
         label = f'{chunk}+{r["extend_len"]} on {r["prefix_len"]}'

@@ -68,9 +68,10 @@ function batchRow(r, mode) {
   const own = r.extend_len - drafts;  // (a verify row extends by its last token and its drafts)
   const kind = r.is_decode ? "decode" : "extend";
   const chunk = !r.is_decode && r.num_chunks > 1 ? `<span class="chunk">chunk ${r.chunk_index}/${r.num_chunks}</span> ` : "";
-  const out = `out ${r.output_len}/${r.max_new_tokens}`;
-  const label = verify ? `verify · <span class="drafts">${drafts ? `+${accepted}/${drafts} drafts` : "no drafts"}</span> · ${out}`
-    : r.is_decode ? `decode · ${out}` : `${chunk}+${r.extend_len} on ${r.prefix_len}`;
+  const progress = `${r.output_len}/${r.max_new_tokens}`;
+  // (a verify row's label is short: the label column is narrow, and the mode tag already says VERIFY)
+  const label = verify ? `<span class="drafts" title="drafts taken / drafts checked">${drafts ? `+${accepted}/${drafts} drafts` : "no drafts"}</span> · ${progress}`
+    : r.is_decode ? `decode · out ${progress}` : `${chunk}+${r.extend_len} on ${r.prefix_len}`;
   return `<div class="row batch-req" data-rid="${esc(r.rid)}" data-decode="${r.is_decode ? 1 : 0}"
       data-chunk-index="${r.chunk_index}" data-num-chunks="${r.num_chunks}" data-extend-len="${r.extend_len}" data-prefix-len="${r.prefix_len}" data-cached-len="${r.cached_len}"
       data-draft-len="${drafts}" data-accepted-len="${accepted}">
