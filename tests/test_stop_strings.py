@@ -29,6 +29,7 @@ class _Emitter(SchedulerOutputProcessorMixin):
     def __init__(self) -> None:
         self._outputs: List[Any] = []
         self.server_args = SimpleNamespace(stream_interval=1)
+        self.draft_worker = None  # (no speculative decoding: stream_output reads it)
 
 
 @pytest.fixture(scope="module")
