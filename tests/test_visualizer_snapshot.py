@@ -215,10 +215,10 @@ def test_a_verify_step_shows_each_rows_drafts_and_how_many_the_request_took(tiny
 
     with Engine(tiny_model, device="cpu", max_total_tokens=2048, speculative_algorithm="NGRAM") as e:
         snap = e.snapshot()
-        assert snap["speculative"] == {"algorithm": "NGRAM", "num_draft_tokens": 4, "verify_rows": 0, "verify_tokens": 0,
+        assert snap["speculative"] == {"algorithm": "NGRAM", "num_draft_tokens": 4, "decode_rows": 0, "decode_tokens": 0,
                                        "accept_length": None}  # fmt: skip
         rid = e.add_request(input_ids=[11, 12, 13, 14, 15] * 4, sampling_params={**SP, "max_new_tokens": 40})
-        out_len, verify_rows = 0, []
+        out_len, verify_rows, decode_rows = 0, [], []
         while e.has_unfinished_requests():
             snap = e.step()
             assert validate_snapshot(snap) == []
@@ -235,12 +235,16 @@ def test_a_verify_step_shows_each_rows_drafts_and_how_many_the_request_took(tiny
                 assert f'+{row["accepted_len"]}/{row["draft_len"]} drafts' in html
             else:
                 assert row["draft_len"] == row["accepted_len"] == 0
+            if snap["forward_mode"] in ("TARGET_VERIFY", "DECODE"):
+                decode_rows.append(row["output_len"] - out_len)  # (the tokens the decoding pass gave)
             out_len = row["output_len"]
         assert sum(r["accepted_len"] for r in verify_rows) > 10, "few drafts taken: the prompt did not speculate"
         spec = snap["speculative"]
-        assert spec["verify_rows"] == len(verify_rows) and spec["verify_tokens"] == sum(r["accepted_len"] + 1 for r in verify_rows)
+        # every decoding pass counts (a plain decode step gives one token), as SGLang's spec_verify_ct
+        assert spec["decode_rows"] == len(decode_rows) and spec["decode_tokens"] == sum(decode_rows)
         meta = e.get_result(rid)["meta_info"]
-        assert spec["accept_length"] == pytest.approx(meta["spec_accept_length"]) and meta["spec_verify_ct"] == len(verify_rows)
+        assert meta["spec_verify_ct"] == len(decode_rows) and spec["accept_length"] == pytest.approx(sum(decode_rows) / len(decode_rows))
+        assert meta["spec_accept_length"] == pytest.approx((sum(decode_rows) + 1) / len(decode_rows))  # (+ the prefill's token)
         assert f'accept len {spec["accept_length"]:.2f}' in render_panels(snap)["batch"]
 
 
@@ -271,7 +275,7 @@ def test_draft_counts_are_checked() -> None:
     missing = make_snapshot(3)
     del missing["batch"]["reqs"][0]["accepted_len"]
     assert validate_snapshot(missing) == ["batch.reqs[0]: missing key 'accepted_len'"]
-    spec = {**make_snapshot(3), "speculative": {"algorithm": "NGRAM", "num_draft_tokens": 4, "verify_rows": 2,
-                                                "verify_tokens": 5, "accept_length": "2.5"}}  # fmt: skip
+    spec = {**make_snapshot(3), "speculative": {"algorithm": "NGRAM", "num_draft_tokens": 4, "decode_rows": 2,
+                                                "decode_tokens": 5, "accept_length": "2.5"}}  # fmt: skip
     assert any("accept_length must be a number or null" in p for p in validate_snapshot(spec))
     assert any("'speculative'" in p for p in validate_snapshot({**make_snapshot(3), "speculative": 2.5}))

@@ -146,17 +146,18 @@ class SchedulerMetricsMixin:
                 "chunk_index": req.num_chunks_done, "num_chunks": self._num_chunks(req, req)}  # fmt: skip
 
     def _speculative_snapshot(self) -> Optional[Dict[str, Any]]:
-        """--speculative-algorithm: the running totals since start (None when it is off). The accept
-        length is the decode log line's (tokens per request per verify pass), over the whole run."""
+        """--speculative-algorithm: the running totals since start (None when it is off): the request
+        rows of every decoding pass (decode or verify) and the tokens they gave. The accept length is
+        the decode log line's (tokens per request per decoding pass), over the whole run."""
         if self.draft_worker is None:
             return None
         rows, tokens = self.spec_num_verify_rows, self.spec_num_verify_tokens
         return {
             "algorithm": self.server_args.speculative_algorithm,
             "num_draft_tokens": self.server_args.speculative_num_draft_tokens,
-            "verify_rows": rows,
-            "verify_tokens": tokens,
-            "accept_length": tokens / rows if rows else None,  # (no verify pass yet: nothing to divide)
+            "decode_rows": rows,
+            "decode_tokens": tokens,
+            "accept_length": tokens / rows if rows else None,  # (no decoding pass yet: nothing to divide)
         }
 
     def _batch_reqs_snapshot(self, batch: ScheduleBatch) -> List[Dict[str, Any]]:

@@ -48,7 +48,7 @@ _MEMORY_KEYS = ("total", "available", "evictable", "protected", "used")
 _WAITING_KEYS = ("rid", "input_len", "prefix_len", "waited_ms", "retracted")
 _BATCH_REQ_KEYS = ("rid", "extend_len", "prefix_len", "cached_len", "chunk_index", "num_chunks", "is_decode",
                    "draft_len", "accepted_len")  # fmt: skip
-_SPECULATIVE_KEYS = ("algorithm", "num_draft_tokens", "verify_rows", "verify_tokens", "accept_length")
+_SPECULATIVE_KEYS = ("algorithm", "num_draft_tokens", "decode_rows", "decode_tokens", "accept_length")
 _FINISHED_KEYS = ("rid", "finish_reason", "queue_ms", "schedule_ms", "forward_ms", "ttft_ms")
 # None = that part never happened (an abort while waiting has no forward, so no TTFT)
 _FINISHED_MS_KEYS = ("queue_ms", "schedule_ms", "forward_ms", "ttft_ms", "e2e_ms")
