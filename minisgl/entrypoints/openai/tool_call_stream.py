@@ -237,6 +237,20 @@ class CallStream:
             call.write("{}")  # (no arguments written: the answer's are {})
         self._ready(call)
 
+    def call_array(self) -> Reader:
+        """`[call, call, ...]` once its `[` was read: the calls, up to the closing `]` (an empty
+        array is no calls)."""
+        if (yield from self.peek_nonblank()) == "]":
+            raise NotCalls
+        while True:
+            yield from self.peek_nonblank()
+            yield from self.call_object()
+            ch = yield from self.take_nonblank()
+            if ch == "]":
+                return
+            if ch != ",":
+                raise NotCalls
+
     def named_call(self, name: str) -> Reader:
         """A call whose name the format wrote outside JSON (Mistral's compact `name[ARGS]{...}`):
         its arguments, a JSON object."""
@@ -389,13 +403,6 @@ def _piece(index: int, arguments: str) -> DeltaToolCall:
 
 def read_forced_calls(stream: CallStream) -> Reader:
     """A forced call's answer (tool_calls.py): a JSON array of {"name", "parameters"}."""
-    if (yield from stream.take_nonblank()) != "[" or (yield from stream.peek_nonblank()) == "]":
+    if (yield from stream.take_nonblank()) != "[":
         raise NotCalls
-    while True:
-        yield from stream.peek_nonblank()
-        yield from stream.call_object()
-        ch = yield from stream.take_nonblank()
-        if ch == "]":
-            return
-        if ch != ",":
-            raise NotCalls
+    yield from stream.call_array()

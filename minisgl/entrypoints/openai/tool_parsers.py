@@ -301,16 +301,7 @@ class MistralFormat(ToolCallFormat):
             yield from stream.expect(self._TAG)
             if (yield from stream.peek_nonblank(json_blanks=False)) == "[":
                 yield from stream.char()
-                if (yield from stream.peek_nonblank()) == "]":
-                    raise NotCalls  # (an empty array is no calls)
-                while True:
-                    yield from stream.peek_nonblank()
-                    yield from stream.call_object()
-                    ch = yield from stream.take_nonblank()
-                    if ch == "]":
-                        break
-                    if ch != ",":
-                        raise NotCalls
+                yield from stream.call_array()
                 yield from stream.peek_nonblank(json_blanks=False)
             else:
                 yield from self._stream_compact(stream)
