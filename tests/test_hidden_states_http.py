@@ -15,11 +15,12 @@ import asyncio
 import json
 from typing import Any, Dict, Iterator, List, Tuple
 
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
 from minisgl.entrypoints.http_server import create_app
-from minisgl.managers.io_struct import BatchStrOutput, TokenizedGenerateReqInput
+from minisgl.managers.io_struct import BatchStrOutput, HiddenStateRows, TokenizedGenerateReqInput
 from minisgl.managers.tokenization import RETURN_HIDDEN_STATES_DISABLED
 from minisgl.managers.tokenizer_manager import TokenizerManager
 from minisgl.server_args import PortArgs, ServerArgs, resolve_server_args
@@ -53,7 +54,9 @@ def _tm(model: str, tmp_path: Any, **overrides: Any) -> TokenizerManager:
         loop = asyncio.get_running_loop()
         steps = msg.sampling_params.max_new_tokens
         for k in range(steps):  # one message per token, as a stream gets them
-            hidden = [prompt_entry(msg.input_ids)] if k == 0 else [decode_row(k)]
+            # (float32 rows, as the detokenizer passes them on: the prompt's rows with the first output)
+            hidden = HiddenStateRows(np.array(prompt_entry(msg.input_ids) if k == 0 else [decode_row(k)], dtype=np.float32),
+                                     prompt_rows=len(msg.input_ids) if k == 0 else 0)  # fmt: skip
             out = BatchStrOutput(
                 rids=[msg.rid], finished_reasons=[{"type": "length", "length": steps} if k == steps - 1 else None],
                 output_strs=[f"t{k} "], output_ids=[[10 + k]], prompt_tokens=[len(msg.input_ids)], completion_tokens=[k + 1],

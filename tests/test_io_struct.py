@@ -12,6 +12,7 @@ import json
 import math
 from typing import Any, Dict
 
+import numpy as np
 import pytest
 
 from minisgl.managers import io_struct
@@ -27,6 +28,7 @@ from minisgl.managers.io_struct import (
     GenerateReqInput,
     GetLoadReqInput,
     GetLoadReqOutput,
+    HiddenStateRows,
     ProfileReq,
     ProfileReqOutput,
     ProfileReqType,
@@ -114,7 +116,7 @@ SAMPLES: Dict[str, Any] = {
         input_token_ids_logprobs_idx=[[None, [3, 4]], []],
         time_stats=[{"queue": 0.01}, {"queue": 0.02, "e2e": 0.5}],
         # request a's first output: its prompt's rows [2, H] and one decode row [H]; b did not ask
-        output_hidden_states=[[[[0.5, -1e-30], [3.25, 0.0]], [1.5, -2.0]], None],
+        output_hidden_states=[HiddenStateRows(np.array([[0.5, -1e-30], [3.25, 0.0], [1.5, -2.0]], dtype=np.float32), 2), None],
     ),
     "BatchStrOutput": BatchStrOutput(
         rids=["a", "b"],
@@ -133,7 +135,7 @@ SAMPLES: Dict[str, Any] = {
         input_top_logprobs_val=[[], [None, [NEG_INF]]],
         input_top_logprobs_idx=[[], [None, [8]]],
         time_stats=[{"ttft": 0.1}, {}],
-        output_hidden_states=[[], None],  # (a asked: nothing new in this message)
+        output_hidden_states=[HiddenStateRows.empty(), None],  # (a asked: nothing new in this message)
     ),
 }
 
@@ -151,8 +153,9 @@ def test_round_trip(name: str) -> None:
     back = decode(data)
     assert type(back) is type(msg)
     assert back == msg
-    # Every field travels explicitly (a receiver never silently falls back to a default).
-    assert set(json.loads(data)) == {"__type__"} | {f.name for f in dataclasses.fields(msg)}
+    # Every field travels explicitly (a receiver never silently falls back to a default); the JSON
+    # ends at the first newline (hidden states' raw rows follow it)
+    assert set(json.loads(data.split(b"\n")[0])) == {"__type__"} | {f.name for f in dataclasses.fields(msg)}
 
 
 def test_neg_inf_logprobs_survive() -> None:
@@ -213,17 +216,18 @@ def test_float32_embeddings_survive_exactly() -> None:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_hidden_states_survive_exactly(dtype: str) -> None:
     """Hidden states cross two process boundaries (scheduler -> detokenizer -> HTTP process) as
-    JSON numbers: every value of the model's dtype comes back bit for bit, the prompt's [n, H]
-    entry and the [H] decode entries alike."""
+    float32 rows: every value of the model's dtype comes back bit for bit (bfloat16 -> float32 is
+    exact), the prompt's [n, H] entry and the [H] decode entries alike."""
     import torch
 
     gen = torch.Generator().manual_seed(1)
     rows = (torch.randn(7, 96, generator=gen) * torch.logspace(-20, 20, 96)).to(getattr(torch, dtype))  # [7, H]
-    prompt, decoded = rows[:5].tolist(), rows[5:].tolist()
-    sent = [prompt, *decoded]
+    sent = HiddenStateRows(rows.to(torch.float32).numpy(), prompt_rows=5)
     msg = dataclasses.replace(SAMPLES["BatchTokenIDOutput"], output_hidden_states=[sent, None])
-    back = decode(encode(msg)).output_hidden_states
-    assert back[1] is None
-    got = torch.tensor([*back[0][0], *back[0][1:]], dtype=getattr(torch, dtype))
+    back = decode(encode(decode(encode(msg))))  # (two hops: the detokenizer re-encodes what it got)
+    assert back.output_hidden_states[1] is None
+    entries = back.output_hidden_states[0].entries()
+    assert [e.shape for e in entries] == [(5, 96), (96,), (96,)]
+    got = torch.from_numpy(np.concatenate([entries[0], np.stack(entries[1:])])).to(getattr(torch, dtype))
     bits = torch.int16 if dtype == "bfloat16" else torch.int32  # (compared as bits: -0.0 and NaNs too)
     assert torch.equal(got.view(bits), rows.view(bits))

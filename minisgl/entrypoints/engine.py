@@ -710,7 +710,8 @@ class Engine:
             state.output_ids.extend(out.output_ids[i])
             for key, entries in logprobs.items():
                 state.logprobs[key].extend(entries)
-            new_hidden_states = hidden_states_of(out, i) or []
+            rows = hidden_states_of(out, i)  # (float32 rows: as Python lists here, SGLang's Engine returns lists)
+            new_hidden_states = rows.as_lists() if rows is not None else []
             if state.hidden_states is not None:
                 state.hidden_states.extend(new_hidden_states)
             finish = out.finished_reasons[i]

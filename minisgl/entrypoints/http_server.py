@@ -37,6 +37,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from minisgl.entrypoints.hidden_states_json import StreamedEntries, answer_json, answer_numbers, off_loop_if_large
 from minisgl.entrypoints.openai.protocol import (
     UNSUPPORTED_FIELDS,
     ChatCompletionRequest,
@@ -373,7 +374,12 @@ async def _native_generate(tm: TokenizerManager, request: GenerateRequest, raw_r
         gen = tm.generate_request(obj, raw_request)
         if not request.stream:
             outs = sorted([out async for out in gen], key=lambda o: o.get("index", 0))
-            return JSONResponse(outs[0] if obj.is_single and len(outs) == 1 else outs)
+            content = outs[0] if obj.is_single and len(outs) == 1 else outs
+            if not any("hidden_states" in out["meta_info"] for out in outs):
+                return JSONResponse(content)
+            # float32 rows -> JSON numbers: ~1 s for a 2,000 x 1,024 prompt entry, off the event loop
+            body = await off_loop_if_large(lambda: answer_json(content), answer_numbers(content))
+            return Response(content=body.encode(), media_type="application/json")
         first = await gen.__anext__()  # errors before the first token are real HTTP errors
     except ReqAbortedError as e:
         return create_error_response(e.message, e.status_code)
@@ -387,10 +393,14 @@ async def _native_generate(tm: TokenizerManager, request: GenerateRequest, raw_r
         ids: Dict[int, List[int]] = {}
         logprobs: Dict[int, Dict[str, List[Any]]] = {}
         hidden_states: Dict[int, List[Any]] = {}
+        written = StreamedEntries()  # (each entry's JSON once: a cumulative chunk resends them all)
         try:
             async for out in prepend(first, gen):
                 if incremental:
-                    yield sse_data(out)
+                    if "hidden_states" in out["meta_info"]:
+                        yield f"data: {await written.chunk_json(out, out.get('index', 0), cumulative=False)}\n\n"
+                    else:
+                        yield sse_data(out)
                     continue
                 index = out.get("index", 0)
                 texts[index] = texts.get(index, "") + out["text"]
@@ -400,11 +410,14 @@ async def _native_generate(tm: TokenizerManager, request: GenerateRequest, raw_r
                 for key in LOGPROB_META_KEYS:
                     so_far[key].extend(meta.get(key, ()))
                     meta[key] = list(so_far[key])
+                chunk = {**out, "text": texts[index], "output_ids": ids[index], "meta_info": meta}
                 if "hidden_states" in meta:  # (only a prompt that asked has them)
                     entries = hidden_states.setdefault(index, [])
                     entries.extend(meta["hidden_states"])
                     meta["hidden_states"] = list(entries)
-                yield sse_data({**out, "text": texts[index], "output_ids": ids[index], "meta_info": meta})
+                    yield f"data: {await written.chunk_json(chunk, index, cumulative=True)}\n\n"
+                else:
+                    yield sse_data(chunk)
         except ValueError as e:  # after the headers: an error event, then [DONE] as usual (SGLang)
             yield sse_data(error_body(str(e)))
         finally:

@@ -275,7 +275,8 @@ class DetokenizerManager:
             completion_tokens=list(recv.completion_tokens),
             cached_tokens=list(recv.cached_tokens),
             time_stats=list(recv.time_stats),
-            output_hidden_states=list(recv.output_hidden_states),  # (passed through, as the logprobs)
+            # passed through, as the logprobs: float32 rows, views of the received frame, re-sent as bytes
+            output_hidden_states=list(recv.output_hidden_states),
             spec_verify_ct=list(recv.spec_verify_ct),
             **recv.logprob_lists(),
         )

@@ -11,16 +11,20 @@
 Everything that crosses a process boundary is one of the dataclasses registered in
 `_MESSAGE_TYPES` and travels as JSON through `encode` / `decode`: no pickling of
 arbitrary objects, no lookups in `globals()` (STYLE.md habit 4). Each type has a
-round-trip test (tests/test_io_struct.py).
+round-trip test (tests/test_io_struct.py). The one exception to "all JSON" is hidden states
+(`HiddenStateRows`): their float32 rows ride as raw bytes after the JSON, in the same frame.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Dict, List, NamedTuple, Optional, Tuple, Union
+
+import numpy as np
 
 from minisgl.sampling.sampling_params import GRAMMAR_KEYS, SamplingParams
 from minisgl.utils import lone_surrogate_at
@@ -473,6 +477,53 @@ class SchedulerSnapshotOut:
 
 
 # --------------------------------------------------------------------------- outputs
+@dataclass(eq=False)
+class HiddenStateRows:
+    """One request's new hidden-state entries in one output message (return_hidden_states), as
+    float32 rows: `rows[:prompt_rows]` is entry 0, the prompt's [n, H] rows (with the request's
+    first output only; prompt_rows 0 after it), and every later row is an entry of its own, one
+    decode step's [H]. `entries()` gives Req.hidden_states' layout back.
+
+    They cross the processes as raw bytes after the message's JSON (`encode`), not as JSON numbers:
+    a 2,000 x 1,024 prompt entry took 1.6 s to encode as numbers, and 0.5 ms as bytes."""
+
+    rows: np.ndarray  # [prompt_rows + decode entries, H] float32 (read-only once decoded: a view of the frame)
+    prompt_rows: int = 0
+
+    @staticmethod
+    def empty() -> "HiddenStateRows":
+        """A request that asked, with nothing new in this message."""
+        return HiddenStateRows(np.empty((0, 0), dtype=np.float32))
+
+    def entries(self) -> List[np.ndarray]:
+        """Req.hidden_states' layout: entry 0 an [n, H] array (when this message has the prompt's
+        rows), then one [H] array per decode step. Views of `rows`, no copy."""
+        p = self.prompt_rows
+        return ([self.rows[:p]] if p else []) + list(self.rows[p:])
+
+    def as_lists(self) -> List[Any]:
+        """entries() as Python lists, the values the JSON answer writes (the Engine's result)."""
+        return [entry_as_list(entry) for entry in self.entries()]
+
+    def __eq__(self, other: object) -> bool:  # bit for bit (NaNs and -0.0 too): what the wire must keep
+        if not isinstance(other, HiddenStateRows):
+            return NotImplemented
+        return (self.prompt_rows == other.prompt_rows and self.rows.shape == other.rows.shape
+                and self.rows.dtype == other.rows.dtype and self.rows.tobytes() == other.rows.tobytes())  # fmt: skip
+
+
+def entry_as_list(entry: np.ndarray) -> List[Any]:
+    """A hidden-state entry ([H] or [n, H] float32) as Python floats, NaN and inf as None: JSON has
+    neither, and SGLang's orjson writes null, so a valid request is never a serialization error.
+    (float32 -> double is exact: the JSON text is the shortest repr that reads back as the float32.)"""
+    values = entry.tolist()
+    if bool(np.isfinite(entry).all()):
+        return values
+    if entry.ndim == 1:
+        return [v if math.isfinite(v) else None for v in values]
+    return [[v if math.isfinite(v) else None for v in row] for row in values]
+
+
 @dataclass(kw_only=True)
 class LogprobLists:
     """The logprob fields of an output message, one entry per request, as SGLang's (_val and
@@ -526,9 +577,9 @@ class BatchTokenIDOutput(LogprobLists):
     cached_tokens: List[int]
     # per-request timing in milliseconds (ReqTimeStats.to_ms_dict): queue_ms / schedule_ms / forward_ms / ttft_ms / e2e_ms
     time_stats: List[Dict[str, Optional[float]]] = field(default_factory=list)  # None = not reached
-    # return_hidden_states: per request, the entries of its Req.hidden_states not sent before (None: it
-    # did not ask); an empty list, not a list of Nones, when no request of the message asked
-    output_hidden_states: List[Optional[List[Any]]] = field(default_factory=list)
+    # return_hidden_states: per request, the entries of its Req.hidden_states not sent before, as float32
+    # rows (None: it did not ask); an empty list, not a list of Nones, when no request of the message asked
+    output_hidden_states: List[Optional[HiddenStateRows]] = field(default_factory=list)
     # --speculative-algorithm: per request, its decoding passes so far (SGLang's spec_verify_ct); an
     # empty list when the server does not speculate
     spec_verify_ct: List[int] = field(default_factory=list)
@@ -546,7 +597,7 @@ class BatchStrOutput(LogprobLists):
     completion_tokens: List[int]
     cached_tokens: List[int]
     time_stats: List[Dict[str, Optional[float]]] = field(default_factory=list)  # to_ms_dict: None = not reached
-    output_hidden_states: List[Optional[List[Any]]] = field(default_factory=list)  # BatchTokenIDOutput's, passed through
+    output_hidden_states: List[Optional[HiddenStateRows]] = field(default_factory=list)  # BatchTokenIDOutput's, passed through
     spec_verify_ct: List[int] = field(default_factory=list)  # BatchTokenIDOutput's, passed through
 
 
@@ -610,9 +661,9 @@ def logprobs_of(recv: BatchStrOutput, i: int, decode: Optional[Callable[[List[Li
     }
 
 
-def hidden_states_of(recv: Union[BatchTokenIDOutput, BatchStrOutput], i: int) -> Optional[List[Any]]:
-    """Request i's new hidden-state entries in this message (Req.hidden_states' layout: the
-    prompt's [n, H] rows first, then one [H] row per output token), or None when it did not ask."""
+def hidden_states_of(recv: Union[BatchTokenIDOutput, BatchStrOutput], i: int) -> Optional[HiddenStateRows]:
+    """Request i's new hidden-state rows in this message (`.entries()`: Req.hidden_states' layout,
+    the prompt's [n, H] rows first, then one [H] row per output token), or None when it did not ask."""
     rows = recv.output_hidden_states
     return rows[i] if i < len(rows) else None
 
@@ -652,12 +703,28 @@ _MESSAGE_TYPES: Dict[str, type] = {
 }
 
 
-def _message_fields(obj: Any) -> Dict[str, Any]:
+# the JSON part of a frame ends at its first newline (json.dumps escapes every newline inside a
+# string, and writes none between items), and is padded with spaces so that the raw part starts
+# 8-byte aligned in the received bytes (numpy then reads the rows in place, aligned)
+_TAIL_SEP = b"\n"
+_ALIGN = 8
+
+
+def _message_fields(obj: Any, tail: List[np.ndarray]) -> Dict[str, Any]:
     """json's hook for what it cannot encode itself: a registered message becomes a tagged dict.
 
     json's C encoder walks the lists, dicts and numbers; only the message dataclasses (the
-    top one and any nested one) come through here, one level at a time.
+    top one and any nested one) come through here, one level at a time. A HiddenStateRows puts its
+    rows on `tail` (raw little-endian float32, after the JSON) and leaves their place in the JSON.
     """
+    if isinstance(obj, HiddenStateRows):
+        rows = np.ascontiguousarray(obj.rows, dtype="<f4")
+        if rows.ndim != 2:
+            raise TypeError(f"HiddenStateRows.rows must be [rows, H], got shape {rows.shape}")
+        offset = sum(_aligned(a.nbytes) for a in tail)
+        if rows.size:  # (an empty one has no bytes: decode makes it from its shape)
+            tail.append(rows)
+        return {"__type__": "HiddenStateRows", "prompt_rows": obj.prompt_rows, "shape": list(rows.shape), "offset": offset}
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         name = type(obj).__name__
         if name not in _MESSAGE_TYPES:
@@ -666,11 +733,28 @@ def _message_fields(obj: Any) -> Dict[str, Any]:
     raise TypeError(f"cannot send a {type(obj).__name__} across a process boundary")
 
 
-def _message_from_fields(obj: Dict[str, Any]) -> Any:
-    """json's hook for every decoded object: a tagged dict becomes its message dataclass."""
+def _aligned(nbytes: int) -> int:
+    return nbytes + (-nbytes) % _ALIGN
+
+
+def _message_from_fields(obj: Dict[str, Any], data: bytes, tail_start: int) -> Any:
+    """json's hook for every decoded object: a tagged dict becomes its message dataclass; a
+    HiddenStateRows reads its rows in place from the frame's raw part (no copy)."""
     name = obj.get("__type__")
     if name is None:
         return obj
+    if name == "HiddenStateRows":
+        shape, offset = obj["shape"], obj["offset"]
+        if not (isinstance(shape, list) and len(shape) == 2 and all(type(d) is int and d >= 0 for d in shape)):
+            raise TypeError(f"a malformed HiddenStateRows: shape {shape!r}")
+        count = shape[0] * shape[1]
+        if count == 0:  # (no bytes were sent for it)
+            return HiddenStateRows(np.empty(shape, dtype=np.float32), obj["prompt_rows"])
+        if tail_start < 0:
+            raise TypeError("a HiddenStateRows with rows in a frame without a raw part")
+        # (frombuffer checks the bounds: a bad offset is a ValueError, never a read outside the frame)
+        rows = np.frombuffer(data, dtype="<f4", count=count, offset=tail_start + offset).reshape(shape)
+        return HiddenStateRows(rows, obj["prompt_rows"])
     cls = _MESSAGE_TYPES.get(name) if isinstance(name, str) else None
     if cls is None:
         raise TypeError(f"{name!r} is not a registered io_struct message type")
@@ -678,22 +762,36 @@ def _message_from_fields(obj: Dict[str, Any]) -> Any:
 
 
 def encode(msg: Any) -> bytes:
-    """Serialize a registered message (JSON; -inf logprobs survive as `-Infinity`).
+    """Serialize a registered message: JSON (-inf logprobs survive as `-Infinity`), then, when it
+    carries hidden states, a newline and their raw float32 rows.
 
     Floats are written as Python's repr, the shortest text that reads back as the same double:
-    a float32 (or bfloat16) value from `tensor.tolist()` is exactly a double, so hidden states and
-    logprobs arrive bit for bit (tests/test_io_struct.py), at ~20 characters a number.
+    a float32 (or bfloat16) value from `tensor.tolist()` is exactly a double, so logprobs
+    arrive bit for bit (tests/test_io_struct.py), at ~20 characters a number. Hidden states are
+    thousands of numbers a token: as raw bytes they cost a copy, not ~0.8 us a number each way
+    (tests/test_io_struct.py; the numbers in docs/server.md, "Hidden states").
 
     Every output token of every running request crosses two process boundaries, so this
     runs in C (json's encoder) except for the per-message hook above.
     """
     if not (dataclasses.is_dataclass(msg) and not isinstance(msg, type)):
         raise TypeError(f"cannot send a {type(msg).__name__} across a process boundary")
-    return json.dumps(msg, default=_message_fields, separators=(",", ":")).encode()
+    tail: List[np.ndarray] = []
+    head = json.dumps(msg, default=lambda obj: _message_fields(obj, tail), separators=(",", ":")).encode()
+    if not tail:
+        return head
+    pad = b" " * ((-(len(head) + 1)) % _ALIGN)
+    parts: List[Any] = [head, pad, _TAIL_SEP]
+    for rows in tail:  # (memoryviews: b"".join copies each array once, into the frame)
+        parts.append(memoryview(rows).cast("B"))
+        parts.append(b"\0" * ((-rows.nbytes) % _ALIGN))
+    return b"".join(parts)
 
 
 def decode(data: bytes) -> Any:
-    obj = json.loads(data, object_hook=_message_from_fields)
+    split = data.find(_TAIL_SEP)
+    head = data if split < 0 else data[:split]
+    obj = json.loads(head, object_hook=lambda fields: _message_from_fields(fields, data, split + 1 if split >= 0 else -1))
     if not dataclasses.is_dataclass(obj):
         raise TypeError("received a message that is not a registered io_struct type")
     return obj

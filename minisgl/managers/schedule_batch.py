@@ -34,6 +34,8 @@ from minisgl.sampling.sampling_params import SamplingParams, stop_token_set
 from minisgl.speculative.ngram_worker import NGRAMWorker
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from minisgl.mem_cache.allocator import TokenToKVPoolAllocator
     from minisgl.mem_cache.memory_pool import ReqToTokenPool
 
@@ -269,9 +271,9 @@ class Req:
         self.output_token_ids_logprobs_idx: List[List[int]] = []
 
         # return_hidden_states (SGLang's Req.hidden_states): the final-norm hidden state of every
-        # position the model computed for this request. Entry 0 holds the prompt's rows ([n, H]: the
-        # positions its prefill computed, every chunk's, from the end of its radix hit), then one [H]
-        # entry per decoded position (output_ids[k]'s, fed back at step k + 1). hidden_states_len: the
+        # position the model computed for this request, float32 numpy rows. Entry 0 holds the prompt's
+        # rows (a list of [k, H] blocks, one per pass: the positions its prefill computed, every
+        # chunk's, from the end of its radix hit), then one [H] entry per decoded position (output_ids[k]'s, fed back at step k + 1). hidden_states_len: the
         # position after the last one recorded (a retracted request's re-prefill skips those before);
         # send_hidden_states_offset: the entries already sent to the detokenizer.
         self.return_hidden_states = return_hidden_states
@@ -362,9 +364,10 @@ class Req:
             self.input_token_ids_logprobs_idx.insert(0, None)
 
     # ------------------------------------------------------------------ hidden states
-    def add_hidden_states(self, first_position: int, rows: List[List[float]]) -> None:
-        """One pass's rows of this request (positions first_position, first_position + 1, ...) into
-        SGLang's layout: prompt positions extend entry 0, each output position is an entry of its own.
+    def add_hidden_states(self, first_position: int, rows: np.ndarray) -> None:
+        """One pass's rows of this request ([count, H] float32, positions first_position,
+        first_position + 1, ...) into SGLang's layout: prompt positions extend entry 0 (a list of
+        per-pass [k, H] blocks, joined when sent), each output position is an entry of its own ([H]).
 
         SGLang appends what each pass computed: its prompt entry is the rows of the uncached tokens
         (a radix hit's prefix was never computed, so it has no rows), and a chunked prompt keeps its
@@ -372,15 +375,16 @@ class Req:
         answer. Positions already recorded are skipped: a retracted request's re-prefill recomputes
         its prompt and output (SGLang would append them all again)."""
         skip = max(self.hidden_states_len - first_position, 0) if self.hidden_states else 0
-        prompt_len = len(self.origin_input_ids)
-        for position, row in enumerate(rows[skip:], start=first_position + skip):
-            if position < prompt_len:
-                if not self.hidden_states:
-                    self.hidden_states.append([])
-                self.hidden_states[0].append(row)
-            else:
-                self.hidden_states.append(row)
-            self.hidden_states_len = position + 1
+        first = first_position + skip
+        rows = rows[skip:]
+        n_prompt = min(max(len(self.origin_input_ids) - first, 0), len(rows))  # rows at prompt positions
+        if n_prompt:
+            if not self.hidden_states:
+                self.hidden_states.append([])
+            self.hidden_states[0].append(rows[:n_prompt])
+        self.hidden_states.extend(rows[n_prompt:])
+        if len(rows):
+            self.hidden_states_len = first + len(rows)
 
     # ------------------------------------------------------------------ finishing
     def set_finish_with_abort(self, error_msg: str) -> None:

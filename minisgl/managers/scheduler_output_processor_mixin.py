@@ -15,14 +15,14 @@ and it leaves in one BatchEmbeddingOutput (`stream_output_embedding`).
 from __future__ import annotations
 
 import json
-import math
 import time
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
+import numpy as np
 import torch
 
 from minisgl.layers.logits_processor import InputLogprobs
-from minisgl.managers.io_struct import BatchEmbeddingOutput, BatchTokenIDOutput
+from minisgl.managers.io_struct import BatchEmbeddingOutput, BatchTokenIDOutput, HiddenStateRows
 from minisgl.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch, release_kv_cache
 from minisgl.speculative.ngram_worker import NGRAMWorker
 
@@ -302,14 +302,9 @@ class SchedulerOutputProcessorMixin:
             if with_logprobs:
                 _add_logprobs(out, req, start, end)
             if with_hidden_states:
-                # the entries added since its last output: the prompt's rows come with its first one
-                out.output_hidden_states.append(req.hidden_states[req.send_hidden_states_offset :] if req.return_hidden_states else None)
-                # sent: the scheduler keeps no row it sent (Python floats, 32 bytes a value: a 2,000-token
-                # prompt at H = 1,024 held 66 MB for the request's whole life); the entries stay as
-                # None, since positions and counts are read from the list's length
-                for k in range(req.send_hidden_states_offset, len(req.hidden_states)):
-                    req.hidden_states[k] = None
-                req.send_hidden_states_offset = len(req.hidden_states)
+                # the entries added since its last output, as float32 rows (raw bytes on the wire): the
+                # prompt's rows come with its first one
+                out.output_hidden_states.append(_unsent_hidden_states(req) if req.return_hidden_states else None)
             out.time_stats.append(req.time_stats.to_ms_dict())
             if self.draft_worker is not None:
                 out.spec_verify_ct.append(req.spec_verify_ct)
@@ -373,19 +368,35 @@ def _store_hidden_states(batch: ScheduleBatch, hidden_states: Optional[torch.Ten
     """Each asking request's rows of the pass into Req.hidden_states (SGLang does this in its
     prefill and decode result loops). Row order is input_ids': request i has extend_lens[i] rows
     (1 in a decode pass, and for a decode request riding a mixed pass), for positions from
-    prefix_lens[i] on. Only the asking requests' rows leave the device, one transfer each."""
+    prefix_lens[i] on. Only the asking requests' rows leave the device, one transfer each, as
+    float32 (exact for bfloat16 values): they stay raw until the HTTP process writes the answer."""
     if hidden_states is None:
         return
     start = 0
     for req, prefix_len, count in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
         # (SGLang's guard too: a request finished meanwhile, an abort that came in this step, keeps what it has)
         if req.return_hidden_states and not req.finished():
-            rows = hidden_states[start : start + count]  # [count, H]
-            values = rows.tolist()
-            if not bool(torch.isfinite(rows).all()):  # NaN / inf: JSON has no such number; null, as SGLang's orjson writes
-                values = [[v if math.isfinite(v) else None for v in row] for row in values]
-            req.add_hidden_states(prefix_len, values)
+            # a copy of its own (copy=True: on the CPU a view would keep the pass's [N, H] alive)
+            rows = hidden_states[start : start + count].to(device="cpu", dtype=torch.float32, copy=True)  # [count, H]
+            req.add_hidden_states(prefix_len, rows.numpy())
         start += count
+
+
+def _unsent_hidden_states(req: Req) -> HiddenStateRows:
+    """The entries of req.hidden_states added since its last output, as one HiddenStateRows (the
+    prompt's entry, a list of per-chunk [k, H] blocks, first if it is among them), and marked sent:
+    the scheduler keeps no row it sent (a 2,000-token prompt at H = 1,024 is 8 MB even as float32);
+    the entries stay as None, since positions and counts are read from the list's length."""
+    new = req.hidden_states[req.send_hidden_states_offset :]
+    for k in range(req.send_hidden_states_offset, len(req.hidden_states)):
+        req.hidden_states[k] = None
+    req.send_hidden_states_offset = len(req.hidden_states)
+    if not new:
+        return HiddenStateRows.empty()
+    prompt_blocks: List[np.ndarray] = new[0] if isinstance(new[0], list) else []
+    steps = new[1:] if isinstance(new[0], list) else new  # [H] each
+    rows = np.concatenate([*prompt_blocks, *(row[None, :] for row in steps)])  # [prompt rows + steps, H]
+    return HiddenStateRows(rows, sum(len(block) for block in prompt_blocks))
 
 
 def _logprob_lists(result: Any) -> Tuple[Any, Any, Any, Any]:

@@ -12,7 +12,8 @@ stream of dicts the serving layer renders:
      "output_top_logprobs": [[(logprob, id, text), ...]], "input_token_logprobs": [(logprob | None,
      id, text)], "input_top_logprobs": [None | [(logprob, id, text), ...]],
      "output_token_ids_logprobs" / "input_token_ids_logprobs": the same per position for the
-     ids of token_ids_logprob, "hidden_states"? (only when asked: return_hidden_states), "e2e_latency"?}}
+     ids of token_ids_logprob, "hidden_states"? (only when asked: return_hidden_states; float32
+     numpy arrays, entry 0 [n, H] then [H] each, which the serving layer writes as JSON), "e2e_latency"?}}
     (+ "index" for batches; text is None unless return_text_in_logprobs, as SGLang's)
 
 An embedding request (EmbeddingReqInput, a server started with --is-embedding) takes the same
@@ -144,7 +145,7 @@ class ReqState:
     text: str = ""
     output_ids: List[int] = field(default_factory=list)
     logprobs: Dict[str, List[Any]] = field(default_factory=lambda: {key: [] for key in LOGPROB_META_KEYS})
-    hidden_states: List[Any] = field(default_factory=list)  # every entry so far (return_hidden_states)
+    hidden_states: List[Any] = field(default_factory=list)  # every entry so far (return_hidden_states): float32 arrays
     prompt_tokens: int = 0
 
 
@@ -830,7 +831,10 @@ class TokenizerManager:
                 **logprobs,
             }
             if getattr(state.obj, "return_hidden_states", False):  # (one that asked always has the key: [] when nothing is new)
-                hidden_states = hidden_states_of(recv, i) or []
+                # float32 arrays, views of the received frame: the serving layer writes them as JSON
+                # numbers off the event loop (serving_base.hidden_states_json); nothing is decoded here
+                rows = hidden_states_of(recv, i)
+                hidden_states = rows.entries() if rows is not None else []
                 state.hidden_states.extend(hidden_states)
                 meta_info["hidden_states"] = hidden_states
             out = {"text": recv.output_strs[i], "output_ids": list(recv.output_ids[i]), "meta_info": meta_info}

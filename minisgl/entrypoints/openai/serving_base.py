@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from minisgl.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, PromptTokensDetails, UsageInfo
-from minisgl.managers.io_struct import GenerateReqInput
+from minisgl.managers.io_struct import GenerateReqInput, entry_as_list
 from minisgl.managers.tokenizer_manager import GENERATION_ON_EMBEDDING_SERVER, ReqAbortedError, TokenizerManager
 
 logger = logging.getLogger("minisgl.serving")
@@ -183,7 +183,7 @@ def last_hidden_state(meta_info: Dict[str, Any], request: Any) -> Optional[List[
     entries = meta_info.get("hidden_states")
     if entries is None:
         return None
-    return entries[-1] if len(entries) > 1 else []
+    return entry_as_list(entries[-1]) if len(entries) > 1 else []  # (one float32 row: cheap here)
 
 
 class StreamedHiddenStates:
@@ -194,7 +194,7 @@ class StreamedHiddenStates:
 
     def __init__(self) -> None:
         self.count: Dict[int, int] = {}  # choice index -> entries so far (in the order choices first came)
-        self.last: Dict[int, List[float]] = {}
+        self.last: Dict[int, Any] = {}  # (its last entry, a float32 row)
 
     def update(self, index: int, meta_info: Dict[str, Any]) -> None:
         entries = meta_info.get("hidden_states")
@@ -205,7 +205,7 @@ class StreamedHiddenStates:
             self.last[index] = entries[-1]
 
     def final(self) -> List[Tuple[int, List[float]]]:
-        return [(index, self.last[index] if count > 1 else []) for index, count in self.count.items() if count > 0]
+        return [(index, entry_as_list(self.last[index]) if count > 1 else []) for index, count in self.count.items() if count > 0]
 
 
 class OpenAIServingBase(ABC):
