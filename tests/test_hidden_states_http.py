@@ -42,8 +42,9 @@ def expected(input_ids: List[int], max_new_tokens: int) -> List[Any]:
     return [prompt_entry(input_ids)] + [decode_row(k) for k in range(1, max_new_tokens)]
 
 
-def _tm(model: str, tmp_path: Any, **overrides: Any) -> TokenizerManager:
-    """A TokenizerManager whose scheduler is a stand-in that answers every generation request."""
+def _tm(model: str, tmp_path: Any, big_entry: Any = None, **overrides: Any) -> TokenizerManager:
+    """A TokenizerManager whose scheduler is a stand-in that answers every generation request
+    (`big_entry`: an [n, H] float32 array sent as every asking request's prompt entry instead)."""
     args = resolve_server_args(ServerArgs(model_path=model, device="cpu", **{"enable_return_hidden_states": True, **overrides}))
     tokenizer = get_tokenizer(model)
     tm = TokenizerManager(args, PortArgs.init_new(str(tmp_path)), tokenizer, CONTEXT_LEN, len(tokenizer))
@@ -55,8 +56,9 @@ def _tm(model: str, tmp_path: Any, **overrides: Any) -> TokenizerManager:
         steps = msg.sampling_params.max_new_tokens
         for k in range(steps):  # one message per token, as a stream gets them
             # (float32 rows, as the detokenizer passes them on: the prompt's rows with the first output)
-            hidden = HiddenStateRows(np.array(prompt_entry(msg.input_ids) if k == 0 else [decode_row(k)], dtype=np.float32),
-                                     prompt_rows=len(msg.input_ids) if k == 0 else 0)  # fmt: skip
+            first = np.array(prompt_entry(msg.input_ids), dtype=np.float32) if big_entry is None else big_entry
+            hidden = HiddenStateRows(first if k == 0 else np.array([decode_row(k)], dtype=np.float32),
+                                     prompt_rows=len(first) if k == 0 else 0)  # fmt: skip
             out = BatchStrOutput(
                 rids=[msg.rid], finished_reasons=[{"type": "length", "length": steps} if k == steps - 1 else None],
                 output_strs=[f"t{k} "], output_ids=[[10 + k]], prompt_tokens=[len(msg.input_ids)], completion_tokens=[k + 1],
@@ -131,6 +133,63 @@ def test_an_incremental_stream_carries_what_each_chunk_adds(tiny_model: str, tmp
         chunks = [e["meta_info"]["hidden_states"] for e in events(c.post("/generate", json=body))]
         assert [entry for chunk in chunks for entry in chunk] == expected(ids, 4)
         assert chunks[0][0] == prompt_entry(ids)
+
+
+def test_the_answer_is_the_json_of_the_values_as_lists_and_non_finite_values_are_null() -> None:
+    """/generate's answer is written from float32 rows, a row at a time (hidden_states_json): byte for
+    byte what JSONResponse writes for the same values as Python lists (key order, separators, each
+    number's shortest repr), NaN and inf as null, and a prompt of the batch that did not ask as is."""
+    from starlette.responses import JSONResponse
+
+    from minisgl.entrypoints.hidden_states_json import answer_json
+
+    rows = np.random.default_rng(1).standard_normal((4, 6)).astype(np.float32)
+    rows[1, 2], rows[3, 0] = np.nan, -np.inf
+    meta = {"id": "a", "finish_reason": None, "prompt_tokens": 3, "output_token_logprobs": [[-0.5, 7, "é"]]}
+    asked = {"text": "é\n", "output_ids": [7], "meta_info": {**meta, "hidden_states": [rows[:3], rows[3]], "e2e_latency": 0.25}}
+    plain = {"text": "b", "output_ids": [8], "meta_info": dict(meta), "index": 1}
+    as_lists = [[[v if np.isfinite(v) else None for v in row] for row in rows[:3].tolist()],
+                [None if i == 0 else v for i, v in enumerate(rows[3].tolist())]]  # fmt: skip
+    want = {**asked, "meta_info": {**asked["meta_info"], "hidden_states": as_lists}}
+    assert answer_json(asked) == JSONResponse(want).body
+    assert answer_json([asked, plain]) == JSONResponse([want, plain]).body
+    assert json.loads(answer_json(asked))["meta_info"]["hidden_states"][0][1][2] is None
+
+
+def test_a_large_answer_is_written_off_the_event_loop(tiny_model: str, tmp_path: Any, monkeypatch: Any) -> None:
+    """A 300 x 1,024 prompt entry (300,000 JSON numbers; a 2,000-token prompt's took ~1 s) is
+    written in a worker thread: held at its first row, the answer waits while /health (any other
+    request, any stream's next chunk) is served. Written on the event loop, as one json.dumps,
+    /health would wait for it: the held row times out, and the test fails, in 3 s."""
+    import threading
+
+    from minisgl.entrypoints import hidden_states_json
+
+    entry = np.random.default_rng(2).standard_normal((300, 1024)).astype(np.float32)
+    writing, resume = threading.Event(), threading.Event()
+    held: Dict[str, Any] = {}
+    real = hidden_states_json.entry_as_list
+
+    def held_row(row: Any) -> Any:  # the first row waits until the test has had its /health
+        if not writing.is_set():
+            writing.set()
+            held["resumed"] = resume.wait(timeout=3)
+        return real(row)
+
+    monkeypatch.setattr(hidden_states_json, "entry_as_list", held_row)
+    tm = _tm(tiny_model, tmp_path, big_entry=entry)
+    for c in _client(tm):
+        result: Dict[str, Any] = {}
+        body = {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 1}, "return_hidden_states": True}
+        thread = threading.Thread(target=lambda: result.update(r=c.post("/generate", json=body)))
+        thread.start()
+        assert writing.wait(timeout=10)
+        assert c.get("/health").status_code == 200  # (served while the answer is mid-write)
+        resume.set()
+        thread.join()
+        assert held["resumed"], "the answer was written on the event loop: /health waited for it"
+        hidden = result["r"].json()["meta_info"]["hidden_states"]
+        assert np.array_equal(np.array(hidden[0], dtype=np.float32), entry)
 
 
 # --------------------------------------------------------------------------- OpenAI routes

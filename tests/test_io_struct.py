@@ -231,3 +231,23 @@ def test_hidden_states_survive_exactly(dtype: str) -> None:
     got = torch.from_numpy(np.concatenate([entries[0], np.stack(entries[1:])])).to(getattr(torch, dtype))
     bits = torch.int16 if dtype == "bfloat16" else torch.int32  # (compared as bits: -0.0 and NaNs too)
     assert torch.equal(got.view(bits), rows.view(bits))
+
+
+def test_hidden_states_travel_as_raw_float32_bytes_not_json_numbers() -> None:
+    """A 300 x 256 prompt entry crosses a hop as 4 bytes a number after a short JSON head (as JSON
+    numbers it was ~20 bytes each, and ~0.8 us each to write and to read), and comes back bit for bit:
+    NaN (its payload too), inf and -0.0 included. In the answer, NaN and inf are null (JSON has neither)."""
+    rows = np.random.default_rng(0).standard_normal((300, 256)).astype(np.float32)
+    rows[0, :4] = [np.nan, np.inf, -np.inf, -0.0]
+    rows.view(np.uint32)[1, 0] = 0x7FC00123  # a NaN with a payload
+    msg = dataclasses.replace(SAMPLES["BatchTokenIDOutput"], output_hidden_states=[HiddenStateRows(rows, 299), None])
+    data = encode(msg)
+    head, raw = data.split(b"\n", 1)
+    assert len(head) < 2_000 and len(raw) == rows.nbytes  # (the rows' bytes, none of them as text)
+    assert raw == rows.tobytes()
+    back = decode(data).output_hidden_states[0]
+    assert back == HiddenStateRows(rows, 299) and back.rows.view(np.uint32)[1, 0] == 0x7FC00123
+    entries = back.as_lists()  # (what the Engine returns, and the JSON answer writes)
+    assert len(entries) == 2 and len(entries[0]) == 299 and len(entries[1]) == 256
+    assert entries[0][0][:4] == [None, None, None, -0.0] and math.copysign(1.0, entries[0][0][3]) == -1.0
+    assert entries[0][1][0] is None and entries[0][2] == rows[2].tolist()

@@ -29,7 +29,7 @@ import signal
 import socket
 import sys
 import time
-from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Tuple
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Tuple, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -379,7 +379,7 @@ async def _native_generate(tm: TokenizerManager, request: GenerateRequest, raw_r
                 return JSONResponse(content)
             # float32 rows -> JSON numbers: ~1 s for a 2,000 x 1,024 prompt entry, off the event loop
             body = await off_loop_if_large(lambda: answer_json(content), answer_numbers(content))
-            return Response(content=body.encode(), media_type="application/json")
+            return Response(content=body, media_type="application/json")
         first = await gen.__anext__()  # errors before the first token are real HTTP errors
     except ReqAbortedError as e:
         return create_error_response(e.message, e.status_code)
@@ -388,7 +388,7 @@ async def _native_generate(tm: TokenizerManager, request: GenerateRequest, raw_r
 
     incremental = tm.server_args.incremental_streaming_output
 
-    async def events() -> AsyncIterator[str]:
+    async def events() -> AsyncIterator[Union[str, bytes]]:
         texts: Dict[int, str] = {}
         ids: Dict[int, List[int]] = {}
         logprobs: Dict[int, Dict[str, List[Any]]] = {}
@@ -398,7 +398,7 @@ async def _native_generate(tm: TokenizerManager, request: GenerateRequest, raw_r
             async for out in prepend(first, gen):
                 if incremental:
                     if "hidden_states" in out["meta_info"]:
-                        yield f"data: {await written.chunk_json(out, out.get('index', 0), cumulative=False)}\n\n"
+                        yield await written.chunk_json(out, out.get("index", 0), cumulative=False)
                     else:
                         yield sse_data(out)
                     continue
@@ -415,7 +415,7 @@ async def _native_generate(tm: TokenizerManager, request: GenerateRequest, raw_r
                     entries = hidden_states.setdefault(index, [])
                     entries.extend(meta["hidden_states"])
                     meta["hidden_states"] = list(entries)
-                    yield f"data: {await written.chunk_json(chunk, index, cumulative=True)}\n\n"
+                    yield await written.chunk_json(chunk, index, cumulative=True)
                 else:
                     yield sse_data(chunk)
         except ValueError as e:  # after the headers: an error event, then [DONE] as usual (SGLang)

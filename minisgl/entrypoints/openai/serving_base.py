@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 import logging
 import time
 from http import HTTPStatus
-from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
+from typing import Any, AsyncIterator, Dict, List, Optional, Tuple, Union
 
 from fastapi import HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -85,7 +85,7 @@ def sse_data(obj: Any) -> str:
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+def sse_response(events: AsyncIterator[Union[str, bytes]]) -> StreamingResponse:
     """Stream framed SSE events (sse_data) as they come, as SGLang does.
 
     A plain StreamingResponse, not sse-starlette's EventSourceResponse: that one wraps every
