@@ -357,11 +357,9 @@ def _add_logprobs(out: BatchTokenIDOutput, req: Req, start: int, end: int) -> No
 
 
 def _store_hidden_row(req: Req, position: int, row: torch.Tensor) -> None:
-    """A verify pass's row [H] of one token the request took (a decode step's single row)."""
-    values = row.tolist()
-    if not bool(torch.isfinite(row).all()):  # (as _store_hidden_states: JSON has no NaN / inf)
-        values = [v if math.isfinite(v) else None for v in values]
-    req.add_hidden_states(position, [values])
+    """A verify pass's row [H] of one token the request took (a decode step's single row), kept as
+    _store_hidden_states keeps rows: a float32 copy on the CPU."""
+    req.add_hidden_states(position, row[None].to(device="cpu", dtype=torch.float32, copy=True).numpy())
 
 
 def _store_hidden_states(batch: ScheduleBatch, hidden_states: Optional[torch.Tensor]) -> None:
