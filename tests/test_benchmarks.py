@@ -72,6 +72,22 @@ def test_prefix_cache_hits_and_keeps_outputs(cache: str) -> None:
     assert r["cache_on_vs_off_throughput"] > 0
 
 
+def test_speculative_keeps_outputs_and_reports_every_point(cache: str) -> None:
+    """Speculation on and off on the same greedy requests: every output identical, and the random
+    model's loops accepted (more than one token per verify pass, fewer decode passes)."""
+    r = run_script("bench_speculative.py", ["--workloads", "loop", "text", "--batch-sizes", "1", "3", "--min-requests", "2",
+                                            "--output-len", "12", "--num-draft-tokens", "4"], cache)  # fmt: skip
+    for tag in ("loop_bs1", "loop_bs3", "text_bs1", "text_bs3"):
+        assert r[f"{tag}_ngram4_same_outputs"] == 1, tag  # speculation must not change a greedy output
+        for key in ("off_output_tok_s", "ngram4_output_tok_s", "off_pass_ms", "ngram4_pass_ms"):
+            assert r[f"{tag}_{key}"] > 0 and math.isfinite(r[f"{tag}_{key}"]), (tag, key)
+        assert 1 <= r[f"{tag}_ngram4_accept_len"] <= 4  # at most the 3 drafts + the bonus token
+        assert r[f"{tag}_off_decode_passes"] == 11 * (2 if tag.endswith("bs1") else 1)  # 11 decode steps per round
+        assert r[f"{tag}_ngram4_decode_passes"] <= r[f"{tag}_off_decode_passes"]
+        assert r[f"{tag}_ngram4_vs_off"] == pytest.approx(r[f"{tag}_ngram4_output_tok_s"] / r[f"{tag}_off_output_tok_s"], rel=2e-3)
+    assert r["loop_bs1_ngram4_accept_len"] > 1.5 and r["loop_bs1_ngram4_decode_passes"] < 22
+
+
 def test_scheduler_overhead_splits_the_step(cache: str) -> None:
     r = run_script("bench_scheduler_overhead.py", ["--batch-sizes", "1", "4", "--target-batch", "4", "--steps", "3"], cache)
     for tag in ("tiny_bs1", "tiny_bs4", "model_bs4"):
