@@ -3,7 +3,7 @@
 The same greedy, ignore_eos requests run with speculation off (the baseline) and on, one engine
 after the other in this process, each warmed up outside the timing, at several batch sizes and
 draft lengths (--speculative-num-draft-tokens, default 4). Per point it prints output tok/s, the
-ratio on/off, the accept length (tokens a request gets per verify pass: meta_info's
+ratio on/off, the accept length (completion tokens per decoding pass: meta_info's
 spec_accept_length, weighted by each request's spec_verify_ct), the decode passes taken (decode and
 verify steps, the scheduler's forward_ct_decode), the mean time of one such pass, and how many
 outputs are identical to the baseline's (all must be: speculation never changes a greedy output).
@@ -41,8 +41,8 @@ class Run:
     passes: int  # decode + verify steps
     pass_s: float  # seconds spent in those steps
     outputs: List[List[int]]
-    verify_ct: int  # verify passes summed over requests (meta_info spec_verify_ct)
-    verify_tokens: float  # tokens those passes gave (spec_accept_length x spec_verify_ct)
+    verify_ct: int  # decoding passes summed over requests (meta_info spec_verify_ct)
+    verify_tokens: float  # completion tokens (spec_accept_length x spec_verify_ct)
 
 
 def build_prompts(workload: str, tokenizer: Any, n: int, args: argparse.Namespace, seed: int) -> List[List[int]]:
@@ -104,29 +104,34 @@ def engine_kwargs(args: argparse.Namespace, num_draft: Optional[int]) -> Dict[st
 
 
 def measure_model(model: Optional[str], workloads: List[str], args: argparse.Namespace) -> Dict[tuple, Run]:
-    """Every configuration (off first, then each draft length) on this model's workloads and batch
-    sizes: one engine per configuration, warmed up, then the same prompts in the same order."""
+    """Every configuration (off, then each draft length) on this model's workloads and batch sizes:
+    one engine per configuration, all alive at once and warmed up; then --repeats times, each point
+    runs on every engine in turn, and each configuration keeps its median run. The machine is shared
+    and noisy: interleaved, a slow spell hits every configuration of a point alike, where running
+    one configuration after the other gave ratios of 0.5x-2.5x for identical passes."""
     from minisgl import Engine
 
-    runs: Dict[tuple, Run] = {}
-    prompts: Dict[tuple, List[List[int]]] = {}
-    for num_draft in [None, *args.num_draft_tokens]:
-        engine = Engine(model, **engine_kwargs(args, num_draft))
-        config = "off" if num_draft is None else f"ngram{num_draft}"
-        # warm-up outside the timing (heap growth, first calls, oneDNN primitives per row count):
-        # the largest batch once, on prompts of another seed, a few tokens each
-        for w in workloads:
-            warm = build_prompts(w, engine.tokenizer, max(args.batch_sizes), args, seed=99)
-            run_rounds(engine, warm, max(args.batch_sizes), min(8, args.output_len))
-        for w in workloads:
-            for b in args.batch_sizes:
-                key = (w, b)
-                if key not in prompts:
+    configs = {"off" if k is None else f"ngram{k}": Engine(model, **engine_kwargs(args, k)) for k in [None, *args.num_draft_tokens]}
+    try:
+        for engine in configs.values():
+            # warm-up outside the timing (heap growth, first calls, oneDNN primitives per row count):
+            # the largest batch once, on prompts of another seed, a few tokens each
+            for w in workloads:
+                warm = build_prompts(w, engine.tokenizer, max(args.batch_sizes), args, seed=99)
+                run_rounds(engine, warm, max(args.batch_sizes), min(8, args.output_len))
+        tokenizer = next(iter(configs.values())).tokenizer
+        samples: Dict[tuple, List[Run]] = {}
+        for _ in range(args.repeats):
+            for w in workloads:
+                for b in args.batch_sizes:
                     n = max(b, args.min_requests // b * b)  # whole rounds of b requests
-                    prompts[key] = build_prompts(w, engine.tokenizer, n, args, seed=WORKLOADS.index(w))
-                runs[(w, b, config)] = run_rounds(engine, prompts[key], b, args.output_len)
-        engine.shutdown()
-    return runs
+                    prompts = build_prompts(w, tokenizer, n, args, seed=WORKLOADS.index(w))
+                    for config, engine in configs.items():
+                        samples.setdefault((w, b, config), []).append(run_rounds(engine, prompts, b, args.output_len))
+    finally:
+        for engine in configs.values():
+            engine.shutdown()
+    return {key: sorted(runs, key=lambda r: r.wall)[len(runs) // 2] for key, runs in samples.items()}
 
 
 def report(runs: Dict[tuple, Run], workloads: List[str], args: argparse.Namespace) -> None:
@@ -136,7 +141,7 @@ def report(runs: Dict[tuple, Run], workloads: List[str], args: argparse.Namespac
             off = runs[(w, b, "off")]
             n_out = len(off.outputs) * args.output_len
             tag = f"{w}_bs{b}"
-            common.print_result(f"{tag}_off_output_tok_s", n_out / off.wall, "tok/s", f"wall {off.wall:.2f} s, {len(off.outputs)} requests")
+            common.print_result(f"{tag}_off_output_tok_s", n_out / off.wall, "tok/s", f"wall {off.wall:.2f} s (median of {args.repeats}), {len(off.outputs)} requests")
             common.print_result(f"{tag}_off_decode_passes", off.passes)
             common.print_result(f"{tag}_off_pass_ms", 1e3 * off.pass_s / off.passes, "ms", "mean decode step")
             for c in configs:
@@ -145,7 +150,7 @@ def report(runs: Dict[tuple, Run], workloads: List[str], args: argparse.Namespac
                 accept = on.verify_tokens / on.verify_ct if on.verify_ct else 1.0
                 common.print_result(f"{tag}_{c}_output_tok_s", n_out / on.wall, "tok/s", f"wall {on.wall:.2f} s")
                 common.print_result(f"{tag}_{c}_vs_off", off.wall / on.wall, "x", "output tok/s on / off")
-                common.print_result(f"{tag}_{c}_accept_len", accept, "", f"tokens per request per verify pass ({on.verify_ct} request-passes)")
+                common.print_result(f"{tag}_{c}_accept_len", accept, "", f"completion tokens per request per decoding pass ({on.verify_ct} request-passes)")
                 common.print_result(f"{tag}_{c}_decode_passes", on.passes, "", f"off: {off.passes}")
                 common.print_result(f"{tag}_{c}_pass_ms", 1e3 * on.pass_s / on.passes, "ms", "mean decode or verify step")
                 common.print_result(f"{tag}_{c}_same_outputs", same / len(off.outputs), "", f"{same} of {len(off.outputs)} greedy outputs identical")
@@ -164,11 +169,12 @@ def main() -> None:
     p.add_argument("--passage-len", type=int, default=64, help="quote and text workloads")
     p.add_argument("--num-draft-tokens", type=int, nargs="+", default=[2, 4, 8],
                    help="--speculative-num-draft-tokens values to run (each one engine; 4 is the default)")  # fmt: skip
+    p.add_argument("--repeats", type=int, default=3, help="Runs of every point, interleaved across the configurations; the median is reported.")
     p.add_argument("--min-window", type=int, default=1, help="--speculative-ngram-min-match-window-size")
     p.add_argument("--max-window", type=int, default=12, help="--speculative-ngram-max-match-window-size")
     args = p.parse_args()
-    if min(args.batch_sizes) < 1 or args.output_len < 2:
-        p.error("--batch-sizes must be >= 1 and --output-len >= 2 (the first token comes from the prefill)")
+    if min(args.batch_sizes) < 1 or args.output_len < 2 or args.repeats < 1:
+        p.error("--batch-sizes and --repeats must be >= 1 and --output-len >= 2 (the first token comes from the prefill)")
     common.apply_runtime_args(args)
 
     loop = "loop" in args.workloads

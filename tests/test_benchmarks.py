@@ -76,7 +76,7 @@ def test_speculative_keeps_outputs_and_reports_every_point(cache: str) -> None:
     """Speculation on and off on the same greedy requests: every output identical, and the random
     model's loops accepted (more than one token per verify pass, fewer decode passes)."""
     r = run_script("bench_speculative.py", ["--workloads", "loop", "text", "--batch-sizes", "1", "3", "--min-requests", "2",
-                                            "--output-len", "12", "--num-draft-tokens", "4"], cache)  # fmt: skip
+                                            "--output-len", "12", "--num-draft-tokens", "4", "--repeats", "1"], cache)  # fmt: skip
     for tag in ("loop_bs1", "loop_bs3", "text_bs1", "text_bs3"):
         assert r[f"{tag}_ngram4_same_outputs"] == 1, tag  # speculation must not change a greedy output
         for key in ("off_output_tok_s", "ngram4_output_tok_s", "off_pass_ms", "ngram4_pass_ms"):
