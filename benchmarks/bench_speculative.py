@@ -90,7 +90,7 @@ def run_rounds(engine: Any, prompts: List[List[int]], batch: int, output_len: in
             outputs.append(result["output_ids"])
             meta = result["meta_info"]
             verify_ct += meta.get("spec_verify_ct", 0)
-            verify_tokens += meta.get("spec_accept_length", 0.0) * meta.get("spec_verify_ct", 0)
+            verify_tokens += (meta.get("spec_accept_length") or 0.0) * meta.get("spec_verify_ct", 0)  # (None: no pass)
     return Run(wall, passes, pass_s, outputs, verify_ct, verify_tokens)
 
 

@@ -217,7 +217,7 @@ class ServerArgs:
         default=1, metadata=_opt("NGRAM: the shortest suffix of a request's tokens whose earlier occurrence makes a draft.")
     )
     speculative_ngram_max_match_window_size: int = field(
-        default=12, metadata=_opt("NGRAM: the longest suffix matched (the longest match that occurred wins).")
+        default=12, metadata=_opt("NGRAM: the longest suffix matched (the longest match among the last token's 64 latest occurrences wins).")
     )
 
     enable_return_hidden_states: bool = field(

@@ -346,3 +346,9 @@ def test_a_full_kv_pool_retracts_and_skips_drafts_without_leaking(tiny_model: st
 def test_no_speculation_keeps_meta_info_as_it_was(engines: Dict[Tuple[str, int], Engine]) -> None:
     meta = run(engines["plain", 1], PROMPTS[:1], {**GREEDY, "max_new_tokens": 4})[0]["meta_info"]
     assert "spec_verify_ct" not in meta and "spec_accept_length" not in meta
+
+
+def test_a_request_that_ends_with_its_prefill_has_no_accept_length(engines: Dict[Tuple[str, int], Engine]) -> None:
+    """No decoding pass ran: no ratio (null, as the snapshot's), not a made-up 1.0."""
+    meta = run(engines["spec", 1], PROMPTS[:1], {**GREEDY, "max_new_tokens": 1})[0]["meta_info"]
+    assert meta["spec_verify_ct"] == 0 and meta["spec_accept_length"] is None

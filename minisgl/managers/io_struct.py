@@ -672,11 +672,12 @@ def spec_meta_info(recv: Union[BatchTokenIDOutput, BatchStrOutput], i: int) -> D
     """meta_info's speculative-decoding keys for request i ({} when the server does not speculate),
     SGLang's: spec_verify_ct (its decoding passes, each a verify or a plain decode step) and
     spec_accept_length (completion tokens per pass; the first token, the prefill's, counts too,
-    as in SGLang)."""
+    as in SGLang; None before the first pass)."""
     if i >= len(recv.spec_verify_ct):
         return {}
     passes = recv.spec_verify_ct[i]
-    return {"spec_verify_ct": passes, "spec_accept_length": recv.completion_tokens[i] / passes if passes else 1.0}
+    # (no decoding pass yet, or none at all: a request that ended with its prefill has no ratio, as the snapshot's null)
+    return {"spec_verify_ct": passes, "spec_accept_length": recv.completion_tokens[i] / passes if passes else None}
 
 
 # --------------------------------------------------------------------------- codec

@@ -832,7 +832,7 @@ class TokenizerManager:
             }
             if getattr(state.obj, "return_hidden_states", False):  # (one that asked always has the key: [] when nothing is new)
                 # float32 arrays, views of the received frame: the serving layer writes them as JSON
-                # numbers off the event loop (serving_base.hidden_states_json); nothing is decoded here
+                # numbers off the event loop (entrypoints/hidden_states_json.py); nothing is decoded here
                 rows = hidden_states_of(recv, i)
                 hidden_states = rows.entries() if rows is not None else []
                 state.hidden_states.extend(hidden_states)
