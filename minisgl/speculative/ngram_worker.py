@@ -7,8 +7,8 @@ request's last sampled token and its drafts, every row sampled as a decode step 
 -> process_batch_result_decode -> NGRAMWorker.accepted (how many drafts the samples confirm) ->
 ScheduleBatch.release_unaccepted (the K/V written for the rest goes back).
 
-A decode step reads every weight of the model to produce one token per request; on a CPU (and
-a GPU at small batches) the step costs about the same for a few more tokens per request. When
+A decode step reads every weight of the model to produce one token per request; at small batches
+(on a CPU and a GPU alike) the step costs about the same for a few more tokens per request. When
 the next tokens are predictable, a guess of k tokens checked in one pass gives up to k + 1
 tokens for the price of one step. The guesses here come from the request itself: when its last
 n tokens (n from --speculative-ngram-max-match-window-size down to the min) occurred earlier in
