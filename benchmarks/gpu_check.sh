@@ -3,7 +3,8 @@
 # with torch + triton + transformers and nothing of this project but the checkout:
 #   1. install the project (editable, no deps, no network),
 #   2. kernel tests on CUDA (tests/test_kernels.py: the same tests as on CPU, device cuda),
-#   3. the engine with the triton backend against the torch backend (tests/test_triton_backend.py),
+#   3. the engine with the triton backend against the torch backend (tests/test_triton_backend.py;
+#      speculative decoding's verify passes through the triton extend kernel too),
 #   4. the transformers parity tests (tests/test_model_parity.py: on the CPU, except the triton
 #      layer hooks, which run on the GPU here), and structured output's vocab mask on the GPU
 #      (tests/test_structured_output.py -k apply_vocab_mask; skipped without xgrammar),

@@ -63,6 +63,26 @@ def test_triton_backend_matches_torch_greedy(
     assert tokens == torch_tokens
 
 
+def test_triton_backend_verifies_drafts_as_the_torch_backend_decodes(tiny_model: str) -> None:
+    """--speculative-algorithm NGRAM through the triton extend kernel (a verify pass: each request's
+    last token and drafts over its own prefix, pages of 4): the torch backend's one-token-at-a-time
+    greedy tokens, with drafts accepted (on a GPU, benchmarks/gpu_check.sh runs this on CUDA)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    prompts = [[11, 12, 13, 14, 15] * 4, [40] * 12]
+    params = {**SAMPLING, "max_new_tokens": 16}
+    outputs = []
+    for server_args in (dict(attention_backend="torch"), dict(attention_backend="triton", device=device, page_size=4, speculative_algorithm="NGRAM")):
+        engine = Engine(tiny_model, max_total_tokens=1024, dtype="float32", **server_args)
+        try:
+            outputs.append([o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)])
+            scheduler = engine.scheduler
+            accepted = scheduler.spec_num_verify_tokens - scheduler.spec_num_verify_rows
+        finally:
+            engine.shutdown()
+    assert outputs[0] == outputs[1]
+    assert accepted > 4, "no drafts were accepted: the verify path did not run"
+
+
 def test_triton_backend_refuses_a_head_dim_its_kernels_cannot_tile_at_start_up(tmp_path: Any) -> None:
     """head_dim 24 (open_llama_3b has 100): a clear start-up error, not a dead scheduler at the first request."""
     from forward_helpers import make_runner
