@@ -248,8 +248,8 @@ class SchedulerOutputProcessorMixin:
         if req.finished():
             return not req.finished_output
         n = len(req.output_ids)
-        # due when the output reached a multiple of the interval since the last check: a verify pass
-        # (speculative decoding) adds several tokens at once and may step over it
+        # due when the output passed a send point since the last check (_reached): a verify pass
+        # (speculative decoding) adds several tokens at once and may step over one
         before, req.stream_checked_len = req.stream_checked_len, n
         if n == 0:
             return False
