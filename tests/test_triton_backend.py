@@ -103,7 +103,8 @@ def test_shutdown_frees_the_kv_pool_without_waiting_for_the_cycle_collector(tiny
     import gc
     import weakref
 
-    engine = Engine(tiny_model, device="cpu", attention_backend=backend, max_total_tokens=256, dtype="float32")
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # (on a GPU the interpreter is off)
+    engine = Engine(tiny_model, device=device, attention_backend=backend, max_total_tokens=256, dtype="float32")
     engine.generate(PROMPTS[0], {"temperature": 0, "max_new_tokens": 2})
     kv = weakref.ref(engine.model_runner.token_to_kv_pool.k_buffer[0])
     gc.collect()
