@@ -32,7 +32,6 @@ SGLANG_OPTIONS_ALREADY_SO = {
     "enable_metrics": "metrics are always on (the server's /metrics; the Engine's get_load() and meta_info)",
     "enable_cache_report": "cached_tokens is always reported (usage.prompt_tokens_details; the Engine's meta_info)",
     "disable_overlap_schedule": "minisgl's scheduler never overlaps a step's scheduling with the forward",
-    "disable_cuda_graph": "minisgl captures no CUDA graphs",
 }
 # The options of `minisgl serve`'s HTTP server and its processes: the in-process Engine has
 # neither, so it refuses them (log_level it applies to its loggers).
@@ -97,6 +96,15 @@ class ServerArgs:
             "cpu (C decode kernel), torch, triton, or auto (triton on CUDA; cpu on CPU in float32 when a C "
             "compiler is found, else torch).",
             choices=ATTENTION_BACKENDS,
+        )
+    )
+    disable_cuda_graph: bool = field(
+        default=False, metadata=_opt("CUDA: run decode steps eagerly, kernel by kernel, instead of replaying captured CUDA graphs.")
+    )
+    cuda_graph_max_bs: Optional[int] = field(
+        default=None, metadata=_opt(
+            "CUDA: the largest decode batch replayed from a captured graph (graphs of 1, 2, 4, 8, then every 8 up "
+            "to it are captured at start); larger batches run eagerly. Default: 256, at most --max-running-requests."
         )
     )
     tp_size: int = field(default=1, metadata=_opt("Tensor-parallel size (minisgl runs one rank).", "--tp"))
@@ -289,7 +297,9 @@ class ServerArgs:
                 f"--chunked-prefill-size ({self.chunked_prefill_size}) must be at least --page-size ({self.page_size}): "
                 "a chunk holds whole pages (or -1 to disable chunking)"
             )
-        for name in ("prefill_max_requests", "max_running_requests", "context_length", "max_queued_requests"):
+        if self.cuda_graph_max_bs is not None and self.disable_cuda_graph:
+            raise ValueError("--cuda-graph-max-bs sizes the CUDA graphs that --disable-cuda-graph turns off: drop one of the two flags")
+        for name in ("prefill_max_requests", "max_running_requests", "context_length", "max_queued_requests", "cuda_graph_max_bs"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{_flag(name)} must be >= 1, got {value}")
@@ -442,6 +452,12 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
         logger.warning("--mem-fraction-static sizes the KV pool on CUDA only; on CPU use --cpu-kv-cache-gb or --max-total-tokens")
     if device == "cpu" and args.max_total_tokens is not None and args.cpu_kv_cache_gb != _DEFAULT_CPU_KV_CACHE_GB:
         logger.warning("--cpu-kv-cache-gb is not used: --max-total-tokens %d sets the KV pool", args.max_total_tokens)
+    if args.cuda_graph_max_bs is not None and (device != "cuda" or backend != "triton" or args.is_embedding):
+        raise ValueError(
+            "--cuda-graph-max-bs sizes the CUDA graphs of decode steps, which are captured for generation on --device "
+            f"cuda with --attention-backend triton; here (--device {device}, --attention-backend {backend}"
+            f"{', --is-embedding' if args.is_embedding else ''}) none is captured: drop it"
+        )
     mem_fraction = args.mem_fraction_static if args.mem_fraction_static is not None else 0.85
     model_path = args.model_path or BUILTIN_MODEL_DIR
     if is_missing_local_dir(model_path):  # refused here, before any process starts

@@ -41,12 +41,14 @@ def test_sglang_flags_for_what_minisgl_always_does_are_accepted_and_said(capsys:
     from minisgl.cli import _say_sglang_flags
 
     parser, _ = _build_parser()
-    args = parser.parse_args(["serve", "--enable-metrics", "--disable-cuda-graph", "--page-size", "4"])
+    args = parser.parse_args(["serve", "--enable-metrics", "--disable-overlap-schedule", "--page-size", "4"])
     assert ServerArgs.from_cli_args(args) == ServerArgs(page_size=4)
     _say_sglang_flags(args)
     said = capsys.readouterr().err
     assert "--enable-metrics: nothing to change, metrics are always on" in said
-    assert "--disable-cuda-graph: nothing to change" in said and "--enable-cache-report" not in said
+    assert "--disable-overlap-schedule: nothing to change" in said and "--enable-cache-report" not in said
+    # --disable-cuda-graph is minisgl's own flag now (decode steps replay CUDA graphs on a GPU)
+    assert ServerArgs.from_cli_args(parser.parse_args(["serve", "--disable-cuda-graph"])).disable_cuda_graph
 
 
 def test_settings_that_cannot_work_are_one_line_errors_not_tracebacks() -> None:
@@ -130,11 +132,11 @@ def test_the_engine_refuses_the_http_servers_options_and_applies_log_level(tiny_
             assert minisgl_logger.getEffectiveLevel() == logging.ERROR
     finally:
         minisgl_logger.setLevel(level)
-    # an SGLang script's sgl.Engine(..., disable_cuda_graph=True): taken and said, as by `serve`
+    # an SGLang script's sgl.Engine(..., disable_overlap_schedule=True): taken and said, as by `serve`
     with caplog.at_level(logging.INFO, logger="minisgl"):
-        with Engine(tiny_model, device="cpu", disable_cuda_graph=True, enable_metrics=True) as engine:
+        with Engine(tiny_model, device="cpu", disable_overlap_schedule=True, enable_metrics=True) as engine:
             assert engine.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 1})["meta_info"]["completion_tokens"] == 1
-    assert any("disable_cuda_graph: nothing to change, minisgl captures no CUDA graphs" in r.getMessage() for r in caplog.records)
+    assert any("disable_overlap_schedule: nothing to change, minisgl's scheduler never overlaps" in r.getMessage() for r in caplog.records)
 
 
 def test_log_level_takes_any_case_and_logging_aliases() -> None:

@@ -124,7 +124,7 @@ class Engine:
         from minisgl.model_executor.model_runner import ModelRunner
         from minisgl.utils import get_tokenizer
 
-        for name, why in SGLANG_OPTIONS_ALREADY_SO.items():  # (an SGLang script's sgl.Engine(..., disable_cuda_graph=True))
+        for name, why in SGLANG_OPTIONS_ALREADY_SO.items():  # (an SGLang script's sgl.Engine(..., enable_metrics=True))
             if kwargs.pop(name, False):
                 logger.info("%s: nothing to change, %s", name, why)
         defaults = {f.name: f.default for f in dataclasses.fields(ServerArgs)}

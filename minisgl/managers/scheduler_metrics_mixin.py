@@ -62,7 +62,7 @@ class SchedulerMetricsMixin:
             self._spec_logged = (self.spec_num_verify_rows, self.spec_num_verify_tokens)
         self.log_line = (
             f"Decode batch, #running-req: {batch.batch_size()}, #token: {num_used}, token usage: {usage:.2f}, {accept}"
-            f"{self._graph_label()}: False, gen throughput (token/s): {gen_throughput:.2f}, "
+            f"{self._graph_label()}: {self.model_runner.used_cuda_graph}, gen throughput (token/s): {gen_throughput:.2f}, "
             f"#queue-req: {len(self.waiting_queue)}"
         )
         logger.info(self.log_line)

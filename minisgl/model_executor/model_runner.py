@@ -5,7 +5,8 @@ LogitsProcessorOutput -> ModelRunner.sample (logits bias, custom logit processor
 SampleOutput -> Scheduler. With --is-embedding (`is_generation` False, SGLang's name) forward
 returns an EmbeddingPoolerOutput instead, and nothing is sampled.
 Owns: model (DecoderForCausalLM), model_config, req_to_token_pool,
-token_to_kv_pool_allocator, token_to_kv_pool, attn_backend, sampler.
+token_to_kv_pool_allocator, token_to_kv_pool, attn_backend, sampler, and on CUDA the
+cuda_graph_runner that replays decode steps (cuda_graph_runner.py; None where they run eagerly).
 
 Sizing (SGLang's formulas, sglang-facts.md §4.1; docs/model_execution.md):
 - context_len: --context-length, else the model's max_position_embeddings.
@@ -24,7 +25,7 @@ Sizing (SGLang's formulas, sglang-facts.md §4.1; docs/model_execution.md):
 from __future__ import annotations
 
 import logging
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -34,6 +35,7 @@ from minisgl.layers.pooler import EmbeddingPoolerOutput
 from minisgl.layers.sampler import SampleOutput, Sampler
 from minisgl.mem_cache.allocator import make_allocator
 from minisgl.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from minisgl.model_executor.cuda_graph_runner import DEFAULT_CUDA_GRAPH_MAX_BS, CudaGraphRunner, cuda_graph_disabled_reason
 from minisgl.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from minisgl.models.loader import load_model, resolve_model_path
 from minisgl.models.model_config import ModelConfig
@@ -89,6 +91,8 @@ class ModelRunner:
             self.device,
         )
         self.attn_backend = self._make_attn_backend()
+        self.cuda_graph_runner = self._init_cuda_graphs()  # last: it runs the model on the pools above
+        self.used_cuda_graph = False  # whether the last forward was a graph replay (the decode log line)
         logger.info(
             "Load model %s (%s) on %s in %s: context_len=%d, max_total_num_tokens=%d, max_running_requests=%d, "
             "page_size=%d, attention_backend=%s, kv_cache_dtype=%s",
@@ -158,10 +162,32 @@ class ModelRunner:
             return TritonAttnBackend(str(self.device), self.model_config.head_dim)
         raise ValueError(f"Unknown attention backend {backend!r}; choose cpu, torch or triton")
 
+    def _init_cuda_graphs(self) -> Optional[CudaGraphRunner]:
+        args = self.server_args
+        reason = cuda_graph_disabled_reason(args, self.model_config)
+        if reason is not None:
+            if args.cuda_graph_max_bs is not None:  # set by hand: refused, not ignored
+                raise ValueError(f"--cuda-graph-max-bs is set but no CUDA graph can be captured here: {reason}")
+            if self.device == "cuda":
+                logger.info("cuda graph: off, decode steps run eagerly (%s)", reason)
+            return None
+        max_bs = min(args.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, self.max_running_requests)
+        return CudaGraphRunner(self, max_bs)
+
     # ------------------------------------------------------------------ running
     def forward(self, forward_batch: ForwardBatch) -> Union[LogitsProcessorOutput, EmbeddingPoolerOutput]:
         """One forward pass; logits of each request's last token (all tokens with return_all_logits),
-        or, for an embedding model, each request's embedding."""
+        or, for an embedding model, each request's embedding. A decode pass the captured CUDA graphs
+        fit is a graph replay; any other runs eagerly."""
+        runner = self.cuda_graph_runner
+        self.used_cuda_graph = runner is not None and runner.can_run(forward_batch)
+        if self.used_cuda_graph:
+            assert runner is not None
+            return runner.replay(forward_batch)
+        return self.forward_eager(forward_batch)
+
+    def forward_eager(self, forward_batch: ForwardBatch) -> Union[LogitsProcessorOutput, EmbeddingPoolerOutput]:
+        """The forward pass launched kernel by kernel from Python (what a CUDA graph records)."""
         if forward_batch.forward_mode == ForwardMode.IDLE:
             width = self.model_config.vocab_size if self.is_generation else self.model_config.hidden_size
             empty = torch.empty((0, width), dtype=torch.float32, device=self.device)

@@ -1,0 +1,171 @@
+"""CudaGraphRunner: decode steps replayed from captured CUDA graphs (SGLang's cuda_graph_runner.py).
+
+Where it sits: Scheduler -> ModelRunner.forward(ForwardBatch) -> here, for DECODE batches of at
+most `--cuda-graph-max-bs` requests; every other pass runs eagerly (ModelRunner.forward_eager).
+
+Why: a decode step of a small model is hundreds of small kernels, and on a GPU launching them from
+Python costs more than running them (the built-in benchmark model on an H200: a 5.6 ms step
+against a 0.6 ms matmul floor). A CUDA graph records the launches of one step once; a replay
+sends them all in one call.
+
+How (the CUDA graph contract: fixed addresses, fixed shapes, no host work inside):
+- Static buffers sized for the largest batch hold what a decode pass reads: input_ids, positions,
+  out_cache_loc, req_pool_indices, seq_lens. Each captured batch size `bs` runs the model on the
+  first `bs` rows of these buffers, so its graph reads them in place.
+- Batch sizes are captured in buckets (1, 2, 4, 8, then every 8). A batch of 5 replays the graph
+  of 8: its own rows are copied in, and the 3 padding rows are reset each replay to a request of
+  one token at position 0 whose K/V goes to slot 0, the pool's padding slot, which no request
+  owns. (Left as the last larger batch wrote them, they would write K/V into live slots.)
+- Only the triton backend: its decode metadata is built on the device (the torch backend reads
+  host lists that a graph would freeze), and MoE layers are run eagerly (their expert loop reads
+  token counts on the host).
+- The logits come back as a copy: the graph's output buffer is overwritten by the next replay.
+
+`capture=False` runs the same static-buffer forward eagerly instead of recording it: what a graph
+would replay, and how the padding is tested on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+import weakref
+from typing import TYPE_CHECKING, Dict, List, Optional
+
+import torch
+
+from minisgl.layers.logits_processor import LogitsProcessorOutput
+from minisgl.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from minisgl.model_executor.model_runner import ModelRunner
+    from minisgl.models.model_config import ModelConfig
+    from minisgl.server_args import ServerArgs
+
+logger = logging.getLogger("minisgl")
+
+DEFAULT_CUDA_GRAPH_MAX_BS = 256  # largest bucket by default (also at most --max-running-requests)
+
+
+def cuda_graph_disabled_reason(server_args: "ServerArgs", model_config: "ModelConfig") -> Optional[str]:
+    """Why decode steps run eagerly on this setup, or None when they are captured."""
+    if server_args.device != "cuda":
+        return "CUDA graphs need --device cuda"
+    if server_args.disable_cuda_graph:
+        return "--disable-cuda-graph"
+    if server_args.is_embedding:
+        return "an embedding server (--is-embedding) runs no decode steps"
+    if server_args.attention_backend != "triton":
+        return f"--attention-backend {server_args.attention_backend} builds its metadata on the host (use triton)"
+    if model_config.moe is not None:
+        return "MoE layers read their expert counts on the host"
+    return None
+
+
+def capture_batch_sizes(max_bs: int) -> List[int]:
+    """SGLang's buckets: 1, 2, 4, 8, then every 8 up to max_bs (max_bs itself included)."""
+    sizes = [bs for bs in (1, 2, 4, 8) if bs <= max_bs] + list(range(16, max_bs + 1, 8))
+    if sizes[-1] != max_bs:
+        sizes.append(max_bs)
+    return sizes
+
+
+class CudaGraphRunner:
+    def __init__(self, model_runner: "ModelRunner", max_bs: int, capture: bool = True) -> None:
+        if model_runner.server_args.attention_backend != "triton":
+            raise ValueError("CudaGraphRunner replays the triton backend's decode pass; use --attention-backend triton")
+        # A weak reference: the ModelRunner holds this runner, and a strong one back made a cycle that
+        # kept the KV pool and the graphs' memory alive after Engine.shutdown() until gc ran
+        self._model_runner = weakref.ref(model_runner)
+        self.capture_bs = capture_batch_sizes(max_bs)
+        self.max_bs = self.capture_bs[-1]
+        self.num_replays = 0  # decode steps served from a graph (tests, the benchmark)
+        device = model_runner.device
+        with torch.inference_mode():  # the forward reads them in inference mode
+            self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
+            self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
+            self.out_cache_loc = torch.zeros(self.max_bs, dtype=torch.int64, device=device)  # slot 0: padding
+            self.req_pool_indices = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
+            self.seq_lens = torch.ones(self.max_bs, dtype=torch.int64, device=device)
+        self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: Dict[int, LogitsProcessorOutput] = {}  # each graph's output buffers
+        if capture:
+            self.capture()
+
+    @property
+    def model_runner(self) -> "ModelRunner":
+        mr = self._model_runner()
+        assert mr is not None, "the ModelRunner of this CudaGraphRunner was freed"
+        return mr
+
+    def _static_batch(self, bs: int) -> ForwardBatch:
+        """A decode ForwardBatch over the first bs rows of the static buffers."""
+        mr = self.model_runner
+        return ForwardBatch(
+            forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=self.input_ids[:bs],
+            positions=self.positions[:bs], out_cache_loc=self.out_cache_loc[:bs],
+            req_pool_indices=self.req_pool_indices[:bs], seq_lens=self.seq_lens[:bs],
+            seq_lens_cpu=[1] * bs,  # (the triton backend reads seq_lens on the device only)
+            req_to_token_pool=mr.req_to_token_pool, token_to_kv_pool=mr.token_to_kv_pool, attn_backend=mr.attn_backend,
+        )  # fmt: skip
+
+    def capture(self) -> None:
+        """Record one graph per batch size, largest first, all in one memory pool: a smaller
+        batch's activations fit in the blocks the largest one left, so the pool is sized once."""
+        t0 = time.perf_counter()
+        free_before = torch.cuda.mem_get_info()[0]
+        pool = None
+        with torch.inference_mode():
+            for bs in reversed(self.capture_bs):
+                fb = self._static_batch(bs)
+                # warm-up outside the graph: Triton compiles its kernels and cuBLAS picks its
+                # algorithms here (neither may happen during a capture); K/V go to padding slot 0
+                for _ in range(2):
+                    self.model_runner.forward_eager(fb)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self.model_runner.forward_eager(fb)
+                assert isinstance(out, LogitsProcessorOutput)
+                pool = graph.pool()
+                self.graphs[bs], self.outputs[bs] = graph, out
+        torch.cuda.synchronize()
+        logger.info(
+            "Capture cuda graph end. bs %s, time elapsed: %.2f s, mem usage: %.2f GiB",
+            self.capture_bs, time.perf_counter() - t0, (free_before - torch.cuda.mem_get_info()[0]) / 2**30,
+        )  # fmt: skip
+
+    def can_run(self, forward_batch: ForwardBatch) -> bool:
+        """A plain decode pass that fits a bucket: nothing the graph did not record (all logits,
+        hidden states) is asked for."""
+        return (
+            forward_batch.forward_mode == ForwardMode.DECODE
+            and 0 < forward_batch.batch_size <= self.max_bs
+            and not forward_batch.return_all_logits
+            and not forward_batch.capture_hidden_mode.need_capture()
+        )
+
+    def replay(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        bs = forward_batch.batch_size
+        padded = self.capture_bs[bisect.bisect_left(self.capture_bs, bs)]
+        with torch.inference_mode():
+            self.input_ids[:bs].copy_(forward_batch.input_ids)
+            self.positions[:bs].copy_(forward_batch.positions)
+            self.out_cache_loc[:bs].copy_(forward_batch.out_cache_loc)
+            self.req_pool_indices[:bs].copy_(forward_batch.req_pool_indices)
+            self.seq_lens[:bs].copy_(forward_batch.seq_lens)
+            if padded > bs:  # padding rows: one token at position 0, K/V into padding slot 0
+                self.input_ids[bs:padded].zero_()
+                self.positions[bs:padded].zero_()
+                self.out_cache_loc[bs:padded].zero_()
+                self.req_pool_indices[bs:padded].zero_()
+                self.seq_lens[bs:padded].fill_(1)
+            if padded in self.graphs:
+                self.graphs[padded].replay()
+                out = self.outputs[padded]
+            else:  # capture=False: the same forward, run eagerly
+                out = self.model_runner.forward_eager(self._static_batch(padded))
+                assert isinstance(out, LogitsProcessorOutput)
+            self.num_replays += 1
+            return LogitsProcessorOutput(next_token_logits=out.next_token_logits[:bs].clone())
