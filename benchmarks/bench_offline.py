@@ -41,6 +41,8 @@ def run_minisgl(
     publisher = SnapshotPublisher() if publish else None
     # warm-up: one short request so allocator and kernels are warm
     engine.generate(input_ids=[input_ids[0][:32]], sampling_params={"max_new_tokens": 4, "ignore_eos": True})
+    graphs = engine.model_runner.cuda_graph_runner  # (None off CUDA or with --disable-cuda-graph)
+    replays_before = graphs.num_replays if graphs is not None else 0
     t_start = time.perf_counter()
     for ids, out_len in zip(input_ids, output_lens):
         engine.add_request(input_ids=ids, sampling_params={"max_new_tokens": out_len, "ignore_eos": True, "temperature": 0.0})
@@ -65,10 +67,11 @@ def run_minisgl(
     got = sorted(len(r["output_ids"]) for r in results)
     if got != sorted(output_lens):
         raise RuntimeError("minisgl produced different output lengths than requested (ignore_eos broken?)")
+    graph_replays = graphs.num_replays - replays_before if graphs is not None else 0
     engine.shutdown()
     if publisher is not None:
         publisher.close()
-    return {"wall": wall, "prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": decode_steps}
+    return {"wall": wall, "prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": decode_steps, "graph_replays": graph_replays}
 
 
 class SnapshotPublisher:
@@ -111,6 +114,8 @@ def _engine_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
             kw[name] = getattr(args, name)
     if args.enable_mixed_chunk:
         kw["enable_mixed_chunk"] = True
+    if args.disable_cuda_graph:
+        kw["disable_cuda_graph"] = True
     return kw
 
 
@@ -244,6 +249,9 @@ def main() -> None:
     common.print_result("minisgl_total_tok_s", (n_in + n_out) / run["wall"], "tok/s")
     common.print_result("minisgl_prefill_tok_s", n_in / max(run["prefill_s"], 1e-9), "tok/s", f"{run['prefill_s']:.2f} s in prefill steps")
     common.print_result("minisgl_decode_tok_s", (n_out - args.num_requests) / max(run["decode_s"], 1e-9), "tok/s", f"{run['decode_s']:.2f} s in decode steps")
+    if args.device == "cuda":
+        steps = sum(len(v) for v in run["decode_steps"].values())
+        common.print_result("decode_graph_replays", run["graph_replays"], "steps", f"of {steps} decode steps replayed a CUDA graph")
 
     rate = common.matmul_rate(shape, 512, args.dtype, args.device)
     floor_wall = shape.workload_flops(n_in, n_out, args.num_requests) / rate

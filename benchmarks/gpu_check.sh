@@ -4,14 +4,15 @@
 #   1. install the project (editable, no deps, no network),
 #   2. kernel tests on CUDA (tests/test_kernels.py: the same tests as on CPU, device cuda),
 #   3. the engine with the triton backend against the torch backend (tests/test_triton_backend.py;
-#      speculative decoding's verify passes through the triton extend kernel too),
+#      speculative decoding's verify passes through the triton extend kernel too), and decode steps
+#      replayed from CUDA graphs against eager ones (tests/test_cuda_graph.py),
 #   4. the transformers parity tests (tests/test_model_parity.py: on the CPU, except the triton
 #      layer hooks, which run on the GPU here), and structured output's vocab mask on the GPU
 #      (tests/test_structured_output.py -k apply_vocab_mask; skipped without xgrammar),
 #   5. each kernel's benchmark (benchmarks/bench_kernels.py: GB/s, vs torch, vs device copy),
-#   6. the offline throughput benchmark (benchmarks/bench_offline.py) when it exists.
-# Each step has its own time limit (510 s in all, 5 s more each to kill one) so the whole script
-# ends in about 9 minutes; a step that fails does not stop the others. The summary table is
+#   6. the offline throughput benchmark (benchmarks/bench_offline.py), with CUDA graphs and without.
+# Each step has its own time limit (480 s in all, 5 s more each to kill one; the whole script took
+# 2 minutes on an H200) so it ends in under 8 minutes; a step that fails does not stop the others. The summary table is
 # printed last.
 #   usage: bash benchmarks/gpu_check.sh [LOG_DIR]     (LOG_DIR defaults to a temp dir)
 set -u
@@ -38,18 +39,15 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run, log to LOG_DIR/NAME.log, record
 }
 
 "$PY" -c "import torch, triton; assert torch.cuda.is_available(), 'no CUDA device'; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" || exit 1
-step install 40 "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e .
-step kernels 110 "${PYTEST[@]}" tests/test_kernels.py
-step triton_engine 80 "${PYTEST[@]}" tests/test_triton_backend.py
-step parity 90 "${PYTEST[@]}" tests/test_model_parity.py
+step install 30 "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e .
+step kernels 80 "${PYTEST[@]}" tests/test_kernels.py
+step triton_engine 120 "${PYTEST[@]}" tests/test_triton_backend.py tests/test_cuda_graph.py
+step parity 60 "${PYTEST[@]}" tests/test_model_parity.py
 # structured output's vocab mask on the GPU (skipped where xgrammar is not installed)
-step grammar_mask 40 "${PYTEST[@]}" tests/test_structured_output.py -k apply_vocab_mask
-step bench_kernels 90 "$PY" benchmarks/bench_kernels.py
-if [ -f benchmarks/bench_offline.py ]; then
-    step bench_offline 60 "$PY" benchmarks/bench_offline.py --device cuda --dtype bfloat16
-else
-    SUMMARY+=("$(printf '%-16s %-12s' bench_offline 'absent')")
-fi
+step grammar_mask 30 "${PYTEST[@]}" tests/test_structured_output.py -k apply_vocab_mask
+step bench_kernels 60 "$PY" benchmarks/bench_kernels.py
+step bench_offline 50 "$PY" benchmarks/bench_offline.py --device cuda --dtype bfloat16
+step bench_offline_eager 50 "$PY" benchmarks/bench_offline.py --device cuda --dtype bfloat16 --disable-cuda-graph
 
 echo
 echo "=== kernel benchmark table"
