@@ -219,6 +219,7 @@ def main() -> None:
     p.add_argument("--chunked-prefill-size", type=int, default=None)
     p.add_argument("--max-total-tokens", type=int, default=None)
     p.add_argument("--enable-mixed-chunk", action="store_true")
+    p.add_argument("--disable-cuda-graph", action="store_true", help="CUDA: minisgl runs decode steps eagerly (no graph replays).")
     p.add_argument("--kv-cache-dtype", default=None, help="minisgl's KV pool dtype (auto or bfloat16; default auto).")
     p.add_argument("--decode-batch", type=int, default=64, help="Batch size at which the decode step is compared to its floor.")
     p.add_argument("--compare", choices=("none", "hf"), default="none")

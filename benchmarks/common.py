@@ -80,7 +80,6 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("runtime")
     g.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    g.add_argument("--disable-cuda-graph", action="store_true", help="CUDA: minisgl runs decode steps eagerly (no graph replays).")
     g.add_argument(
         "--threads", type=int, default=None,
         help="torch intra-op threads (default: torch's). On a CPU shared with other jobs, 1 avoids "
