@@ -20,6 +20,7 @@ HF running after it would measure a process that HF on its own does not set up.
 from __future__ import annotations
 
 import argparse
+import inspect
 import statistics
 import time
 from typing import Any, Dict, List
@@ -146,8 +147,10 @@ def run_hf_continuous(model: Any, input_ids: List[List[int]], output_lens: List[
 
     gc = GenerationConfig(max_new_tokens=max(output_lens), do_sample=False, eos_token_id=-1, pad_token_id=0)
     total = sum(len(x) + o for x, o in zip(input_ids, output_lens))
+    # the KV page size is `page_size` since transformers 5.2x, `block_size` before (5.17 has only that)
+    page_field = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters else "block_size"
     cbc = ContinuousBatchingConfig(
-        page_size=64, num_blocks=total // 64 + 2 * len(input_ids) + 8,
+        **{page_field: 64}, num_blocks=total // 64 + 2 * len(input_ids) + 8,
         max_batch_tokens=args.hf_max_batch_tokens, max_requests_per_batch=len(input_ids),
     )  # fmt: skip
     mgr = model.init_continuous_batching(generation_config=gc, continuous_batching_config=cbc)
