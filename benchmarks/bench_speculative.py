@@ -94,8 +94,16 @@ def run_rounds(engine: Any, prompts: List[List[int]], batch: int, output_len: in
     return Run(wall, passes, pass_s, outputs, verify_ct, verify_tokens)
 
 
+CUDA_POOL_TOKENS = 1 << 17
+
+
 def engine_kwargs(args: argparse.Namespace, num_draft: Optional[int]) -> Dict[str, Any]:
     kw: Dict[str, Any] = {"device": args.device, "dtype": args.dtype}
+    if args.device == "cuda":
+        # the engines are alive at once (measure_model): on a GPU each would size its KV pool from
+        # the memory left free (--mem-fraction-static), so the first took nearly all of it and the
+        # next found none; the workload needs a few thousand tokens per engine
+        kw["max_total_tokens"] = CUDA_POOL_TOKENS
     if num_draft is not None:
         kw.update(speculative_algorithm="NGRAM", speculative_num_draft_tokens=num_draft,
                   speculative_ngram_min_match_window_size=args.min_window,

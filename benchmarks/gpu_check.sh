@@ -12,7 +12,8 @@
 #   5. each kernel's benchmark (benchmarks/bench_kernels.py: GB/s, vs torch, vs device copy),
 #   6. the offline throughput benchmark (benchmarks/bench_offline.py), with CUDA graphs and without,
 #      and against transformers on the same GPU (--compare hf),
-#   7. the server on the GPU under 32 streaming clients (benchmarks/bench_serving.py --backend minisgl).
+#   7. the server on the GPU under 32 streaming clients (benchmarks/bench_serving.py --backend minisgl),
+#   8. NGRAM speculative decoding against plain decoding (benchmarks/bench_speculative.py, two workloads).
 # Each step has its own time limit (480 s in all, 5 s more each to kill one; steps 1-6 took 2
 # minutes on an H200) so it ends in under 8 minutes; a step that fails does not stop the others. The summary table is
 # printed last.
@@ -41,25 +42,26 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run, log to LOG_DIR/NAME.log, record
 }
 
 "$PY" -c "import torch, triton; assert torch.cuda.is_available(), 'no CUDA device'; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" || exit 1
-step install 30 "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e .
+step install 20 "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e .
 step kernels 60 "${PYTEST[@]}" tests/test_kernels.py
 step triton_engine 80 "${PYTEST[@]}" tests/test_triton_backend.py tests/test_cuda_graph.py
 step parity 45 "${PYTEST[@]}" tests/test_model_parity.py
 # structured output's vocab mask on the GPU (skipped where xgrammar is not installed)
-step grammar_mask 30 "${PYTEST[@]}" tests/test_structured_output.py -k apply_vocab_mask
-step bench_kernels 45 "$PY" benchmarks/bench_kernels.py
+step grammar_mask 20 "${PYTEST[@]}" tests/test_structured_output.py -k apply_vocab_mask
+step bench_kernels 35 "$PY" benchmarks/bench_kernels.py
 step bench_offline 40 "$PY" benchmarks/bench_offline.py --device cuda --dtype bfloat16
 step bench_offline_eager 40 "$PY" benchmarks/bench_offline.py --device cuda --dtype bfloat16 --disable-cuda-graph
-step bench_vs_hf 55 "$PY" benchmarks/bench_offline.py --device cuda --dtype bfloat16 --compare hf
-step bench_serving 55 "$PY" benchmarks/bench_serving.py --device cuda --dtype bfloat16 --backend minisgl --log-dir "$LOG_DIR"
+step bench_vs_hf 50 "$PY" benchmarks/bench_offline.py --device cuda --dtype bfloat16 --compare hf
+step bench_serving 50 "$PY" benchmarks/bench_serving.py --device cuda --dtype bfloat16 --backend minisgl --log-dir "$LOG_DIR"
+step bench_speculative 40 "$PY" benchmarks/bench_speculative.py --device cuda --dtype bfloat16 --workloads loop quote --batch-sizes 1 8 --num-draft-tokens 4 --repeats 1
 
 echo
 echo "=== kernel benchmark table"
 grep -A 20 '^kernel ' "$LOG_DIR/bench_kernels.log" 2>/dev/null || echo "(no table: see $LOG_DIR/bench_kernels.log)"
 echo
 echo "=== throughput (bench_offline with graphs / eager, against transformers; the server under 32 clients)"
-for name in bench_offline bench_offline_eager bench_vs_hf bench_serving; do
-    grep -h -E '^RESULT (minisgl_output_tok_s|decode_step_ms|decode_step_vs_floor |decode_graph_replays|hf_static_output_tok_s|hf_cb_output_tok_s|minisgl_vs_best_hf|minisgl_ttft_p50|minisgl_itl_p50)' \
+for name in bench_offline bench_offline_eager bench_vs_hf bench_serving bench_speculative; do
+    grep -h -E '^RESULT (minisgl_output_tok_s|decode_step_ms|decode_step_vs_floor |decode_graph_replays|hf_static_output_tok_s|hf_cb_output_tok_s|minisgl_vs_best_hf|minisgl_ttft_p50|minisgl_itl_p50|[a-z]+_bs[0-9]+_ngram4_vs_off)' \
         "$LOG_DIR/$name.log" 2>/dev/null | sed "s/^RESULT /$name: /"
 done
 echo
