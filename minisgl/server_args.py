@@ -297,8 +297,8 @@ class ServerArgs:
                 f"--chunked-prefill-size ({self.chunked_prefill_size}) must be at least --page-size ({self.page_size}): "
                 "a chunk holds whole pages (or -1 to disable chunking)"
             )
-        if self.cuda_graph_max_bs is not None and self.disable_cuda_graph:
-            raise ValueError("--cuda-graph-max-bs sizes the CUDA graphs that --disable-cuda-graph turns off: drop one of the two flags")
+        if self.cuda_graph_max_bs is not None and (isinstance(self.cuda_graph_max_bs, bool) or not isinstance(self.cuda_graph_max_bs, int)):
+            raise ValueError(f"--cuda-graph-max-bs must be an integer >= 1, got {self.cuda_graph_max_bs!r}")
         for name in ("prefill_max_requests", "max_running_requests", "context_length", "max_queued_requests", "cuda_graph_max_bs"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -452,12 +452,6 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
         logger.warning("--mem-fraction-static sizes the KV pool on CUDA only; on CPU use --cpu-kv-cache-gb or --max-total-tokens")
     if device == "cpu" and args.max_total_tokens is not None and args.cpu_kv_cache_gb != _DEFAULT_CPU_KV_CACHE_GB:
         logger.warning("--cpu-kv-cache-gb is not used: --max-total-tokens %d sets the KV pool", args.max_total_tokens)
-    if args.cuda_graph_max_bs is not None and (device != "cuda" or backend != "triton" or args.is_embedding):
-        raise ValueError(
-            "--cuda-graph-max-bs sizes the CUDA graphs of decode steps, which are captured for generation on --device "
-            f"cuda with --attention-backend triton; here (--device {device}, --attention-backend {backend}"
-            f"{', --is-embedding' if args.is_embedding else ''}) none is captured: drop it"
-        )
     mem_fraction = args.mem_fraction_static if args.mem_fraction_static is not None else 0.85
     model_path = args.model_path or BUILTIN_MODEL_DIR
     if is_missing_local_dir(model_path):  # refused here, before any process starts

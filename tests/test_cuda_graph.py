@@ -1,9 +1,9 @@
 """Decode steps replayed from CUDA graphs (model_executor/cuda_graph_runner.py).
 
-On the CPU: the flags' checks, the buckets, when graphs are off and why, and the replay's
-padding, through the runner's eager mode (`capture=False`: the same static-buffer forward a graph
-records, with the Triton kernels in the interpreter). On a GPU (benchmarks/gpu_check.sh): real
-captures give the eager forward's greedy tokens, with speculative decoding too.
+Every test runs on both devices. On a GPU (benchmarks/gpu_check.sh) the graphs are captured and
+replayed. On the CPU the runner's eager mode (`capture=False`) runs the same static-buffer forward a
+graph records, with the Triton kernels in the interpreter: the padding, the buckets, the eager
+tokens and what must run eagerly are all checked there too.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import pytest
 from forward_helpers import BatchDriver, make_runner
@@ -24,29 +24,40 @@ from forward_helpers import BatchDriver, make_runner
 from minisgl import Engine
 from minisgl.model_executor.cuda_graph_runner import CudaGraphRunner, capture_batch_sizes, cuda_graph_disabled_reason
 from minisgl.models.model_config import ModelConfig
-from minisgl.server_args import ServerArgs, resolve_server_args
+from minisgl.server_args import ServerArgs
 
 ON_GPU = torch.cuda.is_available()
-needs_gpu = pytest.mark.skipif(not ON_GPU, reason="CUDA graphs are captured on a GPU only (benchmarks/gpu_check.sh runs these)")
 
 
 def test_buckets_are_sglangs_and_end_at_the_largest_batch() -> None:
     assert capture_batch_sizes(1) == [1]
     assert capture_batch_sizes(5) == [1, 2, 4, 5]
-    assert capture_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert capture_batch_sizes(20) == [1, 2, 4, 8, 12, 16, 20]
     sizes = capture_batch_sizes(256)
-    assert sizes[:6] == [1, 2, 4, 8, 16, 24] and sizes[-1] == 256 and all(b - a == 8 for a, b in zip(sizes[4:], sizes[5:]))
+    assert sizes[:7] == [1, 2, 4, 8, 12, 16, 24] and sizes[-1] == 256 and all(b - a == 8 for a, b in zip(sizes[5:], sizes[6:]))
+    above = capture_batch_sizes(600)[len(sizes):]
+    assert above[:2] == [272, 288] and above[-4:] == [512, 544, 576, 600]
+    with pytest.raises(ValueError, match=">= 1"):
+        capture_batch_sizes(0)
 
 
-def test_the_flags_refuse_what_would_be_ignored(tiny_model: str) -> None:
-    with pytest.raises(ValueError, match="--cuda-graph-max-bs sizes the CUDA graphs that --disable-cuda-graph turns off"):
-        ServerArgs(disable_cuda_graph=True, cuda_graph_max_bs=8)
-    with pytest.raises(ValueError, match="--cuda-graph-max-bs must be >= 1"):
-        ServerArgs(cuda_graph_max_bs=0)
-    with pytest.raises(ValueError, match="none is captured: drop it"):
-        resolve_server_args(ServerArgs(model_path=tiny_model, device="cpu", cuda_graph_max_bs=8))
-    # the CPU never captures: asking for none is what already happens
-    assert resolve_server_args(ServerArgs(model_path=tiny_model, device="cpu", disable_cuda_graph=True)).disable_cuda_graph
+def test_the_flags_are_checked_and_said_when_unused(tiny_model: str, caplog: Any) -> None:
+    import logging
+
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="--cuda-graph-max-bs must be"):
+            ServerArgs(cuda_graph_max_bs=bad)
+    # as in SGLang launch lines, both flags together are taken; the size is then said to be unused
+    ServerArgs(disable_cuda_graph=True, cuda_graph_max_bs=8)
+    with caplog.at_level(logging.WARNING, logger="minisgl"):
+        runner = make_runner(tiny_model, cuda_graph_max_bs=8)  # the CPU captures nothing
+    assert runner.cuda_graph_runner is None
+    assert any("--cuda-graph-max-bs 8 has no effect: no CUDA graph is captured (CUDA graphs need --device cuda)" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
+    with pytest.raises(ValueError, match="captured on a GPU, not on cpu"):
+        CudaGraphRunner(make_runner(tiny_model, attention_backend="triton"), max_bs=2, capture=True)
+    with pytest.raises(ValueError, match="use --attention-backend triton"):
+        CudaGraphRunner(runner, max_bs=2, capture=False)
 
 
 def test_graphs_are_off_with_a_reason_where_they_cannot_be_replayed(tiny_model: str, tiny_model_factory: Any) -> None:
@@ -78,7 +89,7 @@ def test_a_padded_replay_writes_kv_only_to_its_own_slots_and_the_padding_slot(ti
     driver = BatchDriver(runner)
     reqs, next_ids = _decode_batch_of(driver, [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]])
     driver.decode(reqs, next_ids)  # bs 4: the static buffers' 4th row now names reqs[3]'s new slot
-    assert runner.used_cuda_graph and graphs.num_replays == 1
+    assert graphs.num_replays == 1
     live_slot = reqs[3].slots[-1]
     k_buf, v_buf = runner.token_to_kv_pool.get_kv_buffer(0)
     sentinel = 1234.5
@@ -91,8 +102,22 @@ def test_a_padded_replay_writes_kv_only_to_its_own_slots_and_the_padding_slot(ti
     assert bool(k_buf[0].ne(-sentinel).all()), "the padding row's K/V should go to padding slot 0"
 
 
-def _greedy(model_path: str, prompts: List[List[int]], max_new: List[int], **server_args: Any) -> Dict[str, Any]:
-    engine = Engine(model_path, max_total_tokens=2048, dtype="float32", **server_args)
+def _engine(model_path: str, graphs: Optional[int], **server_args: Any) -> Engine:
+    """An Engine on the triton backend whose decode steps replay graphs of up to `graphs` requests
+    (None: eagerly). On a GPU they are captured; on the CPU the runner runs the same static-buffer
+    forward eagerly (capture=False)."""
+    common = dict(max_total_tokens=2048, dtype="float32", attention_backend="triton", **server_args)
+    if ON_GPU:
+        graph_args = {"disable_cuda_graph": True} if graphs is None else {"cuda_graph_max_bs": graphs}
+        return Engine(model_path, device="cuda", **common, **graph_args)
+    engine = Engine(model_path, device="cpu", **common)
+    if graphs is not None:
+        engine.model_runner.cuda_graph_runner = CudaGraphRunner(engine.model_runner, max_bs=graphs, capture=False)
+    return engine
+
+
+def _greedy(model_path: str, prompts: List[List[int]], max_new: List[int], graphs: Optional[int], **server_args: Any) -> Dict[str, Any]:
+    engine = _engine(model_path, graphs, **server_args)
     try:
         outs = engine.generate(
             input_ids=prompts, sampling_params=[{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in max_new]
@@ -107,40 +132,52 @@ PROMPTS = [[5 + i, 17, 3 * i + 1, 9] * (1 + i % 3) for i in range(7)]
 MAX_NEW = [3, 9, 5, 12, 7, 2, 10]  # the batch shrinks 7 -> 6 -> ... -> 1 through every bucket
 
 
-def test_the_eager_static_forward_gives_the_eager_tokens_as_the_batch_shrinks(tiny_model: str) -> None:
-    """What a graph replays (the static-buffer forward, padded to a bucket) gives the tokens of the
-    ordinary forward, on any device (on the CPU through the Triton interpreter)."""
-    device = "cuda" if ON_GPU else "cpu"
-    want = _greedy(tiny_model, PROMPTS, MAX_NEW, device=device, attention_backend="triton", disable_cuda_graph=True)
-    engine = Engine(tiny_model, max_total_tokens=2048, dtype="float32", device=device, attention_backend="triton",
-                    disable_cuda_graph=True)  # fmt: skip
-    try:
-        graphs = CudaGraphRunner(engine.model_runner, max_bs=8, capture=False)
-        engine.model_runner.cuda_graph_runner = graphs
-        outs = engine.generate(
-            input_ids=PROMPTS, sampling_params=[{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in MAX_NEW]
-        )
-    finally:
-        engine.shutdown()
-    assert [o["output_ids"] for o in outs] == want["tokens"]
-    assert graphs.num_replays >= max(MAX_NEW) - 1
-
-
-@needs_gpu
-@pytest.mark.parametrize("extra", [{}, {"page_size": 16}, {"speculative_algorithm": "NGRAM"}], ids=["page1", "page16", "ngram"])
-def test_captured_graphs_give_the_eager_tokens(tiny_model: str, extra: Dict[str, Any]) -> None:
-    want = _greedy(tiny_model, PROMPTS, MAX_NEW, device="cuda", disable_cuda_graph=True, **extra)
-    got = _greedy(tiny_model, PROMPTS, MAX_NEW, device="cuda", cuda_graph_max_bs=8, **extra)
+@pytest.mark.parametrize(
+    "extra", [{}, {"page_size": 16 if ON_GPU else 4}, {"speculative_algorithm": "NGRAM"}, {"speculative_algorithm": "NGRAM", "page_size": 4}],
+    ids=["page1", "paged", "ngram", "ngram-paged"],
+)
+def test_replays_give_the_eager_tokens_as_the_batch_shrinks(tiny_model: str, extra: Dict[str, Any]) -> None:
+    """Decode steps replayed (padded to a bucket) give the tokens of eager ones; with NGRAM the
+    verify passes run eagerly between replayed decode steps."""
+    want = _greedy(tiny_model, PROMPTS, MAX_NEW, None, **extra)
+    got = _greedy(tiny_model, PROMPTS, MAX_NEW, 8, **extra)
     assert got["tokens"] == want["tokens"]
     assert want["replays"] == 0 and got["replays"] > 0
 
 
-@needs_gpu
 def test_batches_above_the_largest_graph_run_eagerly(tiny_model: str) -> None:
     prompts, max_new = PROMPTS * 2, MAX_NEW * 2  # 14 requests, graphs up to 4
-    want = _greedy(tiny_model, prompts, max_new, device="cuda", disable_cuda_graph=True)
-    got = _greedy(tiny_model, prompts, max_new, device="cuda", cuda_graph_max_bs=4)
+    want = _greedy(tiny_model, prompts, max_new, None)
+    got = _greedy(tiny_model, prompts, max_new, 4)
     assert got["tokens"] == want["tokens"] and 0 < got["replays"] < max(max_new) - 1
+
+
+def test_hidden_states_passes_run_eagerly(tiny_model: str) -> None:
+    """A graph records no hidden states: a decode pass that must hand them back runs eagerly (a
+    replay would leave the request without its decode steps' rows, and no error)."""
+    engine = _engine(tiny_model, 8, enable_return_hidden_states=True)
+    try:
+        out = engine.generate(input_ids=[5, 6, 7], sampling_params={"temperature": 0, "max_new_tokens": 4}, return_hidden_states=True)
+        assert engine.model_runner.cuda_graph_runner.num_replays == 0
+    finally:
+        engine.shutdown()
+    assert len(out["meta_info"]["hidden_states"]) == 1 + 3  # the prompt's pass, then three decode steps
+
+
+def test_the_decode_log_line_says_when_a_step_replayed(tiny_model: str, caplog: Any) -> None:
+    import logging
+
+    label = "cuda graph" if ON_GPU else "cpu graph"
+    for graphs, said in ((8, True), (None, False)):
+        caplog.clear()
+        engine = _engine(tiny_model, graphs, decode_log_interval=1)
+        try:
+            with caplog.at_level(logging.INFO, logger="minisgl"):
+                engine.generate(input_ids=[5, 6, 7], sampling_params={"temperature": 0, "max_new_tokens": 3})
+        finally:
+            engine.shutdown()
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Decode batch")]
+        assert lines and all(f"{label}: {said}," in line for line in lines), lines
 
 
 def test_the_runner_does_not_keep_the_kv_pool_alive_after_shutdown(tiny_model: str) -> None:

@@ -862,6 +862,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
             forward_batch = batch.get_forward_batch(self.model_runner)
         # (SGLang's ModelRunner.forward dispatches to forward_decode / forward_extend, which runs mixed batches too)
         mode = batch.forward_mode
+        can_run_cuda_graph = self.model_runner.can_run_cuda_graph(forward_batch)
         with self.trace_range("forward_decode" if mode.is_decode() else "forward_target_verify" if mode.is_target_verify() else "forward_extend"):
             logits_output = self.model_runner.forward(forward_batch)
         if not self.is_generation:
@@ -879,7 +880,10 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
             if req.to_finish is None and not req.finished():
                 logger.warning("Request %s: %s", req.rid, message)
                 req.to_finish = FINISH_ABORT(message, 400, "BadRequestError")
-        return GenerationBatchResult(*sampled, input_logprobs=logits_output.input_logprobs, hidden_states=logits_output.hidden_states)
+        return GenerationBatchResult(
+            *sampled, input_logprobs=logits_output.input_logprobs, hidden_states=logits_output.hidden_states,
+            can_run_cuda_graph=can_run_cuda_graph,
+        )
 
     def self_check_during_idle(self) -> None:
         """Idle: reset the ratio and check that no KV slot leaked (§12.1), once per idle period.

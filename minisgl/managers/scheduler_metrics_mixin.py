@@ -48,7 +48,7 @@ class SchedulerMetricsMixin:
         )
         logger.info(self.log_line)
 
-    def log_decode_stats(self, batch: ScheduleBatch) -> None:
+    def log_decode_stats(self, batch: ScheduleBatch, can_run_cuda_graph: bool) -> None:
         now = time.perf_counter()
         gen_throughput = self.num_generated_tokens / max(now - self.last_decode_log_time, 1e-9)
         self.last_decode_log_time, self.num_generated_tokens = now, 0
@@ -62,7 +62,7 @@ class SchedulerMetricsMixin:
             self._spec_logged = (self.spec_num_verify_rows, self.spec_num_verify_tokens)
         self.log_line = (
             f"Decode batch, #running-req: {batch.batch_size()}, #token: {num_used}, token usage: {usage:.2f}, {accept}"
-            f"{self._graph_label()}: {self.model_runner.used_cuda_graph}, gen throughput (token/s): {gen_throughput:.2f}, "
+            f"{self._graph_label()}: {can_run_cuda_graph}, gen throughput (token/s): {gen_throughput:.2f}, "
             f"#queue-req: {len(self.waiting_queue)}"
         )
         logger.info(self.log_line)

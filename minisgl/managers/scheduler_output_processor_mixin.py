@@ -44,6 +44,7 @@ class GenerationBatchResult(NamedTuple):
     # [N, H]: every token's final-norm hidden state, in input_ids order (LogitsProcessorOutput.hidden_states);
     # None unless a request of the batch asked for return_hidden_states
     hidden_states: Optional[torch.Tensor] = None
+    can_run_cuda_graph: bool = False  # the pass replayed a captured CUDA graph (the decode log line says so)
 
 
 class EmbeddingBatchResult(NamedTuple):
@@ -185,7 +186,7 @@ class SchedulerOutputProcessorMixin:
         self.forward_ct_decode += 1
         self.num_generated_tokens += num_tokens
         if self.forward_ct_decode % self.server_args.decode_log_interval == 0:
-            self.log_decode_stats(batch)
+            self.log_decode_stats(batch, result.can_run_cuda_graph)
 
     def _append_logprobs(self, req: Req, logprobs: Tuple[Any, Any, Any, Any], i: int) -> None:
         token_lps, top_vals, top_idxs, token_ids_lps = logprobs

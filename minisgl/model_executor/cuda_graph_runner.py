@@ -4,21 +4,23 @@ Where it sits: Scheduler -> ModelRunner.forward(ForwardBatch) -> here, for DECOD
 most `--cuda-graph-max-bs` requests; every other pass runs eagerly (ModelRunner.forward_eager).
 
 Why: a decode step of a small model is hundreds of small kernels, and on a GPU launching them from
-Python costs more than running them (the built-in benchmark model on an H200: a 5.6 ms step
-against a 0.6 ms matmul floor). A CUDA graph records the launches of one step once; a replay
+Python costs more than running them. benchmarks/bench_offline.py's 33.5M-parameter model on an H200
+took 7.5 ms per decode step at batch 64 against a 0.43 ms matmul floor; with graphs, 1.1 ms
+(docs/kernels.md, "GPU results"). A CUDA graph records the launches of one step once; a replay
 sends them all in one call.
 
 How (the CUDA graph contract: fixed addresses, fixed shapes, no host work inside):
 - Static buffers sized for the largest batch hold what a decode pass reads: input_ids, positions,
   out_cache_loc, req_pool_indices, seq_lens. Each captured batch size `bs` runs the model on the
   first `bs` rows of these buffers, so its graph reads them in place.
-- Batch sizes are captured in buckets (1, 2, 4, 8, then every 8). A batch of 5 replays the graph
-  of 8: its own rows are copied in, and the 3 padding rows are reset each replay to a request of
+- Batch sizes are captured in SGLang's buckets (1, 2, 4, 8, 12, then every 8 to 256, every 16 to
+  512, every 32 beyond), up to --cuda-graph-max-bs, which is itself a bucket here (SGLang stops at
+  the last bucket below it). A batch of 5 replays the graph of 8: its own rows are copied in, and the 3 padding rows are reset each replay to a request of
   one token at position 0 whose K/V goes to slot 0, the pool's padding slot, which no request
   owns. (Left as the last larger batch wrote them, they would write K/V into live slots.)
 - Only the triton backend: its decode metadata is built on the device (the torch backend reads
-  host lists that a graph would freeze), and MoE layers are run eagerly (their expert loop reads
-  token counts on the host).
+  host lists that a graph would freeze). A MoE model's decode steps all run eagerly: its expert
+  loop reads the token count of each expert on the host.
 - The logits come back as a copy: the graph's output buffer is overwritten by the next replay.
 
 `capture=False` runs the same static-buffer forward eagerly instead of recording it: what a graph
@@ -64,17 +66,25 @@ def cuda_graph_disabled_reason(server_args: "ServerArgs", model_config: "ModelCo
 
 
 def capture_batch_sizes(max_bs: int) -> List[int]:
-    """SGLang's buckets: 1, 2, 4, 8, then every 8 up to max_bs (max_bs itself included)."""
-    sizes = [bs for bs in (1, 2, 4, 8) if bs <= max_bs] + list(range(16, max_bs + 1, 8))
+    """SGLang's buckets up to max_bs, and max_bs itself: a batch of any size up to it replays."""
+    if max_bs < 1:
+        raise ValueError(f"the largest captured batch must be >= 1, got {max_bs}")
+    # (SGLang's get_batch_sizes_to_capture: dense where most decode batches are, sparse above)
+    buckets = [1, 2, 4, 8, 12, *range(16, 257, 8), *range(272, 512, 16), *range(512, max_bs + 1, 32)]
+    sizes = [bs for bs in buckets if bs <= max_bs]
     if sizes[-1] != max_bs:
         sizes.append(max_bs)
     return sizes
 
 
 class CudaGraphRunner:
+    """One captured decode pass per bucket of batch sizes, over shared static input buffers."""
+
     def __init__(self, model_runner: "ModelRunner", max_bs: int, capture: bool = True) -> None:
         if model_runner.server_args.attention_backend != "triton":
             raise ValueError("CudaGraphRunner replays the triton backend's decode pass; use --attention-backend triton")
+        if capture and model_runner.device != "cuda":
+            raise ValueError(f"CUDA graphs are captured on a GPU, not on {model_runner.device} (capture=False runs the same forward eagerly)")
         # A weak reference: the ModelRunner holds this runner, and a strong one back made a cycle that
         # kept the KV pool and the graphs' memory alive after Engine.shutdown() until gc ran
         self._model_runner = weakref.ref(model_runner)
@@ -83,15 +93,21 @@ class CudaGraphRunner:
         self.num_replays = 0  # decode steps served from a graph (tests, the benchmark)
         device = model_runner.device
         with torch.inference_mode():  # the forward reads them in inference mode
-            self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
-            self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
-            self.out_cache_loc = torch.zeros(self.max_bs, dtype=torch.int64, device=device)  # slot 0: padding
-            self.req_pool_indices = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
-            self.seq_lens = torch.ones(self.max_bs, dtype=torch.int64, device=device)
+            self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=device)  # [max_bs]
+            self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=device)  # [max_bs]
+            self.out_cache_loc = torch.zeros(self.max_bs, dtype=torch.int64, device=device)  # [max_bs], 0: padding slot
+            self.req_pool_indices = torch.zeros(self.max_bs, dtype=torch.int64, device=device)  # [max_bs]
+            self.seq_lens = torch.ones(self.max_bs, dtype=torch.int64, device=device)  # [max_bs]
         self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: Dict[int, LogitsProcessorOutput] = {}  # each graph's output buffers
+        self.outputs: Dict[int, LogitsProcessorOutput] = {}  # each graph's output buffers ([bs, V] logits)
         if capture:
-            self.capture()
+            try:
+                self.capture()
+            except (RuntimeError, torch.OutOfMemoryError) as e:  # (SGLang also says what to change here)
+                raise RuntimeError(
+                    f"Capturing the CUDA graphs of decode steps failed: {e}. Start with --disable-cuda-graph, a smaller "
+                    "--cuda-graph-max-bs, or a smaller --mem-fraction-static (the graphs' memory comes out of what it leaves)"
+                ) from e
 
     @property
     def model_runner(self) -> "ModelRunner":
@@ -137,16 +153,23 @@ class CudaGraphRunner:
         )  # fmt: skip
 
     def can_run(self, forward_batch: ForwardBatch) -> bool:
-        """A plain decode pass that fits a bucket: nothing the graph did not record (all logits,
-        hidden states) is asked for."""
+        """A plain decode pass that fits a bucket, over the pools the graphs read: nothing the graph
+        did not record (all logits, hidden states, prompt logprobs) is asked for."""
+        mr = self.model_runner
         return (
             forward_batch.forward_mode == ForwardMode.DECODE
             and 0 < forward_batch.batch_size <= self.max_bs
             and not forward_batch.return_all_logits
             and not forward_batch.capture_hidden_mode.need_capture()
+            and forward_batch.input_logprob_indices is None
+            and forward_batch.token_to_kv_pool is mr.token_to_kv_pool
+            and forward_batch.req_to_token_pool is mr.req_to_token_pool
         )
 
     def replay(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        """Copy the batch into the static buffers, reset the padding rows, replay the bucket's graph,
+        and return a copy of its logits ([bs, V])."""
+        mr = self.model_runner  # (alive: the graphs write into its pools)
         bs = forward_batch.batch_size
         padded = self.capture_bs[bisect.bisect_left(self.capture_bs, bs)]
         with torch.inference_mode():
@@ -165,7 +188,7 @@ class CudaGraphRunner:
                 self.graphs[padded].replay()
                 out = self.outputs[padded]
             else:  # capture=False: the same forward, run eagerly
-                out = self.model_runner.forward_eager(self._static_batch(padded))
+                out = mr.forward_eager(self._static_batch(padded))
                 assert isinstance(out, LogitsProcessorOutput)
             self.num_replays += 1
             return LogitsProcessorOutput(next_token_logits=out.next_token_logits[:bs].clone())

@@ -92,7 +92,6 @@ class ModelRunner:
         )
         self.attn_backend = self._make_attn_backend()
         self.cuda_graph_runner = self._init_cuda_graphs()  # last: it runs the model on the pools above
-        self.used_cuda_graph = False  # whether the last forward was a graph replay (the decode log line)
         logger.info(
             "Load model %s (%s) on %s in %s: context_len=%d, max_total_num_tokens=%d, max_running_requests=%d, "
             "page_size=%d, attention_backend=%s, kv_cache_dtype=%s",
@@ -166,13 +165,18 @@ class ModelRunner:
         args = self.server_args
         reason = cuda_graph_disabled_reason(args, self.model_config)
         if reason is not None:
-            if args.cuda_graph_max_bs is not None:  # set by hand: refused, not ignored
-                raise ValueError(f"--cuda-graph-max-bs is set but no CUDA graph can be captured here: {reason}")
-            if self.device == "cuda":
+            if args.cuda_graph_max_bs is not None:  # set by hand and unused here: said, not silently dropped
+                logger.warning("--cuda-graph-max-bs %d has no effect: no CUDA graph is captured (%s)", args.cuda_graph_max_bs, reason)
+            elif self.device == "cuda":
                 logger.info("cuda graph: off, decode steps run eagerly (%s)", reason)
             return None
         max_bs = min(args.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, self.max_running_requests)
         return CudaGraphRunner(self, max_bs)
+
+    def can_run_cuda_graph(self, forward_batch: ForwardBatch) -> bool:
+        """Whether forward(forward_batch) replays a captured graph (SGLang's can_run_cuda_graph, which
+        the scheduler's decode log line reports)."""
+        return self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch)
 
     # ------------------------------------------------------------------ running
     def forward(self, forward_batch: ForwardBatch) -> Union[LogitsProcessorOutput, EmbeddingPoolerOutput]:
@@ -180,9 +184,7 @@ class ModelRunner:
         or, for an embedding model, each request's embedding. A decode pass the captured CUDA graphs
         fit is a graph replay; any other runs eagerly."""
         runner = self.cuda_graph_runner
-        self.used_cuda_graph = runner is not None and runner.can_run(forward_batch)
-        if self.used_cuda_graph:
-            assert runner is not None
+        if runner is not None and runner.can_run(forward_batch):
             return runner.replay(forward_batch)
         return self.forward_eager(forward_batch)
 
