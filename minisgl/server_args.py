@@ -103,8 +103,8 @@ class ServerArgs:
     )
     cuda_graph_max_bs: Optional[int] = field(
         default=None, metadata=_opt(
-            "CUDA: the largest decode batch replayed from a captured graph (graphs of 1, 2, 4, 8, then every 8 up "
-            "to it are captured at start); larger batches run eagerly. Default: 256, at most --max-running-requests."
+            "CUDA: the largest decode batch replayed from a captured graph (SGLang's sizes 1, 2, 4, 8, 12, 16, 24, ... "
+            "up to it are captured at start); larger batches run eagerly. Default: 256, at most --max-running-requests."
         )
     )
     tp_size: int = field(default=1, metadata=_opt("Tensor-parallel size (minisgl runs one rank).", "--tp"))
