@@ -22,3 +22,20 @@ def run_all(engine: Any, prompts: List[List[int]], max_new: List[int], check_eve
         if check_every_step:
             engine.scheduler.check_integrity()
     return [engine.get_result(r)["output_ids"] for r in rids], ratios, retracted
+
+
+def assert_shutdown_frees_the_kv_pool(engine: Any) -> None:
+    """Engine.shutdown() frees the KV pool by reference counting alone: with the cycle collector
+    off, a reference cycle through the pool (the backend's metadata, the CUDA-graph runner) would
+    keep it, and on a GPU a second Engine would find no memory."""
+    import gc
+    import weakref
+
+    kv = weakref.ref(engine.model_runner.token_to_kv_pool.k_buffer[0])
+    gc.collect()
+    gc.disable()
+    try:
+        engine.shutdown()
+        assert kv() is None, "the KV pool outlived Engine.shutdown()"
+    finally:
+        gc.enable()

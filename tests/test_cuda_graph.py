@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 from typing import Any, Dict, List, Optional
 
 import pytest
+from engine_helpers import assert_shutdown_frees_the_kv_pool
 from forward_helpers import BatchDriver, make_runner
 
 from minisgl import Engine
@@ -183,19 +184,9 @@ def test_the_decode_log_line_says_when_a_step_replayed(tiny_model: str, caplog: 
 def test_the_runner_does_not_keep_the_kv_pool_alive_after_shutdown(tiny_model: str) -> None:
     """ModelRunner -> CudaGraphRunner -> ModelRunner was a cycle: the KV pool (and on a GPU the
     graphs' memory) outlived Engine.shutdown() until the cycle collector ran."""
-    import gc
-    import weakref
-
     engine = Engine(tiny_model, device="cuda" if ON_GPU else "cpu", attention_backend="triton", max_total_tokens=256,
                     dtype="float32", disable_cuda_graph=True)  # fmt: skip
     engine.model_runner.cuda_graph_runner = CudaGraphRunner(engine.model_runner, max_bs=2, capture=ON_GPU)
     engine.generate(input_ids=[5, 6, 7], sampling_params={"temperature": 0, "max_new_tokens": 3})
     assert engine.model_runner.cuda_graph_runner.num_replays == 2
-    kv = weakref.ref(engine.model_runner.token_to_kv_pool.k_buffer[0])
-    gc.collect()
-    gc.disable()
-    try:
-        engine.shutdown()
-        assert kv() is None, "the KV pool outlived Engine.shutdown()"
-    finally:
-        gc.enable()
+    assert_shutdown_frees_the_kv_pool(engine)

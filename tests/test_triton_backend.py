@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 from typing import Any, Dict, List
 
 import pytest
+from engine_helpers import assert_shutdown_frees_the_kv_pool
 
 from minisgl import Engine  # noqa: E402
 
@@ -100,17 +101,7 @@ def test_triton_backend_refuses_a_head_dim_its_kernels_cannot_tile_at_start_up(t
 def test_shutdown_frees_the_kv_pool_without_waiting_for_the_cycle_collector(tiny_model: str, backend: str) -> None:
     """The backend's metadata held its ForwardBatch, which holds the backend: a cycle that kept the
     KV pool alive after shutdown() until gc ran, so a second Engine on a GPU found no memory."""
-    import gc
-    import weakref
-
     device = "cuda" if torch.cuda.is_available() else "cpu"  # (on a GPU the interpreter is off)
     engine = Engine(tiny_model, device=device, attention_backend=backend, max_total_tokens=256, dtype="float32")
     engine.generate(PROMPTS[0], {"temperature": 0, "max_new_tokens": 2})
-    kv = weakref.ref(engine.model_runner.token_to_kv_pool.k_buffer[0])
-    gc.collect()
-    gc.disable()
-    try:
-        engine.shutdown()
-        assert kv() is None, "the KV pool outlived Engine.shutdown()"
-    finally:
-        gc.enable()
+    assert_shutdown_frees_the_kv_pool(engine)
