@@ -33,7 +33,7 @@ import bisect
 import logging
 import time
 import weakref
-from typing import TYPE_CHECKING, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Union
 
 import torch
 
@@ -41,7 +41,6 @@ from minisgl.layers.logits_processor import LogitsProcessorOutput
 from minisgl.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
-    from minisgl.model_executor.model_runner import ModelRunner
     from minisgl.models.model_config import ModelConfig
     from minisgl.server_args import ServerArgs
 
@@ -77,10 +76,23 @@ def capture_batch_sizes(max_bs: int) -> List[int]:
     return sizes
 
 
+class GraphOwner(Protocol):
+    """What the runner needs of its owner, the ModelRunner (named by shape, so that this module does
+    not import the one that imports it)."""
+
+    device: str
+    server_args: "ServerArgs"
+    req_to_token_pool: Any
+    token_to_kv_pool: Any
+    attn_backend: Any
+
+    def forward_eager(self, forward_batch: ForwardBatch) -> Union[LogitsProcessorOutput, Any]: ...
+
+
 class CudaGraphRunner:
     """One captured decode pass per bucket of batch sizes, over shared static input buffers."""
 
-    def __init__(self, model_runner: "ModelRunner", max_bs: int, capture: bool = True) -> None:
+    def __init__(self, model_runner: GraphOwner, max_bs: int, capture: bool = True) -> None:
         if model_runner.server_args.attention_backend != "triton":
             raise ValueError("CudaGraphRunner replays the triton backend's decode pass; use --attention-backend triton")
         if capture and model_runner.device != "cuda":
@@ -110,7 +122,7 @@ class CudaGraphRunner:
                 ) from e
 
     @property
-    def model_runner(self) -> "ModelRunner":
+    def model_runner(self) -> GraphOwner:
         mr = self._model_runner()
         assert mr is not None, "the ModelRunner of this CudaGraphRunner was freed"
         return mr
