@@ -19,9 +19,10 @@ import logging
 import math
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence, Tuple
 
 from minisgl.chat_template import read_chat_template
+from minisgl.lora.lora_config import parse_lora_paths
 
 logger = logging.getLogger(__name__)
 
@@ -228,6 +229,18 @@ class ServerArgs:
         default=12, metadata=_opt("NGRAM: the longest suffix matched (the longest match among the last token's 64 latest occurrences wins).")
     )
 
+    # --- LoRA (multi-adapter serving, minisgl/lora/) ---
+    lora_paths: Optional[Tuple[str, ...]] = field(
+        default=None, metadata=_opt(
+            "LoRA adapters to serve, all loaded at start: NAME=PATH, or PATH (named by itself), PEFT save_pretrained "
+            "directories. A request picks one with lora_path (or model \"BASE:NAME\" on the OpenAI routes).",
+            nargs="+",
+        )
+    )
+    max_loras_per_batch: int = field(
+        default=8, metadata=_opt("Most distinct adapters one batch runs (the base model counts as one, as in SGLang).")
+    )
+
     enable_return_hidden_states: bool = field(
         default=False, metadata=_opt(
             "Accept requests' return_hidden_states (SGLang's): the model's final-norm hidden state of every token it "
@@ -289,6 +302,7 @@ class ServerArgs:
                 "L2-normalised). Drop one of the two flags."
             )
         self._check_speculative()
+        self._check_lora()
         if self.grammar_backend not in GRAMMAR_BACKENDS:  # (SGLang's outlines / llguidance are not built)
             raise ValueError(f"--grammar-backend must be one of {', '.join(GRAMMAR_BACKENDS)}, got {self.grammar_backend!r}")
         # Settings under which no request could ever be scheduled: refuse them, not hang.
@@ -316,6 +330,28 @@ class ServerArgs:
             raise ValueError(f"--port must be in [0, 65535] (0 picks a free one), got {self.port}")
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):  # what configure_logging reads
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+
+    def _check_lora(self) -> None:
+        if self.max_loras_per_batch < 1:
+            raise ValueError(f"--max-loras-per-batch must be >= 1, got {self.max_loras_per_batch}")
+        if self.lora_paths is None:
+            return
+        if not isinstance(self.lora_paths, tuple):  # frozen: a list would make the args unhashable and mutable
+            raise ValueError(f"lora_paths must be a tuple of NAME=PATH strings, got {type(self.lora_paths).__name__}")
+        if not self.lora_paths:
+            raise ValueError("--lora-paths is empty: name at least one adapter, or leave it out")
+        if self.speculative_algorithm is not None:
+            raise ValueError(
+                "--lora-paths does not combine with --speculative-algorithm: a verify pass would have to apply each "
+                "request's adapter too, which it does not. Drop one of the two flags."
+            )
+        if self.is_embedding:
+            raise ValueError("--lora-paths serves generation adapters; an embedding server (--is-embedding) does not apply them: drop one of the two flags")
+        parse_lora_paths(self.lora_paths)  # (duplicate names, missing directories)
+
+    def lora_name_to_path(self) -> dict:
+        """{adapter name: directory} of --lora-paths ({} without it)."""
+        return parse_lora_paths(self.lora_paths) if self.lora_paths else {}
 
     def _check_speculative(self) -> None:
         if self.speculative_algorithm is None:
@@ -361,6 +397,8 @@ class ServerArgs:
             kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": meta.get("help", "")}
             if f.type in ("bool", bool):
                 kwargs["action"] = argparse.BooleanOptionalAction
+            elif "nargs" in meta:  # a tuple of strings (--lora-paths A=x B=y)
+                kwargs["nargs"] = meta["nargs"]
             else:
                 kwargs["type"] = _field_parser(f.type)
                 if "choices" in meta:
@@ -369,7 +407,11 @@ class ServerArgs:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        for f in fields(cls):  # argparse's nargs lists -> the frozen tuples the fields hold
+            if "nargs" in f.metadata and isinstance(values.get(f.name), list):
+                values[f.name] = tuple(values[f.name])
+        return cls(**values)
 
     @classmethod
     def from_argv(cls, argv: Sequence[str]) -> "ServerArgs":

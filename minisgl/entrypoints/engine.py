@@ -49,7 +49,8 @@ from minisgl.managers.io_struct import (
     hidden_states_of, logprobs_of, new_rid, prefix_warmups, spec_meta_info,
 )  # fmt: skip
 from minisgl.managers.tokenization import (
-    check_custom_logit_processor, check_dimensions, check_priority, check_return_hidden_states, tokenize_one_request,
+    check_custom_logit_processor, check_dimensions, check_lora_path, check_priority, check_return_hidden_states,
+    tokenize_one_request,
     validate_context_length,
 )  # fmt: skip
 from minisgl.sampling.sampling_params import SamplingParams
@@ -134,6 +135,8 @@ class Engine:
                 f"{', '.join(server_only)}: option(s) of `minisgl serve`'s HTTP server and processes, "
                 "which the in-process Engine does not have; leave them out"
             )
+        if isinstance(kwargs.get("lora_paths"), list):  # (SGLang's Engine takes a list; the frozen args hold a tuple)
+            kwargs["lora_paths"] = tuple(kwargs["lora_paths"])
         args = ServerArgs(model_path=model_path, **kwargs)  # (checks every value, log_level's too)
         if "log_level" in kwargs:  # minisgl's loggers only: the application owns the handlers and their format
             logging.getLogger("minisgl").setLevel(args.log_level.upper())
@@ -174,6 +177,7 @@ class Engine:
         priority: Optional[int] = None,
         custom_logit_processor: Optional[Any] = None,
         return_hidden_states: bool = False,
+        lora_path: Optional[str] = None,
     ) -> str:
         """Tokenize one request and queue it in the scheduler; returns its rid.
 
@@ -187,7 +191,8 @@ class Engine:
         token_ids_logprob: ids whose logprobs every output token (and scored prompt position)
         reports, in meta_info["output_token_ids_logprobs"] ("input_token_ids_logprobs").
         return_hidden_states: with enable_return_hidden_states, the final-norm hidden states in
-        meta_info["hidden_states"] (docs/engine.md)."""
+        meta_info["hidden_states"] (docs/engine.md).
+        lora_path: the name of a lora_paths adapter to run the request with (None: the base model)."""
         self._check_open()
         if self.server_args.is_embedding:
             raise ValueError(GENERATE_ON_EMBEDDING_ENGINE)
@@ -202,8 +207,10 @@ class Engine:
             return_logprob=return_logprob, logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
             token_ids_logprob=token_ids_logprob, stream=stream, priority=priority,
             custom_logit_processor=_processor_str(custom_logit_processor), return_hidden_states=return_hidden_states,
+            lora_path=lora_path,
         )  # fmt: skip
         obj.normalize_batch_and_arguments()
+        check_lora_path(obj, self.scheduler.lora_names)
         check_priority(priority, self.server_args.enable_priority_scheduling)
         check_custom_logit_processor(obj, self.server_args.enable_custom_logit_processor)
         check_return_hidden_states(obj, self.server_args.enable_return_hidden_states, RETURN_HIDDEN_STATES_ENGINE_HINT)
@@ -262,7 +269,7 @@ class Engine:
     def _submit(
         self, prompt: Prompt, sampling_params: Any, input_ids: InputIds, stream: bool, return_logprob: Any,
         top_logprobs_num: Any, logprob_start_len: Any, token_ids_logprob: Any, rid: Any = None, priority: Any = None,
-        custom_logit_processor: Any = None, return_hidden_states: Any = False,
+        custom_logit_processor: Any = None, return_hidden_states: Any = False, lora_path: Any = None,
     ) -> tuple[List[str], bool]:
         """Fan a generate() call out into single requests (n copies each). Returns (rids, single).
 
@@ -279,10 +286,11 @@ class Engine:
             text=prompt, input_ids=input_ids, sampling_params=sampling_params, return_logprob=return_logprob,
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, token_ids_logprob=token_ids_logprob,
             stream=stream, rid=rid, priority=priority, custom_logit_processor=_processor_str(custom_logit_processor),
-            return_hidden_states=return_hidden_states,
+            return_hidden_states=return_hidden_states, lora_path=lora_path,
         )  # fmt: skip
         check_priority(priority, self.server_args.enable_priority_scheduling)
         obj.normalize_batch_and_arguments()  # single or batch, lists per prompt, the same n for all
+        check_lora_path(obj, self.scheduler.lora_names)
         check_custom_logit_processor(obj, self.server_args.enable_custom_logit_processor)
         check_return_hidden_states(obj, self.server_args.enable_return_hidden_states, RETURN_HIDDEN_STATES_ENGINE_HINT)
         obj.check_rids()  # the server's rules (in-process, without its length bound)
@@ -324,6 +332,7 @@ class Engine:
         priority: Optional[int] = None,
         custom_logit_processor: Optional[Any] = None,
         return_hidden_states: Union[bool, List[bool]] = False,
+        lora_path: Optional[Union[str, List[Optional[str]]]] = None,
     ) -> Any:
         """SGLang's shapes: one prompt -> dict; a list (or n > 1) -> list; stream -> iterator.
 
@@ -338,12 +347,13 @@ class Engine:
         return_hidden_states (with enable_return_hidden_states=True; one for all prompts or one per
         prompt): meta_info["hidden_states"], SGLang's list: the prompt's final-norm rows [n, H] (the
         tokens the prefill computed: after a radix hit, only the uncached ones), then one [H] row per
-        decode step (docs/engine.md)."""
+        decode step (docs/engine.md). lora_path (with lora_paths): the adapter name each prompt runs
+        with, one for all or one per prompt (None: the base model)."""
         rids, single = self._submit(
             prompt, sampling_params, input_ids, stream, return_logprob=return_logprob,
             top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, token_ids_logprob=token_ids_logprob,
             rid=rid, priority=priority, custom_logit_processor=custom_logit_processor,
-            return_hidden_states=return_hidden_states,
+            return_hidden_states=return_hidden_states, lora_path=lora_path,
         )  # fmt: skip
         if stream:
             chunks = self._stream(rids, single)
@@ -414,6 +424,7 @@ class Engine:
         priority: Optional[int] = None,
         custom_logit_processor: Optional[Any] = None,
         return_hidden_states: Union[bool, List[bool]] = False,
+        lora_path: Optional[Union[str, List[Optional[str]]]] = None,
     ) -> Any:
         """generate() for asyncio code (SGLang's async_generate): `await` it for the result, or
         with stream=True for an async iterator of the same chunks (the same arguments, hidden
@@ -430,7 +441,7 @@ class Engine:
             self._submit, prompt, sampling_params, input_ids, stream, return_logprob=return_logprob,
             top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, token_ids_logprob=token_ids_logprob,
             rid=rid, priority=priority, custom_logit_processor=custom_logit_processor,
-            return_hidden_states=return_hidden_states,
+            return_hidden_states=return_hidden_states, lora_path=lora_path,
         )  # fmt: skip
         submitted = loop.run_in_executor(None, submit)
         try:

@@ -137,6 +137,9 @@ class GenerateReqInput:
     # SGLang's: the final-norm hidden states of the tokens the model computes for the request, in
     # meta_info["hidden_states"] (needs --enable-return-hidden-states); one for all prompts or one per prompt
     return_hidden_states: Union[bool, List[bool]] = False
+    # SGLang's: the LoRA adapter (a --lora-paths name) to run the request with, None for the base
+    # model; one for all prompts of a batch or a list of one per prompt
+    lora_path: Optional[Union[str, List[Optional[str]]]] = None
     stream: bool = False
     priority: Optional[int] = None
     # SGLang's: CustomLogitProcessor.to_str() (needs --enable-custom-logit-processor), one for every
@@ -169,7 +172,7 @@ class GenerateReqInput:
             if isinstance(self.sampling_params, list) or any(isinstance(v, list) for v in self._one_per_prompt_fields()):
                 raise ValueError("A single prompt takes one `sampling_params` dict and one value of `return_logprob`, "
                                  "`logprob_start_len`, `top_logprobs_num`, `custom_logit_processor`, "
-                                 "`return_hidden_states` (and one `token_ids_logprob` list); lists are per prompt of "
+                                 "`return_hidden_states`, `lora_path` (and one `token_ids_logprob` list); lists are per prompt of "
                                  "a batch")  # fmt: skip
             return
         n = self.batch_size
@@ -179,7 +182,10 @@ class GenerateReqInput:
         elif len(self.sampling_params) != n:
             raise ValueError(f"`sampling_params` must have {n} entries for a batch of {n} prompts")
         check_same_n(self.sampling_params)
-        for name in ("return_logprob", "logprob_start_len", "top_logprobs_num", "custom_logit_processor", "return_hidden_states"):
+        for name in (
+            "return_logprob", "logprob_start_len", "top_logprobs_num", "custom_logit_processor", "return_hidden_states",
+            "lora_path",
+        ):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, list):
                 setattr(self, name, [value] * n)
@@ -206,7 +212,7 @@ class GenerateReqInput:
         per_prompt_ids = [self.token_ids_logprob] if self._token_ids_per_prompt() else []
         return [
             self.return_logprob, self.logprob_start_len, self.top_logprobs_num, self.custom_logit_processor,
-            self.return_hidden_states, *per_prompt_ids,
+            self.return_hidden_states, self.lora_path, *per_prompt_ids,
         ]  # fmt: skip
 
     def __getitem__(self, i: int) -> "GenerateReqInput":
@@ -223,6 +229,7 @@ class GenerateReqInput:
             token_ids_logprob=self.token_ids_logprob[i],  # type: ignore[index]
             return_text_in_logprobs=self.return_text_in_logprobs,
             return_hidden_states=self.return_hidden_states[i],  # type: ignore[index]
+            lora_path=self.lora_path[i],  # type: ignore[index]
             stream=self.stream,
             priority=self.priority,
             custom_logit_processor=self.custom_logit_processor[i],  # type: ignore[index]
@@ -279,6 +286,7 @@ class TokenizedGenerateReqInput:
     top_logprobs_num: int = 0
     token_ids_logprob: Optional[List[int]] = None
     return_hidden_states: bool = False  # (checked against --enable-return-hidden-states before it is built)
+    lora_id: Optional[str] = None  # the adapter's --lora-paths name (SGLang's field), None: the base model
     stream: bool = False
     priority: Optional[int] = None
     custom_logit_processor: Optional[str] = None  # CustomLogitProcessor.to_str(): loaded by the scheduler

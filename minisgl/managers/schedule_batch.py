@@ -168,8 +168,11 @@ class Req:
         priority: Optional[int] = None,
         require_reasoning: bool = False,
         return_hidden_states: bool = False,
+        lora_id: Optional[str] = None,
     ) -> None:
         self.rid = rid
+        # the LoRA adapter (--lora-paths name) this request runs with, None: the base model (SGLang's lora_id)
+        self.lora_id = lora_id
         self.origin_input_text = origin_input_text
         self.origin_input_ids = list(origin_input_ids)
         # the detokenizer's left context comes from the prompt as the user sent it
@@ -915,6 +918,7 @@ class ScheduleBatch:
             else None,
             dimensions=[r.dimensions for r in self.reqs] if any(r.dimensions is not None for r in self.reqs) else None,
             capture_hidden_mode=CaptureHiddenMode.FULL if self.return_hidden_states else CaptureHiddenMode.NULL,
+            lora_ids=[r.lora_id for r in self.reqs] if any(r.lora_id is not None for r in self.reqs) else None,
         )
 
     def get_sampling_info(self, vocab_size: int, device: str, eos_token_ids: Set[int]) -> Any:

@@ -52,7 +52,7 @@ from minisgl.managers.scheduler_output_processor_mixin import (
     EmbeddingBatchResult, GenerationBatchResult, SchedulerOutputProcessorMixin,
 )  # fmt: skip
 from minisgl.managers.scheduler_profiler_mixin import SchedulerProfilerMixin
-from minisgl.managers.tokenization import RETURN_HIDDEN_STATES_DISABLED
+from minisgl.managers.tokenization import LORA_NOT_ENABLED, RETURN_HIDDEN_STATES_DISABLED
 from minisgl.mem_cache.allocator import ceil_paged_tokens, new_page_slots
 from minisgl.mem_cache.radix_cache import RadixCache
 from minisgl.sampling.custom_logit_processor import CustomLogitProcessor, client_error_text
@@ -90,6 +90,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
         self.max_running_requests = model_runner.max_running_requests
         # --is-embedding: every request is prefilled only, and its result is an embedding (SGLang's name)
         self.is_generation = not server_args.is_embedding
+        self.lora_names = frozenset(server_args.lora_name_to_path())  # --lora-paths adapters (empty: none)
         # --enable-priority-scheduling: +1 orders lower values first, -1 higher ones (SGLang's default)
         self.priority_order = (1 if server_args.schedule_low_priority_values_first else -1) if server_args.enable_priority_scheduling else None
         self.tree_cache = RadixCache(
@@ -232,6 +233,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
             priority=recv_req.priority,
             require_reasoning=recv_req.require_reasoning,
             return_hidden_states=recv_req.return_hidden_states,
+            lora_id=recv_req.lora_id,
         )
         if self.priority_order is not None and req.priority is None:
             req.priority = self.priority_order * LEAST_PRIORITY  # (SGLang's default: the least important)
@@ -245,6 +247,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
             error_msg = EMBEDDING_SCHEDULER_REFUSES_GENERATION
         if error_msg is None and req.return_hidden_states and not self.server_args.enable_return_hidden_states:
             error_msg = RETURN_HIDDEN_STATES_DISABLED  # (the TokenizerManager and the Engine refuse it first)
+        if error_msg is None and req.lora_id is not None:  # (the TokenizerManager and the Engine refuse it first)
+            error_msg = self.check_lora_id(req.lora_id)
         if error_msg is None and recv_req.custom_logit_processor is not None:
             error_msg = self.load_custom_logit_processor(req, recv_req.custom_logit_processor)
         if error_msg is not None:
@@ -711,6 +715,14 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
                     adder.record_stop("QUEUE_EMPTY", "every waiting request was admitted (the last one used up a budget)", replace=True)
                 return
         adder.record_stop("QUEUE_EMPTY", "every waiting request was admitted")
+
+    def check_lora_id(self, lora_id: str) -> Optional[str]:
+        """The error of a request naming an adapter this server did not load (None: it is loaded)."""
+        if not self.lora_names:
+            return LORA_NOT_ENABLED
+        if lora_id not in self.lora_names:
+            return f"LoRA adapter {lora_id!r} is not loaded; the loaded adapters are: {', '.join(sorted(self.lora_names))}"
+        return None
 
     def _preempt_for(self, adder: PrefillAdder, req: Req, no_slot: bool) -> bool:
         """Priority preemption for `req` (--enable-priority-scheduling): whether it freed room."""

@@ -18,7 +18,7 @@ Bad input raises ValueError with a message that says what to change (HTTP 400 up
 from __future__ import annotations
 
 import time
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, Iterable, List, Optional, Sequence, Union
 
 from minisgl.managers.io_struct import (
     EmbeddingReqInput, GenerateReqInput, TokenizedEmbeddingReqInput, TokenizedGenerateReqInput, check_logprob_args,
@@ -90,6 +90,25 @@ def check_return_hidden_states(obj: GenerateReqInput, enabled: bool, hint: str =
         raise ValueError(RETURN_HIDDEN_STATES_DISABLED + hint)
 
 
+LORA_NOT_ENABLED = "lora_path needs a server started with --lora-paths NAME=PATH ... (the Engine: lora_paths=[...])"
+
+
+def check_lora_path(obj: GenerateReqInput, loaded: Iterable[str]) -> None:
+    """A normalized request's lora_path (one name, or one per prompt of a batch; None: the base model):
+    a name of --lora-paths. Refused before anything is queued, naming the loaded adapters."""
+    values = obj.lora_path if isinstance(obj.lora_path, list) else [obj.lora_path]
+    names = sorted(loaded)
+    for value in values:
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise ValueError(f"lora_path must be an adapter name (a string), got {value!r}")
+        if not names:
+            raise ValueError(LORA_NOT_ENABLED)
+        if value not in names:
+            raise ValueError(f"LoRA adapter {value!r} is not loaded; the loaded adapters are: {', '.join(names)}")
+
+
 def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True) -> List[int]:
     """Prompt text -> ids. Special tokens in the text (e.g. a rendered chat template) stay special;
     add_special_tokens adds the tokenizer's own around it (a Llama tokenizer's BOS: without it such
@@ -153,6 +172,7 @@ def create_tokenized_object(
         top_logprobs_num=obj.top_logprobs_num,
         token_ids_logprob=list(obj.token_ids_logprob) if obj.token_ids_logprob else None,
         return_hidden_states=bool(obj.return_hidden_states),
+        lora_id=obj.lora_path,  # type: ignore[arg-type]  (a single request's one name, checked by check_lora_path)
         stream=obj.stream,
         priority=obj.priority,
         custom_logit_processor=obj.custom_logit_processor,

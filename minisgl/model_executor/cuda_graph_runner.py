@@ -166,7 +166,8 @@ class CudaGraphRunner:
 
     def can_run(self, forward_batch: ForwardBatch) -> bool:
         """A plain decode pass that fits a bucket, over the pools the graphs read: nothing the graph
-        did not record (all logits, hidden states, prompt logprobs) is asked for."""
+        did not record (all logits, hidden states, prompt logprobs, a LoRA adapter's deltas: the graphs
+        are captured on the base model) is asked for."""
         mr = self.model_runner
         return (
             forward_batch.forward_mode == ForwardMode.DECODE
@@ -176,6 +177,7 @@ class CudaGraphRunner:
             and forward_batch.input_logprob_indices is None
             and forward_batch.token_to_kv_pool is mr.token_to_kv_pool
             and forward_batch.req_to_token_pool is mr.req_to_token_pool
+            and not any(lora_id is not None for lora_id in forward_batch.lora_ids or ())
         )
 
     def replay(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:

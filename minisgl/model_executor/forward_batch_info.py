@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, List, Optional
 import torch
 
 if TYPE_CHECKING:
+    from minisgl.lora.lora_manager import LoRABatchInfo
     from minisgl.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
 
@@ -104,6 +105,11 @@ class ForwardBatch:
     # FULL when a request of the pass asked for return_hidden_states: the LogitsProcessor then hands
     # back the final-norm hidden state of every token of the pass (LogitsProcessorOutput.hidden_states)
     capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
+    # --lora-paths: each request's adapter name (None: the base model; the list None when no request
+    # of the pass names one), and, set by the ModelRunner's LoRAManager.prepare_lora_batch once per
+    # pass, the tokens grouped by adapter that DecoderAttention / DecoderMLP add the deltas of
+    lora_ids: Optional[List[Optional[str]]] = None
+    lora_batch_info: Optional["LoRABatchInfo"] = None
 
     @property
     def num_tokens(self) -> int:

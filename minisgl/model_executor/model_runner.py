@@ -4,7 +4,7 @@ Where it sits: Scheduler -> ScheduleBatch -> ForwardBatch -> ModelRunner.forward
 LogitsProcessorOutput -> ModelRunner.sample (logits bias, custom logit processors, Sampler) ->
 SampleOutput -> Scheduler. With --is-embedding (`is_generation` False, SGLang's name) forward
 returns an EmbeddingPoolerOutput instead, and nothing is sampled.
-Owns: model (DecoderForCausalLM), model_config, req_to_token_pool,
+Owns: model (DecoderForCausalLM), model_config, lora_manager (--lora-paths), req_to_token_pool,
 token_to_kv_pool_allocator, token_to_kv_pool, attn_backend, sampler, and on CUDA the
 cuda_graph_runner that replays decode steps (cuda_graph_runner.py; None where they run eagerly).
 
@@ -33,6 +33,7 @@ from minisgl.layers.attention.base import AttentionBackend
 from minisgl.layers.logits_processor import LogitsProcessorOutput
 from minisgl.layers.pooler import EmbeddingPoolerOutput
 from minisgl.layers.sampler import SampleOutput, Sampler
+from minisgl.lora.lora_manager import LoRAManager
 from minisgl.mem_cache.allocator import make_allocator
 from minisgl.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from minisgl.model_executor.cuda_graph_runner import DEFAULT_CUDA_GRAPH_MAX_BS, CudaGraphRunner, cuda_graph_disabled_reason
@@ -78,6 +79,9 @@ class ModelRunner:
             n = self.model.pack_linear_weights_for_cpu()  # oneDNN layout: ~2x matmul rate at decode sizes
             logger.info("packed %d linear weights for oneDNN", n)
         self.sampler = Sampler()
+        # --lora-paths: every adapter's weights, on the model's device and dtype (None without adapters)
+        lora_paths = server_args.lora_name_to_path()
+        self.lora_manager = LoRAManager(lora_paths, self.model_config, self.device, self.dtype) if lora_paths else None
 
         self.max_total_num_tokens = self._profile_max_num_token()
         self.max_running_requests = self._max_running_requests()
@@ -196,6 +200,8 @@ class ModelRunner:
             return LogitsProcessorOutput(next_token_logits=empty) if self.is_generation else EmbeddingPoolerOutput(empty)
         with torch.inference_mode():
             forward_batch.attn_backend.init_forward_metadata(forward_batch)
+            if self.lora_manager is not None:  # the pass's tokens grouped by adapter, once for every layer
+                forward_batch.lora_batch_info = self.lora_manager.prepare_lora_batch(forward_batch)
             if not self.is_generation:
                 return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch, get_embedding=True)
             return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)

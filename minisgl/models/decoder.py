@@ -43,6 +43,7 @@ from minisgl.layers.moe import SparseMoeBlock
 from minisgl.layers.pooler import EmbeddingPoolerOutput, Pooler
 from minisgl.layers.radix_attention import RadixAttention
 from minisgl.layers.rotary_embedding import RotaryEmbedding
+from minisgl.lora.lora_manager import LoRABatchInfo, LoRAManager
 from minisgl.model_executor.forward_batch_info import ForwardBatch
 from minisgl.models.model_config import ModelConfig
 from minisgl.models.registry import MoeConfig
@@ -58,10 +59,13 @@ class DecoderAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if config.qk_norm else None
         self.rotary_emb = rotary_emb  # one cos/sin table for the whole model (DecoderModel)
         self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id)
+        self.layer_id = layer_id
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         n, d = hidden_states.shape[0], self.head_dim
+        lora = forward_batch.lora_batch_info  # (None: no request of the pass uses an adapter)
         qkv = self.qkv_proj(hidden_states)  # [N, (Hq + 2 * Hkv) * D]
+        LoRAManager.apply(lora, self.layer_id, "qkv_proj", hidden_states, qkv)
         q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q.reshape(-1, d))[0]  # [N * Hq, D], normalised per head
@@ -71,19 +75,24 @@ class DecoderAttention(nn.Module):
         k = k.reshape(n, self.num_kv_heads, d).contiguous()  # [N, Hkv, D]
         v = v.reshape(n, self.num_kv_heads, d)  # [N, Hkv, D]
         self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v, forward_batch)  # [N, Hq, D]
-        return self.o_proj(out.reshape(n, self.num_heads * d))  # [N, hidden]
+        out = self.attn(q, k, v, forward_batch).reshape(n, self.num_heads * d)  # [N, Hq * D]
+        return LoRAManager.apply(lora, self.layer_id, "o_proj", out, self.o_proj(out))  # [N, hidden]
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, kernels: str = "torch") -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool = False, kernels: str = "torch", layer_id: int = -1
+    ) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnLinear(hidden_size, intermediate_size, bias)
         self.down_proj = ReplicatedLinear(intermediate_size, hidden_size, bias)
         self.act_fn = SiluAndMul(kernels)
+        self.layer_id = layer_id  # (-1: a MoE block's shared expert, which no adapter targets)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [N, hidden]
+    def forward(self, x: torch.Tensor, lora: Optional[LoRABatchInfo] = None) -> torch.Tensor:
+        gate_up = LoRAManager.apply(lora, self.layer_id, "gate_up_proj", x, self.gate_up_proj(x))  # [N, 2 * I]
+        h = self.act_fn(gate_up)  # [N, I]
+        return LoRAManager.apply(lora, self.layer_id, "down_proj", h, self.down_proj(h))  # [N, hidden]
 
 
 class DecoderLayer(nn.Module):
@@ -104,6 +113,8 @@ class DecoderLayer(nn.Module):
         hidden_states, residual = self.input_layernorm(hidden_states, residual)  # [N, hidden] each
         hidden_states = self.self_attn(positions, hidden_states, forward_batch)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        if isinstance(self.mlp, DecoderMLP):  # (a MoE block takes no adapter: LoRAManager refuses MLP targets there)
+            return self.mlp(hidden_states, forward_batch.lora_batch_info), residual
         return self.mlp(hidden_states), residual
 
 
@@ -111,7 +122,7 @@ def _make_mlp(config: ModelConfig, layer_id: int, kernels: str) -> nn.Module:
     """The layer's dense MLP, or its SparseMoeBlock when config.moe names the layer sparse."""
     moe = config.moe
     if moe is None or layer_id not in moe.sparse_layers:
-        return DecoderMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, kernels)
+        return DecoderMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, kernels, layer_id)
     shared = None
     if moe.shared_expert_intermediate_size is not None:
         shared = DecoderMLP(config.hidden_size, moe.shared_expert_intermediate_size, config.mlp_bias, kernels)

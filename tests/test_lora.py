@@ -1,0 +1,197 @@
+"""Multi-LoRA serving (--lora-paths): numerics against PEFT, mixed batches, the radix namespaces,
+admission under max_loras_per_batch, and every refusal.
+
+Adapters are PEFT's own: a LoraConfig on a tiny random model, lora_B randomised (PEFT
+initialises it to zero, which would make every delta zero and the parity test unable to fail),
+saved with save_pretrained. PEFT's merged-free forward is the oracle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable, Dict, List, Optional
+
+import pytest
+import torch
+
+from minisgl import Engine
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest.py)
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPTS = [[5, 17, 42, 99, 7, 300, 12], [8, 9, 10, 11, 250, 251, 252, 253, 254, 3, 4]]
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def make_adapter(base: str, path: str, seed: int, targets: Optional[List[str]] = None, **config: Any) -> str:
+    """A PEFT adapter of `base` with random A and B (std 0.1: deltas that change the greedy tokens)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    cfg = LoraConfig(r=config.pop("r", 4), lora_alpha=config.pop("lora_alpha", 8), target_modules=targets or ALL_TARGETS, **config)
+    peft_model = get_peft_model(model, cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    peft_model.save_pretrained(path)
+    return path
+
+
+def peft_greedy(base: str, adapter: str, prompt: List[int], n: int) -> tuple[List[int], List[float]]:
+    """PEFT's greedy continuation of `prompt` and each chosen token's logprob (float32, eager)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
+    model = PeftModel.from_pretrained(model, adapter).eval()
+    ids, out, lps = list(prompt), [], []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            logp = torch.log_softmax(logits, dim=-1)
+            tok = int(torch.argmax(logp))
+            out.append(tok)
+            lps.append(float(logp[tok]))
+            ids.append(tok)
+    return out, lps
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Dict[str, str]:
+    root = tmp_path_factory.mktemp("lora")
+    return {
+        "a": make_adapter(tiny_model, str(root / "a"), seed=1),
+        "b": make_adapter(tiny_model, str(root / "b"), seed=2, targets=["q_proj", "v_proj", "down_proj"], r=2),
+    }
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model: str, adapters: Dict[str, str]) -> Any:
+    with Engine(tiny_model, device="cpu", max_total_tokens=4096, lora_paths=[f"{n}={p}" for n, p in adapters.items()]) as e:
+        yield e
+
+
+def _generate(engine: Any, prompt: List[int], lora: Optional[str], n: int = 8) -> Dict[str, Any]:
+    return engine.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": n}, return_logprob=True, lora_path=lora)
+
+
+def _logprobs(out: Dict[str, Any]) -> List[float]:
+    return [entry[0] for entry in out["meta_info"]["output_token_logprobs"]]
+
+
+# ---------------------------------------------------------------------------- 1. parity with PEFT
+@pytest.mark.parametrize("arch,extra", [("qwen3", {}), ("llama", {}), ("qwen3", {"use_rslora": True})], ids=["qwen3", "llama", "qwen3-rslora"])
+def test_greedy_tokens_and_logprobs_match_peft(arch: str, extra: Dict[str, Any], tiny_model_factory: Callable[..., str], tmp_path: Any) -> None:
+    base = tiny_model_factory(arch)
+    adapter = make_adapter(base, str(tmp_path / "ad"), seed=3, **extra)
+    with Engine(base, device="cpu", max_total_tokens=2048, lora_paths=[f"ad={adapter}"]) as e:
+        for prompt in PROMPTS:
+            want_ids, want_lps = peft_greedy(base, adapter, prompt, 8)
+            out = _generate(e, prompt, "ad")
+            assert out["output_ids"] == want_ids
+            assert torch.allclose(torch.tensor(_logprobs(out)), torch.tensor(want_lps), atol=1e-4)
+            # and the adapter matters: the base model's answer differs (else this test could not fail)
+            assert _generate(e, prompt, None)["output_ids"] != want_ids
+
+
+# ---------------------------------------------------------------------------- 5. refusals
+def _edited_adapter(src: str, dst: Any, **fields: Any) -> str:
+    """A copy of adapter `src` whose adapter_config.json has `fields` changed."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, "adapter_config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(fields)
+    with open(os.path.join(dst, "adapter_config.json"), "w") as f:
+        json.dump(cfg, f)
+    return str(dst)
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        ({"use_dora": True}, "use_dora"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"bias": "all"}, "bias='all'"),
+        ({"fan_in_fan_out": True}, "fan_in_fan_out"),
+        ({"layers_to_transform": [0]}, "layers_to_transform"),
+        ({"rank_pattern": {"q_proj": 8}}, "rank_pattern"),
+        ({"target_modules": ".*proj"}, "regex form is not supported"),
+        ({"target_modules": ["q_proj", "embed_tokens"]}, "['embed_tokens'] are not supported"),
+        ({"target_modules": ["lm_head"]}, "['lm_head'] are not supported"),
+        ({"peft_type": "IA3"}, "only LORA adapters"),
+        ({"r": 8}, "the adapter was trained for another base model"),  # (its weights are r=4)
+    ],
+    ids=lambda v: v if isinstance(v, str) else "-".join(v),
+)
+def test_unsupported_adapter_configs_are_refused(tiny_model: str, adapters: Dict[str, str], tmp_path: Any, fields: Dict[str, Any], message: str) -> None:
+    bad = _edited_adapter(adapters["a"], tmp_path / "bad", **fields)
+    with pytest.raises(ValueError, match="adapter 'bad'|adapter '" + str(tmp_path)) as info:
+        Engine(tiny_model, device="cpu", max_total_tokens=1024, lora_paths=[f"bad={bad}"])
+    assert message in str(info.value)
+
+
+def test_an_adapter_of_another_base_model_is_refused(tiny_model: str, tiny_model_factory: Callable[..., str], tmp_path: Any) -> None:
+    other = tiny_model_factory("qwen3", intermediate_size=80)  # the same but for its MLP width
+    adapter = make_adapter(other, str(tmp_path / "other"), seed=4)
+    with pytest.raises(ValueError, match="trained for another base model"):
+        Engine(tiny_model, device="cpu", max_total_tokens=1024, lora_paths=[f"other={adapter}"])
+
+
+def test_server_args_refusals(tiny_model: str, adapters: Dict[str, str], tmp_path: Any) -> None:
+    from minisgl import ServerArgs
+
+    a = f"a={adapters['a']}"
+    with pytest.raises(ValueError, match="--speculative-algorithm: a verify pass would have to apply each request's adapter"):
+        ServerArgs(lora_paths=(a,), speculative_algorithm="NGRAM")
+    with pytest.raises(ValueError, match="--is-embedding"):
+        ServerArgs(lora_paths=(a,), is_embedding=True)
+    with pytest.raises(ValueError, match="--max-loras-per-batch must be >= 1, got 0"):
+        ServerArgs(max_loras_per_batch=0)
+    with pytest.raises(ValueError, match="names adapter 'a' twice"):
+        ServerArgs(lora_paths=(a, f"a={adapters['b']}"))
+    with pytest.raises(ValueError, match="adapter 'gone' directory .* does not exist"):
+        ServerArgs(lora_paths=(f"gone={tmp_path / 'nope'}",))
+    with pytest.raises(ValueError, match="needs a name and a path"):
+        ServerArgs(lora_paths=("=x",))
+    # a bare PATH names itself; the CLI's nargs="+" list becomes the frozen tuple
+    args = ServerArgs.from_argv(["--lora-paths", a, adapters["b"], "--max-loras-per-batch", "2"])
+    assert args.lora_paths == (a, adapters["b"]) and args.max_loras_per_batch == 2
+    assert args.lora_name_to_path() == {"a": adapters["a"], adapters["b"]: adapters["b"]}
+
+
+def test_request_refusals(engine: Any, tiny_model: str) -> None:
+    with pytest.raises(ValueError, match="LoRA adapter 'zzz' is not loaded; the loaded adapters are: a, b"):
+        engine.generate(input_ids=PROMPTS[0], sampling_params={"max_new_tokens": 2}, lora_path="zzz")
+    with pytest.raises(ValueError, match="not loaded"):  # one bad entry of a batch: nothing is queued
+        engine.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": 2}, lora_path=["a", "zzz"])
+    assert not engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="`lora_path` must have 2 entries"):
+        engine.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": 2}, lora_path=["a"])
+    with pytest.raises(ValueError, match="lora_path must be an adapter name"):
+        engine.add_request(input_ids=PROMPTS[0], lora_path=3)  # type: ignore[arg-type]
+    with Engine(tiny_model, device="cpu", max_total_tokens=1024) as plain:
+        with pytest.raises(ValueError, match="needs a server started with --lora-paths"):
+            plain.generate(input_ids=PROMPTS[0], sampling_params={"max_new_tokens": 2}, lora_path="a")
+
+
+def test_cuda_graphs_never_replay_an_adapter_pass(engine: Any) -> None:
+    """CudaGraphRunner.can_run: graphs are captured on the base model, so a decode pass with an adapter runs eagerly."""
+    from minisgl.model_executor.cuda_graph_runner import CudaGraphRunner
+
+    runner = CudaGraphRunner.__new__(CudaGraphRunner)  # (no GPU here: can_run reads max_bs only)
+    runner.max_bs = 8
+    seen: List[bool] = []
+    forward = engine.model_runner.forward
+    engine.model_runner.forward = lambda fb: (seen.append(runner.can_run(fb)) if fb.forward_mode.is_decode() else None, forward(fb))[1]
+    try:
+        engine.generate(input_ids=PROMPTS[0], sampling_params={**GREEDY, "max_new_tokens": 3}, lora_path="a")
+        engine.generate(input_ids=PROMPTS[0], sampling_params={**GREEDY, "max_new_tokens": 3})
+    finally:
+        engine.model_runner.forward = forward
+    assert seen == [False, False, True, True]
