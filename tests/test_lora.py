@@ -98,6 +98,99 @@ def test_greedy_tokens_and_logprobs_match_peft(arch: str, extra: Dict[str, Any],
             assert _generate(e, prompt, None)["output_ids"] != want_ids
 
 
+# ---------------------------------------------------------------------------- 2. mixed batches
+def test_one_batch_of_base_a_and_b_gives_each_what_it_gets_alone(engine: Any) -> None:
+    loras = [None, "a", "b", "a", None, "b"]
+    prompts = [PROMPTS[i % 2] for i in range(len(loras))]
+    alone = [_generate(engine, p, lora) for p, lora in zip(prompts, loras)]
+    assert len({tuple(o["output_ids"]) for o in alone[:3]}) == 3  # three models, three answers
+    engine.flush_cache()
+    together = engine.generate(
+        input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 8}, return_logprob=True, lora_path=loras
+    )
+    for got, want in zip(together, alone):
+        assert got["output_ids"] == want["output_ids"]
+        assert torch.allclose(torch.tensor(_logprobs(got)), torch.tensor(_logprobs(want)), atol=1e-4)
+
+
+def test_decode_steps_mix_adapters_in_one_pass(engine: Any) -> None:
+    """The batch above really shares passes: a step runs requests of several adapters at once."""
+    rids = [engine.add_request(input_ids=PROMPTS[0], sampling_params={**GREEDY, "max_new_tokens": 4}, lora_path=lora) for lora in (None, "a", "b")]
+    seen = set()
+    while engine.has_unfinished_requests():
+        engine.step(snapshot=False)
+        seen.add(frozenset(r.lora_id for r in engine.scheduler.running_batch.reqs))
+    assert frozenset({None, "a", "b"}) in seen
+    for rid in rids:
+        engine.get_result(rid)
+
+
+# ---------------------------------------------------------------------------- 3. radix namespaces
+def test_radix_never_shares_kv_between_adapters(engine: Any) -> None:
+    prompt = list(range(20, 60))
+    engine.flush_cache()
+    first = engine.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 2}, lora_path="a")
+    assert first["meta_info"]["cached_tokens"] == 0
+    other = engine.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 2}, lora_path="b")
+    assert other["meta_info"]["cached_tokens"] == 0  # same tokens, another adapter: nothing reused
+    base = engine.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 2})
+    assert base["meta_info"]["cached_tokens"] == 0
+    again = engine.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 2}, lora_path="a")
+    assert again["meta_info"]["cached_tokens"] == len(prompt) - 1  # same adapter: all but the last token
+    assert again["output_ids"] == first["output_ids"]
+    engine.scheduler.check_integrity()
+    radix = engine.snapshot()["radix"]
+    json.dumps(radix)  # (the visualizer's tree still serialises)
+    assert sorted(str(c["lora_id"]) for c in radix["tree"]["children"]) == ["None", "a", "b"]
+
+
+def test_radix_namespaces_with_pages(tiny_model: str, adapters: Dict[str, str]) -> None:
+    with Engine(tiny_model, device="cpu", max_total_tokens=1024, page_size=4, lora_paths=[f"a={adapters['a']}"]) as e:
+        prompt = list(range(30, 55))
+        e.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 2})
+        assert e.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 2}, lora_path="a")["meta_info"]["cached_tokens"] == 0
+        assert e.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 2}, lora_path="a")["meta_info"]["cached_tokens"] == 24
+        assert e.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 2})["meta_info"]["cached_tokens"] == 24
+        e.scheduler.check_integrity()
+
+
+# ---------------------------------------------------------------------------- 4. admission
+def test_max_loras_per_batch_one_never_runs_two_adapters(tiny_model: str, adapters: Dict[str, str], engine: Any) -> None:
+    loras = ["a", "b", None, "a", "b", None]
+    prompts = [PROMPTS[i % 2] for i in range(len(loras))]
+    want = [_generate(engine, p, lora)["output_ids"] for p, lora in zip(prompts, loras)]
+    paths = [f"{n}={p}" for n, p in adapters.items()]
+    with Engine(tiny_model, device="cpu", max_total_tokens=4096, lora_paths=paths, max_loras_per_batch=1) as e:
+        rids = [e.add_request(input_ids=p, sampling_params={**GREEDY, "max_new_tokens": 8}, lora_path=lora) for p, lora in zip(prompts, loras)]
+        passes: List[set] = []  # each forward pass's adapters (None: the base model)
+        forward = e.model_runner.forward
+        e.model_runner.forward = lambda fb: (passes.append(set(fb.lora_ids or [None])), forward(fb))[1]
+        while e.has_unfinished_requests():
+            e.step(snapshot=False)
+        assert passes and all(len(p) == 1 for p in passes), [p for p in passes if len(p) > 1]
+        assert set().union(*passes) == {"a", "b", None}
+        assert [e.get_result(r)["output_ids"] for r in rids] == want
+
+
+def test_adapters_kept_through_chunked_prefill_and_retraction(tiny_model: str, adapters: Dict[str, str], engine: Any) -> None:
+    """Chunks, mixed chunks and retraction keep each request's adapter: the answers are what it gets alone."""
+    loras = ["a", "b", None] * 4
+    prompts = [list(range(20 + 13 * i, 32 + 13 * i)) for i in range(len(loras))]  # 12 tokens: two chunks of 8
+    want = [_generate(engine, p, lora, n=30)["output_ids"] for p, lora in zip(prompts, loras)]
+    paths = [f"{n}={p}" for n, p in adapters.items()]
+    # a low schedule_conservativeness overcommits the 200-token pool on purpose: requests get retracted
+    with Engine(
+        tiny_model, device="cpu", max_total_tokens=200, chunked_prefill_size=8, enable_mixed_chunk=True,
+        schedule_conservativeness=0.1, lora_paths=paths,
+    ) as e:
+        rids = [e.add_request(input_ids=p, sampling_params={**GREEDY, "max_new_tokens": 30}, lora_path=lora) for p, lora in zip(prompts, loras)]
+        events: List[str] = []
+        while e.has_unfinished_requests():
+            events += [ev["type"] for ev in e.step()["events"]]
+        assert "retract" in events and "chunk" in events
+        assert [e.get_result(r)["output_ids"] for r in rids] == want
+
+
 # ---------------------------------------------------------------------------- 5. refusals
 def _edited_adapter(src: str, dst: Any, **fields: Any) -> str:
     """A copy of adapter `src` whose adapter_config.json has `fields` changed."""

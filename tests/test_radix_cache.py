@@ -117,6 +117,29 @@ def test_page16_matches_whole_pages_only() -> None:
     cache.check_integrity(total=P * 8)
 
 
+@pytest.mark.parametrize("P", [1, 4])
+def test_extra_keys_namespace_the_tree(P: int) -> None:
+    """SGLang's RadixKey.extra_key (a LoRA adapter's name): the same tokens under two namespaces are
+    two paths that never share slots; splits, eviction and the summary keep each node in its own."""
+    cache, alloc, _ = make_cache(page_size=P, size=64)
+    key = list(range(10, 18))
+    base, a = alloc.alloc(8), alloc.alloc(8)
+    assert cache.insert(key, base) == 0
+    assert cache.match_prefix(key, "a").device_indices.numel() == 0, "base tokens matched under adapter a"
+    assert cache.insert(key, a, extra_key="a") == 0, "a's insert reused the base model's slots"
+    assert cache.match_prefix(key, "a").device_indices.tolist() == a.tolist()
+    assert cache.match_prefix(key).device_indices.tolist() == base.tolist()
+    assert cache.match_prefix(key, "b").device_indices.numel() == 0
+    m = cache.match_prefix(key[:4] + [99] * 4, "a")  # splits a's node at 4, inside its namespace
+    assert m.device_indices.tolist() == a[:4].tolist() and m.last_device_node.extra_key == "a"
+    cache.check_integrity(total=64)
+    tree = cache.summary()["tree"]
+    assert [c["lora_id"] for c in tree["children"]] == [None, "a"]
+    assert "lora=a" in cache.format_tree()
+    assert cache.evict(64) == 16 and cache.total_size() == 0
+    cache.check_integrity(total=64)
+
+
 # ---------------------------------------------------------------- locks and eviction
 def test_lock_moves_tokens_between_evictable_and_protected() -> None:
     cache, alloc, _ = make_cache()

@@ -171,7 +171,8 @@ class Req:
         lora_id: Optional[str] = None,
     ) -> None:
         self.rid = rid
-        # the LoRA adapter (--lora-paths name) this request runs with, None: the base model (SGLang's lora_id)
+        # the LoRA adapter (--lora-paths name) this request runs with, None: the base model (SGLang's
+        # lora_id); it also namespaces the radix tree (extra_key), so adapters never share KV
         self.lora_id = lora_id
         self.origin_input_text = origin_input_text
         self.origin_input_ids = list(origin_input_ids)
@@ -286,6 +287,12 @@ class Req:
 
         self.time_stats = ReqTimeStats(scheduler_recv_time=time.perf_counter())
 
+    @property
+    def extra_key(self) -> Optional[str]:
+        """The radix tree's namespace of this request's tokens (SGLang's RadixKey.extra_key, into which
+        it folds lora_id): K/V computed under one adapter is never reused under another."""
+        return self.lora_id
+
     # ------------------------------------------------------------------ lengths
     @property
     def seqlen(self) -> int:
@@ -304,7 +311,7 @@ class Req:
         """
         self.fill_ids = self.origin_input_ids + self.output_ids
         if tree_cache is not None:
-            match = tree_cache.match_prefix(self.max_prefix_ids())
+            match = tree_cache.match_prefix(self.max_prefix_ids(), self.extra_key)
             self.prefix_indices = match.device_indices
             self.last_node = match.last_device_node
             self.cache_protected_len = len(self.prefix_indices)

@@ -23,7 +23,7 @@ import enum
 import logging
 import random
 from collections import defaultdict
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from minisgl.managers.schedule_batch import CLIP_MAX_NEW_TOKENS, Req, ScheduleBatch
 from minisgl.mem_cache.allocator import ceil_paged_tokens
@@ -339,20 +339,21 @@ class SchedulePolicy:
         dfs-weight it scans the whole queue).
         """
         deprioritized = set()
-        in_queue: List[List[int]] = []  # prompts that will populate the cache first
+        in_queue: List[Tuple[Optional[str], List[int]]] = []  # (extra_key, prompt) that will populate the cache first
         for r in waiting_queue:
             # what a match may cover, as SGLang's: a request whose prompt logprobs start at 0 can
             # reuse nothing, so it waits for no other request to fill the cache
             key = r.max_prefix_ids()
-            match = self.tree_cache.match_prefix(key)
+            match = self.tree_cache.match_prefix(key, r.extra_key)
             r.prefix_indices, r.last_node = match.device_indices, match.last_device_node
             if len(r.prefix_indices) > IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD:
                 continue
-            best = max((_common_prefix_len(key, other) for other in in_queue), default=0)
+            # (only a prompt under the same adapter will fill a prefix this request can reuse)
+            best = max((_common_prefix_len(key, other) for extra, other in in_queue if extra == r.extra_key), default=0)
             if best >= IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD:
                 deprioritized.add(r.rid)
             else:
-                in_queue.append(key)
+                in_queue.append((r.extra_key, key))
         return deprioritized
 
     @staticmethod

@@ -686,8 +686,12 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
 
     def _admit_waiting(self, adder: PrefillAdder, running_bs: int, rows_held: int) -> None:
         """Offer queued requests until the first one that does not fit (head-of-line blocking);
-        with priority scheduling, one that does not fit may preempt less important running ones."""
+        with priority scheduling, one that does not fit may preempt less important running ones.
+        With --lora-paths, a request whose adapter would make the batch run more than
+        max_loras_per_batch distinct adapters is skipped (SGLang's one `continue`), not a stop."""
         for req in self.waiting_queue:
+            if self.lora_names and not self._lora_batch_fits(adder, req):
+                continue
             no_slot = len(adder.can_run_list) >= self.get_num_allocatable_reqs(running_bs, rows_held)
             if no_slot:
                 self.running_batch.batch_is_full = True
@@ -715,6 +719,14 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
                     adder.record_stop("QUEUE_EMPTY", "every waiting request was admitted (the last one used up a budget)", replace=True)
                 return
         adder.record_stop("QUEUE_EMPTY", "every waiting request was admitted")
+
+    def _lora_batch_fits(self, adder: PrefillAdder, req: Req) -> bool:
+        """Whether the running requests, those admitted so far and `req` use at most
+        max_loras_per_batch distinct adapters. As SGLang's LoRAManager.validate_lora_batch, the
+        base model (None) counts as one: 1 lets a batch run one adapter, or the base model alone."""
+        lora_ids = {r.lora_id for r in self.running_batch.reqs} | {r.lora_id for r in adder.can_run_list}
+        lora_ids.add(req.lora_id)
+        return len(lora_ids) <= self.server_args.max_loras_per_batch
 
     def check_lora_id(self, lora_id: str) -> Optional[str]:
         """The error of a request naming an adapter this server did not load (None: it is loaded)."""

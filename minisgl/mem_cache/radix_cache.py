@@ -14,6 +14,12 @@ Each node holds a segment of token ids (`key`) and the KV slots that hold their 
 page_size P > 1 keys are whole pages: children are keyed by their first page (a tuple of
 P ids) and matching compares whole pages, because the allocator frees page by page.
 
+Namespaces (SGLang's RadixKey.extra_key): a request's `extra_key` (its LoRA adapter name, None
+for the base model) is part of every child key, `(extra_key, plain key)`, and every node keeps
+the extra_key it was inserted under. The same tokens under two adapters are then two paths
+that never meet: K/V computed with one adapter is never reused with another (it differs from
+the first adapted layer on), and under the same adapter it is shared as usual.
+
 Accounting (the numbers the visualizer shows):
     evictable_size_ = tokens in nodes with lock_ref == 0   (free-able by evict)
     protected_size_ = tokens in nodes with lock_ref > 0    (a running request uses them)
@@ -39,7 +45,7 @@ import torch
 from minisgl.mem_cache.allocator import TokenToKVPoolAllocator
 from minisgl.mem_cache.memory_pool import ReqToTokenPool
 
-ChildKey = Union[int, Tuple[int, ...]]
+ChildKey = Union[int, Tuple[int, ...], Tuple[str, Union[int, Tuple[int, ...]]]]
 
 # --radix-eviction-policy: each policy's sort key of an evictable leaf, the smallest evicted first
 EVICTION_KEYS: Dict[str, Callable[["TreeNode"], Tuple[float, ...]]] = {
@@ -61,6 +67,7 @@ class CacheReq(Protocol):
     req_pool_idx: int
     prefix_indices: torch.Tensor  # [prefix_len] int64 KV slots
     last_node: Any  # TreeNode the request has locked, None when it holds no lock
+    extra_key: Optional[str]  # the namespace of its tokens (its LoRA adapter; None: the base model)
     cache_protected_len: int  # row[:cache_protected_len] are tree-owned slots
     kv_committed_len: int  # positions of the row whose K/V were written
 
@@ -68,9 +75,12 @@ class CacheReq(Protocol):
 class TreeNode:
     """One segment of a cached prefix. `value is` never None here: evicted nodes are deleted."""
 
-    def __init__(self, node_id: int, key: List[int], value: torch.Tensor, parent: Optional["TreeNode"]) -> None:
+    def __init__(
+        self, node_id: int, key: List[int], value: torch.Tensor, parent: Optional["TreeNode"], extra_key: Optional[str] = None
+    ) -> None:
         self.id = node_id
         self.key = key  # token ids of this segment
+        self.extra_key = extra_key  # the namespace it was inserted under (every node of a path shares it)
         self.value = value  # [len(key)] int64 KV slots
         self.parent = parent
         self.children: Dict[ChildKey, TreeNode] = {}
@@ -131,8 +141,10 @@ class RadixCache:
     def _empty(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64, device=self.device)
 
-    def _new_node(self, key: List[int], value: torch.Tensor, parent: Optional[TreeNode]) -> TreeNode:
-        node = TreeNode(self._next_id, key, value, parent)
+    def _new_node(
+        self, key: List[int], value: torch.Tensor, parent: Optional[TreeNode], extra_key: Optional[str] = None
+    ) -> TreeNode:
+        node = TreeNode(self._next_id, key, value, parent, extra_key)
         self._next_id += 1
         return node
 
@@ -140,8 +152,13 @@ class RadixCache:
         self._clock += 1
         return self._clock
 
-    def _child_key(self, key: List[int]) -> ChildKey:
-        return key[0] if self.page_size == 1 else tuple(key[: self.page_size])
+    def _child_key(self, key: List[int], extra_key: Optional[str] = None) -> ChildKey:
+        plain = key[0] if self.page_size == 1 else tuple(key[: self.page_size])
+        return plain if extra_key is None else (extra_key, plain)
+
+    def _node_child_key(self, node: TreeNode) -> ChildKey:
+        """The key under which `node` sits in its parent's children."""
+        return self._child_key(node.key, node.extra_key)
 
     def _key_match(self, key0: List[int], key1: List[int]) -> int:
         """Length of the common prefix; with pages, only whole equal pages count."""
@@ -175,8 +192,8 @@ class RadixCache:
         return nodes
 
     # ------------------------------------------------------------------ match / insert
-    def match_prefix(self, key: List[int]) -> MatchResult:
-        """KV slots of the longest cached prefix of `key`, whole pages only.
+    def match_prefix(self, key: List[int], extra_key: Optional[str] = None) -> MatchResult:
+        """KV slots of the longest cached prefix of `key` in the namespace `extra_key`, whole pages only.
 
         Callers cap the key at len(fill_ids) - 1 (Req.init_next_round_input does) so that
         at least one token is recomputed to produce the next-token logits. Mutates the
@@ -190,8 +207,8 @@ class RadixCache:
         node = self.root_node
         node.last_access_time = now
         values: List[torch.Tensor] = []
-        while key and self._child_key(key) in node.children:
-            child = node.children[self._child_key(key)]
+        while key and self._child_key(key, extra_key) in node.children:
+            child = node.children[self._child_key(key, extra_key)]
             child.last_access_time = now
             prefix_len = self._key_match(child.key, key)
             if prefix_len < len(child.key):
@@ -209,7 +226,7 @@ class RadixCache:
         evictable/protected sizes do not change. Returns the upper node."""
         parent = child.parent
         assert parent is not None and 0 < split_len < len(child.key)
-        new_node = self._new_node(child.key[:split_len], child.value[:split_len], parent)
+        new_node = self._new_node(child.key[:split_len], child.value[:split_len], parent, child.extra_key)
         new_node.lock_ref = child.lock_ref
         new_node.last_access_time = child.last_access_time
         new_node.creation_time = child.creation_time  # (its tokens are as old as the child's)
@@ -218,8 +235,8 @@ class RadixCache:
         child.key = child.key[split_len:]
         child.value = child.value[split_len:]
         child.parent = new_node
-        new_node.children[self._child_key(child.key)] = child
-        parent.children[self._child_key(new_node.key)] = new_node
+        new_node.children[self._node_child_key(child)] = child
+        parent.children[self._node_child_key(new_node)] = new_node
         return new_node
 
     def record_hit(self, node: TreeNode) -> None:
@@ -236,12 +253,12 @@ class RadixCache:
         priority = getattr(req, "priority", None)  # (getattr: tests drive the cache with stand-in requests)
         return 0.0 if self.priority_order is None or priority is None else float(-self.priority_order * priority)
 
-    def insert(self, key: List[int], value: torch.Tensor, importance: float = 0.0) -> int:
+    def insert(self, key: List[int], value: torch.Tensor, importance: float = 0.0, extra_key: Optional[str] = None) -> int:
         """Add key -> value (KV slots); returns how many leading tokens were already in the
         tree. Of value[:returned], the caller frees only the slots it allocated itself,
         [req.cache_protected_len, returned): value[:cache_protected_len] are the tree's own
         slots, which the request matched earlier. `key` must be whole pages. Every node on the
-        path keeps the highest `importance` that reached it (SGLang's max)."""
+        path keeps the highest `importance` that reached it (SGLang's max). `extra_key`: the namespace."""
         if self.disable:
             return 0
         assert len(key) == len(value), f"insert: {len(key)} tokens but {len(value)} KV slots"
@@ -251,8 +268,8 @@ class RadixCache:
         node = self.root_node
         node.last_access_time = now
         total_prefix_len = 0
-        while key and self._child_key(key) in node.children:
-            node = node.children[self._child_key(key)]
+        while key and self._child_key(key, extra_key) in node.children:
+            node = node.children[self._child_key(key, extra_key)]
             node.last_access_time = now
             prefix_len = self._key_match(node.key, key)
             total_prefix_len += prefix_len
@@ -262,10 +279,10 @@ class RadixCache:
                 node = self._split_node(node, prefix_len)
             node.importance = max(node.importance, importance)
         if key:
-            leaf = self._new_node(key, value.clone(), node)
+            leaf = self._new_node(key, value.clone(), node, extra_key)
             leaf.last_access_time = leaf.creation_time = now
             leaf.importance = importance
-            node.children[self._child_key(key)] = leaf
+            node.children[self._child_key(key, extra_key)] = leaf
             self.evictable_size_ += len(key)
         return total_prefix_len
 
@@ -292,7 +309,9 @@ class RadixCache:
         assert len(token_ids) == committed, "kv_committed_len exceeds origin_input_ids + output_ids"
         aligned_len = committed // self.page_size * self.page_size
         if is_insert:
-            new_prefix_len = self.insert(token_ids[:aligned_len], kv_indices[:aligned_len], self.importance(req))
+            new_prefix_len = self.insert(
+                token_ids[:aligned_len], kv_indices[:aligned_len], self.importance(req), _extra_key(req)
+            )
             # [0, cache_protected_len) were tree slots already; the rest up to
             # new_prefix_len are this request's duplicates of tree slots
             allocator.free(kv_indices[req.cache_protected_len : new_prefix_len])
@@ -324,10 +343,10 @@ class RadixCache:
             return
         aligned_len = n // self.page_size * self.page_size
         keys = list(req.fill_ids[:aligned_len])
-        new_prefix_len = self.insert(keys, kv_indices[:aligned_len], self.importance(req))
+        new_prefix_len = self.insert(keys, kv_indices[:aligned_len], self.importance(req), _extra_key(req))
         self.token_to_kv_pool_allocator.free(kv_indices[req.cache_protected_len : new_prefix_len])
 
-        new_indices, new_last_node = self.match_prefix(keys)  # [aligned_len]
+        new_indices, new_last_node = self.match_prefix(keys, _extra_key(req))  # [aligned_len]
         assert len(new_indices) == aligned_len, "re-match after insert must find every inserted page"
         # the row must point at the tree's slots: ours in [cache_protected_len, new_prefix_len) were just freed
         start = req.cache_protected_len
@@ -394,7 +413,7 @@ class RadixCache:
     def _delete_leaf(self, node: TreeNode) -> TreeNode:
         parent = node.parent
         assert parent is not None and not node.children and node.lock_ref == 0
-        del parent.children[self._child_key(node.key)]
+        del parent.children[self._node_child_key(node)]
         self.evictable_size_ -= len(node.key)
         return parent
 
@@ -451,8 +470,11 @@ class RadixCache:
             if node is self.root_node:
                 continue
             parent = node.parent
-            assert parent is not None and parent.children.get(self._child_key(node.key)) is node, (
+            assert parent is not None and parent.children.get(self._node_child_key(node)) is node, (
                 f"node {node.id} is not reachable from its parent under its first token/page"
+            )
+            assert parent is self.root_node or parent.extra_key == node.extra_key, (
+                f"node {node.id} (extra_key {node.extra_key!r}) hangs under node {parent.id} of extra_key {parent.extra_key!r}"
             )
             assert len(node.key) > 0, f"node {node.id} has an empty key"
             assert len(node.value) == len(node.key), (
@@ -497,7 +519,8 @@ class RadixCache:
 
     @staticmethod
     def _sorted_children(node: TreeNode) -> List[TreeNode]:
-        return [node.children[k] for k in sorted(node.children)]
+        # the base model's children first, then each adapter's; within one namespace by first token/page
+        return sorted(node.children.values(), key=lambda c: (c.extra_key is not None, c.extra_key or "", c.key))
 
     @staticmethod
     def _node_dict(node: TreeNode) -> Dict[str, Any]:
@@ -507,6 +530,7 @@ class RadixCache:
             "lock_ref": node.lock_ref,
             "hits": node.hit_count,
             "tokens_preview": list(node.key[:8]),
+            "lora_id": node.extra_key,
             "children": [],
         }
 
@@ -524,8 +548,14 @@ class RadixCache:
             node, depth = stack.pop()
             preview = node.key[:8] + (["..."] if len(node.key) > 8 else [])
             lines.append(
-                f"{'  ' * depth}[{node.id}] len={len(node.key)} lock_ref={node.lock_ref} hits={node.hit_count}"
+                f"{'  ' * depth}[{node.id}]{'' if node.extra_key is None else ' lora=' + node.extra_key}"
+                f" len={len(node.key)} lock_ref={node.lock_ref} hits={node.hit_count}"
                 f" tokens={preview} slots={node.value[:4].tolist()}{'...' if len(node.value) > 4 else ''}"
             )
             stack.extend((c, depth + 1) for c in reversed(self._sorted_children(node)))
         return "\n".join(lines)
+
+
+def _extra_key(req: CacheReq) -> Optional[str]:
+    """A request's namespace (getattr: tests drive the cache with stand-in requests that have none)."""
+    return getattr(req, "extra_key", None)
