@@ -354,8 +354,23 @@ def test_sglangs_unbuilt_fields_on_the_openai_routes_are_null_or_refused_by_name
     client, _ = _scripted_client(tiny_model, tmp_path, [_out("r", "ok", 1, LENGTH)])
     with client:
         assert _post(client, "chat", regex=None, ebnf=None, json_schema=None, stop_regex=None).status_code == 200
-        r = _post(client, "completions", lora_path="adapter")
-    assert r.status_code == 400 and "'lora_path': it is not supported by minisgl" in r.text
+        r = _post(client, "completions", cache_salt="s")
+    assert r.status_code == 400 and "'cache_salt': it is not supported by minisgl" in r.text
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_the_adapter_comes_from_model_base_colon_name_or_the_lora_path_field(tiny_model: str, tmp_path: Any, route: str) -> None:
+    """SGLang's LoRA syntax on the OpenAI routes: model "BASE:NAME" (it wins over lora_path), else the
+    lora_path field; the answer names the model as the client sent it. (The TokenizerManager checks the name.)"""
+    client, seen = _scripted_client(tiny_model, tmp_path, [_out("r", "ok", 1, LENGTH)])
+    with client:
+        for model, lora_path, want in (
+            (client.model, "x", "x"), (f"{client.model}:a", None, "a"), (f"{client.model}:a", "x", "a"),
+            ("default:b", None, "b"), (client.model, None, None),
+        ):
+            r = _post(client, route, model=model, **({"lora_path": lora_path} if lora_path else {}))
+            assert r.status_code == 200 and r.json()["model"] == model and seen[-1].lora_path == want, r.text
+        assert _post(client, route, model="another:a").status_code == 404  # (the base must be this server's model)
 
 
 def test_response_format_takes_sglangs_schema_without_its_wrapper(tiny_model: str, tmp_path: Any) -> None:

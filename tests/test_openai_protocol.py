@@ -206,8 +206,10 @@ def test_unsupported_field_names_the_param(client: TestClient) -> None:
         r = client.post("/generate", json={"text": ["a", "b"], "sampling_params": params})
         assert r.status_code == 400 and "n must be an integer" in r.json()["error"]["message"], r.text
     # SGLang's /generate fields minisgl does not build say so too
-    r = client.post("/generate", json={"text": "hi", "lora_path": "adapter"})
-    assert r.status_code == 400 and "'lora_path': it is not supported by minisgl" in r.json()["error"]["message"]
+    r = client.post("/generate", json={"text": "hi", "cache_salt": "s"})
+    assert r.status_code == 400 and "'cache_salt': it is not supported by minisgl" in r.json()["error"]["message"]
+    r = client.post("/generate", json={"text": "hi", "lora_path": "adapter"})  # (built; this server has no adapter)
+    assert r.status_code == 400 and "lora_path needs a server started with --lora-paths" in r.json()["error"]["message"]
 
 
 def test_generate_takes_the_nulls_sglangs_own_clients_send(tiny_model: str, tmp_path: Any) -> None:
@@ -221,8 +223,9 @@ def test_generate_takes_the_nulls_sglangs_own_clients_send(tiny_model: str, tmp_
         assert r.status_code == 200, r.text
         obj = seen[0]
         assert (obj.return_logprob, obj.logprob_start_len, obj.top_logprobs_num) == (False, -1, 0)
-        r = client.post("/generate", json={"text": "hi", "lora_path": "adapter"})  # a real value stays a 400
-        assert r.status_code == 400 and "'lora_path': it is not supported by minisgl" in r.text
+        assert obj.lora_path is None
+        r = client.post("/generate", json={"text": "hi", "lora_path": "adapter"})  # a real value reaches the TokenizerManager
+        assert r.status_code == 200 and seen[-1].lora_path == "adapter"
 
 
 @pytest.mark.parametrize(

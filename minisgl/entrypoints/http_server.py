@@ -369,6 +369,7 @@ async def _native_generate(tm: TokenizerManager, request: GenerateRequest, raw_r
         stream=request.stream,
         priority=request.priority,
         custom_logit_processor=request.custom_logit_processor,
+        lora_path=request.lora_path,
     )
     try:
         gen = tm.generate_request(obj, raw_request)

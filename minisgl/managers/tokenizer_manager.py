@@ -303,6 +303,7 @@ class TokenizerManager:
         self.server_args = server_args
         # --is-embedding: embedding requests only; the model's Matryoshka sizes check their `dimensions`
         self.is_embedding = server_args.is_embedding
+        self.lora_names = frozenset(server_args.lora_name_to_path())  # --lora-paths adapters a request may name
         self.hidden_size = hidden_size
         self.is_matryoshka = is_matryoshka
         self.matryoshka_dimensions = matryoshka_dimensions
@@ -363,6 +364,7 @@ class TokenizerManager:
         tokenization.check_priority(obj.priority, self.server_args.enable_priority_scheduling)
         tokenization.check_custom_logit_processor(obj, self.server_args.enable_custom_logit_processor)
         tokenization.check_return_hidden_states(obj, self.server_args.enable_return_hidden_states)
+        tokenization.check_lora_path(obj, self.lora_names)
         n = params[0].n if obj.is_single else 1
         if obj.is_single and n == 1:
             async for out in self._generate_one(obj, request):

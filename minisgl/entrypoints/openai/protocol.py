@@ -31,7 +31,7 @@ UNSUPPORTED_FIELDS = frozenset(
     {
         "functions", "function_call", "audio", "modalities", "prediction", "store",
         "metadata", "service_tier", "web_search_options", "suffix", "best_of", "user",
-        "lora_path", "image_data",
+        "image_data",
         # SGLang's own, on /generate or the OpenAI routes
         "audio_data", "video_data", "input_embeds", "session_params", "bootstrap_host",
         "bootstrap_port", "bootstrap_room", "data_parallel_rank", "extra_key", "cache_salt",
@@ -236,6 +236,8 @@ class _SamplingFields(BaseModel):
     # SGLang's (chat and completions): with --enable-return-hidden-states, each choice carries the
     # hidden state of its last decode step (OpenAIServingBase.last_hidden_state)
     return_hidden_states: bool = False
+    # SGLang's extra field: the --lora-paths adapter to run with (a `model` of "BASE:NAME" names one too, and wins)
+    lora_path: Optional[str] = None
 
     def _common_sampling_params(self, max_new_tokens: Optional[int], defaults: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
         """The SGLang sampling_params dict. An unset knob takes `defaults` (the model's
@@ -626,6 +628,8 @@ class GenerateRequest(BaseModel):
     # with --enable-custom-logit-processor: CustomLogitProcessor.to_str() for all prompts, or a list
     # of one per prompt (None: none); its parameters go in sampling_params["custom_params"]
     custom_logit_processor: Optional[Union[str, List[Optional[str]]]] = None
+    # SGLang's: the --lora-paths adapter name (None: the base model), one for all prompts or one per prompt
+    lora_path: Optional[Union[str, List[Optional[str]]]] = None
 
 
 # --------------------------------------------------------------------------- embeddings

@@ -68,6 +68,15 @@ def unknown_model_response(model: str, served: str) -> Optional[JSONResponse]:
     )
 
 
+def split_lora_model(model: str, served: str) -> Tuple[str, Optional[str]]:
+    """SGLang's `model` syntax for LoRA: "BASE:ADAPTER" -> ("BASE", "ADAPTER"); the served name itself
+    (even one with a colon) or a name without one -> (model, None)."""
+    if model in (served, "default") or ":" not in model:
+        return model, None
+    base, adapter = model.split(":", 1)
+    return base, adapter
+
+
 def sse_data(obj: Any) -> str:
     """One SSE event, framed: `data: <json>` and a blank line. `obj`: a pydantic model, a dict or "[DONE]"."""
     if isinstance(obj, BaseModel):
@@ -234,10 +243,19 @@ class OpenAIServingBase(ABC):
     def _stream_events(self, first: Dict[str, Any], rest: AsyncIterator[Dict[str, Any]], adapted: GenerateReqInput, request: Any) -> AsyncIterator[str]:
         """Render the output dicts (starting with `first`) as SSE events, ending with [DONE]."""
 
+    def _base_model(self, request: Any) -> str:
+        return split_lora_model(request.model, self.tokenizer_manager.model_name)[0]
+
+    def _lora_path(self, request: Any) -> Optional[str]:
+        """The request's adapter: `model` "BASE:NAME" (it wins, as in SGLang), else the lora_path field.
+        The TokenizerManager checks the name (a 400 listing the loaded adapters)."""
+        adapter = split_lora_model(request.model, self.tokenizer_manager.model_name)[1]
+        return adapter if adapter is not None else request.lora_path
+
     # --- the shared path
     async def handle_request(self, request: Any, raw_request: Request) -> Response:
         received_time = time.time()
-        unknown = unknown_model_response(request.model, self.tokenizer_manager.model_name)
+        unknown = unknown_model_response(self._base_model(request), self.tokenizer_manager.model_name)
         if unknown is not None:
             return unknown
         if self.tokenizer_manager.is_embedding:  # (the TokenizerManager refuses it too; said first, before any other check)

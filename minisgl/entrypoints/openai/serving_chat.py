@@ -307,6 +307,7 @@ class OpenAIServingChat(OpenAIServingBase):
             custom_logit_processor=request.custom_logit_processor,
             require_reasoning=self._thinks(request),
             return_hidden_states=request.return_hidden_states,
+            lora_path=self._lora_path(request),
         )
 
     # ------------------------------------------------------------------ logprobs

@@ -67,6 +67,7 @@ class OpenAIServingCompletions(OpenAIServingBase):
             priority=request.priority,
             custom_logit_processor=request.custom_logit_processor,
             return_hidden_states=request.return_hidden_states,
+            lora_path=self._lora_path(request),
         )
 
     def _prompt_text(self, request: CompletionRequest, index: int) -> str:
