@@ -288,3 +288,20 @@ def test_cuda_graphs_never_replay_an_adapter_pass(engine: Any) -> None:
     finally:
         engine.model_runner.forward = forward
     assert seen == [False, False, True, True]
+
+
+def test_the_visualizer_shows_each_request_s_adapter(engine: Any) -> None:
+    from minisgl.visualizer.render import render_batch, render_waiting
+    from minisgl.visualizer.snapshot import validate_snapshot
+
+    rids = [engine.add_request(input_ids=PROMPTS[0], sampling_params={**GREEDY, "max_new_tokens": 2}, lora_path=lora) for lora in ("a", None)]
+    waiting = engine.snapshot()
+    assert [r["lora_id"] for r in waiting["waiting_queue"]] == ["a", None]
+    assert render_waiting(waiting).count("lora a") == 1
+    snap = engine.step()
+    assert validate_snapshot(snap) == [] and json.dumps(snap)
+    assert [r["lora_id"] for r in snap["batch"]["reqs"]] == ["a", None]
+    assert render_batch(snap).count("lora a") == 1
+    engine.run_until_idle()
+    for rid in rids:
+        engine.get_result(rid)

@@ -93,6 +93,7 @@ class SchedulerMetricsMixin:
                     "retraction_count": r.retraction_count,
                     # --enable-priority-scheduling: the priority it named (None: none, or the flag is off)
                     "priority": named_priority(r.priority),
+                    "lora_id": r.lora_id,  # --lora-paths: its adapter (None: the base model)
                 }
                 for r in self.waiting_queue
             ],
@@ -184,6 +185,7 @@ class SchedulerMetricsMixin:
                     # token, and how many of them the request took (0 in every other mode)
                     "draft_len": len(batch.draft_token_ids[i]) if verify and i < len(batch.draft_token_ids) else 0,
                     "accepted_len": batch.accepted_draft_lens[i] if verify and i < len(batch.accepted_draft_lens) else 0,
+                    "lora_id": r.lora_id,  # --lora-paths: the adapter its rows ran with (None: the base model)
                 }
             )
         return out

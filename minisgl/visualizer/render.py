@@ -82,6 +82,7 @@ def render_waiting(snap: Mapping[str, Any]) -> str:
         f'<div><span class="rid">{escape(r["rid"])}</span>'
         + (f'<span class="badge">retracted ×{r.get("retraction_count", 1)}</span>' if r["retracted"] else "")
         + (f'<span class="badge">priority {r["priority"]}</span>' if r.get("priority") is not None else "")
+        + (f'<span class="badge">lora {escape(r["lora_id"])}</span>' if r.get("lora_id") is not None else "")
         + f'</div><div title="{_LAST_MATCH}">prompt {r["input_len"]} tok · matched {r["prefix_len"]}</div>'
         f'<div class="detail">waited {_ms(r["waited_ms"])}</div></div>'
         for r in snap["waiting_queue"]
@@ -136,7 +137,7 @@ def _batch_row(r: Mapping[str, Any], mode: str = "") -> str:
         f'{_seg("prefix", cached, total, f"cached prefix (radix hit) {cached}")}'
         f'{_seg("computed", computed, total, f"{own} {computed}")}{_seg(kind, extend, total, f"{kind} {extend}")}'
         f'{_draft_segs(r, total)}</div>'
-        f'<span class="label">{label}</span></div>'
+        f'<span class="label">{label}{" · lora " + escape(r["lora_id"]) if r.get("lora_id") is not None else ""}</span></div>'
     )
 
 

@@ -40,7 +40,7 @@ function renderWaiting(snap) {
     </div>`).join("");
   $("waiting-queue").innerHTML = q.length + g.length === 0 ? '<p class="empty">empty</p>' : compiling + q.map((r) => `
     <div class="req-card" data-rid="${esc(r.rid)}" data-retracted="${r.retracted ? 1 : 0}">
-      <div><span class="rid">${esc(r.rid)}</span>${r.retracted ? `<span class="badge">retracted ×${r.retraction_count}</span>` : ""}${r.priority != null ? `<span class="badge">priority ${esc(String(r.priority))}</span>` : ""}</div>
+      <div><span class="rid">${esc(r.rid)}</span>${r.retracted ? `<span class="badge">retracted ×${r.retraction_count}</span>` : ""}${r.priority != null ? `<span class="badge">priority ${esc(String(r.priority))}</span>` : ""}${r.lora_id != null ? `<span class="badge">lora ${esc(r.lora_id)}</span>` : ""}</div>
       <div title="the prefix the radix tree held when the scheduler last matched this request (at an admission attempt, or lpm's ordering)">prompt ${r.input_len} tok · matched ${r.prefix_len}</div>
       <div class="detail">waited ${fmtMs(r.waited_ms)}${r.output_len ? ` · ${r.output_len} out` : ""}</div>
     </div>`).join("");
@@ -79,7 +79,7 @@ function batchRow(r, mode) {
     <div class="stackbar">${seg("prefix", r.cached_len, total, `cached prefix (radix hit) ${r.cached_len}`)}${seg("computed",
       r.prefix_len - r.cached_len, total, `${r.is_decode ? "context" : "earlier chunks"} ${r.prefix_len - r.cached_len}`)}${seg(kind,
       own, total, `${kind} ${own}`)}${draftSegs(r, total)}</div>
-    <span class="label">${label}</span></div>`;
+    <span class="label">${label}${r.lora_id != null ? ` · lora ${esc(r.lora_id)}` : ""}</span></div>`;
 }
 
 function renderBatch(snap) {
