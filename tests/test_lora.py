@@ -144,6 +144,14 @@ def test_radix_never_shares_kv_between_adapters(engine: Any) -> None:
     assert sorted(str(c["lora_id"]) for c in radix["tree"]["children"]) == ["None", "a", "b"]
 
 
+def test_n_samples_under_an_adapter_reuse_its_prompt(engine: Any) -> None:
+    """n > 1: the prompt is prefilled once (the prefix warm-up) under the samples' adapter, so they find it cached."""
+    prompt = list(range(200, 230))
+    engine.flush_cache()
+    outs = engine.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 2, "n": 2}, lora_path="b")
+    assert [o["meta_info"]["cached_tokens"] for o in outs] == [len(prompt) - 1] * 2
+
+
 def test_radix_namespaces_with_pages(tiny_model: str, adapters: Dict[str, str]) -> None:
     with Engine(tiny_model, device="cpu", max_total_tokens=1024, page_size=4, lora_paths=[f"a={adapters['a']}"]) as e:
         prompt = list(range(30, 55))
@@ -234,6 +242,19 @@ def test_an_adapter_of_another_base_model_is_refused(tiny_model: str, tiny_model
     adapter = make_adapter(other, str(tmp_path / "other"), seed=4)
     with pytest.raises(ValueError, match="trained for another base model"):
         Engine(tiny_model, device="cpu", max_total_tokens=1024, lora_paths=[f"other={adapter}"])
+
+
+def test_a_moe_model_takes_attention_adapters_only(tiny_model_factory: Callable[..., str], tmp_path: Any) -> None:
+    base = tiny_model_factory("qwen3_moe")
+    adapter = make_adapter(base, str(tmp_path / "attn"), seed=5, targets=["q_proj", "k_proj", "v_proj", "o_proj"])
+    with Engine(base, device="cpu", max_total_tokens=1024, lora_paths=[f"attn={adapter}"]) as e:
+        want_ids, want_lps = peft_greedy(base, adapter, PROMPTS[0], 6)
+        out = _generate(e, PROMPTS[0], "attn", n=6)
+        assert out["output_ids"] == want_ids
+        assert torch.allclose(torch.tensor(_logprobs(out)), torch.tensor(want_lps), atol=1e-4)
+    mlp = _edited_adapter(adapter, tmp_path / "mlp", target_modules=["q_proj", "gate_proj"])
+    with pytest.raises(ValueError, match="targets MLP modules of a mixture-of-experts model"):
+        Engine(base, device="cpu", max_total_tokens=1024, lora_paths=[f"mlp={mlp}"])
 
 
 def test_server_args_refusals(tiny_model: str, adapters: Dict[str, str], tmp_path: Any) -> None:

@@ -311,6 +311,7 @@ def prefix_warmups(samples: List["Sample"], tokenized: List[TokenizedGenerateReq
             warmups.append(TokenizedGenerateReqInput(
                 rid=f"{sample.parent_rid}-prefix-{new_rid()}", input_text=tok.input_text, input_ids=tok.input_ids,
                 sampling_params=params, priority=tok.priority, created_time=tok.created_time,
+                lora_id=tok.lora_id,  # (the samples find the prompt under their own adapter's namespace)
             ))  # fmt: skip
     return warmups
 
