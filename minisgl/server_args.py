@@ -19,7 +19,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal, Optional, Sequence, Tuple
+from typing import Any, Dict, Literal, Optional, Sequence, Tuple
 
 from minisgl.chat_template import read_chat_template
 from minisgl.lora.lora_config import parse_lora_paths
@@ -52,6 +52,7 @@ RETRACTION_POLICIES = ("length", "priority")  # (SGLang 0.5.23's --retraction-po
 RADIX_EVICTION_POLICIES = ("lru", "mru", "lfu", "fifo", "filo", "priority")
 TOOL_CALL_PARSERS = ("qwen25", "llama3", "mistral", "pythonic")  # (entrypoints/openai/tool_parsers.py)
 REASONING_PARSERS = ("qwen3", "deepseek-r1")  # (entrypoints/openai/reasoning.py)
+DEFAULT_MAX_LORAS_PER_BATCH = 8  # SGLang's default
 SPECULATIVE_ALGORITHMS = ("NGRAM",)  # (speculative/ngram_worker.py; SGLang's draft-model algorithms are not built)
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 DEVICES = ("auto", "cpu", "cuda")
@@ -238,7 +239,7 @@ class ServerArgs:
         )
     )
     max_loras_per_batch: int = field(
-        default=8, metadata=_opt("Most distinct adapters one batch runs (the base model counts as one, as in SGLang).")
+        default=DEFAULT_MAX_LORAS_PER_BATCH, metadata=_opt("Most distinct adapters one batch runs (the base model counts as one, as in SGLang).")
     )
 
     enable_return_hidden_states: bool = field(
@@ -335,6 +336,8 @@ class ServerArgs:
         if self.max_loras_per_batch < 1:
             raise ValueError(f"--max-loras-per-batch must be >= 1, got {self.max_loras_per_batch}")
         if self.lora_paths is None:
+            if self.max_loras_per_batch != DEFAULT_MAX_LORAS_PER_BATCH:  # (not silently ignored)
+                raise ValueError("--max-loras-per-batch set without --lora-paths: name the adapters, or drop it")
             return
         if not isinstance(self.lora_paths, tuple):  # frozen: a list would make the args unhashable and mutable
             raise ValueError(f"lora_paths must be a tuple of NAME=PATH strings, got {type(self.lora_paths).__name__}")
@@ -349,7 +352,7 @@ class ServerArgs:
             raise ValueError("--lora-paths serves generation adapters; an embedding server (--is-embedding) does not apply them: drop one of the two flags")
         parse_lora_paths(self.lora_paths)  # (duplicate names, missing directories)
 
-    def lora_name_to_path(self) -> dict:
+    def lora_name_to_path(self) -> Dict[str, str]:
         """{adapter name: directory} of --lora-paths ({} without it)."""
         return parse_lora_paths(self.lora_paths) if self.lora_paths else {}
 

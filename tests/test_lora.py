@@ -266,7 +266,9 @@ def test_server_args_refusals(tiny_model: str, adapters: Dict[str, str], tmp_pat
     with pytest.raises(ValueError, match="--is-embedding"):
         ServerArgs(lora_paths=(a,), is_embedding=True)
     with pytest.raises(ValueError, match="--max-loras-per-batch must be >= 1, got 0"):
-        ServerArgs(max_loras_per_batch=0)
+        ServerArgs(lora_paths=(a,), max_loras_per_batch=0)
+    with pytest.raises(ValueError, match="--max-loras-per-batch set without --lora-paths"):
+        ServerArgs(max_loras_per_batch=2)
     with pytest.raises(ValueError, match="names adapter 'a' twice"):
         ServerArgs(lora_paths=(a, f"a={adapters['b']}"))
     with pytest.raises(ValueError, match="adapter 'gone' directory .* does not exist"):

@@ -89,55 +89,67 @@ class LoRAManager:
 
     # ------------------------------------------------------------------ loading
     def _load(self, name: str, path: str) -> LoRAAdapter:
-        from safetensors.torch import load_file
-
         config = LoRAConfig.from_dir(path)
         mc = self.model_config
         if mc.moe is not None and set(config.target_modules) & set(MLP_MODULES):
             raise ValueError(f"LoRA adapter {name!r} targets MLP modules of a mixture-of-experts model (its experts); "
                              "only attention modules (q/k/v/o_proj) are supported there")  # fmt: skip
+        tensors = self._read_tensors(name, path, config)
+        weights: Dict[Tuple[int, str], Tuple[torch.Tensor, torch.Tensor]] = {}
+        for layer in range(mc.num_layers):
+            for fused, parts in FUSED_MODULES.items():
+                if set(parts) & set(config.target_modules):
+                    a, b = self._fuse(name, config, tensors, layer, parts)
+                    weights[(layer, fused)] = (a.to(self.device, self.dtype), b.to(self.device, self.dtype))
+        return LoRAAdapter(name, config, weights)
+
+    def _read_tensors(self, name: str, path: str, config: LoRAConfig) -> Dict[Tuple[int, str, str], torch.Tensor]:
+        """adapter_model.safetensors -> {(layer, module, "A" or "B"): weight}; any other tensor is refused."""
+        from safetensors.torch import load_file
+
         weights_file = os.path.join(path, ADAPTER_WEIGHTS)
         if not os.path.isfile(weights_file):
             raise ValueError(f"LoRA adapter {name!r} has no {ADAPTER_WEIGHTS} in {path!r}")
-        tensors: Dict[Tuple[int, str, str], torch.Tensor] = {}  # (layer, module, "A"/"B") -> weight
+        tensors: Dict[Tuple[int, str, str], torch.Tensor] = {}
         for key, tensor in load_file(weights_file).items():
             m = _LORA_TENSOR.fullmatch(key)
             if m is None or m.group(2) not in config.target_modules:
                 raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA weight of a supported module "
                                  "(q/k/v/o/gate/up/down_proj of a decoder layer)")  # fmt: skip
             layer = int(m.group(1))
-            if layer >= mc.num_layers:
-                raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} is for layer {layer}, the base model has {mc.num_layers}")
+            if layer >= self.model_config.num_layers:
+                raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} is for layer {layer}, the base model has {self.model_config.num_layers}")
             tensors[(layer, m.group(2), m.group(3))] = tensor
-        shapes, r = module_shapes(mc), config.r
-        weights: Dict[Tuple[int, str], Tuple[torch.Tensor, torch.Tensor]] = {}
-        for layer in range(mc.num_layers):
-            for fused, parts in FUSED_MODULES.items():
-                if not set(parts) & set(config.target_modules):
-                    continue
-                a_rows: List[torch.Tensor] = []
-                b = torch.zeros(sum(shapes[p][1] for p in parts), len(parts) * r)  # [out, n * r]
-                col = 0
-                for j, part in enumerate(parts):
-                    d_in, d_out = shapes[part]
-                    if part in config.target_modules:
-                        a_w, b_w = tensors.get((layer, part, "A")), tensors.get((layer, part, "B"))
-                        if a_w is None or b_w is None:
-                            raise ValueError(f"LoRA adapter {name!r} lacks layer {layer}'s {part} lora_A/lora_B weights")
-                        if tuple(a_w.shape) != (r, d_in) or tuple(b_w.shape) != (d_out, r):
-                            raise ValueError(
-                                f"LoRA adapter {name!r}: layer {layer} {part} has lora_A {tuple(a_w.shape)} and lora_B "
-                                f"{tuple(b_w.shape)}, the base model needs ({r}, {d_in}) and ({d_out}, {r}): "
-                                "the adapter was trained for another base model"
-                            )
-                        a_rows.append(a_w.float())
-                        b[col : col + d_out, j * r : (j + 1) * r] = b_w.float() * config.scaling
-                    else:
-                        a_rows.append(torch.zeros(r, d_in))  # (its B block is zero: no delta)
-                    col += d_out
-                a = torch.cat(a_rows)  # [n * r, in]
-                weights[(layer, fused)] = (a.to(self.device, self.dtype), b.to(self.device, self.dtype))
-        return LoRAAdapter(name, config, weights)
+        return tensors
+
+    def _fuse(
+        self, name: str, config: LoRAConfig, tensors: Dict[Tuple[int, str, str], torch.Tensor], layer: int, parts: Tuple[str, ...]
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """One fused module's (A [n * r, in], scaling * block-diagonal B [out, n * r]), float32 on the CPU.
+        Slice j's B sits in its output rows and in columns [j * r, (j + 1) * r), where its A's rows land."""
+        shapes, r = module_shapes(self.model_config), config.r
+        a_rows: List[torch.Tensor] = []
+        b = torch.zeros(sum(shapes[p][1] for p in parts), len(parts) * r)  # [out, n * r]
+        row = 0
+        for j, part in enumerate(parts):
+            d_in, d_out = shapes[part]
+            if part not in config.target_modules:
+                a_rows.append(torch.zeros(r, d_in))  # (its B block stays zero: no delta)
+                row += d_out
+                continue
+            a_w, b_w = tensors.get((layer, part, "A")), tensors.get((layer, part, "B"))
+            if a_w is None or b_w is None:
+                raise ValueError(f"LoRA adapter {name!r} lacks layer {layer}'s {part} lora_A/lora_B weights")
+            if tuple(a_w.shape) != (r, d_in) or tuple(b_w.shape) != (d_out, r):
+                raise ValueError(
+                    f"LoRA adapter {name!r}: layer {layer} {part} has lora_A {tuple(a_w.shape)} and lora_B "
+                    f"{tuple(b_w.shape)}, the base model needs ({r}, {d_in}) and ({d_out}, {r}): "
+                    "the adapter was trained for another base model"
+                )
+            a_rows.append(a_w.float())
+            b[row : row + d_out, j * r : (j + 1) * r] = b_w.float() * config.scaling
+            row += d_out
+        return torch.cat(a_rows), b  # [n * r, in], [out, n * r]
 
     # ------------------------------------------------------------------ per pass
     def prepare_lora_batch(self, forward_batch: "ForwardBatch") -> Optional[LoRABatchInfo]:
