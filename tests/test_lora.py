@@ -296,21 +296,29 @@ def test_request_refusals(engine: Any, tiny_model: str) -> None:
             plain.generate(input_ids=PROMPTS[0], sampling_params={"max_new_tokens": 2}, lora_path="a")
 
 
-def test_cuda_graphs_never_replay_an_adapter_pass(engine: Any) -> None:
-    """CudaGraphRunner.can_run: graphs are captured on the base model, so a decode pass with an adapter runs eagerly."""
+def test_cuda_graphs_never_replay_an_adapter_pass(tiny_model: str, adapters: Dict[str, str]) -> None:
+    """The graphs are captured on the base model: a decode pass with an adapter runs eagerly, a base
+    one replays (on this CPU the runner's eager mode, capture=False, with Triton's interpreter)."""
     from minisgl.model_executor.cuda_graph_runner import CudaGraphRunner
 
-    runner = CudaGraphRunner.__new__(CudaGraphRunner)  # (no GPU here: can_run reads max_bs only)
-    runner.max_bs = 8
-    seen: List[bool] = []
-    forward = engine.model_runner.forward
-    engine.model_runner.forward = lambda fb: (seen.append(runner.can_run(fb)) if fb.forward_mode.is_decode() else None, forward(fb))[1]
-    try:
-        engine.generate(input_ids=PROMPTS[0], sampling_params={**GREEDY, "max_new_tokens": 3}, lora_path="a")
-        engine.generate(input_ids=PROMPTS[0], sampling_params={**GREEDY, "max_new_tokens": 3})
-    finally:
-        engine.model_runner.forward = forward
-    assert seen == [False, False, True, True]
+    on_gpu = torch.cuda.is_available()  # (on a CPU conftest.py has set TRITON_INTERPRET)
+    with Engine(tiny_model, device="cuda" if on_gpu else "cpu", attention_backend="triton", max_total_tokens=1024,
+                dtype="float32", lora_paths=[f"a={adapters['a']}"], disable_cuda_graph=True) as e:  # fmt: skip
+        graphs = CudaGraphRunner(e.model_runner, max_bs=4, capture=on_gpu)
+        e.model_runner.cuda_graph_runner = graphs
+        with_adapter = e.generate(input_ids=PROMPTS[0], sampling_params={**GREEDY, "max_new_tokens": 3}, lora_path="a")
+        assert graphs.num_replays == 0
+        base = e.generate(input_ids=PROMPTS[0], sampling_params={**GREEDY, "max_new_tokens": 3})
+        assert graphs.num_replays == 2
+    assert with_adapter["output_ids"] == _generate_alone(tiny_model, adapters, PROMPTS[0], "a")
+    assert base["output_ids"] != with_adapter["output_ids"]
+
+
+def _generate_alone(tiny_model: str, adapters: Dict[str, str], prompt: List[int], lora: str) -> List[int]:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with Engine(tiny_model, device=device, attention_backend="triton", max_total_tokens=1024, dtype="float32",
+                lora_paths=[f"{lora}={adapters[lora]}"]) as e:  # fmt: skip
+        return e.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 3}, lora_path=lora)["output_ids"]
 
 
 def test_the_visualizer_shows_each_request_s_adapter(engine: Any) -> None:
