@@ -98,6 +98,50 @@ def test_greedy_tokens_and_logprobs_match_peft(arch: str, extra: Dict[str, Any],
             assert _generate(e, prompt, None)["output_ids"] != want_ids
 
 
+def peft_prompt_logprobs(base: str, adapter: str, ids: List[int]) -> torch.Tensor:
+    """PEFT's log_softmax at every position of `ids`, teacher-forced (float32, eager): [len(ids), vocab]."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
+    model = PeftModel.from_pretrained(model, adapter).eval()
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def test_partial_target_adapters_match_peft_with_prompt_logprobs_across_chunks(
+    tiny_model: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Adapters on some modules only (an untargeted slice between targeted ones of a fused qkv or
+    gate_up layer), each with its own rank and an alpha that is not 2r, served together: every
+    prompt logprob (logprob_start_len=0, the prompt cut by a chunk boundary) and every generated
+    token's logprob is PEFT's."""
+    root = tmp_path_factory.mktemp("lora-partial")
+    partial = {
+        "qvdown": make_adapter(tiny_model, str(root / "qvdown"), seed=11, targets=["q_proj", "v_proj", "down_proj"], r=2, lora_alpha=16),
+        "ogate": make_adapter(tiny_model, str(root / "ogate"), seed=12, targets=["o_proj", "gate_proj"], r=3, lora_alpha=5),
+        "kup": make_adapter(tiny_model, str(root / "kup"), seed=13, targets=["k_proj", "up_proj"], r=6, lora_alpha=3),
+    }
+    prompt = list(range(40, 63))  # 23 tokens: chunks of 8 end inside it
+    paths = [f"{n}={p}" for n, p in partial.items()]
+    with Engine(tiny_model, device="cpu", max_total_tokens=2048, chunked_prefill_size=8, lora_paths=paths) as e:
+        for name, path in partial.items():
+            out = e.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 4}, return_logprob=True,
+                             logprob_start_len=0, lora_path=name)  # fmt: skip
+            ids = prompt + out["output_ids"]
+            ref = peft_prompt_logprobs(tiny_model, path, ids)
+            got_prompt = [entry[0] for entry in out["meta_info"]["input_token_logprobs"][1:]]  # (the first token has none)
+            want_prompt = [float(ref[i, prompt[i + 1]]) for i in range(len(prompt) - 1)]
+            assert torch.allclose(torch.tensor(got_prompt), torch.tensor(want_prompt), atol=1e-4), name
+            assert out["output_ids"] == [int(ref[len(prompt) - 1 + i].argmax()) for i in range(4)], name
+            want_out = [float(ref[len(prompt) - 1 + i, t]) for i, t in enumerate(out["output_ids"])]
+            assert torch.allclose(torch.tensor(_logprobs(out)), torch.tensor(want_out), atol=1e-4), name
+            # the adapter matters: the base model's prompt logprobs differ (else this test could not fail)
+            base = e.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 1}, return_logprob=True, logprob_start_len=0)
+            got_base = [entry[0] for entry in base["meta_info"]["input_token_logprobs"][1:]]
+            assert max(abs(a - b) for a, b in zip(got_base, want_prompt)) > 1e-3, name
+
+
 # ---------------------------------------------------------------------------- 2. mixed batches
 def test_one_batch_of_base_a_and_b_gives_each_what_it_gets_alone(engine: Any) -> None:
     loras = [None, "a", "b", "a", None, "b"]
