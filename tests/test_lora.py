@@ -271,6 +271,11 @@ def _edited_adapter(src: str, dst: Any, **fields: Any) -> str:
         ({"target_modules": ["lm_head"]}, "['lm_head'] are not supported"),
         ({"peft_type": "IA3"}, "only LORA adapters"),
         ({"r": 8}, "the adapter was trained for another base model"),  # (its weights are r=4)
+        ({"init_lora_weights": "pissa"}, "path_initial_model_for_weight_conversion"),
+        ({"init_lora_weights": "pissa_niter_4"}, "init_lora_weights='pissa_niter_4'"),
+        ({"init_lora_weights": "olora"}, "convert the adapter with PEFT"),
+        ({"init_lora_weights": "corda"}, "init_lora_weights='corda'"),
+        ({"init_lora_weights": "loftq"}, "init_lora_weights='loftq'"),
     ],
     ids=lambda v: v if isinstance(v, str) else "-".join(v),
 )
@@ -279,6 +284,13 @@ def test_unsupported_adapter_configs_are_refused(tiny_model: str, adapters: Dict
     with pytest.raises(ValueError, match="adapter 'bad'|adapter '" + str(tmp_path)) as info:
         Engine(tiny_model, device="cpu", max_total_tokens=1024, lora_paths=[f"bad={bad}"])
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize("init", [True, False, "gaussian", "eva", "orthogonal"])
+def test_inits_that_leave_the_base_model_alone_are_served(tiny_model: str, adapters: Dict[str, str], tmp_path: Any, init: Any) -> None:
+    ok = _edited_adapter(adapters["b"], tmp_path / "ok", init_lora_weights=init)
+    with Engine(tiny_model, device="cpu", max_total_tokens=1024, lora_paths=[f"ok={ok}"]) as e:
+        assert e.generate(input_ids=PROMPTS[0], sampling_params={**GREEDY, "max_new_tokens": 2}, lora_path="ok")["output_ids"]
 
 
 def test_an_adapter_of_another_base_model_is_refused(tiny_model: str, tiny_model_factory: Callable[..., str], tmp_path: Any) -> None:

@@ -7,7 +7,8 @@ adapter's `LoRAConfig.from_dir` and its weights. No torch here: ServerArgs impor
 What minisgl serves of PEFT's LoraConfig: rank `r`, `lora_alpha`, `use_rslora` (scaling
 alpha / sqrt(r) instead of alpha / r) and `target_modules` given as a list of the decoder's
 linear layers (q/k/v/o_proj, gate/up/down_proj). Every other setting that changes what the
-adapter computes is refused with a ValueError naming the field, never silently dropped.
+adapter computes is refused with a ValueError naming the field, never silently dropped; so are
+adapters whose init_lora_weights (PiSSA, OLoRA, CorDA, LoftQ) also rewrote the base weights.
 """
 
 from __future__ import annotations
@@ -92,6 +93,15 @@ class LoRAConfig:
             value = cfg.get(name, default)
             if value not in (default, None) and value != [] and value != {}:
                 raise ValueError(f"{where}: {name}={value!r} is not supported ({why})")
+        init = cfg.get("init_lora_weights", True)
+        if isinstance(init, str) and (init.lower().startswith(("pissa", "corda")) or init.lower() in ("olora", "loftq")):
+            # these inits change the base weights too (PiSSA/OLoRA/CorDA subtract the adapter's initial
+            # part, LoftQ quantizes them): the saved A and B only hold on that modified base model
+            raise ValueError(
+                f"{where}: init_lora_weights={init!r} adapters only match the base model they modified; convert the "
+                "adapter with PEFT first (save_pretrained(..., path_initial_model_for_weight_conversion=<the saved "
+                "initial adapter>)), which makes it a plain LoRA adapter of the original base model"
+            )
         if cfg.get("bias", "none") != "none":
             raise ValueError(f"{where}: bias={cfg['bias']!r} is not supported (trained biases are not loaded); use bias='none'")
         targets = cfg.get("target_modules")
