@@ -224,6 +224,22 @@ def test_max_loras_per_batch_one_never_runs_two_adapters(tiny_model: str, adapte
         assert [e.get_result(r)["output_ids"] for r in rids] == want
 
 
+def test_the_adder_record_names_requests_skipped_for_their_adapter(tiny_model: str, adapters: Dict[str, str]) -> None:
+    paths = [f"{n}={p}" for n, p in adapters.items()]
+    with Engine(tiny_model, device="cpu", max_total_tokens=4096, lora_paths=paths, max_loras_per_batch=1) as e:
+        e.add_request(input_ids=PROMPTS[0], sampling_params={**GREEDY, "max_new_tokens": 4}, rid="base-1")
+        e.add_request(input_ids=PROMPTS[1], sampling_params={**GREEDY, "max_new_tokens": 4}, lora_path="b", rid="b-1")
+        e.add_request(input_ids=PROMPTS[1], sampling_params={**GREEDY, "max_new_tokens": 4}, rid="base-2")
+        adder = e.step()["adder"]
+        assert adder["admitted"] == ["base-1", "base-2"]  # the skip held back no one behind it
+        assert adder["stop_reason"] == "QUEUE_EMPTY"
+        assert "admitted" not in adder["stop_detail"]  # (b-1 was not)
+        assert "skipped for their LoRA adapter" in adder["stop_detail"] and "b-1 (adapter 'b')" in adder["stop_detail"]
+        assert "max_loras_per_batch=1" in adder["stop_detail"]
+        e.run_until_idle()
+        assert e.get_result("b-1")["output_ids"]
+
+
 def test_adapters_kept_through_chunked_prefill_and_retraction(tiny_model: str, adapters: Dict[str, str], engine: Any) -> None:
     """Chunks, mixed chunks and retraction keep each request's adapter: the answers are what it gets alone."""
     loras = ["a", "b", None] * 4

@@ -25,7 +25,7 @@ import json
 import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
-from typing import Any, Dict, Iterator, List, Optional, Union
+from typing import Any, Dict, Iterator, List, Optional, Set, Union
 
 from minisgl.constrained.reasoner_grammar import REASONING_TAGS, ReasonerGrammar
 from minisgl.constrained.xgrammar_backend import XGrammarGrammarBackend
@@ -688,9 +688,27 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
         """Offer queued requests until the first one that does not fit (head-of-line blocking);
         with priority scheduling, one that does not fit may preempt less important running ones.
         With --lora-paths, a request whose adapter would make the batch run more than
-        max_loras_per_batch distinct adapters is skipped (SGLang's one `continue`), not a stop."""
+        max_loras_per_batch distinct adapters is skipped (SGLang's one `continue`), not a stop:
+        the record's stop_detail names the skipped requests, whatever the stop reason."""
+        skipped: List[Req] = []
+        self._offer_waiting(adder, running_bs, rows_held, skipped)
+        if skipped:
+            if adder.stop_reason == "QUEUE_EMPTY":  # (not "admitted": some were held back)
+                adder.stop_detail = "every waiting request was offered"
+            names = ", ".join(f"{r.rid} (adapter {r.lora_id!r})" for r in skipped[:8]) + (", ..." if len(skipped) > 8 else "")
+            adder.stop_detail += (
+                f"; skipped for their LoRA adapter (the batch would run more than max_loras_per_batch="
+                f"{self.server_args.max_loras_per_batch} adapters): {names}"
+            )
+
+    def _offer_waiting(self, adder: PrefillAdder, running_bs: int, rows_held: int, skipped: List[Req]) -> None:
+        """_admit_waiting's walk of the queue; appends each request skipped for its adapter to `skipped`."""
+        # the adapters the pass already runs (None: the base model), built once per pass: the
+        # running batch changes only on a preemption, the admitted ones only on an admission
+        batch_loras = self._batch_loras(adder) if self.lora_names else set()
         for req in self.waiting_queue:
-            if self.lora_names and not self._lora_batch_fits(adder, req):
+            if self.lora_names and len(batch_loras | {req.lora_id}) > self.server_args.max_loras_per_batch:
+                skipped.append(req)
                 continue
             no_slot = len(adder.can_run_list) >= self.get_num_allocatable_reqs(running_bs, rows_held)
             if no_slot:
@@ -700,6 +718,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
                     adder.record_stop("BATCH_FULL", f"no request slot left (max_running_requests={self.max_running_requests})")
                     return
                 running_bs = len(self.running_batch.reqs)
+                batch_loras = self._batch_loras(adder) if self.lora_names else set()
             req.init_next_round_input(self.tree_cache)
             res = adder.add_one_req(req)
             # (NO_TOKEN may also come after `req` was admitted, when it used up the budget: then
@@ -709,6 +728,9 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
                 adder.stop_reason = None  # (room was made: offered again)
                 running_bs = len(self.running_batch.reqs)
                 res = adder.add_one_req(req)
+                batch_loras = self._batch_loras(adder) if self.lora_names else set()
+            if any(r is req for r in adder.can_run_list):
+                batch_loras.add(req.lora_id)
             if res != AddReqResult.CONTINUE:
                 if res == AddReqResult.NO_TOKEN:
                     # only "full" if something holds memory that will come back (0.5.23)
@@ -720,13 +742,11 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
                 return
         adder.record_stop("QUEUE_EMPTY", "every waiting request was admitted")
 
-    def _lora_batch_fits(self, adder: PrefillAdder, req: Req) -> bool:
-        """Whether the running requests, those admitted so far and `req` use at most
-        max_loras_per_batch distinct adapters. As SGLang's LoRAManager.validate_lora_batch, the
-        base model (None) counts as one: 1 lets a batch run one adapter, or the base model alone."""
-        lora_ids = {r.lora_id for r in self.running_batch.reqs} | {r.lora_id for r in adder.can_run_list}
-        lora_ids.add(req.lora_id)
-        return len(lora_ids) <= self.server_args.max_loras_per_batch
+    def _batch_loras(self, adder: PrefillAdder) -> Set[Optional[str]]:
+        """The distinct adapters of the running requests and of those admitted so far (None: the
+        base model). As SGLang's LoRAManager.validate_lora_batch, the base model counts as one:
+        max_loras_per_batch 1 lets a batch run one adapter, or the base model alone."""
+        return {r.lora_id for r in self.running_batch.reqs} | {r.lora_id for r in adder.can_run_list}
 
     def check_lora_id(self, lora_id: str) -> Optional[str]:
         """The error of a request naming an adapter this server did not load (None: it is loaded)."""
