@@ -2,9 +2,10 @@
 
 Where it sits: the ModelRunner builds one LoRAManager at start (--lora-paths; every adapter is
 loaded then, none later). Per forward pass, ModelRunner.forward_eager calls `prepare_lora_batch`
-on the ForwardBatch (its `lora_ids`, one adapter name or None per request), which sets
-`forward_batch.lora_batch_info`: for each distinct adapter of the pass, the rows of its tokens.
-DecoderAttention and DecoderMLP then call `apply` after each projection.
+with the ForwardBatch's plain fields (its `lora_ids`, one adapter name or None per request, and
+each request's token count) and sets `forward_batch.lora_batch_info`: for each distinct adapter of
+the pass, the rows of its tokens. DecoderAttention and DecoderMLP then call lora_batch.apply_lora
+after each projection (lora_batch.py holds the per-pass half, so neither imports this module).
 
 The math (PEFT's): for a linear layer y = W x, an adapter adds scaling * B (A x), with
 A [r, in], B [out, r] and scaling = alpha / r (alpha / sqrt(r) with use_rslora). Each token
@@ -30,15 +31,14 @@ from __future__ import annotations
 import logging
 import os
 import re
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from minisgl.lora.lora_batch import LoRAAdapter, LoRABatchInfo, build_lora_batch_info
 from minisgl.lora.lora_config import ADAPTER_WEIGHTS, MLP_MODULES, LoRAConfig
 
 if TYPE_CHECKING:
-    from minisgl.model_executor.forward_batch_info import ForwardBatch
     from minisgl.models.model_config import ModelConfig
 
 logger = logging.getLogger("minisgl")
@@ -61,22 +61,6 @@ def module_shapes(mc: "ModelConfig") -> Dict[str, Tuple[int, int]]:
         "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
         "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
     }  # fmt: skip
-
-
-@dataclass
-class LoRAAdapter:
-    name: str
-    config: LoRAConfig
-    # (layer id, fused module) -> (A [n * r, in], scaling * block-diagonal B [out, n * r])
-    weights: Dict[Tuple[int, str], Tuple[torch.Tensor, torch.Tensor]]
-
-
-@dataclass
-class LoRABatchInfo:
-    """One pass's tokens grouped by adapter: (adapter, rows of input_ids) per distinct adapter
-    (base-model tokens are in no group: they get no delta)."""
-
-    segments: List[Tuple[LoRAAdapter, torch.Tensor]]  # rows: [tokens of that adapter] int64
 
 
 class LoRAManager:
@@ -152,38 +136,6 @@ class LoRAManager:
         return torch.cat(a_rows), b  # [n * r, in], [out, n * r]
 
     # ------------------------------------------------------------------ per pass
-    def prepare_lora_batch(self, forward_batch: "ForwardBatch") -> Optional[LoRABatchInfo]:
+    def prepare_lora_batch(self, lora_ids: Optional[Sequence[Optional[str]]], tokens_per_req: Sequence[int], device: torch.device) -> Optional[LoRABatchInfo]:
         """Group the pass's tokens by adapter (None when every request runs the base model)."""
-        ids = forward_batch.lora_ids
-        if ids is None or all(i is None for i in ids):
-            return None
-        if forward_batch.forward_mode.is_decode():
-            tokens_per_req = [1] * forward_batch.batch_size
-        else:
-            assert forward_batch.extend_seq_lens_cpu is not None, "an extend pass carries extend_seq_lens_cpu"
-            tokens_per_req = forward_batch.extend_seq_lens_cpu
-        rows: Dict[str, List[int]] = {}
-        start = 0
-        for lora_id, n in zip(ids, tokens_per_req):
-            if lora_id is not None:
-                rows.setdefault(lora_id, []).extend(range(start, start + n))
-            start += n
-        device = forward_batch.input_ids.device
-        return LoRABatchInfo(
-            [(self.adapters[name], torch.tensor(r, dtype=torch.int64, device=device)) for name, r in rows.items()]
-        )
-
-    @staticmethod
-    def apply(info: Optional[LoRABatchInfo], layer_id: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y += scaling * B (A x) for each token of an adapter that targets (layer_id, module), in place.
-        x: [N, in]; y: [N, out]; returns y."""
-        if info is None:
-            return y
-        for adapter, rows in info.segments:
-            w = adapter.weights.get((layer_id, module))
-            if w is None:  # the adapter does not target this module
-                continue
-            a, b = w
-            xa = x.index_select(0, rows) @ a.T  # [T, n * r]
-            y.index_add_(0, rows, xa @ b.T)  # [T, out] added to its tokens' rows
-        return y
+        return build_lora_batch_info(lora_ids, tokens_per_req, self.adapters, device)

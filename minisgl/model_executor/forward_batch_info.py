@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, List, Optional
 import torch
 
 if TYPE_CHECKING:
-    from minisgl.lora.lora_manager import LoRABatchInfo
+    from minisgl.lora.lora_batch import LoRABatchInfo
     from minisgl.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
 

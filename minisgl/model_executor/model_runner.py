@@ -25,7 +25,7 @@ Sizing (SGLang's formulas, sglang-facts.md §4.1; docs/model_execution.md):
 from __future__ import annotations
 
 import logging
-from typing import Optional, Union
+from typing import List, Optional, Union
 
 import torch
 
@@ -201,7 +201,13 @@ class ModelRunner:
         with torch.inference_mode():
             forward_batch.attn_backend.init_forward_metadata(forward_batch)
             if self.lora_manager is not None:  # the pass's tokens grouped by adapter, once for every layer
-                forward_batch.lora_batch_info = self.lora_manager.prepare_lora_batch(forward_batch)
+                fb = forward_batch
+                if fb.forward_mode.is_decode():
+                    tokens_per_req: List[int] = [1] * fb.batch_size
+                else:
+                    assert fb.extend_seq_lens_cpu is not None, "an extend pass carries extend_seq_lens_cpu"
+                    tokens_per_req = list(fb.extend_seq_lens_cpu)
+                fb.lora_batch_info = self.lora_manager.prepare_lora_batch(fb.lora_ids, tokens_per_req, fb.input_ids.device)
             if not self.is_generation:
                 return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch, get_embedding=True)
             return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)

@@ -43,7 +43,7 @@ from minisgl.layers.moe import SparseMoeBlock
 from minisgl.layers.pooler import EmbeddingPoolerOutput, Pooler
 from minisgl.layers.radix_attention import RadixAttention
 from minisgl.layers.rotary_embedding import RotaryEmbedding
-from minisgl.lora.lora_manager import LoRABatchInfo, LoRAManager
+from minisgl.lora.lora_batch import LoRABatchInfo, apply_lora
 from minisgl.model_executor.forward_batch_info import ForwardBatch
 from minisgl.models.model_config import ModelConfig
 from minisgl.models.registry import MoeConfig
@@ -65,7 +65,7 @@ class DecoderAttention(nn.Module):
         n, d = hidden_states.shape[0], self.head_dim
         lora = forward_batch.lora_batch_info  # (None: no request of the pass uses an adapter)
         qkv = self.qkv_proj(hidden_states)  # [N, (Hq + 2 * Hkv) * D]
-        LoRAManager.apply(lora, self.layer_id, "qkv_proj", hidden_states, qkv)
+        apply_lora(lora, self.layer_id, "qkv_proj", hidden_states, qkv)
         q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q.reshape(-1, d))[0]  # [N * Hq, D], normalised per head
@@ -76,7 +76,7 @@ class DecoderAttention(nn.Module):
         v = v.reshape(n, self.num_kv_heads, d)  # [N, Hkv, D]
         self.rotary_emb(positions, q, k)
         out = self.attn(q, k, v, forward_batch).reshape(n, self.num_heads * d)  # [N, Hq * D]
-        return LoRAManager.apply(lora, self.layer_id, "o_proj", out, self.o_proj(out))  # [N, hidden]
+        return apply_lora(lora, self.layer_id, "o_proj", out, self.o_proj(out))  # [N, hidden]
 
 
 class DecoderMLP(nn.Module):
@@ -90,9 +90,9 @@ class DecoderMLP(nn.Module):
         self.layer_id = layer_id  # (-1: a MoE block's shared expert, which no adapter targets)
 
     def forward(self, x: torch.Tensor, lora: Optional[LoRABatchInfo] = None) -> torch.Tensor:
-        gate_up = LoRAManager.apply(lora, self.layer_id, "gate_up_proj", x, self.gate_up_proj(x))  # [N, 2 * I]
+        gate_up = apply_lora(lora, self.layer_id, "gate_up_proj", x, self.gate_up_proj(x))  # [N, 2 * I]
         h = self.act_fn(gate_up)  # [N, I]
-        return LoRAManager.apply(lora, self.layer_id, "down_proj", h, self.down_proj(h))  # [N, hidden]
+        return apply_lora(lora, self.layer_id, "down_proj", h, self.down_proj(h))  # [N, hidden]
 
 
 class DecoderLayer(nn.Module):
