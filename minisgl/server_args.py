@@ -19,7 +19,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, Literal, Optional, Sequence, Tuple
+from typing import Any, Literal, Optional, Sequence, Tuple
 
 from minisgl.chat_template import read_chat_template
 from minisgl.lora.lora_config import parse_lora_paths
@@ -238,6 +238,11 @@ class ServerArgs:
             nargs="+",
         )
     )
+    # filled by resolve_server_args from lora_paths (not a flag): ((name, directory), ...) in the
+    # order given, what the ModelRunner loads and the Scheduler and TokenizerManager accept
+    lora_adapters: Optional[Tuple[Tuple[str, str], ...]] = field(
+        default=None, metadata=_opt("(resolved from --lora-paths; not a flag)", resolved=True)
+    )
     max_loras_per_batch: int = field(
         default=DEFAULT_MAX_LORAS_PER_BATCH, metadata=_opt("Most distinct adapters one batch runs (the base model counts as one, as in SGLang).")
     )
@@ -338,9 +343,14 @@ class ServerArgs:
         if self.lora_paths is None:
             if self.max_loras_per_batch != DEFAULT_MAX_LORAS_PER_BATCH:  # (not silently ignored)
                 raise ValueError("--max-loras-per-batch set without --lora-paths: name the adapters, or drop it")
+            if self.lora_adapters is not None:
+                raise ValueError("lora_adapters is filled from lora_paths by resolve_server_args: give lora_paths instead")
             return
-        if not isinstance(self.lora_paths, tuple):  # frozen: a list would make the args unhashable and mutable
-            raise ValueError(f"lora_paths must be a tuple of NAME=PATH strings, got {type(self.lora_paths).__name__}")
+        if not isinstance(self.lora_paths, tuple) or not all(isinstance(e, str) for e in self.lora_paths):
+            # frozen: a list would make the args unhashable and mutable; a str would be read letter by letter
+            raise ValueError(
+                f"lora_paths must be a list (or tuple) of NAME=PATH strings, e.g. ['a=/path/to/a'], got {self.lora_paths!r}"
+            )
         if not self.lora_paths:
             raise ValueError("--lora-paths is empty: name at least one adapter, or leave it out")
         if self.speculative_algorithm is not None:
@@ -350,11 +360,14 @@ class ServerArgs:
             )
         if self.is_embedding:
             raise ValueError("--lora-paths serves generation adapters; an embedding server (--is-embedding) does not apply them: drop one of the two flags")
-        parse_lora_paths(self.lora_paths)  # (duplicate names, missing directories)
+        adapters = parse_lora_paths(self.lora_paths)  # (duplicate names, missing directories)
+        if self.lora_adapters is not None and self.lora_adapters != adapters:
+            raise ValueError("lora_adapters is filled from lora_paths by resolve_server_args: give lora_paths only")
 
-    def lora_name_to_path(self) -> Dict[str, str]:
-        """{adapter name: directory} of --lora-paths ({} without it)."""
-        return parse_lora_paths(self.lora_paths) if self.lora_paths else {}
+    @property
+    def lora_names(self) -> frozenset:
+        """The --lora-paths adapter names a request may ask for (empty without adapters; resolved args)."""
+        return frozenset(name for name, _ in self.lora_adapters or ())
 
     def _check_speculative(self) -> None:
         if self.speculative_algorithm is None:
@@ -388,6 +401,7 @@ class ServerArgs:
         return (
             self.device != "auto" and self.dtype != "auto" and self.attention_backend != "auto"
             and self.kv_cache_dtype != "auto" and self.model_path is not None
+            and (self.lora_paths is None or self.lora_adapters is not None)
         )  # fmt: skip
 
     # ------------------------------------------------------------------ argparse
@@ -396,6 +410,8 @@ class ServerArgs:
         """Add one flag per field, named after the field (`--page-size`), plus its aliases."""
         for f in fields(ServerArgs):
             meta = f.metadata
+            if meta.get("resolved"):  # (filled by resolve_server_args, not given)
+                continue
             names = ["--" + f.name.replace("_", "-"), *meta.get("flags", ())]
             kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": meta.get("help", "")}
             if f.type in ("bool", bool):
@@ -514,6 +530,7 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
         model_path=model_path,
         tokenizer_path=args.tokenizer_path or model_path,
         served_model_name=args.served_model_name or ("minisgl-builtin" if args.model_path is None else model_path),
+        lora_adapters=parse_lora_paths(args.lora_paths) if args.lora_paths else None,  # (parsed once, here)
     )
 
 

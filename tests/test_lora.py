@@ -309,6 +309,18 @@ def test_inits_that_leave_the_base_model_alone_are_served(tiny_model: str, adapt
         assert e.generate(input_ids=PROMPTS[0], sampling_params={**GREEDY, "max_new_tokens": 2}, lora_path="ok")["output_ids"]
 
 
+def test_weights_of_a_module_the_config_does_not_target_are_refused(tiny_model: str, adapters: Dict[str, str], tmp_path: Any) -> None:
+    bad = _edited_adapter(adapters["a"], tmp_path / "fewer", target_modules=["q_proj", "k_proj"])  # its weights cover all 7
+    with pytest.raises(ValueError, match=r"is for (v|o|gate|up|down)_proj, which its adapter_config.json's target_modules \['k_proj', 'q_proj'\] does not list"):
+        Engine(tiny_model, device="cpu", max_total_tokens=1024, lora_paths=[f"fewer={bad}"])
+
+
+@pytest.mark.parametrize("lora_paths", ["a=/p", {"a": "/p"}], ids=["str", "dict"])
+def test_engine_lora_paths_must_be_a_list_of_strings(tiny_model: str, lora_paths: Any) -> None:
+    with pytest.raises(ValueError, match=r"lora_paths must be a list \(or tuple\) of NAME=PATH strings, e.g. \['a=/path/to/a'\]"):
+        Engine(tiny_model, device="cpu", max_total_tokens=1024, lora_paths=lora_paths)
+
+
 def test_an_adapter_of_another_base_model_is_refused(tiny_model: str, tiny_model_factory: Callable[..., str], tmp_path: Any) -> None:
     other = tiny_model_factory("qwen3", intermediate_size=80)  # the same but for its MLP width
     adapter = make_adapter(other, str(tmp_path / "other"), seed=4)
@@ -330,7 +342,10 @@ def test_a_moe_model_takes_attention_adapters_only(tiny_model_factory: Callable[
 
 
 def test_server_args_refusals(tiny_model: str, adapters: Dict[str, str], tmp_path: Any) -> None:
+    import dataclasses
+
     from minisgl import ServerArgs
+    from minisgl.server_args import resolve_server_args
 
     a = f"a={adapters['a']}"
     with pytest.raises(ValueError, match="--speculative-algorithm: a verify pass would have to apply each request's adapter"):
@@ -350,7 +365,14 @@ def test_server_args_refusals(tiny_model: str, adapters: Dict[str, str], tmp_pat
     # a bare PATH names itself; the CLI's nargs="+" list becomes the frozen tuple
     args = ServerArgs.from_argv(["--lora-paths", a, adapters["b"], "--max-loras-per-batch", "2"])
     assert args.lora_paths == (a, adapters["b"]) and args.max_loras_per_batch == 2
-    assert args.lora_name_to_path() == {"a": adapters["a"], adapters["b"]: adapters["b"]}
+    resolved = resolve_server_args(dataclasses.replace(args, device="cpu", model_path=tiny_model))
+    assert resolved.lora_adapters == (("a", adapters["a"]), (adapters["b"], adapters["b"]))  # parsed once, in order
+    assert resolved.lora_names == {"a", adapters["b"]}
+    assert not args.is_resolved and resolved.is_resolved
+    with pytest.raises(ValueError, match="filled from lora_paths by resolve_server_args"):
+        ServerArgs(lora_paths=(a,), lora_adapters=(("x", adapters["a"]),))
+    with pytest.raises(SystemExit):
+        ServerArgs.from_argv(["--lora-adapters", "x"])
 
 
 def test_request_refusals(engine: Any, tiny_model: str) -> None:

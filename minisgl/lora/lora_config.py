@@ -1,7 +1,8 @@
 """LoRA adapter configs: `--lora-paths` parsed, and a PEFT adapter_config.json read and checked.
 
 Where it sits: ServerArgs checks `--lora-paths` with `parse_lora_paths` (names, directories)
-before any process starts; the ModelRunner's LoRAManager (lora_manager.py) then reads each
+before any process starts, and resolve_server_args keeps its ((name, path), ...) as
+`ServerArgs.lora_adapters`, which every later stage reads; the ModelRunner's LoRAManager (lora_manager.py) then reads each
 adapter's `LoRAConfig.from_dir` and its weights. No torch here: ServerArgs imports this module.
 
 What minisgl serves of PEFT's LoraConfig: rank `r`, `lora_alpha`, `use_rslora` (scaling
@@ -44,9 +45,9 @@ _REFUSED_FIELDS: Tuple[Tuple[str, Any, str], ...] = (
 )
 
 
-def parse_lora_paths(entries: Sequence[str]) -> Dict[str, str]:
-    """`--lora-paths NAME=PATH [NAME=PATH ...]` (SGLang's; a bare PATH names itself) -> {name: path}.
-    Refuses duplicate names and missing directories, so a typo fails the start."""
+def parse_lora_paths(entries: Sequence[str]) -> Tuple[Tuple[str, str], ...]:
+    """`--lora-paths NAME=PATH [NAME=PATH ...]` (SGLang's; a bare PATH names itself) -> ((name, path), ...)
+    in the order given. Refuses duplicate names and missing directories, so a typo fails the start."""
     out: Dict[str, str] = {}
     for entry in entries:
         if not isinstance(entry, str) or not entry:
@@ -61,7 +62,7 @@ def parse_lora_paths(entries: Sequence[str]) -> Dict[str, str]:
         if not os.path.isdir(path):
             raise ValueError(f"--lora-paths: adapter {name!r} directory {path!r} does not exist")
         out[name] = path
-    return out
+    return tuple(out.items())
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from minisgl.lora.lora_batch import LoRAAdapter, LoRABatchInfo, build_lora_batch_info
-from minisgl.lora.lora_config import ADAPTER_WEIGHTS, MLP_MODULES, LoRAConfig
+from minisgl.lora.lora_config import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MLP_MODULES, SUPPORTED_TARGET_MODULES, LoRAConfig
 
 if TYPE_CHECKING:
     from minisgl.models.model_config import ModelConfig
@@ -97,9 +97,15 @@ class LoRAManager:
         tensors: Dict[Tuple[int, str, str], torch.Tensor] = {}
         for key, tensor in load_file(weights_file).items():
             m = _LORA_TENSOR.fullmatch(key)
-            if m is None or m.group(2) not in config.target_modules:
+            if m is None or m.group(2) not in SUPPORTED_TARGET_MODULES:
                 raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA weight of a supported module "
                                  "(q/k/v/o/gate/up/down_proj of a decoder layer)")  # fmt: skip
+            if m.group(2) not in config.target_modules:  # (served, it would be silently dropped)
+                raise ValueError(
+                    f"LoRA adapter {name!r}: tensor {key!r} is for {m.group(2)}, which its {ADAPTER_CONFIG}'s target_modules "
+                    f"{list(config.target_modules)} does not list: the config and the weights disagree; add {m.group(2)} "
+                    "to target_modules if it was trained, or re-save the adapter with PEFT"
+                )
             layer = int(m.group(1))
             if layer >= self.model_config.num_layers:
                 raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} is for layer {layer}, the base model has {self.model_config.num_layers}")

@@ -52,7 +52,7 @@ from minisgl.managers.scheduler_output_processor_mixin import (
     EmbeddingBatchResult, GenerationBatchResult, SchedulerOutputProcessorMixin,
 )  # fmt: skip
 from minisgl.managers.scheduler_profiler_mixin import SchedulerProfilerMixin
-from minisgl.managers.tokenization import LORA_NOT_ENABLED, RETURN_HIDDEN_STATES_DISABLED
+from minisgl.managers.tokenization import LORA_NOT_ENABLED, RETURN_HIDDEN_STATES_DISABLED, lora_not_loaded
 from minisgl.mem_cache.allocator import ceil_paged_tokens, new_page_slots
 from minisgl.mem_cache.radix_cache import RadixCache
 from minisgl.sampling.custom_logit_processor import CustomLogitProcessor, client_error_text
@@ -90,7 +90,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
         self.max_running_requests = model_runner.max_running_requests
         # --is-embedding: every request is prefilled only, and its result is an embedding (SGLang's name)
         self.is_generation = not server_args.is_embedding
-        self.lora_names = frozenset(server_args.lora_name_to_path())  # --lora-paths adapters (empty: none)
+        self.lora_names = server_args.lora_names  # --lora-paths adapters (empty: none)
         # --enable-priority-scheduling: +1 orders lower values first, -1 higher ones (SGLang's default)
         self.priority_order = (1 if server_args.schedule_low_priority_values_first else -1) if server_args.enable_priority_scheduling else None
         self.tree_cache = RadixCache(
@@ -753,7 +753,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
         if not self.lora_names:
             return LORA_NOT_ENABLED
         if lora_id not in self.lora_names:
-            return f"LoRA adapter {lora_id!r} is not loaded; the loaded adapters are: {', '.join(sorted(self.lora_names))}"
+            return lora_not_loaded(lora_id, self.lora_names)
         return None
 
     def _preempt_for(self, adder: PrefillAdder, req: Req, no_slot: bool) -> bool:

@@ -93,6 +93,12 @@ def check_return_hidden_states(obj: GenerateReqInput, enabled: bool, hint: str =
 LORA_NOT_ENABLED = "lora_path needs a server started with --lora-paths NAME=PATH ... (the Engine: lora_paths=[...])"
 
 
+def lora_not_loaded(name: str, loaded: Iterable[str]) -> str:
+    """The error of a request naming an adapter this server did not load (the TokenizerManager's,
+    the Engine's and the Scheduler's: one wording)."""
+    return f"LoRA adapter {name!r} is not loaded; the loaded adapters are: {', '.join(sorted(loaded))}"
+
+
 def check_lora_path(obj: GenerateReqInput, loaded: Iterable[str]) -> None:
     """A normalized request's lora_path (one name, or one per prompt of a batch; None: the base model):
     a name of --lora-paths. Refused before anything is queued, naming the loaded adapters."""
@@ -106,7 +112,7 @@ def check_lora_path(obj: GenerateReqInput, loaded: Iterable[str]) -> None:
         if not names:
             raise ValueError(LORA_NOT_ENABLED)
         if value not in names:
-            raise ValueError(f"LoRA adapter {value!r} is not loaded; the loaded adapters are: {', '.join(names)}")
+            raise ValueError(lora_not_loaded(value, names))
 
 
 def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True) -> List[int]:

@@ -303,7 +303,7 @@ class TokenizerManager:
         self.server_args = server_args
         # --is-embedding: embedding requests only; the model's Matryoshka sizes check their `dimensions`
         self.is_embedding = server_args.is_embedding
-        self.lora_names = frozenset(server_args.lora_name_to_path())  # --lora-paths adapters a request may name
+        self.lora_names = server_args.lora_names  # --lora-paths adapters a request may name
         self.hidden_size = hidden_size
         self.is_matryoshka = is_matryoshka
         self.matryoshka_dimensions = matryoshka_dimensions

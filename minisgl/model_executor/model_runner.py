@@ -80,8 +80,8 @@ class ModelRunner:
             logger.info("packed %d linear weights for oneDNN", n)
         self.sampler = Sampler()
         # --lora-paths: every adapter's weights, on the model's device and dtype (None without adapters)
-        lora_paths = server_args.lora_name_to_path()
-        self.lora_manager = LoRAManager(lora_paths, self.model_config, self.device, self.dtype) if lora_paths else None
+        lora_adapters = server_args.lora_adapters
+        self.lora_manager = LoRAManager(dict(lora_adapters), self.model_config, self.device, self.dtype) if lora_adapters else None
 
         self.max_total_num_tokens = self._profile_max_num_token()
         self.max_running_requests = self._max_running_requests()
