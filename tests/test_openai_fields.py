@@ -358,19 +358,66 @@ def test_sglangs_unbuilt_fields_on_the_openai_routes_are_null_or_refused_by_name
     assert r.status_code == 400 and "'cache_salt': it is not supported by minisgl" in r.text
 
 
+def _lora_client(tiny_model: str, tmp_path: Any, **args: Any) -> Any:
+    """A scripted app whose server has --lora-paths a=... b=... (directories only: the TokenizerManager
+    checks names, the ModelRunner, not built here, would load them)."""
+    paths = []
+    for name in ("a", "b"):
+        (tmp_path / f"adapter-{name}").mkdir()
+        paths.append(f"{name}={tmp_path / f'adapter-{name}'}")
+    return _scripted_client(tiny_model, tmp_path, [_out("r", "ok", 1, LENGTH)], args={"lora_paths": tuple(paths), **args})
+
+
 @pytest.mark.parametrize("route", ["chat", "completions"])
 def test_the_adapter_comes_from_model_base_colon_name_or_the_lora_path_field(tiny_model: str, tmp_path: Any, route: str) -> None:
     """SGLang's LoRA syntax on the OpenAI routes: model "BASE:NAME" (it wins over lora_path), else the
     lora_path field; the answer names the model as the client sent it. (The TokenizerManager checks the name.)"""
-    client, seen = _scripted_client(tiny_model, tmp_path, [_out("r", "ok", 1, LENGTH)])
+    client, seen = _lora_client(tiny_model, tmp_path)
     with client:
         for model, lora_path, want in (
             (client.model, "x", "x"), (f"{client.model}:a", None, "a"), (f"{client.model}:a", "x", "a"),
             ("default:b", None, "b"), (client.model, None, None),
+            (f"{client.model}: b ", None, "b"), (f"{client.model}:", "x", "x"),  # (stripped; empty: no adapter, as SGLang)
         ):
             r = _post(client, route, model=model, **({"lora_path": lora_path} if lora_path else {}))
             assert r.status_code == 200 and r.json()["model"] == model and seen[-1].lora_path == want, r.text
         assert _post(client, route, model="another:a").status_code == 404  # (the base must be this server's model)
+
+
+def test_a_served_name_with_a_colon_still_reaches_adapters(tiny_model: str, tmp_path: Any) -> None:
+    client, seen = _lora_client(tiny_model, tmp_path, served_model_name="llama3:8b")
+    with client:
+        for model, want in (("llama3:8b", None), ("llama3:8b:a", "a"), ("default:b", "b"), ("llama3:8b:", None)):
+            r = _post(client, "chat", model=model)
+            assert r.status_code == 200 and seen[-1].lora_path == want, (model, r.text)
+        assert _post(client, "chat", model="llama3:a").status_code == 404  # ("llama3" is not the served model)
+
+
+def test_an_adapter_in_model_on_a_server_without_adapters_is_a_400_about_model(tiny_model: str, tmp_path: Any) -> None:
+    client, seen = _scripted_client(tiny_model, tmp_path, [_out("r", "ok", 1, LENGTH)])
+    with client:
+        r = _post(client, "chat", model=f"{client.model}:x")
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "model" and not seen
+    assert f"model '{client.model}:x' names LoRA adapter 'x'" in err["message"] and "serves no adapters" in err["message"]
+    assert "lora_path" not in err["message"]
+
+
+def test_models_lists_each_adapter_and_retrieves_it(tiny_model: str, tmp_path: Any) -> None:
+    """SGLang's /v1/models: one card per adapter, id its name, root its directory, parent the served model."""
+    client, _ = _lora_client(tiny_model, tmp_path)
+    with client:
+        data = client.get("/v1/models").json()["data"]
+        assert [(m["id"], m["root"], m["parent"]) for m in data] == [
+            (client.model, client.model, None),
+            ("a", str(tmp_path / "adapter-a"), client.model),
+            ("b", str(tmp_path / "adapter-b"), client.model),
+        ]
+        assert data[0]["max_model_len"] is not None and data[1]["max_model_len"] is None
+        card = client.get("/v1/models/b").json()
+        assert card["id"] == "b" and card["parent"] == client.model and card["root"] == str(tmp_path / "adapter-b")
+        assert client.get("/v1/models/default").json()["id"] == client.model
+        assert client.get("/v1/models/zzz").status_code == 404
 
 
 def test_response_format_takes_sglangs_schema_without_its_wrapper(tiny_model: str, tmp_path: Any) -> None:

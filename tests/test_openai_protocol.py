@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 import json
 import re
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 from fastapi.testclient import TestClient
@@ -928,9 +928,12 @@ def test_a_finished_samples_rid_reused_by_another_client_is_not_aborted_with_its
 
 
 # --------------------------------------------------------------------------- scripted outputs
-def _scripted_client(tiny_model: str, tmp_path: Any, outs: List[Dict[str, Any]], **tm_attrs: Any) -> Tuple[TestClient, List[Any]]:
-    """An app whose TokenizerManager answers every request with `outs` and records what it got."""
-    tm = _make_tm(tiny_model, tmp_path)
+def _scripted_client(
+    tiny_model: str, tmp_path: Any, outs: List[Dict[str, Any]], args: Optional[Dict[str, Any]] = None, **tm_attrs: Any
+) -> Tuple[TestClient, List[Any]]:
+    """An app whose TokenizerManager (ServerArgs `args` changed) answers every request with `outs`
+    and records what it got."""
+    tm = _make_tm(tiny_model, tmp_path, **(args or {}))
     for name, value in tm_attrs.items():
         setattr(tm, name, value)
     seen: List[Any] = []

@@ -216,17 +216,27 @@ def _add_generate_routes(app: FastAPI, tm: TokenizerManager) -> None:
     async def encode(request: EncodeRequest, raw_request: Request) -> Response:
         return await _native_encode(tm, request, raw_request)
 
+    def model_cards() -> List[ModelCard]:
+        """The served model's card, then one per --lora-paths adapter (SGLang's ModelCard fields)."""
+        cards = [ModelCard(id=tm.model_name, root=tm.model_name, max_model_len=tm.context_len)]
+        for name, path in tm.server_args.lora_adapters or ():
+            cards.append(ModelCard(id=name, root=path, parent=tm.model_name))
+        return cards
+
     @app.get("/v1/models")
     async def models() -> Response:
-        card = ModelCard(id=tm.model_name, max_model_len=tm.context_len)
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        return JSONResponse(ModelList(data=model_cards()).model_dump())
 
     @app.get("/v1/models/{model:path}")  # `:path`: served names may hold a slash (org/name)
     async def retrieve_model(model: str) -> Response:
-        unknown = unknown_model_response(model, tm.model_name)
-        if unknown is not None:
-            return unknown
-        return JSONResponse(ModelCard(id=tm.model_name, max_model_len=tm.context_len).model_dump())
+        cards = model_cards()
+        if unknown_model_response(model, tm.model_name) is None:  # the served name, or "default"
+            return JSONResponse(cards[0].model_dump())
+        # an adapter's name answers with its card (SGLang's retrieve knows the served name only)
+        adapter = next((card for card in cards[1:] if card.id == model), None)
+        if adapter is not None:
+            return JSONResponse(adapter.model_dump())
+        return unknown_model_response(model, tm.model_name)
 
     @app.api_route("/generate", methods=["POST", "PUT"])  # (SGLang's methods)
     async def generate(request: GenerateRequest, raw_request: Request) -> Response:

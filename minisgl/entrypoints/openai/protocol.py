@@ -91,6 +91,10 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "minisgl"
+    # SGLang's: the served model's root is its own name; a LoRA adapter's card has its directory as
+    # root and the served model as parent (and no max_model_len)
+    root: Optional[str] = None
+    parent: Optional[str] = None
     max_model_len: Optional[int] = None
 
 

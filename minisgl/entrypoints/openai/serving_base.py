@@ -70,11 +70,18 @@ def unknown_model_response(model: str, served: str) -> Optional[JSONResponse]:
 
 def split_lora_model(model: str, served: str) -> Tuple[str, Optional[str]]:
     """SGLang's `model` syntax for LoRA: "BASE:ADAPTER" -> ("BASE", "ADAPTER"); the served name itself
-    (even one with a colon) or a name without one -> (model, None)."""
-    if model in (served, "default") or ":" not in model:
+    or a name without a colon -> (model, None). A served name holding a colon ("llama3:8b") still
+    reaches adapters: "llama3:8b:a" is that model with adapter "a" (the prefix is matched first,
+    then the first colon splits). The adapter is stripped, and an empty one is no adapter (SGLang's)."""
+    if model in (served, "default"):
+        return model, None
+    for base in (served, "default"):
+        if model.startswith(base + ":"):
+            return base, model[len(base) + 1 :].strip() or None
+    if ":" not in model:
         return model, None
     base, adapter = model.split(":", 1)
-    return base, adapter
+    return base, adapter.strip() or None
 
 
 def sse_data(obj: Any) -> str:
@@ -258,6 +265,14 @@ class OpenAIServingBase(ABC):
         unknown = unknown_model_response(self._base_model(request), self.tokenizer_manager.model_name)
         if unknown is not None:
             return unknown
+        adapter = split_lora_model(request.model, self.tokenizer_manager.model_name)[1]
+        if adapter is not None and not self.tokenizer_manager.lora_names:
+            # (said about `model`, which named it; the TokenizerManager's message is about lora_path)
+            return create_error_response(
+                f"model {request.model!r} names LoRA adapter {adapter!r} (\"BASE:ADAPTER\"), but this server serves "
+                f"no adapters: send model {self._base_model(request)!r}, or start the server with --lora-paths {adapter}=PATH",
+                param="model",
+            )
         if self.tokenizer_manager.is_embedding:  # (the TokenizerManager refuses it too; said first, before any other check)
             return create_error_response(GENERATION_ON_EMBEDDING_SERVER)
         if request.stream_options is not None and not request.stream:
