@@ -253,9 +253,13 @@ def test_adapters_kept_through_chunked_prefill_and_retraction(tiny_model: str, a
     ) as e:
         rids = [e.add_request(input_ids=p, sampling_params={**GREEDY, "max_new_tokens": 30}, lora_path=lora) for p, lora in zip(prompts, loras)]
         events: List[str] = []
+        mixed: List[set] = []  # the adapters of each MIXED pass (a chunk with decode rows riding along)
+        forward = e.model_runner.forward
+        e.model_runner.forward = lambda fb: (fb.forward_mode.is_mixed() and mixed.append(set(fb.lora_ids or [None])), forward(fb))[1]
         while e.has_unfinished_requests():
             events += [ev["type"] for ev in e.step()["events"]]
         assert "retract" in events and "chunk" in events
+        assert any(len(adapters_of_pass - {None}) >= 2 for adapters_of_pass in mixed), mixed  # two adapters in one mixed pass
         assert [e.get_result(r)["output_ids"] for r in rids] == want
 
 

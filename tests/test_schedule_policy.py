@@ -97,3 +97,16 @@ def test_lpm_defers_a_request_sharing_exactly_the_threshold_with_a_queued_one() 
     queue = [_req("a", shared + [1, 2]), _req("b", shared + [3, 4]), _req("c", [7, 8, 9])]
     SchedulePolicy("lpm", tree).calc_priority(queue)
     assert [r.rid for r in queue] == ["a", "c", "b"]
+
+
+def test_lpm_defers_no_request_for_a_queued_prompt_of_another_adapter() -> None:
+    """--lora-paths: a queued prompt fills the cache of its own adapter's namespace only, so a
+    request under another adapter (or the base model) that shares its prefix is not deferred."""
+    tree = _tree()
+    shared = list(range(1000, 1000 + IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD))
+    params = SamplingParams(max_new_tokens=4)
+    params.normalize()
+    queue = [Req("a", None, shared + [1, 2], params, lora_id="x"), Req("b", None, shared + [3, 4], params),
+             Req("c", None, [7, 8, 9], params), Req("d", None, shared + [5, 6], params, lora_id="x")]  # fmt: skip
+    SchedulePolicy("lpm", tree).calc_priority(queue)
+    assert [r.rid for r in queue] == ["a", "b", "c", "d"]  # only d (same adapter as a) waits for a
