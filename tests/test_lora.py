@@ -420,9 +420,10 @@ def _generate_alone(tiny_model: str, adapters: Dict[str, str], prompt: List[int]
 
 
 def test_the_visualizer_shows_each_request_s_adapter(engine: Any) -> None:
-    from minisgl.visualizer.render import render_batch, render_waiting
+    from minisgl.visualizer.render import render_batch, render_memory, render_running, render_waiting
     from minisgl.visualizer.snapshot import validate_snapshot
 
+    engine.flush_cache()
     rids = [engine.add_request(input_ids=PROMPTS[0], sampling_params={**GREEDY, "max_new_tokens": 2}, lora_path=lora) for lora in ("a", None)]
     waiting = engine.snapshot()
     assert [r["lora_id"] for r in waiting["waiting_queue"]] == ["a", None]
@@ -431,6 +432,18 @@ def test_the_visualizer_shows_each_request_s_adapter(engine: Any) -> None:
     assert validate_snapshot(snap) == [] and json.dumps(snap)
     assert [r["lora_id"] for r in snap["batch"]["reqs"]] == ["a", None]
     assert render_batch(snap).count("lora a") == 1
+    assert [r["lora_id"] for r in snap["running_batch"]] == ["a", None]  # (decoding next)
+    assert render_running(snap).count("lora a") == 1
+    unnamed = {**snap, "running_batch": [{k: v for k, v in r.items() if k != "lora_id"} for r in snap["running_batch"]]}
+    assert "running_batch[0]: missing key 'lora_id'" in validate_snapshot(unnamed)
     engine.run_until_idle()
     for rid in rids:
         engine.get_result(rid)
+    radix = engine.snapshot()["radix"]["tree"]
+    assert sorted(str(c["lora_id"]) for c in radix["children"]) == ["None", "a"]
+    def nodes_of(node: Dict[str, Any]) -> List[Dict[str, Any]]:
+        return [node] + [n for c in node.get("children", []) for n in nodes_of(c)]
+
+    under_a = sum(n["lora_id"] == "a" for n in nodes_of(radix))
+    page = render_memory(engine.snapshot())
+    assert under_a >= 1 and page.count("· lora a<") == under_a and "· lora None" not in page  # adapter nodes labelled, base ones not

@@ -106,7 +106,8 @@ class SchedulerMetricsMixin:
             "batch": None if batch is None else {"forward_mode": mode, "reqs": self._batch_reqs_snapshot(batch)},
             "running_batch": [
                 {"rid": r.rid, "input_len": len(r.origin_input_ids), "output_len": len(r.output_ids),
-                 "max_new_tokens": r.sampling_params.max_new_tokens}
+                 "max_new_tokens": r.sampling_params.max_new_tokens,
+                 "lora_id": r.lora_id}  # --lora-paths: its adapter (None: the base model)
                 for r in self._decoding_reqs()
             ],  # fmt: skip
             "adder": self.adder_record,

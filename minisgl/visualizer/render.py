@@ -166,7 +166,8 @@ def render_running(snap: Mapping[str, Any]) -> str:
     rows = "".join(
         f'<div class="row running-req" data-rid="{escape(r["rid"])}"><span class="rid">{escape(r["rid"])}</span>'
         f'<div class="stackbar">{_seg("progress", r["output_len"], r["max_new_tokens"], "generated")}</div>'
-        f'<span class="label">{r["output_len"]} / {r["max_new_tokens"]} tok</span></div>'
+        f'<span class="label">{r["output_len"]} / {r["max_new_tokens"]} tok'
+        f'{" · lora " + escape(r["lora_id"]) if r.get("lora_id") is not None else ""}</span></div>'
         for r in snap["running_batch"]
     )
     count = len(snap["running_batch"])
@@ -212,6 +213,8 @@ def render_adder(snap: Mapping[str, Any]) -> str:
 def _radix_node(node: Mapping[str, Any]) -> str:
     is_root = node["id"] == 0
     label = "root" if is_root else f'#{node["id"]} · {node["len"]} tok'
+    if not is_root and node.get("lora_id") is not None:  # (--lora-paths: the adapter whose K/V it holds)
+        label += f' · lora {escape(node["lora_id"])}'
     kids = "".join(_radix_node(c) for c in node.get("children", []))
     locked = int(node["lock_ref"] > 0 and not is_root)
     title = (f'lock_ref {node["lock_ref"]} · hits {node.get("hits", 0)} · '

@@ -45,9 +45,10 @@ _TOP_LEVEL: Dict[str, Any] = {
     "finished": list,
 }
 _MEMORY_KEYS = ("total", "available", "evictable", "protected", "used")
-_WAITING_KEYS = ("rid", "input_len", "prefix_len", "waited_ms", "retracted")
+_WAITING_KEYS = ("rid", "input_len", "prefix_len", "waited_ms", "retracted", "lora_id")
 _BATCH_REQ_KEYS = ("rid", "extend_len", "prefix_len", "cached_len", "chunk_index", "num_chunks", "is_decode",
-                   "draft_len", "accepted_len")  # fmt: skip
+                   "draft_len", "accepted_len", "lora_id")  # fmt: skip
+_RUNNING_KEYS = ("rid", "input_len", "output_len", "max_new_tokens", "lora_id")
 _SPECULATIVE_KEYS = ("algorithm", "num_draft_tokens", "decode_rows", "decode_tokens", "accept_length")
 _FINISHED_KEYS = ("rid", "finish_reason", "queue_ms", "schedule_ms", "forward_ms", "ttft_ms")
 # None = that part never happened (an abort while waiting has no forward, so no TTFT)
@@ -75,6 +76,8 @@ def validate_snapshot(snap: Any) -> List[str]:
     problems += _missing(snap["memory"], _MEMORY_KEYS, "memory")
     for i, req in enumerate(snap["waiting_queue"]):
         problems += _missing(req, _WAITING_KEYS, f"waiting_queue[{i}]")
+    for i, req in enumerate(snap["running_batch"]):
+        problems += _missing(req, _RUNNING_KEYS, f"running_batch[{i}]")
     if snap["batch"] is not None:
         for i, req in enumerate(snap["batch"].get("reqs", [])):
             problems += _missing(req, _BATCH_REQ_KEYS, f"batch.reqs[{i}]") or _draft_problems(req, snap["forward_mode"], i)

@@ -102,7 +102,7 @@ function renderRunning(snap) {
     <div class="row running-req" data-rid="${esc(r.rid)}">
       <span class="rid">${esc(r.rid)}</span>
       <div class="stackbar">${seg("progress", r.output_len, r.max_new_tokens, "generated")}</div>
-      <span class="label">${r.output_len} / ${r.max_new_tokens} tok</span></div>`).join("");
+      <span class="label">${r.output_len} / ${r.max_new_tokens} tok${r.lora_id != null ? ` · lora ${esc(r.lora_id)}` : ""}</span></div>`).join("");
 }
 
 // Each budget: what is left of what limit (null = unlimited).
@@ -146,7 +146,8 @@ function kvSegments(m) {
 }
 
 function radixNode(n, depth) {
-  const label = n.id === 0 ? "root" : `#${n.id} · ${n.len} tok`;
+  // (--lora-paths: an adapter's node says whose K/V it holds)
+  const label = n.id === 0 ? "root" : `#${n.id} · ${n.len} tok${n.lora_id != null ? ` · lora ${esc(n.lora_id)}` : ""}`;
   const kids = n.children && n.children.length ? `<ul>${n.children.map((c) => radixNode(c, depth + 1)).join("")}</ul>` : "";
   return `<li><span class="rnode" data-node="${n.id}" data-len="${n.len}" data-locked="${n.lock_ref > 0 && n.id !== 0 ? 1 : 0}"
     data-root="${n.id === 0 ? 1 : 0}" title="lock_ref ${n.lock_ref} · hits ${n.hits || 0}${n.tokens_preview ? " · tokens " + n.tokens_preview.join(" ") : ""}">${label}</span>${kids}</li>`;
