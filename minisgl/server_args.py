@@ -50,7 +50,7 @@ GRAMMAR_BACKENDS = ("xgrammar", "none")
 RETRACTION_POLICIES = ("length", "priority")  # (SGLang 0.5.23's --retraction-policy)
 # SGLang's --radix-eviction-policy (mem_cache/radix_cache.py: EVICTION_KEYS)
 RADIX_EVICTION_POLICIES = ("lru", "mru", "lfu", "fifo", "filo", "priority")
-TOOL_CALL_PARSERS = ("qwen25", "llama3", "mistral", "pythonic")  # (entrypoints/openai/tool_parsers.py)
+TOOL_CALL_PARSERS = ("qwen25", "llama3", "mistral", "pythonic", "qwen3_coder")  # (entrypoints/openai/tool_parsers.py)
 REASONING_PARSERS = ("qwen3", "deepseek-r1")  # (entrypoints/openai/reasoning.py)
 DEFAULT_MAX_LORAS_PER_BATCH = 8  # SGLang's default
 SPECULATIVE_ALGORITHMS = ("NGRAM",)  # (speculative/ngram_worker.py; SGLang's draft-model algorithms are not built)
@@ -193,8 +193,8 @@ class ServerArgs:
     tool_call_parser: Optional[str] = field(
         default=None, metadata=_opt(
             'Parse tool calls in the model\'s own format for tool_choice "auto": qwen25 (Qwen2.5/Qwen3\'s <tool_call>), '
-            "llama3 (Llama 3.1/3.2's JSON calls, <|python_tag|>), mistral (Mistral's [TOOL_CALLS]) or pythonic "
-            "(Llama 3.2/4's [f(x=1)], when the template asks for it).",
+            "llama3 (Llama 3.1/3.2's JSON calls, <|python_tag|>), mistral (Mistral's [TOOL_CALLS]), pythonic "
+            "(Llama 3.2/4's [f(x=1)], when the template asks for it) or qwen3_coder (Qwen3-Coder's <function=...>).",
             choices=TOOL_CALL_PARSERS,
         )
     )

@@ -26,7 +26,13 @@ from minisgl.entrypoints.openai.tool_parsers import TOOL_CALL_FORMATS
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}}}  # fmt: skip
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
-NAMES = {"get_weather", "get_time"}
+# qwen3_coder's values are text, typed by the tool's schema: one parameter of each type
+RECORD = {"type": "function", "function": {"name": "record", "parameters": {"type": "object", "properties": {
+    "note": {"type": "string"}, "zip": {"type": "string"}, "count": {"type": "integer"}, "ratio": {"type": "number"},
+    "on": {"type": "boolean"}, "meta": {"type": "object"}, "tags": {"type": "array"}, "maybe": {"type": ["string", "null"]},
+    "free": {"description": "no type: text"}}}}}  # fmt: skip
+# the offered functions as the chat route gives them to a format: each one's parameters schema by name
+TOOLS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME, RECORD)}
 STOP = {"type": "stop", "matched": 2}
 Calls = Optional[List[Tuple[str, Dict[str, Any]]]]
 
@@ -87,6 +93,49 @@ EXAMPLES: Dict[str, List[Tuple[str, str, Calls]]] = {
         ("[" + "a" * 70 + "()]", "[" + "a" * 70 + "()]", None),  # (no function name is longer than 64 characters)
     ],
 }
+
+def _coder(name: str, *params: Tuple[str, str]) -> str:
+    """A qwen3_coder call as the model writes it: each value on lines of its own."""
+    body = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in params)
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+_OSLO = _coder("get_weather", ("city", "Oslo"))
+EXAMPLES["qwen3_coder"] = [
+    ("Just text, <b>tags</b> and <tool>.", "Just text, <b>tags</b> and <tool>.", None),
+    ("Let me check.\n" + _coder("get_weather", ("city", "Zürich")), "Let me check.", [("get_weather", {"city": "Zürich"})]),
+    (_OSLO + "\n" + _coder("get_time"), "", [("get_weather", {"city": "Oslo"}), ("get_time", {})]),
+    # every schema type; a string keeps its text (less one newline each side: the blank lines
+    # and indent of a multi-line one stay), a number-like string too; an undeclared parameter,
+    # or one without a type, is text; null is None whatever the type
+    (_coder("record", ("note", "\ndef f():\n    return 1\n"), ("zip", "01234"), ("count", "-42"), ("ratio", "2.50"), ("on", "True"),
+            ("meta", '{"a": [1, null], "b": "ü"}'), ("tags", "['x', 2]"), ("maybe", "7"), ("free", "[1, 2]"), ("extra", "5"), ("zip2", "null")),
+     "", [("record", {"note": "\ndef f():\n    return 1\n", "zip": "01234", "count": -42, "ratio": 2.5, "on": True,
+                      "meta": {"a": [1, None], "b": "ü"}, "tags": ["x", 2], "maybe": "7", "free": "[1, 2]", "extra": "5", "zip2": None})]),
+    (_coder("record", ("ratio", "12345678901234567890"), ("count", "-0"), ("maybe", "null"), ("on", "false")), "",
+     [("record", {"ratio": 12345678901234567890, "count": 0, "maybe": None, "on": False})]),
+    # a value that does not parse as its type stays the text the model wrote
+    (_coder("record", ("count", "many"), ("ratio", "inf"), ("on", "yes"), ("meta", "{not json"), ("tags", "{1, 2}")),
+     "", [("record", {"count": "many", "ratio": "inf", "on": "yes", "meta": "{not json", "tags": "{1, 2}"})]),
+    (_coder("record", ("meta", "[" * 3000 + "]" * 3000)), "", [("record", {"meta": "[" * 3000 + "]" * 3000})]),  # (too deep: text)
+    # markup inside a value is the value's: only </parameter> ends it
+    (_coder("record", ("note", "if a < b:\n    s = '</function></tool_call>'")), "", [("record", {"note": "if a < b:\n    s = '</function></tool_call>'"})]),
+    (_coder("get_weather", ("city", "Oslo"), ("city", "Paris")), "", [("get_weather", {"city": "Paris"})]),  # (as json.loads: the last)
+    ("Sure. " + _coder("rm_rf", ("path", "/")), "Sure.", None),  # (not offered: dropped)
+    (_coder("rm_rf") + _OSLO, "", [("get_weather", {"city": "Oslo"})]),
+    ("<tool_call>\n<function=get_time>\n</function>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>",
+     "", [("get_time", {}), ("get_weather", {"city": "Oslo"})]),  # (two functions in one block: SGLang reads them)
+    # the last </tool_call> missing: SGLang (and vLLM) read the call
+    (_OSLO[: -len("</tool_call>")], "", [("get_weather", {"city": "Oslo"})]),
+    ("Hi. " + _OSLO + "\n" + _coder("get_time")[: -len("\n</tool_call>")], "Hi.", [("get_weather", {"city": "Oslo"}), ("get_time", {})]),
+    # not calls: all text
+    (_OSLO + "\nDone.", _OSLO + "\nDone.", None),
+    (_OSLO[: -len("</function>\n</tool_call>")], _OSLO[: -len("</function>\n</tool_call>")], None),  # (cut: no </function>)
+    (_OSLO.replace("</parameter>", ""), _OSLO.replace("</parameter>", ""), None),
+    ("<tool_call>\n</tool_call>", "<tool_call>\n</tool_call>", None),
+    ("<tool_call>\n<function=>\n</function>\n</tool_call>", "<tool_call>\n<function=>\n</function>\n</tool_call>", None),
+    ("<tool_call>\nget_weather(city='Oslo')\n</tool_call>", "<tool_call>\nget_weather(city='Oslo')\n</tool_call>", None),
+]
 CASES = [(name, *case) for name, cases in EXAMPLES.items() for case in cases]
 
 
@@ -126,13 +175,13 @@ def test_the_formats_are_the_parsers_the_server_takes() -> None:
     from minisgl.server_args import TOOL_CALL_PARSERS, ServerArgs
 
     assert tuple(TOOL_CALL_FORMATS) == TOOL_CALL_PARSERS
-    with pytest.raises(ValueError, match="--tool-call-parser must be one of qwen25, llama3, mistral, pythonic"):
+    with pytest.raises(ValueError, match="--tool-call-parser must be one of qwen25, llama3, mistral, pythonic, qwen3_coder"):
         ServerArgs(tool_call_parser="hermes")
 
 
 @pytest.mark.parametrize("parser, answer, content, calls", CASES)
 def test_a_whole_answer_splits_into_content_and_calls(parser: str, answer: str, content: str, calls: Calls) -> None:
-    got_content, got_calls = TOOL_CALL_FORMATS[parser].parse(answer, NAMES)
+    got_content, got_calls = TOOL_CALL_FORMATS[parser].parse(answer, TOOLS)
     assert (got_content, _calls(got_calls)) == (content, calls)
     assert got_calls is None or all(c.id for c in got_calls)
 
@@ -144,7 +193,7 @@ def test_a_stream_sends_exactly_the_whole_answers_content(parser: str, answer: s
     fmt, rng = TOOL_CALL_FORMATS[parser], random.Random(answer)
     chunkings = [list(range(1, len(answer)))] + [sorted(rng.sample(range(1, len(answer)), k=min(k, len(answer) - 1))) for k in (1, 2, 3, 5, 8) * 6]
     for cuts in chunkings:
-        splitter = StreamedText(NAMES, fmt)
+        splitter = StreamedText(TOOLS, fmt)
         sent = "".join(splitter.feed(answer[i:j]) for i, j in zip([0] + cuts, cuts + [len(answer)]))
         rest, got = splitter.finish()
         assert (sent + rest, _calls(got)) == (content, calls), cuts
@@ -155,7 +204,7 @@ def test_a_stream_sends_exactly_the_whole_answers_content(parser: str, answer: s
 def test_a_stream_cut_short_is_all_content_without_the_formats_special_tokens(parser: str) -> None:
     fmt = TOOL_CALL_FORMATS[parser]
     for answer, _, calls in EXAMPLES[parser]:
-        splitter = StreamedText(NAMES, fmt)
+        splitter = StreamedText(TOOLS, fmt)
         sent = splitter.feed(answer[: len(answer) // 2]) + splitter.feed(answer[len(answer) // 2 :])
         assert sent + splitter.unsent() == fmt.content(answer)
         assert not any(token in sent + splitter.unsent() for token in fmt.special)
@@ -164,19 +213,29 @@ def test_a_stream_cut_short_is_all_content_without_the_formats_special_tokens(pa
 def test_text_streams_out_before_the_calls_are_known() -> None:
     """Only what may still begin a call waits: a llama3 answer's JSON opening, a `[` that may
     begin `[TOOL_CALLS]` or a pythonic call."""
-    llama = StreamedText(NAMES, TOOL_CALL_FORMATS["llama3"])
+    llama = StreamedText(TOOLS, TOOL_CALL_FORMATS["llama3"])
     assert llama.feed("It is ") == "It is" and llama.feed("{warm}. <|python") == " {warm}." and llama.feed("_tag|>{") == ""
-    opening = StreamedText(NAMES, TOOL_CALL_FORMATS["llama3"])
+    opening = StreamedText(TOOLS, TOOL_CALL_FORMATS["llama3"])
     assert opening.feed(" \n") == "" and opening.feed('{"name": ') == "" and opening.calls_from == 2
-    mistral = StreamedText(NAMES, TOOL_CALL_FORMATS["mistral"])
+    mistral = StreamedText(TOOLS, TOOL_CALL_FORMATS["mistral"])
     assert mistral.feed("See [") == "See" and mistral.feed("1] and [TOOL_") == " [1] and" and mistral.feed("CALLS]") == ""
-    pythonic = StreamedText(NAMES, TOOL_CALL_FORMATS["pythonic"])
+    pythonic = StreamedText(TOOLS, TOOL_CALL_FORMATS["pythonic"])
     assert pythonic.feed("A [get_wea") == "A" and pythonic.feed("ther] b") == " [get_weather] b" and pythonic.feed(" [f(") == ""
+    coder = StreamedText(TOOLS, TOOL_CALL_FORMATS["qwen3_coder"])
+    assert coder.feed("See <tool") == "See" and coder.feed("s> and <b>") == " <tools> and <b>" and coder.feed("\n<tool_call>") == ""
+
+
+def test_qwen3_coder_needs_the_tools_schemas_not_their_names() -> None:
+    """Its values are typed by the schemas: names alone would make every value text."""
+    with pytest.raises(TypeError, match="mapping of each function's name to its parameters schema"):
+        TOOL_CALL_FORMATS["qwen3_coder"].parse(_OSLO, {"get_weather"})
+    with pytest.raises(TypeError, match="not the names alone"):
+        StreamedText({"get_weather"}, TOOL_CALL_FORMATS["qwen3_coder"]).feed(_OSLO)
 
 
 def test_mistral_call_ids_are_what_its_template_takes_back() -> None:
     """Mistral's template raises on the next turn unless an id is 9 letters or digits."""
-    _, calls = TOOL_CALL_FORMATS["mistral"].parse('[TOOL_CALLS] [{"name": "get_time", "arguments": {}}]', NAMES)
+    _, calls = TOOL_CALL_FORMATS["mistral"].parse('[TOOL_CALLS] [{"name": "get_time", "arguments": {}}]', TOOLS)
     assert len(calls[0].id) == 9 and calls[0].id.isalnum()
 
 
@@ -213,10 +272,10 @@ def test_a_strict_tools_tag_allows_only_calls_its_parser_reads(parser: str, call
         for text in (call % "Paris", "Sure. " + call % "Oslo", other):
             assert accepts(text), text
         assert not accepts(call % "Rome") and not accepts(call.replace("get_weather", "rm_rf") % "Paris")
-        content, calls = fmt.parse("Sure. " + call % "Oslo", NAMES)
+        content, calls = fmt.parse("Sure. " + call % "Oslo", TOOLS)
         assert (content, _calls(calls)) == ("Sure.", [("get_weather", {"city": "Oslo"})])
         # parallel calls, as the tag lets them be written, are all read back
-        assert accepts(call % "Oslo" + other) and _calls(fmt.parse(call % "Oslo" + other, NAMES)[1]) == [("get_weather", {"city": "Oslo"}), ("get_time", [1])]
+        assert accepts(call % "Oslo" + other) and _calls(fmt.parse(call % "Oslo" + other, TOOLS)[1]) == [("get_weather", {"city": "Oslo"}), ("get_time", [1])]
         if parser == "llama3":  # the bare JSON Meta's template asks for is held too (minisgl's trigger)
             assert accepts('{"name":"get_weather", "parameters":{"city": "Oslo"}}')
             assert not accepts('{"name":"get_weather", "parameters":{"city": "Rome"}}')
@@ -231,6 +290,9 @@ def test_pythonic_strict_tools_under_auto_are_refused_not_left_unconstrained() -
     assert validate_tools(_request(tools=[WEATHER]), "pythonic") is None
     assert validate_tools(_request(tools=[strict], tool_choice="required"), "pythonic") is None  # (forced: JSON)
     assert validate_tools(_request(tools=[strict]), "mistral") is None
+    message = validate_tools(_request(tools=[strict]), "qwen3_coder")  # (its values are not JSON either)
+    assert message is not None and "qwen3_coder format writes XML-like <parameter=...> ones" in message
+    assert validate_tools(_request(tools=[strict], tool_choice={"type": "function", "function": {"name": "get_weather"}}), "qwen3_coder") is None
 
 
 # --------------------------------------------------------------------------- the chat route, scripted
@@ -251,6 +313,7 @@ ROUTE_CASES = [
     ("llama3", '{"name": "get_weather", "parameters": {"city": "Zürich"}}', None),
     ("mistral", 'On it. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Zürich"}}]', "On it."),
     ("pythonic", 'On it. [get_weather(city="Zürich")]', "On it."),
+    ("qwen3_coder", "On it.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nZürich\n</parameter>\n</function>\n</tool_call>", "On it."),
 ]
 
 
@@ -293,6 +356,19 @@ def test_the_chat_route_keeps_cut_or_undefined_calls_out_of_tool_calls(tiny_mode
     assert whole["finish_reason"] == "stop" and whole["message"]["content"] == (content or "") and whole["message"]["tool_calls"] is None
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert "".join(d.get("content") or "" for d in deltas) == (content or "") and not any("tool_calls" in d for d in deltas)
+
+
+def test_the_chat_route_types_qwen3_coder_values_by_the_requests_tools(tiny_model: str, tmp_path: Any) -> None:
+    """The request's own schemas reach the parser: "3" is an integer for `count`, "007" stays a string for `zip`."""
+    answer = "Noted.\n" + _coder("record", ("count", "3"), ("zip", "007"))
+    client, _ = _client(tiny_model, tmp_path, "qwen3_coder", [_out("r", answer, 15, STOP)])
+    with client:
+        (call,) = _chat(client, tools=[RECORD]).json()["choices"][0]["message"]["tool_calls"]
+    client, _ = _client(tiny_model, tmp_path, "qwen3_coder", [_out("r", answer[:30], 5), _out("r", answer[30:], 15, STOP)])
+    with client:
+        (streamed,) = streamed_calls(tool_deltas([c for c in _events(_chat(client, tools=[RECORD], stream=True)) if c != "[DONE]"]))
+    assert call["function"] == {"name": "record", "arguments": '{"count": 3, "zip": "007"}'}
+    assert streamed["arguments"] == call["function"]["arguments"]
 
 
 def test_strict_tools_under_auto_reach_the_scheduler_as_the_formats_tag(tiny_model: str, tmp_path: Any) -> None:

@@ -93,8 +93,10 @@ def _forces_calls(request: ChatCompletionRequest) -> bool:
     return bool(request.tools) and request.tool_choice not in (None, "none", "auto")
 
 
-def _tool_names(request: ChatCompletionRequest) -> set:
-    return {tool.function.name for tool in request.tools or []}
+def _offered_tools(request: ChatCompletionRequest) -> Dict[str, Dict[str, Any]]:
+    """The functions offered, each one's parameters schema by name (what a tool-call format
+    checks a call's name against, and qwen3_coder types its values by)."""
+    return {tool.function.name: tool.function.parameters or {} for tool in request.tools or []}
 
 
 def _continued(request: ChatCompletionRequest) -> str:
@@ -144,8 +146,8 @@ class _ParsedCalls(_StreamedCalls):
     """tool_choice "auto" with --tool-call-parser: the text as it comes, up to a possible call;
     the calls as they come."""
 
-    def __init__(self, tool_names: set, fmt: ToolCallFormat) -> None:
-        self.splitter = StreamedText(tool_names, fmt)
+    def __init__(self, tools: Dict[str, Dict[str, Any]], fmt: ToolCallFormat) -> None:
+        self.splitter = StreamedText(tools, fmt)
 
     def feed(self, text: str, tokens: List[ChatTokenLogprob]) -> Tuple[str, List[ChatTokenLogprob], List[DeltaToolCall]]:
         return self.splitter.feed(text), tokens, self.splitter.tool_deltas()
@@ -161,7 +163,7 @@ class OpenAIServingChat(OpenAIServingBase):
     def _streamed_calls(self, request: ChatCompletionRequest) -> _StreamedCalls:
         if _forces_calls(request):
             return _ForcedCalls()
-        return _ParsedCalls(_tool_names(request), self._call_format()) if self._parses_calls(request) else _StreamedCalls()
+        return _ParsedCalls(_offered_tools(request), self._call_format()) if self._parses_calls(request) else _StreamedCalls()
 
     def _reasoning_splitter(self, request: ChatCompletionRequest) -> Optional[ReasoningSplitter]:
         """A choice's splitter of <think>...</think>, with --reasoning-parser unless the request
@@ -350,7 +352,7 @@ class OpenAIServingChat(OpenAIServingBase):
                 content = None if calls else answer
             elif self._parses_calls(request):  # (the format's special tokens are never content)
                 fmt = self._call_format()
-                content, calls = fmt.parse(answer, _tool_names(request)) if finish_reason == "stop" else (fmt.content(answer), None)
+                content, calls = fmt.parse(answer, _offered_tools(request)) if finish_reason == "stop" else (fmt.content(answer), None)
             # (every call dropped, as undefined: the text before them, as a stream sends it)
             message = ChatCompletionMessage(content=content, reasoning_content=reasoning)
             if calls:  # SGLang's: finish_reason tool_calls, matched_stop dropped

@@ -76,8 +76,10 @@ class StreamedCall:
 
 class CallStream:
     """One choice's calls as they stream. `read(stream)` is the format's reader; `tool_names`
-    the functions offered (None: any, for a forced call, whose names the grammar holds to the
-    tools); `arg_keys` the keys of the arguments, the first winning where both are written."""
+    the functions offered, as the format was given them (the chat route's: each one's
+    parameters schema by name, which qwen3_coder types its values by; None: any, for a forced
+    call, whose names the grammar holds to the tools); `arg_keys` the keys of the arguments,
+    the first winning where both are written."""
 
     def __init__(
         self,
@@ -251,22 +253,25 @@ class CallStream:
             if ch != ",":
                 raise NotCalls
 
-    def named_call(self, name: str) -> Reader:
-        """A call whose name the format wrote outside JSON (Mistral's compact `name[ARGS]{...}`):
-        its arguments, a JSON object."""
+    def open_call(self, name: str) -> StreamedCall:
+        """A call whose name the format wrote outside JSON: its header goes out now (if offered),
+        then what the format writes of its arguments (`StreamedCall.write`), as it comes."""
         call = StreamedCall(name)
         call.arg_key = "arguments"
         self._ready(call)
+        return call
+
+    def named_call(self, name: str) -> Reader:
+        """A call whose name the format wrote outside JSON (Mistral's compact `name[ARGS]{...}`):
+        its arguments, a JSON object."""
+        call = self.open_call(name)
         if (yield from self.peek_nonblank()) != "{":
             raise NotCalls
         yield from self.json_value(call)
 
     def whole_call(self, name: str, arguments: str) -> None:
         """A call read whole (a pythonic one, when its `)` arrives): out at once."""
-        call = StreamedCall(name)
-        call.arg_key = "arguments"
-        call.write(arguments)
-        self._ready(call)
+        self.open_call(name).write(arguments)
 
     # ---------------------------------------------------------------- JSON, normalised
     def _key(self) -> Reader:

@@ -10,8 +10,8 @@ comes back, `parse_tool_calls` turns that array into OpenAI's `tool_calls`.
 This is SGLang's path for these two choices (its `get_json_schema_constraint` and
 `JsonArrayParser`, which bypass the model-specific parsers). `tool_choice: "auto"` needs a
 parser for the model family's own tool-call format (SGLang's --tool-call-parser): the formats
-are in tool_parsers.py (qwen25, llama3, mistral, pythonic); this file holds what they share:
-the structural tag of strict tools (`auto_call_constraint`) and, at its end, the streamed split
+are in tool_parsers.py (qwen25, llama3, mistral, pythonic, qwen3_coder); this file holds what
+they share: the structural tag of strict tools (`auto_call_constraint`) and, at its end, the streamed split
 of text and calls (`StreamedText`; the calls themselves stream through tool_call_stream.py,
 a forced call's too: `forced_call_stream`). Without a parser, "auto" is refused.
 """
@@ -54,10 +54,11 @@ def validate_tools(request: ChatCompletionRequest, parser: Optional[str] = None)
     if choice in (None, "auto") and parser is None:
         return AUTO_NOT_BUILT
     if choice in (None, "auto") and any(t.function.strict for t in request.tools or []) and not TOOL_CALL_FORMATS[parser].has_structural_tag:
-        # (SGLang leaves them unconstrained: a strict tool's promise would silently not hold)
+        # (SGLang leaves pythonic ones unconstrained: a strict tool's promise would silently not hold;
+        # it holds qwen3_coder's with xgrammar's qwen_xml tag, not built here)
         return (
             'strict tools under tool_choice "auto" are constrained by a structural tag, which holds JSON arguments: '
-            f"the {parser} format writes Python ones. Drop \"strict\", or use tool_choice \"required\" or a named "
+            f"the {parser} format writes {TOOL_CALL_FORMATS[parser].argument_syntax} ones. Drop \"strict\", or use tool_choice \"required\" or a named "
             "function (the call is then constrained to JSON)"
         )
     return None
@@ -182,8 +183,9 @@ class StreamedText:
     answer's content drops them), so that a stream sends exactly the non-streaming answer's
     content. From the first call markup on, the text goes to the format's CallStream, whose
     deltas `tool_deltas` hands out (a call once its name is read, then its arguments as they
-    come), and `finish_deltas` settles them against the whole answer's calls. `fmt`: the model
-    family's format (qwen25's when not given)."""
+    come), and `finish_deltas` settles them against the whole answer's calls. `tool_names`: the
+    functions offered (the chat route's: each one's parameters schema by name, which qwen3_coder
+    needs); `fmt`: the model family's format (qwen25's when not given)."""
 
     def __init__(self, tool_names: Collection[str], fmt: Optional[ToolCallFormat] = None) -> None:
         self.tool_names = tool_names

@@ -11,12 +11,13 @@ the format for a strict tool's structural-tag begin/end/trigger (`structures`). 
 content text and ToolCalls (or, streamed, their deltas). Owns: nothing (a format is
 stateless; a stream's state is StreamedText's and CallStream's).
 
-| parser   | models                                         | a call                                             |
-|----------|------------------------------------------------|----------------------------------------------------|
-| qwen25   | Qwen2.5, Qwen3                                 | `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` |
-| llama3   | Llama 3.1, 3.2 (JSON calls)                    | `<|python_tag|>`? `{"name": ..., "parameters": {...}}`, `;` between calls |
-| mistral  | Mistral 7B v0.3, Nemo, Small; later compact    | `[TOOL_CALLS] [{"name": ..., "arguments": {...}}]`, or `[TOOL_CALLS]name[ARGS]{...}` per call |
-| pythonic | Llama 3.2 prompted for it, Llama 4's format    | `[get_weather(city="Paris"), get_time()]` (Python literals, never eval'd) |
+| parser      | models                                         | a call                                             |
+|-------------|------------------------------------------------|----------------------------------------------------|
+| qwen25      | Qwen2.5, Qwen3                                 | `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` |
+| llama3      | Llama 3.1, 3.2 (JSON calls)                    | `<|python_tag|>`? `{"name": ..., "parameters": {...}}`, `;` between calls |
+| mistral     | Mistral 7B v0.3, Nemo, Small; later compact    | `[TOOL_CALLS] [{"name": ..., "arguments": {...}}]`, or `[TOOL_CALLS]name[ARGS]{...}` per call |
+| pythonic    | Llama 3.2 prompted for it, Llama 4's format    | `[get_weather(city="Paris"), get_time()]` (Python literals, never eval'd) |
+| qwen3_coder | Qwen3-Coder (30B-A3B, 480B)                    | `<tool_call>\\n<function=get_weather>\\n<parameter=city>\\nParis\\n</parameter>\\n</function>\\n</tool_call>` (values text, typed by the tool's schema: qwen3_coder_calls.py) |
 
 One rule for every format (minisgl's; SGLang's detectors differ in details, e.g. some keep
 text after the calls as content): the calls run from the first call markup to the end of
@@ -38,6 +39,7 @@ import re
 import uuid
 from typing import Any, Collection, Dict, List, Optional, Tuple
 
+from minisgl.entrypoints.openai import qwen3_coder_calls
 from minisgl.entrypoints.openai.protocol import FunctionCall, ToolCall
 from minisgl.entrypoints.openai.tool_call_stream import CallStream, NotCalls, Reader
 
@@ -69,6 +71,7 @@ class ToolCallFormat(abc.ABC):
     models: str = ""  # whose format it is, for messages
     markers: Tuple[str, ...] = ()  # text that begins the calls wherever it shows
     special: Tuple[str, ...] = ()  # the format's special tokens: dropped from content
+    argument_syntax: str = "JSON"  # what its calls' arguments are written in, for messages
 
     def find_start(self, text: str, at_start: bool) -> int:
         """Where in `text` the calls begin, or -1. `at_start`: `text` opens the answer (only
@@ -119,6 +122,11 @@ class ToolCallFormat(abc.ABC):
     def call_id(self) -> str:
         return f"call_{uuid.uuid4().hex[:24]}"
 
+    def arguments(self, call: RawCall, tool_names: Collection[str]) -> Any:
+        """A call's arguments as the answer gives them: the JSON the model wrote (a format whose
+        values are text types them here, by the tool's schema in `tool_names`)."""
+        return call.get("arguments", call.get("parameters", {}))
+
     def content(self, text: str) -> str:
         """`text` as content: without the format's special tokens."""
         for token in self.special:
@@ -127,7 +135,9 @@ class ToolCallFormat(abc.ABC):
 
     def parse(self, text: str, tool_names: Collection[str]) -> Tuple[str, Optional[List[ToolCall]]]:
         """A whole answer: (the content before the calls, the calls), or (content, None) when
-        it holds no calls. A call of a function not in `tool_names` is dropped (SGLang's "Model
+        it holds no calls. `tool_names`: the functions offered (the chat route gives each one's
+        parameters schema by name, a Mapping: qwen3_coder types its values by them). A call
+        of a function not in `tool_names` is dropped (SGLang's "Model
         attempted to call undefined function"): an agent must never be handed a function it
         did not offer; when every call is dropped, the answer is its text before the first
         call, with no calls (SGLang's too: the markup of a dropped call is not content either)."""
@@ -140,7 +150,7 @@ class ToolCallFormat(abc.ABC):
             if call["name"] not in tool_names:
                 logger.warning("Model attempted to call undefined function: %s", call["name"])
                 continue
-            arguments = call.get("arguments", call.get("parameters", {}))
+            arguments = self.arguments(call, tool_names)
             try:  # (ensure_ascii off: "Zürich" as OpenAI and SGLang send it, not "Z\\u00fcrich")
                 arguments_json = json.dumps(arguments, ensure_ascii=False)
             except RecursionError:  # (decoded just under the limit, encoded just over it)
@@ -336,7 +346,7 @@ class PythonicFormat(ToolCallFormat):
     between Llama 4's `<|python_start|>` and `<|python_end|>`."""
 
     name, models = "pythonic", "Llama 3.2/4's [f(x=1)]"
-    markers = ("<|python_start|>",)
+    markers, argument_syntax = ("<|python_start|>",), "Python"
     special = ("<|python_start|>", "<|python_end|>")
     # `[` then a function's name and `(`, and what may still grow into one. A name is at most 64
     # characters (OpenAI's limit): a stream holds at most that much of a `[identifier` run, where
@@ -450,6 +460,25 @@ def _read_python_call(stream: CallStream) -> Reader:
             raise NotCalls  # (only the function's name before its `(`)
 
 
+class QwenCoderFormat(ToolCallFormat):
+    """Qwen3-Coder (SGLang's Qwen3CoderDetector): `<tool_call>` blocks of `<function=NAME>` and
+    `<parameter=KEY>` tags, each value the text between its tags, typed by the tool's parameters
+    schema; read and streamed in qwen3_coder_calls.py (its docstring has the rules)."""
+
+    name, models = "qwen3_coder", "Qwen3-Coder's <function=...>"
+    markers, argument_syntax = (qwen3_coder_calls.TOOL_CALL,), "XML-like <parameter=...>"
+
+    def read_calls(self, tail: str) -> Optional[List[RawCall]]:
+        return qwen3_coder_calls.read_calls(tail)
+
+    def arguments(self, call: RawCall, tool_names: Collection[str]) -> Any:
+        return qwen3_coder_calls.typed_arguments(call["name"], call["arguments"], tool_names)
+
+    def read_streamed(self, stream: CallStream) -> Reader:
+        """Each call's header at `<function=NAME>`, each parameter at its `</parameter>`."""
+        return qwen3_coder_calls.read_streamed(stream)
+
+
 TOOL_CALL_FORMATS: Dict[str, ToolCallFormat] = {
-    fmt.name: fmt for fmt in (Qwen25Format(), Llama3Format(), MistralFormat(), PythonicFormat())
+    fmt.name: fmt for fmt in (Qwen25Format(), Llama3Format(), MistralFormat(), PythonicFormat(), QwenCoderFormat())
 }
