@@ -136,11 +136,11 @@ class ToolCallFormat(abc.ABC):
     def parse(self, text: str, tool_names: Collection[str]) -> Tuple[str, Optional[List[ToolCall]]]:
         """A whole answer: (the content before the calls, the calls), or (content, None) when
         it holds no calls. `tool_names`: the functions offered (the chat route gives each one's
-        parameters schema by name, a Mapping: qwen3_coder types its values by them). A call
-        of a function not in `tool_names` is dropped (SGLang's "Model
-        attempted to call undefined function"): an agent must never be handed a function it
-        did not offer; when every call is dropped, the answer is its text before the first
-        call, with no calls (SGLang's too: the markup of a dropped call is not content either)."""
+        parameters schema by name, a Mapping: qwen3_coder types its values by them). A call of
+        a function not in `tool_names` is dropped (SGLang's "Model attempted to call undefined
+        function"): an agent must never be handed a function it did not offer; when every call
+        is dropped, the answer is its text before the first call, with no calls (SGLang's too:
+        the markup of a dropped call is not content either)."""
         start = self.find_start(text, at_start=True)
         raw = self.read_calls(text[start:]) if start >= 0 else None
         if not raw:
