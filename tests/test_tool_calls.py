@@ -244,7 +244,7 @@ def _qwen_client(tiny_model: str, tmp_path: Any, outs: List[Dict[str, Any]]) -> 
 def test_the_qwen25_parser_splits_text_and_calls() -> None:
     from minisgl.entrypoints.openai.tool_calls import StreamedText, parse_qwen25
 
-    names = {"get_weather"}
+    names = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}}}}  # (offered: schema by name)
     text, calls = parse_qwen25("\n" + QWEN_ANSWER, names)
     assert text == "\nLet me check." and [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", '{"city": "Zürich"}')]
     for plain in ("No tools needed.", QWEN_ANSWER[:-5], QWEN_ANSWER + " and more", "<tool_call>\n{not json}\n</tool_call>"):
@@ -273,7 +273,7 @@ def test_a_streamed_auto_answer_sends_exactly_the_content_of_the_whole_one() -> 
 
     from minisgl.entrypoints.openai.tool_calls import StreamedText, parse_qwen25
 
-    names, rng = {"get_weather"}, random.Random(0)
+    names, rng = {"get_weather": {}}, random.Random(0)
     call = QWEN_ANSWER[QWEN_ANSWER.index("<tool_call>") :]
     for answer in ["hello\n\n" + call, "\n" + call, " a \n " + call + "\n" + call, "hello\n\n<tool_call>\n{bad}\n</tool_call>",
                    "hi  " + call.replace("get_weather", "rm"), call + " and after", "text <tool", "plain \n"]:  # fmt: skip

@@ -225,12 +225,16 @@ def test_text_streams_out_before_the_calls_are_known() -> None:
     assert coder.feed("See <tool") == "See" and coder.feed("s> and <b>") == " <tools> and <b>" and coder.feed("\n<tool_call>") == ""
 
 
-def test_qwen3_coder_needs_the_tools_schemas_not_their_names() -> None:
-    """Its values are typed by the schemas: names alone would make every value text."""
+@pytest.mark.parametrize("parser", list(TOOL_CALL_FORMATS))
+def test_the_formats_need_the_tools_schemas_not_their_names(parser: str) -> None:
+    """qwen3_coder's values are typed by the schemas: names alone would make every value text.
+    A caller's bug, refused where the tools are handed in (not deep in a stream's reader)."""
+    with pytest.raises(TypeError, match="mapping of each function's name to its parameters schema, not set"):
+        TOOL_CALL_FORMATS[parser].parse(_OSLO, {"get_weather"})
     with pytest.raises(TypeError, match="mapping of each function's name to its parameters schema"):
-        TOOL_CALL_FORMATS["qwen3_coder"].parse(_OSLO, {"get_weather"})
-    with pytest.raises(TypeError, match="not the names alone"):
-        StreamedText({"get_weather"}, TOOL_CALL_FORMATS["qwen3_coder"]).feed(_OSLO)
+        StreamedText({"get_weather"}, TOOL_CALL_FORMATS[parser])
+    with pytest.raises(TypeError, match="not list"):
+        TOOL_CALL_FORMATS[parser].stream(["get_weather"])
 
 
 def test_mistral_call_ids_are_what_its_template_takes_back() -> None:

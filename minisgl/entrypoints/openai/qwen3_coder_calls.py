@@ -41,9 +41,9 @@ import ast
 import json
 import logging
 import math
-from typing import Any, Collection, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
-from minisgl.entrypoints.openai.tool_call_stream import CallStream, NotCalls, Reader
+from minisgl.entrypoints.openai.tool_call_stream import CallStream, NotCalls, OfferedTools, Reader, check_offered
 
 logger = logging.getLogger("minisgl.tool_calls")
 
@@ -59,13 +59,8 @@ _CONTAINER_TYPES = ("object", "array", "arr", "dict", "list")  # (prefixes: "dic
 
 
 # --------------------------------------------------------------------------- typing the values
-def _properties(tools: Optional[Collection[str]], name: str) -> Dict[str, Any]:
+def _properties(tools: OfferedTools, name: str) -> Dict[str, Any]:
     """The `properties` of the parameters schema of the tool named `name` ({} when it has none)."""
-    if not isinstance(tools, Mapping):
-        raise TypeError(
-            "qwen3_coder types each value by its tool's parameters schema: give the tools as a mapping "
-            "of each function's name to its parameters schema, not the names alone"
-        )
     parameters = tools.get(name)
     properties = parameters.get("properties") if isinstance(parameters, dict) else None
     return properties if isinstance(properties, dict) else {}
@@ -144,9 +139,9 @@ def _literal(raw: str, kind: str) -> Any:
     return value
 
 
-def typed_arguments(name: str, raw: Dict[str, str], tools: Collection[str]) -> Dict[str, Any]:
+def typed_arguments(name: str, raw: Dict[str, str], tools: OfferedTools) -> Dict[str, Any]:
     """A call's arguments: each parameter's text typed by the tool's schema."""
-    properties = _properties(tools, name)
+    properties = _properties(check_offered(tools), name)
     return {key: typed_value(text, properties.get(key)) for key, text in raw.items()}
 
 
@@ -236,7 +231,7 @@ def _stream_function(stream: CallStream) -> Reader:
     """One function, after its `<function=`: the header at its name's `>`, then each parameter."""
     name = yield from _name(stream)
     call = stream.open_call(name)
-    properties = _properties(stream.tool_names, name)
+    properties = _properties(check_offered(stream.tool_names), name)
     keys: List[str] = []
     while (yield from _tag(stream, (PARAMETER, FUNCTION_END))) == PARAMETER:
         key = yield from _name(stream)

@@ -31,13 +31,16 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Callable, Collection, Generator, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Generator, List, Mapping, Optional, Set, Tuple
 
 from minisgl.entrypoints.openai.protocol import DeltaFunctionCall, DeltaToolCall, ToolCall
 
 logger = logging.getLogger("minisgl.tool_calls")
 
 Reader = Generator[None, str, Any]  # takes in characters (send), returns what it read
+# the functions offered, as the chat route hands them to a format: each one's parameters schema
+# by name (a name's presence is what every format checks; qwen3_coder types its values by the schema)
+OfferedTools = Mapping[str, Dict[str, Any]]
 JSON_BLANKS = " \t\n\r"  # json's whitespace (str.isspace takes more: json.loads refuses those)
 _UNESCAPE = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
 _HEX = frozenset("0123456789abcdefABCDEF")
@@ -45,6 +48,17 @@ _HEX = frozenset("0123456789abcdefABCDEF")
 
 class NotCalls(Exception):
     """The text is not the format's calls (other markup, bad JSON, a call without a name)."""
+
+
+def check_offered(tools: OfferedTools) -> OfferedTools:
+    """`tools`, checked where a caller hands them in (a caller's bug, so a TypeError there, not a
+    failure deep in a stream's reader): a mapping of each function's name to its parameters schema."""
+    if not isinstance(tools, Mapping):
+        raise TypeError(
+            "the offered tools are a mapping of each function's name to its parameters schema, not "
+            f"{type(tools).__name__} (qwen3_coder types each value by the schema: names alone would make every value text)"
+        )
+    return tools
 
 
 def _escaped(ch: str) -> str:
@@ -84,7 +98,7 @@ class CallStream:
     def __init__(
         self,
         read: Callable[["CallStream"], Reader],
-        tool_names: Optional[Collection[str]],
+        tool_names: Optional[OfferedTools],
         call_id: Callable[[], str],
         arg_keys: Tuple[str, ...] = ("arguments", "parameters"),
         needs_arg_key: bool = False,

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, Collection, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from minisgl.entrypoints.openai.protocol import ChatCompletionRequest, DeltaToolCall, FunctionCall, Tool, ToolCall, ToolChoice
-from minisgl.entrypoints.openai.tool_call_stream import CallStream, read_forced_calls
+from minisgl.entrypoints.openai.tool_call_stream import CallStream, OfferedTools, check_offered, read_forced_calls
 from minisgl.entrypoints.openai.tool_parsers import NOT_JSON, TOOL_CALL_FORMATS, ToolCallFormat
 
 _QWEN25 = TOOL_CALL_FORMATS["qwen25"]
@@ -170,7 +170,7 @@ def parse_tool_calls(text: str) -> Optional[List[ToolCall]]:
 # Model families' own tool-call formats (SGLang's --tool-call-parser; tool_parsers.py). With
 # "auto" nothing is constrained (unless a tool is strict): the model writes text, calls in its
 # format, or both, and the format splits them.
-def parse_qwen25(text: str, tool_names: Collection[str]) -> Tuple[str, Optional[List[ToolCall]]]:
+def parse_qwen25(text: str, tool_names: OfferedTools) -> Tuple[str, Optional[List[ToolCall]]]:
     """Qwen2.5 / Qwen3's format (ToolCallFormat.parse says the rules): (the text before the first
     `<tool_call>`, the calls), or (text, None)."""
     return _QWEN25.parse(text, tool_names)
@@ -187,8 +187,8 @@ class StreamedText:
     functions offered (the chat route's: each one's parameters schema by name, which qwen3_coder
     needs); `fmt`: the model family's format (qwen25's when not given)."""
 
-    def __init__(self, tool_names: Collection[str], fmt: Optional[ToolCallFormat] = None) -> None:
-        self.tool_names = tool_names
+    def __init__(self, tool_names: OfferedTools, fmt: Optional[ToolCallFormat] = None) -> None:
+        self.tool_names = check_offered(tool_names)
         self.format = fmt or _QWEN25
         self.full = ""  # everything fed
         # invariant: full[:safe] holds no call start and ends where no marker or special token

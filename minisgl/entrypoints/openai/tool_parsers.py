@@ -37,11 +37,11 @@ import json
 import logging
 import re
 import uuid
-from typing import Any, Collection, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from minisgl.entrypoints.openai import qwen3_coder_calls
 from minisgl.entrypoints.openai.protocol import FunctionCall, ToolCall
-from minisgl.entrypoints.openai.tool_call_stream import CallStream, NotCalls, Reader
+from minisgl.entrypoints.openai.tool_call_stream import CallStream, NotCalls, OfferedTools, Reader, check_offered
 
 logger = logging.getLogger("minisgl.tool_calls")
 
@@ -103,9 +103,9 @@ class ToolCallFormat(abc.ABC):
         (as `read_calls` reads them whole), handing each call to `stream` (its `call_object`,
         `named_call` or `whole_call`); raises NotCalls where the text is not calls."""
 
-    def stream(self, tool_names: Collection[str]) -> CallStream:
+    def stream(self, tool_names: OfferedTools) -> CallStream:
         """A stream of the calls of one answer, from its first call markup on."""
-        return CallStream(self.read_streamed, tool_names, self.call_id)
+        return CallStream(self.read_streamed, check_offered(tool_names), self.call_id)
 
     def structures(self, name_json: str) -> List[Structure]:
         """The structural tag's structures for a call of the tool named `name_json` (its name
@@ -122,7 +122,7 @@ class ToolCallFormat(abc.ABC):
     def call_id(self) -> str:
         return f"call_{uuid.uuid4().hex[:24]}"
 
-    def arguments(self, call: RawCall, tool_names: Collection[str]) -> Any:
+    def arguments(self, call: RawCall, tool_names: OfferedTools) -> Any:
         """A call's arguments as the answer gives them: the JSON the model wrote (a format whose
         values are text types them here, by the tool's schema in `tool_names`)."""
         return call.get("arguments", call.get("parameters", {}))
@@ -133,7 +133,7 @@ class ToolCallFormat(abc.ABC):
             text = text.replace(token, "")
         return text
 
-    def parse(self, text: str, tool_names: Collection[str]) -> Tuple[str, Optional[List[ToolCall]]]:
+    def parse(self, text: str, tool_names: OfferedTools) -> Tuple[str, Optional[List[ToolCall]]]:
         """A whole answer: (the content before the calls, the calls), or (content, None) when
         it holds no calls. `tool_names`: the functions offered (the chat route gives each one's
         parameters schema by name, a Mapping: qwen3_coder types its values by them). A call of
@@ -141,6 +141,7 @@ class ToolCallFormat(abc.ABC):
         function"): an agent must never be handed a function it did not offer; when every call
         is dropped, the answer is its text before the first call, with no calls (SGLang's too:
         the markup of a dropped call is not content either)."""
+        check_offered(tool_names)
         start = self.find_start(text, at_start=True)
         raw = self.read_calls(text[start:]) if start >= 0 else None
         if not raw:
@@ -471,7 +472,7 @@ class QwenCoderFormat(ToolCallFormat):
     def read_calls(self, tail: str) -> Optional[List[RawCall]]:
         return qwen3_coder_calls.read_calls(tail)
 
-    def arguments(self, call: RawCall, tool_names: Collection[str]) -> Any:
+    def arguments(self, call: RawCall, tool_names: OfferedTools) -> Any:
         return qwen3_coder_calls.typed_arguments(call["name"], call["arguments"], tool_names)
 
     def read_streamed(self, stream: CallStream) -> Reader:
