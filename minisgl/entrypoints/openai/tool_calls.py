@@ -190,11 +190,14 @@ class StreamedText:
     def __init__(self, tool_names: OfferedTools, fmt: Optional[ToolCallFormat] = None) -> None:
         self.tool_names = check_offered(tool_names)
         self.format = fmt or _QWEN25
-        self.full = ""  # everything fed
+        # everything fed, as pieces: joined once at the end (`full`), since adding each delta to
+        # one string copies the answer so far every time (quadratic in a long answer)
+        self.pieces: List[str] = []
         # invariant: full[:safe] holds no call start and ends where no marker or special token
         # straddles, so its content is content(full)'s prefix whatever comes next
         self.safe = 0
-        self.sent = ""  # what feed() gave out: always a prefix of the final content
+        self.tail = ""  # full[safe:] until the calls begin: what may still grow into markup (short)
+        self.sent: List[str] = []  # what feed() gave out: always a prefix of the final content
         self.blanks = ""  # the content's trailing blanks, held: they may end the text before a call
         self.calls_from: Optional[int] = None  # where the calls begin in `full`
         self.calls: Optional[CallStream] = None  # reads them as they come, from calls_from on
@@ -202,24 +205,34 @@ class StreamedText:
 
     def feed(self, delta: str) -> str:
         """The part of `delta` (with what was held back) that is content for sure."""
-        self.full += delta
+        self.pieces.append(delta)
         if self.calls is not None:
             self.deltas += self.calls.feed(delta)
             return ""
-        tail = self.full[self.safe :]
+        tail = self.tail + delta
         # (the answer's opening: nothing sent yet, so what came before was blanks, or special
         # tokens, which for a format that reads `at_start` begin its calls)
         start = self.format.find_start(tail, at_start=not self.sent)
         if start >= 0:
-            self.calls_from = end = self.safe + start
+            end = start
+            self.calls_from = self.safe + start
             self.calls = self.format.stream(self.tool_names)
-            self.deltas += self.calls.feed(self.full[end:])
+            self.deltas += self.calls.feed(tail[start:])
         else:
-            end = len(self.full) - self.format.held(tail)
-        text = self.blanks + self.format.content(self.full[self.safe : end])
+            end = len(tail) - self.format.held(tail)
+        text = self.blanks + self.format.content(tail[:end])
         sure = text.rstrip()
-        self.safe, self.blanks, self.sent = end, text[len(sure) :], self.sent + sure
+        self.safe, self.tail, self.blanks = self.safe + end, tail[end:], text[len(sure) :]
+        if sure:
+            self.sent.append(sure)
         return sure
+
+    @property
+    def full(self) -> str:
+        """Everything fed."""
+        if len(self.pieces) > 1:
+            self.pieces = ["".join(self.pieces)]
+        return self.pieces[0] if self.pieces else ""
 
     def tool_deltas(self) -> List[DeltaToolCall]:
         """The calls' deltas since the last call: to send after the content `feed` gave out."""
@@ -233,11 +246,12 @@ class StreamedText:
 
     def unsent(self) -> str:
         """Everything fed and not given out (an answer cut short: all of it is content)."""
-        return self.format.content(self.full)[len(self.sent) :]
+        return self.format.content(self.full)[sum(map(len, self.sent)) :]
 
     def finish(self) -> Tuple[str, Optional[List[ToolCall]]]:
         """At the end of the choice: (content still to send, the calls or None)."""
         if self.calls_from is None:
             return self.unsent(), None
         content, calls = self.format.parse(self.full, self.tool_names)
-        return content[len(self.sent) :] if content.startswith(self.sent) else "", calls
+        sent = "".join(self.sent)
+        return content[len(sent) :] if content.startswith(sent) else "", calls
