@@ -120,7 +120,8 @@ EXAMPLES["qwen3_coder"] = [
     (_coder("record", ("meta", "[" * 3000 + "]" * 3000)), "", [("record", {"meta": "[" * 3000 + "]" * 3000})]),  # (too deep: text)
     # markup inside a value is the value's: only </parameter> ends it
     (_coder("record", ("note", "if a < b:\n    s = '</function></tool_call>'")), "", [("record", {"note": "if a < b:\n    s = '</function></tool_call>'"})]),
-    (_coder("get_weather", ("city", "Oslo"), ("city", "Paris")), "", [("get_weather", {"city": "Paris"})]),  # (as json.loads: the last)
+    # a repeated parameter: the first value (a stream sent it)
+    (_coder("get_weather", ("city", "Oslo"), ("city", "Paris")), "", [("get_weather", {"city": "Oslo"})]),
     ("Sure. " + _coder("rm_rf", ("path", "/")), "Sure.", None),  # (not offered: dropped)
     (_coder("rm_rf") + _OSLO, "", [("get_weather", {"city": "Oslo"})]),
     ("<tool_call>\n<function=get_time>\n</function>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>",
@@ -131,7 +132,17 @@ EXAMPLES["qwen3_coder"] = [
     # not calls: all text
     (_OSLO + "\nDone.", _OSLO + "\nDone.", None),
     (_OSLO[: -len("</function>\n</tool_call>")], _OSLO[: -len("</function>\n</tool_call>")], None),  # (cut: no </function>)
-    (_OSLO.replace("</parameter>", ""), _OSLO.replace("</parameter>", ""), None),
+    # a </parameter> dropped (Qwen3-Coder does): the value ends at the next <parameter= or
+    # </function> that starts a line, as SGLang and vLLM read it; elsewhere on a line they are text
+    (_OSLO.replace("</parameter>\n", ""), "", [("get_weather", {"city": "Oslo"})]),
+    (_coder("record", ("note", "Paris"), ("count", "3")).replace("</parameter>\n", "", 1), "", [("record", {"note": "Paris", "count": 3})]),
+    (_coder("record", ("note", "Paris"), ("count", "3")).replace("3\n</parameter>", "3"), "", [("record", {"note": "Paris", "count": 3})]),
+    (_coder("record", ("note", "a"), ("count", "3")).replace("</parameter>\n", ""), "", [("record", {"note": "a", "count": 3})]),
+    (_coder("record", ("note", "x = '<parameter=count>' </function>"), ("count", "3")).replace("</parameter>\n", "", 1), "",
+     [("record", {"note": "x = '<parameter=count>' </function>", "count": 3})]),
+    (_coder("record", ("note", "two\n\nlines\n"), ("count", "3")).replace("</parameter>\n", "", 1), "",
+     [("record", {"note": "two\n\nlines\n", "count": 3})]),
+    (_OSLO.replace("\n</parameter>\n</function>", "</function>"), _OSLO.replace("\n</parameter>\n</function>", "</function>"), None),  # (not on a line of its own)
     ("<tool_call>\n</tool_call>", "<tool_call>\n</tool_call>", None),
     ("<tool_call>\n<function=>\n</function>\n</tool_call>", "<tool_call>\n<function=>\n</function>\n</tool_call>", None),
     ("<tool_call>\nget_weather(city='Oslo')\n</tool_call>", "<tool_call>\nget_weather(city='Oslo')\n</tool_call>", None),
@@ -318,6 +329,7 @@ ROUTE_CASES = [
     ("mistral", 'On it. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Zürich"}}]', "On it."),
     ("pythonic", 'On it. [get_weather(city="Zürich")]', "On it."),
     ("qwen3_coder", "On it.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nZürich\n</parameter>\n</function>\n</tool_call>", "On it."),
+    ("qwen3_coder", "On it.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nZürich\n</function>\n</tool_call>", "On it."),  # (</parameter> dropped)
 ]
 
 

@@ -22,12 +22,15 @@ A call, one function per block (a block may hold several, as SGLang reads them):
     </function>
     </tool_call>
 
-A value is the text between `<parameter=KEY>` and the first `</parameter>`, less one leading
-and one trailing newline. It is not JSON: `typed_value` gives it the type the tool's
-`parameters` schema declares for KEY (SGLang's rules, below). Only blanks may stand between
-the tags; names hold no `<` or line break. The last block's `</tool_call>` may be missing (the
-answer ended after `</function>`: SGLang and vLLM read it); an unclosed `</parameter>` or
-`</function>`, or anything else, is not calls (tool_parsers.py's rule: then all content).
+A value is the text after `<parameter=KEY>` up to the first `</parameter>`, or the first
+`<parameter=` or `</function>` that starts a line (Qwen3-Coder drops a `</parameter>` at times;
+SGLang and vLLM then end the value at the next tag too), less one leading and one trailing
+newline. It is not JSON: `typed_value` gives it the type the tool's `parameters` schema
+declares for KEY (SGLang's rules, below). Only blanks may stand between the tags; names hold
+no `<` or line break. A parameter written twice keeps its first value (what a stream sent
+stands). The last block's `</tool_call>` may be missing (the answer ended after `</function>`:
+SGLang and vLLM read it); a missing `</function>`, or anything else, is not calls
+(tool_parsers.py's rule: then all content).
 
 Streamed, a call's id and name go out at `<function=NAME>`'s `>`; each parameter's
 `"key": value` (with the `{` or `, ` before it) once its `</parameter>` is read, and the
@@ -50,6 +53,9 @@ logger = logging.getLogger("minisgl.tool_calls")
 TOOL_CALL, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 FUNCTION, FUNCTION_END = "<function=", "</function>"
 PARAMETER, PARAMETER_END = "<parameter=", "</parameter>"
+# what ends a value: its close, or the next tag on a line of its own (a `</parameter>` dropped).
+# All three are 12 characters, so the first one read whole is the one that starts first.
+VALUE_ENDS = (PARAMETER_END, "\n" + PARAMETER, "\n" + FUNCTION_END)
 
 # SGLang's type names (a schema's "type", lowercased): the ones whose value is the text itself
 _STRING_TYPES = frozenset({"string", "str", "text", "varchar", "char", "enum"})
@@ -197,7 +203,7 @@ def _read_function(tail: str, i: int) -> Tuple[Optional[Dict[str, Any]], int]:
     name = tail[i:end]
     if end < 0 or not _is_name(name):
         return None, i
-    arguments: Dict[str, str] = {}  # (a repeated key: its last value at its first place, as json.loads)
+    arguments: Dict[str, str] = {}
     i = end + 1
     while True:
         i = _skip_blanks(tail, i)
@@ -207,11 +213,16 @@ def _read_function(tail: str, i: int) -> Tuple[Optional[Dict[str, Any]], int]:
             return None, i
         end = tail.find(">", i + len(PARAMETER))
         key = tail[i + len(PARAMETER) : end]
-        close = tail.find(PARAMETER_END, end + 1)
-        if end < 0 or not _is_name(key) or close < 0:
+        if end < 0 or not _is_name(key):
             return None, i
-        arguments[key] = _trimmed(tail[end + 1 : close])
-        i = close + len(PARAMETER_END)
+        ends = [(at, mark) for mark in VALUE_ENDS for at in [tail.find(mark, end + 1)] if at >= 0]
+        if not ends:
+            return None, i
+        close, mark = min(ends)
+        # (a next tag that ended the value: its newline is the one a `</parameter>` would follow,
+        # the value's, which _trimmed drops; reading goes on at the tag)
+        i = close + (len(PARAMETER_END) if mark == PARAMETER_END else 1)
+        arguments.setdefault(key, _trimmed(tail[end + 1 : close + (mark != PARAMETER_END)]))  # (the first value wins, as streamed)
 
 
 # --------------------------------------------------------------------------- streamed
@@ -233,18 +244,20 @@ def _stream_function(stream: CallStream) -> Reader:
     call = stream.open_call(name)
     properties = _properties(check_offered(stream.tool_names), name)
     keys: List[str] = []
-    while (yield from _tag(stream, (PARAMETER, FUNCTION_END))) == PARAMETER:
+    tag = yield from _tag(stream, (PARAMETER, FUNCTION_END))
+    while tag == PARAMETER:
         key = yield from _name(stream)
-        text = yield from _value(stream)
-        if key in keys:
-            call.diverged = True  # (the answer keeps the last value, at the first one's place)
-        value = typed_value(text, properties.get(key))
-        try:
-            piece = json.dumps(key, ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False)
-        except RecursionError:  # (decoded just under the limit, encoded just over it)
-            raise NotCalls from None
-        call.write(("{" if not keys else ", ") + piece)
-        keys.append(key)
+        text, tag = yield from _value(stream)
+        if key not in keys:  # (a repeat: the first value wins, it went out)
+            value = typed_value(text, properties.get(key))
+            try:
+                piece = json.dumps(key, ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False)
+            except RecursionError:  # (decoded just under the limit, encoded just over it)
+                raise NotCalls from None
+            call.write(("{" if not keys else ", ") + piece)
+            keys.append(key)
+        if tag == PARAMETER_END:  # (out now: the next tag may be long in coming)
+            tag = yield from _tag(stream, (PARAMETER, FUNCTION_END))
     call.write("}" if keys else "{}")
 
 
@@ -274,10 +287,12 @@ def _name(stream: CallStream) -> Reader:
 
 
 def _value(stream: CallStream) -> Reader:
-    """A parameter's text, through its `</parameter>`."""
+    """A parameter's text and what ended it (one of VALUE_ENDS, read through; the tag a
+    newline begins is returned without its newline: PARAMETER or FUNCTION_END)."""
     chars: List[str] = []
+    size = len(PARAMETER_END)
     while True:
         ch = yield from stream.char()
         chars.append(ch)
-        if ch == ">" and "".join(chars[-len(PARAMETER_END) :]) == PARAMETER_END:
-            return _trimmed("".join(chars[: -len(PARAMETER_END)]))
+        if ch in ">=" and (mark := "".join(chars[-size:])) in VALUE_ENDS:
+            return _trimmed("".join(chars[: -size + (mark != PARAMETER_END)])), mark.lstrip("\n")  # (as read_calls)
