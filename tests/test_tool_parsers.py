@@ -30,7 +30,12 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"typ
 RECORD = {"type": "function", "function": {"name": "record", "parameters": {"type": "object", "properties": {
     "note": {"type": "string"}, "zip": {"type": "string"}, "count": {"type": "integer"}, "ratio": {"type": "number"},
     "on": {"type": "boolean"}, "meta": {"type": "object"}, "tags": {"type": "array"}, "maybe": {"type": ["string", "null"]},
-    "free": {"description": "no type: text"}}}}}  # fmt: skip
+    "free": {"description": "no type: text"},
+    # a type given another way (pydantic writes Optional[int] as an anyOf), and one that is not
+    "opt": {"anyOf": [{"type": "null"}, {"type": "integer"}]}, "unit": {"$ref": "#/$defs/Unit"},
+    "flag": {"oneOf": [{"$ref": "#/definitions/Flag"}, {"type": "string"}]}, "level": {"enum": [1, 2.5]},
+    "mixed": {"enum": [1, "a"]}, "loop": {"$ref": "#/$defs/Loop"}},
+    "$defs": {"Unit": {"type": "number"}, "Loop": {"$ref": "#/$defs/Loop"}}, "definitions": {"Flag": {"type": "boolean"}}}}}  # fmt: skip
 # the offered functions as the chat route gives them to a format: each one's parameters schema by name
 TOOLS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME, RECORD)}
 STOP = {"type": "stop", "matched": 2}
@@ -112,12 +117,23 @@ EXAMPLES["qwen3_coder"] = [
             ("meta", '{"a": [1, null], "b": "ü"}'), ("tags", "['x', 2]"), ("maybe", "7"), ("free", "[1, 2]"), ("extra", "5"), ("zip2", "null")),
      "", [("record", {"note": "\ndef f():\n    return 1\n", "zip": "01234", "count": -42, "ratio": 2.5, "on": True,
                       "meta": {"a": [1, None], "b": "ü"}, "tags": ["x", 2], "maybe": "7", "free": "[1, 2]", "extra": "5", "zip2": None})]),
-    (_coder("record", ("ratio", "12345678901234567890"), ("count", "-0"), ("maybe", "null"), ("on", "false")), "",
-     [("record", {"ratio": 12345678901234567890, "count": 0, "maybe": None, "on": False})]),
+    (_coder("record", ("ratio", "12345678901234567890"), ("count", "-0"), ("maybe", "null"), ("on", "false"), ("meta", "NULL"), ("note", "Null")), "",
+     [("record", {"ratio": 12345678901234567890, "count": 0, "maybe": None, "on": False, "meta": None, "note": None})]),
+    # anyOf/oneOf: the first branch that is not null; a local $ref: what it points to; an enum
+    # without a type: its values' (the text when they differ, or a $ref loops)
+    (_coder("record", ("opt", "007"), ("unit", "2.5"), ("flag", "TRUE"), ("level", "2"), ("mixed", "1"), ("loop", "3")), "",
+     [("record", {"opt": 7, "unit": 2.5, "flag": True, "level": 2, "mixed": "1", "loop": "3"})]),
     # a value that does not parse as its type stays the text the model wrote
-    (_coder("record", ("count", "many"), ("ratio", "inf"), ("on", "yes"), ("meta", "{not json"), ("tags", "{1, 2}")),
-     "", [("record", {"count": "many", "ratio": "inf", "on": "yes", "meta": "{not json", "tags": "{1, 2}"})]),
-    (_coder("record", ("meta", "[" * 3000 + "]" * 3000)), "", [("record", {"meta": "[" * 3000 + "]" * 3000})]),  # (too deep: text)
+    (_coder("record", ("count", "many"), ("ratio", "inf"), ("on", "yes"), ("meta", "{not json"), ("tags", "{1, 2}"), ("opt", "NaN")),
+     "", [("record", {"count": "many", "ratio": "inf", "on": "yes", "meta": "{not json", "tags": "{1, 2}", "opt": "NaN"})]),
+    # json.loads takes NaN and Infinity, which no JSON value is: the text
+    (_coder("record", ("meta", '{"a": NaN}'), ("tags", "[1, -Infinity]")), "", [("record", {"meta": '{"a": NaN}', "tags": "[1, -Infinity]"})]),
+    # brackets nested past 512 (qwen3_coder_calls.MAX_DEPTH) are text, whole and streamed alike;
+    # up to it, and brackets inside a string, are the value
+    (_coder("record", ("meta", "[" * 3000 + "]" * 3000)), "", [("record", {"meta": "[" * 3000 + "]" * 3000})]),
+    (_coder("record", ("tags", "[" * 513 + "]" * 513)), "", [("record", {"tags": "[" * 513 + "]" * 513})]),
+    (_coder("record", ("tags", "[" * 512 + "]" * 512), ("meta", '{"s": "' + "[" * 600 + '"}')), "",
+     [("record", {"tags": json.loads("[" * 512 + "]" * 512), "meta": {"s": "[" * 600}})]),
     # markup inside a value is the value's: only </parameter> ends it
     (_coder("record", ("note", "if a < b:\n    s = '</function></tool_call>'")), "", [("record", {"note": "if a < b:\n    s = '</function></tool_call>'"})]),
     # a repeated parameter: the first value (a stream sent it)
@@ -375,15 +391,16 @@ def test_the_chat_route_keeps_cut_or_undefined_calls_out_of_tool_calls(tiny_mode
 
 
 def test_the_chat_route_types_qwen3_coder_values_by_the_requests_tools(tiny_model: str, tmp_path: Any) -> None:
-    """The request's own schemas reach the parser: "3" is an integer for `count`, "007" stays a string for `zip`."""
-    answer = "Noted.\n" + _coder("record", ("count", "3"), ("zip", "007"))
+    """The request's own schemas reach the parser: "3" is an integer for `count`, "007" stays a string
+    for `zip`, "5" is an integer for pydantic's Optional[int] (an anyOf), "2.5" a number through a $ref."""
+    answer = "Noted.\n" + _coder("record", ("count", "3"), ("zip", "007"), ("opt", "5"), ("unit", "2.5"))
     client, _ = _client(tiny_model, tmp_path, "qwen3_coder", [_out("r", answer, 15, STOP)])
     with client:
         (call,) = _chat(client, tools=[RECORD]).json()["choices"][0]["message"]["tool_calls"]
     client, _ = _client(tiny_model, tmp_path, "qwen3_coder", [_out("r", answer[:30], 5), _out("r", answer[30:], 15, STOP)])
     with client:
         (streamed,) = streamed_calls(tool_deltas([c for c in _events(_chat(client, tools=[RECORD], stream=True)) if c != "[DONE]"]))
-    assert call["function"] == {"name": "record", "arguments": '{"count": 3, "zip": "007"}'}
+    assert call["function"] == {"name": "record", "arguments": '{"count": 3, "zip": "007", "opt": 5, "unit": 2.5}'}
     assert streamed["arguments"] == call["function"]["arguments"]
 
 

@@ -44,7 +44,7 @@ import ast
 import json
 import logging
 import math
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from minisgl.entrypoints.openai.tool_call_stream import CallStream, NotCalls, OfferedTools, Reader, check_offered
 
@@ -56,6 +56,10 @@ PARAMETER, PARAMETER_END = "<parameter=", "</parameter>"
 # what ends a value: its close, or the next tag on a line of its own (a `</parameter>` dropped).
 # All three are 12 characters, so the first one read whole is the one that starts first.
 VALUE_ENDS = (PARAMETER_END, "\n" + PARAMETER, "\n" + FUNCTION_END)
+# the deepest brackets a container value may nest: deeper is text, whole or streamed alike (Python's
+# json and ast recurse, and a stream's reader runs them deeper in the stack than a whole parse)
+MAX_DEPTH = 512
+_REF_HOPS = 32  # $ref / anyOf steps followed for one type (a schema may refer to itself)
 
 # SGLang's type names (a schema's "type", lowercased): the ones whose value is the text itself
 _STRING_TYPES = frozenset({"string", "str", "text", "varchar", "char", "enum"})
@@ -65,37 +69,101 @@ _CONTAINER_TYPES = ("object", "array", "arr", "dict", "list")  # (prefixes: "dic
 
 
 # --------------------------------------------------------------------------- typing the values
-def _properties(tools: OfferedTools, name: str) -> Dict[str, Any]:
-    """The `properties` of the parameters schema of the tool named `name` ({} when it has none)."""
+def _parameters(tools: OfferedTools, name: str) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """The parameters schema of the tool named `name` and its `properties` ({} when none)."""
     parameters = tools.get(name)
-    properties = parameters.get("properties") if isinstance(parameters, dict) else None
-    return properties if isinstance(properties, dict) else {}
+    parameters = parameters if isinstance(parameters, dict) else {}
+    properties = parameters.get("properties")
+    return parameters, properties if isinstance(properties, dict) else {}
 
 
-def _schema_type(schema: Any) -> str:
-    """A property's type as SGLang reads it: its "type" lowercased, "string" without one. A list
-    of types is its first that is not "null" (minisgl's; SGLang reads the list's repr)."""
-    kind = schema.get("type") if isinstance(schema, dict) else None
+def _local_ref(root: Mapping[str, Any], ref: str) -> Any:
+    """What a local `$ref` ("#/$defs/Unit", "#/definitions/Unit") points to in `root` (None:
+    not local, or not there; a remote schema is never fetched)."""
+    if not ref.startswith("#/"):
+        return None
+    node: Any = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")  # (JSON pointer's escapes)
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _enum_type(values: List[Any]) -> Optional[str]:
+    """An enum's type when it has none: the JSON type all its values share (null aside; "number"
+    for ints and floats together), None when they differ (the text is then kept)."""
+    kinds = {"boolean" if isinstance(v, bool) else "integer" if isinstance(v, int) else "number" if isinstance(v, float)
+             else "string" if isinstance(v, str) else "other" for v in values if v is not None}  # fmt: skip
+    if kinds == {"integer", "number"}:
+        return "number"
+    return kinds.pop() if len(kinds) == 1 and kinds != {"other"} else None
+
+
+def _schema_type(schema: Any, root: Mapping[str, Any], hops: int = 0) -> str:
+    """A property's type: its "type" lowercased, as SGLang reads it. Where SGLang reads no type
+    (and keeps the text), minisgl reads the one the schema gives (pydantic writes Optional[int]
+    as an anyOf): a list of types is its first that is not "null"; a local `$ref` the type of
+    what it points to; anyOf/oneOf the type of its first branch that is not null; an enum the
+    type its values share. "string" without any."""
+    if not isinstance(schema, dict) or hops > _REF_HOPS:
+        return "string"
+    kind = schema.get("type")
     if isinstance(kind, list):
         kind = next((k for k in kind if k != "null"), None)
-    return str(kind).strip().lower() if kind is not None else "string"
+    if kind is not None:
+        return str(kind).strip().lower()
+    if isinstance(schema.get("$ref"), str):
+        return _schema_type(_local_ref(root, schema["$ref"]), root, hops + 1)
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema.get(key), list):
+            kinds = (_schema_type(branch, root, hops + 1) for branch in schema[key])
+            return next((k for k in kinds if k != "null"), "string")
+    if isinstance(schema.get("enum"), list):
+        return _enum_type(schema["enum"]) or "string"
+    return "string"
 
 
-def typed_value(raw: str, schema: Optional[Any]) -> Any:
+def _depth(raw: str) -> int:
+    """How deep `raw`'s brackets nest outside its quoted strings (a backslash escapes in them)."""
+    depth = deepest = 0
+    quote: Optional[str] = None
+    escaped = False
+    for ch in raw:
+        if quote is not None:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == quote:
+                quote = None
+        elif ch in "\"'":
+            quote = ch
+        elif ch in "[{(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]})":
+            depth -= 1
+    return deepest
+
+
+def typed_value(raw: str, schema: Optional[Any], root: Optional[Mapping[str, Any]] = None) -> Any:
     """The value of a parameter whose text is `raw`, by its property's `schema` (None: a
-    parameter the tool's schema does not declare). SGLang's rules: `null` (any case) is None whatever
+    parameter the tool's schema does not declare; `root`: the tool's parameters schema, which a
+    `$ref` points into). SGLang's rules: `null` (any case) is None whatever
     the type; a string type, an undeclared parameter or one without a type keeps the text;
     integer -> int, number -> int when written without `.` or `e`, else float; boolean ->
     true/false (any case); object/array -> json.loads, else a Python literal; any other type
     -> a Python literal (never evaluated). Text that does not parse as its type stays the text
     (SGLang's too, except a boolean, which SGLang makes false: a silently wrong false is worse
     than a string a client can see is not one), and so does a result with no strict JSON form
-    (a set, NaN)."""
+    (a set, NaN) and a container nested deeper than MAX_DEPTH."""
     if raw.lower() == "null":
         return None
     if schema is None:
         return raw
-    kind = _schema_type(schema)
+    kind = _schema_type(schema, root if root is not None else {})
     if kind in _STRING_TYPES:
         return raw
     if kind.startswith(_INTEGER_PREFIXES):
@@ -108,10 +176,14 @@ def typed_value(raw: str, schema: Optional[Any]) -> Any:
     if kind in ("boolean", "bool", "binary"):
         word = raw.lower()
         return word == "true" if word in ("true", "false") else _kept(raw, kind)
+    if _depth(raw) > MAX_DEPTH:
+        return _kept(raw, kind)
     if kind.startswith(_CONTAINER_TYPES):
         try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, RecursionError):
+            value = json.loads(raw)
+            json.dumps(value, allow_nan=False)  # (json.loads takes NaN and Infinity: no JSON values)
+            return value
+        except (ValueError, RecursionError):  # (JSONDecodeError is a ValueError)
             pass  # (then a Python literal: `{'a': 1}`, `(1, 2)`, as SGLang tries next)
     return _literal(raw, kind)
 
@@ -147,8 +219,8 @@ def _literal(raw: str, kind: str) -> Any:
 
 def typed_arguments(name: str, raw: Dict[str, str], tools: OfferedTools) -> Dict[str, Any]:
     """A call's arguments: each parameter's text typed by the tool's schema."""
-    properties = _properties(check_offered(tools), name)
-    return {key: typed_value(text, properties.get(key)) for key, text in raw.items()}
+    parameters, properties = _parameters(check_offered(tools), name)
+    return {key: typed_value(text, properties.get(key), parameters) for key, text in raw.items()}
 
 
 def _trimmed(value: str) -> str:
@@ -242,19 +314,15 @@ def _stream_function(stream: CallStream) -> Reader:
     """One function, after its `<function=`: the header at its name's `>`, then each parameter."""
     name = yield from _name(stream)
     call = stream.open_call(name)
-    properties = _properties(check_offered(stream.tool_names), name)
+    parameters, properties = _parameters(check_offered(stream.tool_names), name)
     keys: List[str] = []
     tag = yield from _tag(stream, (PARAMETER, FUNCTION_END))
     while tag == PARAMETER:
         key = yield from _name(stream)
         text, tag = yield from _value(stream)
         if key not in keys:  # (a repeat: the first value wins, it went out)
-            value = typed_value(text, properties.get(key))
-            try:
-                piece = json.dumps(key, ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False)
-            except RecursionError:  # (decoded just under the limit, encoded just over it)
-                raise NotCalls from None
-            call.write(("{" if not keys else ", ") + piece)
+            value = typed_value(text, properties.get(key), parameters)
+            call.write(("{" if not keys else ", ") + json.dumps(key, ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False))
             keys.append(key)
         if tag == PARAMETER_END:  # (out now: the next tag may be long in coming)
             tag = yield from _tag(stream, (PARAMETER, FUNCTION_END))
