@@ -160,6 +160,7 @@ EXAMPLES["qwen3_coder"] = [
      [("record", {"note": "two\n\nlines\n", "count": 3})]),
     (_OSLO.replace("\n</parameter>\n</function>", "</function>"), _OSLO.replace("\n</parameter>\n</function>", "</function>"), None),  # (not on a line of its own)
     ("<tool_call>\n</tool_call>", "<tool_call>\n</tool_call>", None),
+    (_OSLO[len("<tool_call>\n") : -len("\n</tool_call>")], _OSLO[len("<tool_call>\n") : -len("\n</tool_call>")], None),  # (bare: as SGLang)
     ("<tool_call>\n<function=>\n</function>\n</tool_call>", "<tool_call>\n<function=>\n</function>\n</tool_call>", None),
     ("<tool_call>\nget_weather(city='Oslo')\n</tool_call>", "<tool_call>\nget_weather(city='Oslo')\n</tool_call>", None),
 ]
