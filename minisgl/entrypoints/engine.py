@@ -49,7 +49,7 @@ from minisgl.managers.io_struct import (
     hidden_states_of, logprobs_of, new_rid, prefix_warmups, spec_meta_info,
 )  # fmt: skip
 from minisgl.managers.tokenization import (
-    check_custom_logit_processor, check_dimensions, check_lora_path, check_priority, check_return_hidden_states,
+    check_custom_logit_processor, check_dimensions, check_extra_key, check_lora_path, check_priority, check_return_hidden_states,
     tokenize_one_request,
     validate_context_length,
 )  # fmt: skip
@@ -178,6 +178,7 @@ class Engine:
         custom_logit_processor: Optional[Any] = None,
         return_hidden_states: bool = False,
         lora_path: Optional[str] = None,
+        extra_key: Optional[str] = None,
     ) -> str:
         """Tokenize one request and queue it in the scheduler; returns its rid.
 
@@ -192,7 +193,9 @@ class Engine:
         reports, in meta_info["output_token_ids_logprobs"] ("input_token_ids_logprobs").
         return_hidden_states: with enable_return_hidden_states, the final-norm hidden states in
         meta_info["hidden_states"] (docs/engine.md).
-        lora_path: the name of a lora_paths adapter to run the request with (None: the base model)."""
+        lora_path: the name of a lora_paths adapter to run the request with (None: the base model).
+        extra_key: the request's own radix-tree namespace (SGLang's; a tenant's cache salt): it
+        reuses cached K/V only of requests with the same key (None or "": no key)."""
         self._check_open()
         if self.server_args.is_embedding:
             raise ValueError(GENERATE_ON_EMBEDDING_ENGINE)
@@ -207,10 +210,11 @@ class Engine:
             return_logprob=return_logprob, logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
             token_ids_logprob=token_ids_logprob, stream=stream, priority=priority,
             custom_logit_processor=_processor_str(custom_logit_processor), return_hidden_states=return_hidden_states,
-            lora_path=lora_path,
+            lora_path=lora_path, extra_key=extra_key,
         )  # fmt: skip
         obj.normalize_batch_and_arguments()
         check_lora_path(obj, self.scheduler.lora_names)
+        check_extra_key(obj)
         check_priority(priority, self.server_args.enable_priority_scheduling)
         check_custom_logit_processor(obj, self.server_args.enable_custom_logit_processor)
         check_return_hidden_states(obj, self.server_args.enable_return_hidden_states, RETURN_HIDDEN_STATES_ENGINE_HINT)
@@ -270,6 +274,7 @@ class Engine:
         self, prompt: Prompt, sampling_params: Any, input_ids: InputIds, stream: bool, return_logprob: Any,
         top_logprobs_num: Any, logprob_start_len: Any, token_ids_logprob: Any, rid: Any = None, priority: Any = None,
         custom_logit_processor: Any = None, return_hidden_states: Any = False, lora_path: Any = None,
+        extra_key: Any = None,
     ) -> tuple[List[str], bool]:
         """Fan a generate() call out into single requests (n copies each). Returns (rids, single).
 
@@ -286,11 +291,12 @@ class Engine:
             text=prompt, input_ids=input_ids, sampling_params=sampling_params, return_logprob=return_logprob,
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, token_ids_logprob=token_ids_logprob,
             stream=stream, rid=rid, priority=priority, custom_logit_processor=_processor_str(custom_logit_processor),
-            return_hidden_states=return_hidden_states, lora_path=lora_path,
+            return_hidden_states=return_hidden_states, lora_path=lora_path, extra_key=extra_key,
         )  # fmt: skip
         check_priority(priority, self.server_args.enable_priority_scheduling)
         obj.normalize_batch_and_arguments()  # single or batch, lists per prompt, the same n for all
         check_lora_path(obj, self.scheduler.lora_names)
+        check_extra_key(obj)
         check_custom_logit_processor(obj, self.server_args.enable_custom_logit_processor)
         check_return_hidden_states(obj, self.server_args.enable_return_hidden_states, RETURN_HIDDEN_STATES_ENGINE_HINT)
         obj.check_rids()  # the server's rules (in-process, without its length bound)
@@ -333,6 +339,7 @@ class Engine:
         custom_logit_processor: Optional[Any] = None,
         return_hidden_states: Union[bool, List[bool]] = False,
         lora_path: Optional[Union[str, List[Optional[str]]]] = None,
+        extra_key: Optional[Union[str, List[Optional[str]]]] = None,
     ) -> Any:
         """SGLang's shapes: one prompt -> dict; a list (or n > 1) -> list; stream -> iterator.
 
@@ -348,12 +355,14 @@ class Engine:
         prompt): meta_info["hidden_states"], SGLang's list: the prompt's final-norm rows [n, H] (the
         tokens the prefill computed: after a radix hit, only the uncached ones), then one [H] row per
         decode step (docs/engine.md). lora_path (with lora_paths): the adapter name each prompt runs
-        with, one for all or one per prompt (None: the base model)."""
+        with, one for all or one per prompt (None: the base model). extra_key: each prompt's own
+        radix-tree namespace (SGLang's; a tenant's cache salt), one for all or one per prompt: a
+        prompt reuses cached K/V only of requests with the same key and adapter (docs/engine.md)."""
         rids, single = self._submit(
             prompt, sampling_params, input_ids, stream, return_logprob=return_logprob,
             top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, token_ids_logprob=token_ids_logprob,
             rid=rid, priority=priority, custom_logit_processor=custom_logit_processor,
-            return_hidden_states=return_hidden_states, lora_path=lora_path,
+            return_hidden_states=return_hidden_states, lora_path=lora_path, extra_key=extra_key,
         )  # fmt: skip
         if stream:
             chunks = self._stream(rids, single)
@@ -425,6 +434,7 @@ class Engine:
         custom_logit_processor: Optional[Any] = None,
         return_hidden_states: Union[bool, List[bool]] = False,
         lora_path: Optional[Union[str, List[Optional[str]]]] = None,
+        extra_key: Optional[Union[str, List[Optional[str]]]] = None,
     ) -> Any:
         """generate() for asyncio code (SGLang's async_generate): `await` it for the result, or
         with stream=True for an async iterator of the same chunks (the same arguments, hidden
@@ -441,7 +451,7 @@ class Engine:
             self._submit, prompt, sampling_params, input_ids, stream, return_logprob=return_logprob,
             top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, token_ids_logprob=token_ids_logprob,
             rid=rid, priority=priority, custom_logit_processor=custom_logit_processor,
-            return_hidden_states=return_hidden_states, lora_path=lora_path,
+            return_hidden_states=return_hidden_states, lora_path=lora_path, extra_key=extra_key,
         )  # fmt: skip
         submitted = loop.run_in_executor(None, submit)
         try:

@@ -380,6 +380,7 @@ async def _native_generate(tm: TokenizerManager, request: GenerateRequest, raw_r
         priority=request.priority,
         custom_logit_processor=request.custom_logit_processor,
         lora_path=request.lora_path,
+        extra_key=request.extra_key,
     )
     try:
         gen = tm.generate_request(obj, raw_request)

@@ -57,6 +57,8 @@ def parse_lora_paths(entries: Sequence[str]) -> Tuple[Tuple[str, str], ...]:
             name = path = entry
         if not name or not path:
             raise ValueError(f"--lora-paths entry {entry!r} needs a name and a path: NAME=PATH")
+        if "\0" in name:  # (mem_cache/namespace.py: the NUL separates an adapter from a request's cache key)
+            raise ValueError(f"--lora-paths adapter name {name!r} holds a NUL character; name it without one")
         if name in out:
             raise ValueError(f"--lora-paths names adapter {name!r} twice; give each adapter its own name")
         if not os.path.isdir(path):

@@ -140,6 +140,10 @@ class GenerateReqInput:
     # SGLang's: the LoRA adapter (a --lora-paths name) to run the request with, None for the base
     # model; one for all prompts of a batch or a list of one per prompt
     lora_path: Optional[Union[str, List[Optional[str]]]] = None
+    # SGLang's: the request's own radix-tree namespace (a tenant's cache salt; the OpenAI routes'
+    # cache_salt + extra_key): prompts under two keys never share cached K/V. One string for all
+    # prompts of a batch or a list of one per prompt; None or "" is no key (docs/server.md)
+    extra_key: Optional[Union[str, List[Optional[str]]]] = None
     stream: bool = False
     priority: Optional[int] = None
     # SGLang's: CustomLogitProcessor.to_str() (needs --enable-custom-logit-processor), one for every
@@ -172,7 +176,7 @@ class GenerateReqInput:
             if isinstance(self.sampling_params, list) or any(isinstance(v, list) for v in self._one_per_prompt_fields()):
                 raise ValueError("A single prompt takes one `sampling_params` dict and one value of `return_logprob`, "
                                  "`logprob_start_len`, `top_logprobs_num`, `custom_logit_processor`, "
-                                 "`return_hidden_states`, `lora_path` (and one `token_ids_logprob` list); lists are per prompt of "
+                                 "`return_hidden_states`, `lora_path`, `extra_key` (and one `token_ids_logprob` list); lists are per prompt of "
                                  "a batch")  # fmt: skip
             return
         n = self.batch_size
@@ -184,7 +188,7 @@ class GenerateReqInput:
         check_same_n(self.sampling_params)
         for name in (
             "return_logprob", "logprob_start_len", "top_logprobs_num", "custom_logit_processor", "return_hidden_states",
-            "lora_path",
+            "lora_path", "extra_key",
         ):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, list):
@@ -212,7 +216,7 @@ class GenerateReqInput:
         per_prompt_ids = [self.token_ids_logprob] if self._token_ids_per_prompt() else []
         return [
             self.return_logprob, self.logprob_start_len, self.top_logprobs_num, self.custom_logit_processor,
-            self.return_hidden_states, self.lora_path, *per_prompt_ids,
+            self.return_hidden_states, self.lora_path, self.extra_key, *per_prompt_ids,
         ]  # fmt: skip
 
     def __getitem__(self, i: int) -> "GenerateReqInput":
@@ -230,6 +234,7 @@ class GenerateReqInput:
             return_text_in_logprobs=self.return_text_in_logprobs,
             return_hidden_states=self.return_hidden_states[i],  # type: ignore[index]
             lora_path=self.lora_path[i],  # type: ignore[index]
+            extra_key=self.extra_key[i],  # type: ignore[index]
             stream=self.stream,
             priority=self.priority,
             custom_logit_processor=self.custom_logit_processor[i],  # type: ignore[index]
@@ -287,6 +292,7 @@ class TokenizedGenerateReqInput:
     token_ids_logprob: Optional[List[int]] = None
     return_hidden_states: bool = False  # (checked against --enable-return-hidden-states before it is built)
     lora_id: Optional[str] = None  # the adapter's --lora-paths name (SGLang's field), None: the base model
+    extra_key: Optional[str] = None  # the request's own cache namespace (None: none); Req.extra_key adds lora_id
     stream: bool = False
     priority: Optional[int] = None
     custom_logit_processor: Optional[str] = None  # CustomLogitProcessor.to_str(): loaded by the scheduler
@@ -311,7 +317,8 @@ def prefix_warmups(samples: List["Sample"], tokenized: List[TokenizedGenerateReq
             warmups.append(TokenizedGenerateReqInput(
                 rid=f"{sample.parent_rid}-prefix-{new_rid()}", input_text=tok.input_text, input_ids=tok.input_ids,
                 sampling_params=params, priority=tok.priority, created_time=tok.created_time,
-                lora_id=tok.lora_id,  # (the samples find the prompt under their own adapter's namespace)
+                # (the samples find the prompt under their own namespace: adapter and key)
+                lora_id=tok.lora_id, extra_key=tok.extra_key,
             ))  # fmt: skip
     return warmups
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 import torch
 
 from minisgl.mem_cache.allocator import ceil_paged_tokens, decode_starts_page, new_page_slots
+from minisgl.mem_cache.namespace import namespace
 from minisgl.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from minisgl.sampling import stop_regex
 from minisgl.sampling.sampling_params import SamplingParams, stop_token_set
@@ -169,11 +170,15 @@ class Req:
         require_reasoning: bool = False,
         return_hidden_states: bool = False,
         lora_id: Optional[str] = None,
+        cache_key: Optional[str] = None,
     ) -> None:
         self.rid = rid
         # the LoRA adapter (--lora-paths name) this request runs with, None: the base model (SGLang's
         # lora_id); it also namespaces the radix tree (extra_key), so adapters never share KV
         self.lora_id = lora_id
+        # the request's own namespace (TokenizedGenerateReqInput.extra_key: /generate's extra_key, the
+        # OpenAI routes' cache_salt + extra_key), None: none; extra_key below folds it with lora_id
+        self.cache_key = cache_key or None
         self.origin_input_text = origin_input_text
         self.origin_input_ids = list(origin_input_ids)
         # the detokenizer's left context comes from the prompt as the user sent it
@@ -290,8 +295,8 @@ class Req:
     @property
     def extra_key(self) -> Optional[str]:
         """The radix tree's namespace of this request's tokens (SGLang's RadixKey.extra_key, into which
-        it folds lora_id): K/V computed under one adapter is never reused under another."""
-        return self.lora_id
+        it folds lora_id): K/V computed under one (adapter, key) pair is never reused under another."""
+        return namespace(self.lora_id, self.cache_key)
 
     # ------------------------------------------------------------------ lengths
     @property

@@ -234,6 +234,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
             require_reasoning=recv_req.require_reasoning,
             return_hidden_states=recv_req.return_hidden_states,
             lora_id=recv_req.lora_id,
+            cache_key=recv_req.extra_key,
         )
         if self.priority_order is not None and req.priority is None:
             req.priority = self.priority_order * LEAST_PRIORITY  # (SGLang's default: the least important)

@@ -13,6 +13,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from minisgl.managers.schedule_batch import Req, ScheduleBatch, named_priority
+from minisgl.mem_cache.namespace import key_tag
 from minisgl.model_executor.forward_batch_info import ForwardMode
 
 logger = logging.getLogger("minisgl.scheduler")
@@ -94,6 +95,7 @@ class SchedulerMetricsMixin:
                     # --enable-priority-scheduling: the priority it named (None: none, or the flag is off)
                     "priority": named_priority(r.priority),
                     "lora_id": r.lora_id,  # --lora-paths: its adapter (None: the base model)
+                    "cache_key": key_tag(r.cache_key),  # its extra_key / cache_salt, as a tag (docs/snapshot.md)
                 }
                 for r in self.waiting_queue
             ],
@@ -107,7 +109,8 @@ class SchedulerMetricsMixin:
             "running_batch": [
                 {"rid": r.rid, "input_len": len(r.origin_input_ids), "output_len": len(r.output_ids),
                  "max_new_tokens": r.sampling_params.max_new_tokens,
-                 "lora_id": r.lora_id}  # --lora-paths: its adapter (None: the base model)
+                 "lora_id": r.lora_id,  # --lora-paths: its adapter (None: the base model)
+                 "cache_key": key_tag(r.cache_key)}  # its extra_key / cache_salt, as a tag
                 for r in self._decoding_reqs()
             ],  # fmt: skip
             "adder": self.adder_record,
@@ -187,6 +190,7 @@ class SchedulerMetricsMixin:
                     "draft_len": len(batch.draft_token_ids[i]) if verify and i < len(batch.draft_token_ids) else 0,
                     "accepted_len": batch.accepted_draft_lens[i] if verify and i < len(batch.accepted_draft_lens) else 0,
                     "lora_id": r.lora_id,  # --lora-paths: the adapter its rows ran with (None: the base model)
+                    "cache_key": key_tag(r.cache_key),  # its extra_key / cache_salt, as a tag
                 }
             )
         return out

@@ -115,6 +115,15 @@ def check_lora_path(obj: GenerateReqInput, loaded: Iterable[str]) -> None:
             raise ValueError(lora_not_loaded(value, names))
 
 
+def check_extra_key(obj: GenerateReqInput) -> None:
+    """A normalized request's extra_key (one, or one per prompt of a batch; None or "": no key): a
+    string. Refused before anything is queued; any string is a namespace of its own."""
+    values = obj.extra_key if isinstance(obj.extra_key, list) else [obj.extra_key]
+    for value in values:
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"extra_key must be a string (the request's cache namespace), got {value!r}")
+
+
 def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True) -> List[int]:
     """Prompt text -> ids. Special tokens in the text (e.g. a rendered chat template) stay special;
     add_special_tokens adds the tokenizer's own around it (a Llama tokenizer's BOS: without it such
@@ -179,6 +188,7 @@ def create_tokenized_object(
         token_ids_logprob=list(obj.token_ids_logprob) if obj.token_ids_logprob else None,
         return_hidden_states=bool(obj.return_hidden_states),
         lora_id=obj.lora_path,  # type: ignore[arg-type]  (a single request's one name, checked by check_lora_path)
+        extra_key=obj.extra_key or None,  # type: ignore[arg-type]  (checked by check_extra_key; "" is no key, as SGLang's)
         stream=obj.stream,
         priority=obj.priority,
         custom_logit_processor=obj.custom_logit_processor,

@@ -365,6 +365,7 @@ class TokenizerManager:
         tokenization.check_custom_logit_processor(obj, self.server_args.enable_custom_logit_processor)
         tokenization.check_return_hidden_states(obj, self.server_args.enable_return_hidden_states)
         tokenization.check_lora_path(obj, self.lora_names)
+        tokenization.check_extra_key(obj)
         n = params[0].n if obj.is_single else 1
         if obj.is_single and n == 1:
             async for out in self._generate_one(obj, request):

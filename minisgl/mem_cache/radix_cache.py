@@ -14,11 +14,14 @@ Each node holds a segment of token ids (`key`) and the KV slots that hold their 
 page_size P > 1 keys are whole pages: children are keyed by their first page (a tuple of
 P ids) and matching compares whole pages, because the allocator frees page by page.
 
-Namespaces (SGLang's RadixKey.extra_key): a request's `extra_key` (its LoRA adapter name, None
-for the base model) is part of every child key, `(extra_key, plain key)`, and every node keeps
+Namespaces (SGLang's RadixKey.extra_key): a request's `extra_key` (its LoRA adapter name and
+its own cache key folded into one string by mem_cache/namespace.py; None for the base model
+without a key) is part of every child key, `(extra_key, plain key)`, and every node keeps
 the extra_key it was inserted under. The same tokens under two adapters are then two paths
 that never meet: K/V computed with one adapter is never reused with another (it differs from
-the first adapted layer on), and under the same adapter it is shared as usual.
+the first adapted layer on), and under the same adapter it is shared as usual. Two cache keys
+(tenants' cache salts) are kept apart the same way, though their K/V would be equal: a tenant
+must not reuse, nor learn from its time to first token, another tenant's prompt.
 
 Accounting (the numbers the visualizer shows):
     evictable_size_ = tokens in nodes with lock_ref == 0   (free-able by evict)
@@ -44,6 +47,7 @@ import torch
 
 from minisgl.mem_cache.allocator import TokenToKVPoolAllocator
 from minisgl.mem_cache.memory_pool import ReqToTokenPool
+from minisgl.mem_cache.namespace import key_tag, split_namespace
 
 ChildKey = Union[int, Tuple[int, ...], Tuple[str, Union[int, Tuple[int, ...]]]]
 
@@ -530,7 +534,9 @@ class RadixCache:
             "lock_ref": node.lock_ref,
             "hits": node.hit_count,
             "tokens_preview": list(node.key[:8]),
-            "lora_id": node.extra_key,
+            # its namespace: the adapter, and the request key as a tag (the key itself is not shown)
+            "lora_id": split_namespace(node.extra_key)[0],
+            "cache_key": key_tag(split_namespace(node.extra_key)[1]),
             "children": [],
         }
 
@@ -548,12 +554,18 @@ class RadixCache:
             node, depth = stack.pop()
             preview = node.key[:8] + (["..."] if len(node.key) > 8 else [])
             lines.append(
-                f"{'  ' * depth}[{node.id}]{'' if node.extra_key is None else ' lora=' + node.extra_key}"
+                f"{'  ' * depth}[{node.id}]{_namespace_text(node.extra_key)}"
                 f" len={len(node.key)} lock_ref={node.lock_ref} hits={node.hit_count}"
                 f" tokens={preview} slots={node.value[:4].tolist()}{'...' if len(node.value) > 4 else ''}"
             )
             stack.extend((c, depth + 1) for c in reversed(self._sorted_children(node)))
         return "\n".join(lines)
+
+
+def _namespace_text(extra_key: Optional[str]) -> str:
+    """A node's namespace in format_tree: " lora=NAME", " key=TAG" (the key's tag, not the key), both or ""."""
+    lora_id, cache_key = split_namespace(extra_key)
+    return ("" if lora_id is None else f" lora={lora_id}") + ("" if cache_key is None else f" key={key_tag(cache_key)}")
 
 
 def _extra_key(req: CacheReq) -> Optional[str]:

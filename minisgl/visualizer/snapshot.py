@@ -45,10 +45,10 @@ _TOP_LEVEL: Dict[str, Any] = {
     "finished": list,
 }
 _MEMORY_KEYS = ("total", "available", "evictable", "protected", "used")
-_WAITING_KEYS = ("rid", "input_len", "prefix_len", "waited_ms", "retracted", "lora_id")
+_WAITING_KEYS = ("rid", "input_len", "prefix_len", "waited_ms", "retracted", "lora_id", "cache_key")
 _BATCH_REQ_KEYS = ("rid", "extend_len", "prefix_len", "cached_len", "chunk_index", "num_chunks", "is_decode",
-                   "draft_len", "accepted_len", "lora_id")  # fmt: skip
-_RUNNING_KEYS = ("rid", "input_len", "output_len", "max_new_tokens", "lora_id")
+                   "draft_len", "accepted_len", "lora_id", "cache_key")  # fmt: skip
+_RUNNING_KEYS = ("rid", "input_len", "output_len", "max_new_tokens", "lora_id", "cache_key")
 _SPECULATIVE_KEYS = ("algorithm", "num_draft_tokens", "decode_rows", "decode_tokens", "accept_length")
 _FINISHED_KEYS = ("rid", "finish_reason", "queue_ms", "schedule_ms", "forward_ms", "ttft_ms")
 # None = that part never happened (an abort while waiting has no forward, so no TTFT)

@@ -34,7 +34,7 @@ UNSUPPORTED_FIELDS = frozenset(
         "image_data",
         # SGLang's own, on /generate or the OpenAI routes
         "audio_data", "video_data", "input_embeds", "session_params", "bootstrap_host",
-        "bootstrap_port", "bootstrap_room", "data_parallel_rank", "extra_key", "cache_salt",
+        "bootstrap_port", "bootstrap_room", "data_parallel_rank",
         # chat's fields (tool calls, tool_calls.py), not /v1/completions' or /generate's
         "tools", "tool_choice", "parallel_tool_calls",
     }
@@ -242,6 +242,10 @@ class _SamplingFields(BaseModel):
     return_hidden_states: bool = False
     # SGLang's extra field: the --lora-paths adapter to run with (a `model` of "BASE:NAME" names one too, and wins)
     lora_path: Optional[str] = None
+    # the request's own radix-tree namespace, SGLang's pair (cache_salt is vLLM's name): the
+    # prompt reuses cached K/V only of requests that sent the same cache_salt + extra_key
+    cache_salt: Optional[str] = None
+    extra_key: Optional[str] = None
 
     def _common_sampling_params(self, max_new_tokens: Optional[int], defaults: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
         """The SGLang sampling_params dict. An unset knob takes `defaults` (the model's
@@ -634,6 +638,8 @@ class GenerateRequest(BaseModel):
     custom_logit_processor: Optional[Union[str, List[Optional[str]]]] = None
     # SGLang's: the --lora-paths adapter name (None: the base model), one for all prompts or one per prompt
     lora_path: Optional[Union[str, List[Optional[str]]]] = None
+    # SGLang's: the request's own radix-tree namespace (a tenant's cache salt), one for all prompts or one per prompt
+    extra_key: Optional[Union[str, List[Optional[str]]]] = None
 
 
 # --------------------------------------------------------------------------- embeddings

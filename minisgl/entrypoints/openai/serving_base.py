@@ -259,6 +259,14 @@ class OpenAIServingBase(ABC):
         adapter = split_lora_model(request.model, self.tokenizer_manager.model_name)[1]
         return adapter if adapter is not None else request.lora_path
 
+    @staticmethod
+    def _extra_key(request: Any) -> Optional[str]:
+        """The request's cache namespace, SGLang's _compute_extra_key: cache_salt + extra_key, the
+        empty or absent ones left out (None when both are). Plain concatenation is safe here: both
+        parts come from the same client, which could as well send the joined string."""
+        parts = [v for v in (request.cache_salt, request.extra_key) if v]
+        return "".join(parts) if parts else None
+
     # --- the shared path
     async def handle_request(self, request: Any, raw_request: Request) -> Response:
         received_time = time.time()

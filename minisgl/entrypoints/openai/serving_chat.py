@@ -310,6 +310,7 @@ class OpenAIServingChat(OpenAIServingBase):
             require_reasoning=self._thinks(request),
             return_hidden_states=request.return_hidden_states,
             lora_path=self._lora_path(request),
+            extra_key=self._extra_key(request),
         )
 
     # ------------------------------------------------------------------ logprobs

@@ -68,6 +68,7 @@ class OpenAIServingCompletions(OpenAIServingBase):
             custom_logit_processor=request.custom_logit_processor,
             return_hidden_states=request.return_hidden_states,
             lora_path=self._lora_path(request),
+            extra_key=self._extra_key(request),
         )
 
     def _prompt_text(self, request: CompletionRequest, index: int) -> str:
