@@ -354,8 +354,8 @@ def test_sglangs_unbuilt_fields_on_the_openai_routes_are_null_or_refused_by_name
     client, _ = _scripted_client(tiny_model, tmp_path, [_out("r", "ok", 1, LENGTH)])
     with client:
         assert _post(client, "chat", regex=None, ebnf=None, json_schema=None, stop_regex=None).status_code == 200
-        r = _post(client, "completions", cache_salt="s")
-    assert r.status_code == 400 and "'cache_salt': it is not supported by minisgl" in r.text
+        r = _post(client, "completions", bootstrap_room=1)
+    assert r.status_code == 400 and "'bootstrap_room': it is not supported by minisgl" in r.text
 
 
 def _lora_client(tiny_model: str, tmp_path: Any, **args: Any) -> Any:

@@ -206,8 +206,8 @@ def test_unsupported_field_names_the_param(client: TestClient) -> None:
         r = client.post("/generate", json={"text": ["a", "b"], "sampling_params": params})
         assert r.status_code == 400 and "n must be an integer" in r.json()["error"]["message"], r.text
     # SGLang's /generate fields minisgl does not build say so too
-    r = client.post("/generate", json={"text": "hi", "cache_salt": "s"})
-    assert r.status_code == 400 and "'cache_salt': it is not supported by minisgl" in r.json()["error"]["message"]
+    r = client.post("/generate", json={"text": "hi", "session_params": {"id": "s"}})
+    assert r.status_code == 400 and "'session_params': it is not supported by minisgl" in r.json()["error"]["message"]
     r = client.post("/generate", json={"text": "hi", "lora_path": "adapter"})  # (built; this server has no adapter)
     assert r.status_code == 400 and "lora_path needs a server started with --lora-paths" in r.json()["error"]["message"]
 

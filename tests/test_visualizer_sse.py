@@ -28,17 +28,17 @@ def make_snapshot(step: int, mode: str = "DECODE", events: Sequence[Dict[str, An
     """A schema-conforming snapshot: one waiting request, two running ones, a small tree."""
     children = [{"id": i, "len": 8, "lock_ref": i % 2, "children": []} for i in range(1, num_radix_nodes)]
     reqs = [{"rid": r, "extend_len": 1, "prefix_len": 40 + step, "cached_len": 0, "is_chunked": 0, "chunk_index": 0, "num_chunks": 0,
-             "is_decode": True, "output_len": step, "max_new_tokens": 64, "draft_len": 0, "accepted_len": 0, "lora_id": None}
+             "is_decode": True, "output_len": step, "max_new_tokens": 64, "draft_len": 0, "accepted_len": 0, "lora_id": None, "cache_key": None}
             for r in ("a", "b")]  # fmt: skip
     return {
         "step": step, "time": 1.7e9 + step, "forward_mode": mode,
         "log_line": f"Decode batch, #running-req: 2, step {step}",
         "waiting_queue": [{"rid": "w", "input_len": 300, "prefix_len": 0, "output_len": 0,
-                           "waited_ms": 1.0 * step, "retracted": False, "retraction_count": 0, "priority": None, "lora_id": None}],
+                           "waited_ms": 1.0 * step, "retracted": False, "retraction_count": 0, "priority": None, "lora_id": None, "cache_key": None}],
         "grammar_queue": [],
         "chunked_req": None,
         "batch": {"forward_mode": mode, "reqs": reqs},
-        "running_batch": [{"rid": r["rid"], "input_len": 40, "output_len": step, "max_new_tokens": 64, "lora_id": None} for r in reqs],
+        "running_batch": [{"rid": r["rid"], "input_len": 40, "output_len": step, "max_new_tokens": 64, "lora_id": None, "cache_key": None} for r in reqs],
         "adder": None,
         "memory": {"total": 4096, "available": 3000, "evictable": 500, "protected": 96, "used": 596,
                    "page_size": 1, "req_slots_total": 64, "req_slots_free": 62},
