@@ -71,3 +71,47 @@ def test_unknown_adapters_are_400s_listing_the_loaded_ones(served: Any, tiny_mod
     r = httpx.post(server.url + "/v1/completions", json={"model": "other:a", "prompt": "hi", "max_tokens": 2}, timeout=60)
     assert r.status_code == 404  # (the base model must be this server's)
     assert httpx.get(server.url + "/health", timeout=30).status_code == 200  # bad requests hurt nobody
+
+
+def test_cache_salt_and_extra_key_keep_tenants_apart_over_http(served: Any, tiny_model: str) -> None:
+    """The tenant-visible effect of a salt: cached_tokens (usage.prompt_tokens_details on the OpenAI
+    routes, meta_info on /generate) counts only K/V of requests with the same salt and adapter."""
+    server, _ = served
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+    prompt = list(range(400, 430))
+
+    def completion(**extra: Any) -> int:
+        out = client.completions.create(model=tiny_model, prompt=prompt, max_tokens=1, extra_body=extra)
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    assert completion(cache_salt="t1") == 0
+    assert completion(cache_salt="t2") == 0 and completion() == 0  # other tenant, no tenant: nothing reused
+    assert completion(cache_salt="t1") == len(prompt) - 1
+    assert completion(cache_salt="t", extra_key="1") == len(prompt) - 1  # SGLang's key: cache_salt + extra_key
+    assert completion(cache_salt="t1", lora_path="a") == 0  # the salt under an adapter: its own namespace
+    gen = _generate(server, input_ids=[prompt, prompt], sampling_params={"max_new_tokens": 1}, extra_key=["t1", "t9"])
+    assert [o["meta_info"]["cached_tokens"] for o in gen.json()] == [len(prompt) - 1, 0]
+    chat = [{"role": "user", "content": "tell me about salt"}]
+    first = client.chat.completions.create(model=tiny_model, messages=chat, max_tokens=1, extra_body={"cache_salt": "c"})
+    other = client.chat.completions.create(model=tiny_model, messages=chat, max_tokens=1, extra_body={"cache_salt": "d"})
+    again = client.chat.completions.create(model=tiny_model, messages=chat, max_tokens=1, extra_body={"cache_salt": "c"})
+    assert first.usage.prompt_tokens_details.cached_tokens == other.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+
+
+def test_bad_salts_and_keys_are_400s(served: Any, tiny_model: str) -> None:
+    server, _ = served
+    for route, field, body in (
+        ("/v1/completions", "cache_salt", {"model": tiny_model, "prompt": "hi", "max_tokens": 1, "cache_salt": 5}),
+        ("/v1/chat/completions", "extra_key", {"model": tiny_model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "extra_key": ["a"]}),
+        ("/generate", "extra_key", {"text": "hi", "sampling_params": {"max_new_tokens": 1}, "extra_key": 5}),
+    ):  # fmt: skip
+        r = httpx.post(server.url + route, json=body, timeout=60)
+        assert r.status_code == 400, (route, r.text)
+        err = r.json()["error"]
+        assert err["param"].split(".")[0] == field and "Input should be a valid string" in err["message"], r.text
+    r = _generate(server, text=["a", "b"], sampling_params={"max_new_tokens": 1}, extra_key=["x"])
+    assert r.status_code == 400 and "`extra_key` must have 2 entries for a batch of 2 prompts" in r.json()["error"]["message"]
+    r = _generate(server, text="a", sampling_params={"max_new_tokens": 1}, extra_key=["x"])
+    assert r.status_code == 400 and "lists are per prompt of a batch" in r.json()["error"]["message"]
+    assert httpx.get(server.url + "/health", timeout=30).status_code == 200
