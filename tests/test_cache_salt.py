@@ -10,6 +10,7 @@ from typing import Any, Dict, Iterator, List
 import pytest
 
 from minisgl import Engine
+from minisgl.lora.lora_config import parse_lora_paths
 from minisgl.mem_cache.namespace import key_tag, namespace, split_namespace
 from test_lora import make_adapter
 
@@ -29,12 +30,14 @@ def _cached(engine: Any, prompt: List[int], **kwargs: Any) -> int:
     return engine.generate(input_ids=prompt, sampling_params=GREEDY, **kwargs)["meta_info"]["cached_tokens"]
 
 
-def test_the_encoding_is_one_to_one() -> None:
+def test_the_encoding_is_one_to_one(tmp_path: Any) -> None:
     """SGLang's concatenation would make key "a" on the base model and adapter "a" without a key one namespace."""
     pairs = [(None, None), ("a", None), (None, "a"), ("a", "a"), ("ab", None), (None, "ab"), ("a", "b"), (None, "\0a"), ("a", "b\0c")]
     assert len({namespace(lora_id, key) for lora_id, key in pairs}) == len(pairs)
     assert all(split_namespace(namespace(lora_id, key)) == (lora_id, key) for lora_id, key in pairs)
     assert namespace("a", "") == "a" and namespace(None, None) is None  # ("" is no key, SGLang's `if value:`)
+    with pytest.raises(ValueError, match="holds a NUL character"):  # (what keeps the encoding one-to-one)
+        parse_lora_paths([f"a\0b={tmp_path}"])
     assert key_tag("tenant-1") == key_tag("tenant-1") != key_tag("tenant-2") and "tenant" not in key_tag("tenant-1")
 
 
