@@ -56,7 +56,7 @@ SAMPLES: Dict[str, Any] = {
     "TokenizedGenerateReqInput": TokenizedGenerateReqInput(
         rid="r1", input_text="héllo 👩‍👩‍👧‍👦", input_ids=[1, 2, 3], sampling_params=_sampling_params(),
         return_logprob=True, logprob_start_len=0, top_logprobs_num=2, stream=True, priority=-1, created_time=1.5,
-        custom_logit_processor='{"callable": "80"}', return_hidden_states=True, lora_id="adapter-a",
+        custom_logit_processor='{"callable": "80"}', return_hidden_states=True, lora_id="adapter-a", extra_key="tenant\0 é",
     ),  # fmt: skip
     "TokenizedEmbeddingReqInput": TokenizedEmbeddingReqInput(
         rid="e1", input_text="héllo", input_ids=[4, 5], sampling_params=SamplingParams.from_dict({"max_new_tokens": 0}),

@@ -110,3 +110,16 @@ def test_lpm_defers_no_request_for_a_queued_prompt_of_another_adapter() -> None:
              Req("c", None, [7, 8, 9], params), Req("d", None, shared + [5, 6], params, lora_id="x")]  # fmt: skip
     SchedulePolicy("lpm", tree).calc_priority(queue)
     assert [r.rid for r in queue] == ["a", "b", "c", "d"]  # only d (same adapter as a) waits for a
+
+
+def test_lpm_defers_no_request_for_a_queued_prompt_of_another_cache_key() -> None:
+    """extra_key / cache_salt: likewise per request key; the same key and adapter defers as usual."""
+    tree = _tree()
+    shared = list(range(2000, 2000 + IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD))
+    params = SamplingParams(max_new_tokens=4)
+    params.normalize()
+    queue = [Req("a", None, shared + [1, 2], params, cache_key="t1"), Req("e", None, shared + [8, 9], params, cache_key="t1"),
+             Req("b", None, shared + [3, 4], params, cache_key="t2"), Req("c", None, shared + [5, 6], params, lora_id="t1"),
+             Req("d", None, shared + [7, 8], params)]  # fmt: skip
+    SchedulePolicy("lpm", tree).calc_priority(queue)
+    assert [r.rid for r in queue] == ["a", "b", "c", "d", "e"]  # only e (a's key) waits for a
