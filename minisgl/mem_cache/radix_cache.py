@@ -523,7 +523,7 @@ class RadixCache:
 
     @staticmethod
     def _sorted_children(node: TreeNode) -> List[TreeNode]:
-        # the base model's children first, then each adapter's; within one namespace by first token/page
+        # the base model's unkeyed children first, then each other namespace's (by its extra_key string); within one by first token/page
         return sorted(node.children.values(), key=lambda c: (c.extra_key is not None, c.extra_key or "", c.key))
 
     @staticmethod
