@@ -87,6 +87,7 @@ def test_a_batch_takes_one_key_per_prompt_and_n_samples_warm_their_own_namespace
         ({"extra_key": ["x"]}, "lists are per prompt of a batch"),
         ({"input_ids": [[1, 2, 3], [4, 5, 6]], "extra_key": ["x"]}, "`extra_key` must have 2 entries for a batch of 2 prompts"),
         ({"input_ids": [[1, 2, 3], [4, 5, 6]], "extra_key": ["x", 3]}, "extra_key must be a string"),
+        ({"extra_key": "k" * 1025}, "has 1025 characters; at most 1024"),
     ],
 )
 def test_bad_keys_are_refused_before_anything_is_queued(engine: Any, kwargs: Dict[str, Any], message: str) -> None:
@@ -119,3 +120,12 @@ def test_the_snapshot_tags_the_key_and_never_shows_it(engine: Any) -> None:
     assert [c["lora_id"] for c in radix["tree"]["children"]] == [None, None]
     assert "secret-salt" not in json.dumps(engine.snapshot()) and "secret-salt" not in engine.scheduler.tree_cache.format_tree()
     assert f"key={key_tag('secret-salt')}" in engine.scheduler.tree_cache.format_tree()
+
+
+def test_the_tree_shares_one_namespace_string_per_request(engine: Any) -> None:
+    """Req.extra_key is built once: every node a request inserts holds the same string object
+    (built per call, each new leaf held its own copy of a possibly long key)."""
+    key = "tenant-" + "x" * 500
+    engine.generate(input_ids=list(range(40, 80)), sampling_params={**GREEDY, "max_new_tokens": 3}, extra_key=key)
+    nodes = [n for n in engine.scheduler.tree_cache._all_nodes() if n.extra_key is not None and n.extra_key.endswith(key)]
+    assert nodes and len({id(n.extra_key) for n in nodes}) == 1

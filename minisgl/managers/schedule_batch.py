@@ -291,12 +291,15 @@ class Req:
         self.send_hidden_states_offset = 0
 
         self.time_stats = ReqTimeStats(scheduler_recv_time=time.perf_counter())
+        # built once: every match and insert passes this one string, and the tree's nodes share it
+        # (built per call, each new leaf held its own copy of the key)
+        self._extra_key = namespace(self.lora_id, self.cache_key)
 
     @property
     def extra_key(self) -> Optional[str]:
         """The radix tree's namespace of this request's tokens (SGLang's RadixKey.extra_key, into which
         it folds lora_id): K/V computed under one (adapter, key) pair is never reused under another."""
-        return namespace(self.lora_id, self.cache_key)
+        return self._extra_key
 
     # ------------------------------------------------------------------ lengths
     @property

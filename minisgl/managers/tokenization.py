@@ -115,6 +115,9 @@ def check_lora_path(obj: GenerateReqInput, loaded: Iterable[str]) -> None:
             raise ValueError(lora_not_loaded(value, names))
 
 
+MAX_EXTRA_KEY_CHARS = 1024  # a request's cache namespace, cache_salt + extra_key
+
+
 def check_extra_key(obj: GenerateReqInput) -> None:
     """A normalized request's extra_key (one, or one per prompt of a batch; None or "": no key): a
     string. Refused before anything is queued; any string is a namespace of its own."""
@@ -122,6 +125,12 @@ def check_extra_key(obj: GenerateReqInput) -> None:
     for value in values:
         if value is not None and not isinstance(value, str):
             raise ValueError(f"extra_key must be a string (the request's cache namespace), got {value!r}")
+        if value is not None and len(value) > MAX_EXTRA_KEY_CHARS:
+            # (a namespace is hashed on every tree lookup and held by the tree: a tenant id, not a document)
+            raise ValueError(
+                f"extra_key (with cache_salt on the OpenAI routes) has {len(value)} characters; at most "
+                f"{MAX_EXTRA_KEY_CHARS}: send a shorter key (a hash of a long one)"
+            )
 
 
 def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True) -> List[int]:

@@ -47,9 +47,9 @@ def split_namespace(extra_key: Optional[str]) -> Tuple[Optional[str], Optional[s
 
 
 def key_tag(cache_key: Optional[str]) -> Optional[str]:
-    """8 hex digits naming a request's cache key in snapshots: equal keys, equal tags (a reader sees
+    """16 hex digits naming a request's cache key in snapshots: equal keys, equal tags (a reader sees
     which requests and nodes share a namespace), the key itself never shown (a tenant's cache salt
     is a secret of sorts: a page that showed it would let one tenant read another's cache)."""
     if cache_key is None:
         return None
-    return hashlib.blake2b(cache_key.encode("utf-8", "surrogatepass"), digest_size=4, key=_TAG_SECRET).hexdigest()
+    return hashlib.blake2b(cache_key.encode("utf-8", "surrogatepass"), digest_size=8, key=_TAG_SECRET).hexdigest()

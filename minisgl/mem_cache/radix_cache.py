@@ -478,7 +478,8 @@ class RadixCache:
                 f"node {node.id} is not reachable from its parent under its first token/page"
             )
             assert parent is self.root_node or parent.extra_key == node.extra_key, (
-                f"node {node.id} (extra_key {node.extra_key!r}) hangs under node {parent.id} of extra_key {parent.extra_key!r}"
+                f"node {node.id} (namespace{_namespace_text(node.extra_key) or ' none'}) hangs under node {parent.id} "
+                f"(namespace{_namespace_text(parent.extra_key) or ' none'})"  # (a tag, never a tenant's key)
             )
             assert len(node.key) > 0, f"node {node.id} has an empty key"
             assert len(node.value) == len(node.key), (

@@ -262,8 +262,8 @@ class OpenAIServingBase(ABC):
     @staticmethod
     def _extra_key(request: Any) -> Optional[str]:
         """The request's cache namespace, SGLang's _compute_extra_key: cache_salt + extra_key, the
-        empty or absent ones left out (None when both are). Plain concatenation is safe here: both
-        parts come from the same client, which could as well send the joined string."""
+        empty or absent ones left out (None when both are). Joined as SGLang joins them, so a gateway
+        that sets cache_salt per tenant must drop the clients' extra_key (docs/server.md)."""
         parts = [v for v in (request.cache_salt, request.extra_key) if v]
         return "".join(parts) if parts else None
 
