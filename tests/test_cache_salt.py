@@ -120,6 +120,12 @@ def test_the_snapshot_tags_the_key_and_never_shows_it(engine: Any) -> None:
     assert [c["lora_id"] for c in radix["tree"]["children"]] == [None, None]
     assert "secret-salt" not in json.dumps(engine.snapshot()) and "secret-salt" not in engine.scheduler.tree_cache.format_tree()
     assert f"key={key_tag('secret-salt')}" in engine.scheduler.tree_cache.format_tree()
+    # the Jupyter widget's panels show the tag where the page does (tests/test_visualizer_browser.py)
+    from minisgl.visualizer.render import render_batch, render_memory, render_running, render_waiting
+
+    tag = key_tag("secret-salt")
+    assert f"key {tag}" in render_waiting(waiting) and f" · key {tag}" in render_batch(snap)
+    assert render_running(snap).count(f" · key {tag}") == 1 and f" · key {tag}" in render_memory(engine.snapshot())
 
 
 def test_the_tree_shares_one_namespace_string_per_request(engine: Any) -> None:

@@ -456,3 +456,25 @@ def test_a_waiting_card_shows_the_priority_its_request_named(browser_page: Any) 
         assert "priority 7" in browser_page.locator('#waiting-queue .req-card[data-rid="p"]').inner_text()
         assert "priority" not in browser_page.locator('#waiting-queue .req-card[data-rid="q"]').inner_text()
         assert browser_page.errors == []
+
+
+def test_requests_and_tree_nodes_show_their_adapter_and_key_tag(browser_page: Any) -> None:
+    """A request's namespace on the page: its LoRA adapter and the tag of its extra_key / cache_salt
+    (the snapshot holds only the tag), on its waiting card, its running row and the tree's nodes."""
+    from test_visualizer_sse import make_snapshot
+
+    with _open_live_page(browser_page) as hub:
+        snap = make_snapshot(1)
+        snap["waiting_queue"] = [{**snap["waiting_queue"][0], "rid": "k", "lora_id": "a", "cache_key": "0123456789abcdef"}]
+        snap["running_batch"][0] = {**snap["running_batch"][0], "cache_key": "fedcba9876543210"}
+        tree = snap["radix"]["tree"]
+        tree["children"][0] = {**tree["children"][0], "lora_id": "a", "cache_key": "0123456789abcdef"}
+        hub.add(snap)
+        _wait_step(browser_page, 1)
+        card = browser_page.locator('#waiting-queue .req-card[data-rid="k"]').inner_text()
+        assert "lora a" in card and "key 0123456789abcdef" in card
+        running = browser_page.locator(".running-req").all_inner_texts()
+        assert "key fedcba9876543210" in running[0] and "key" not in running[1]
+        node = browser_page.locator(f'.rnode[data-node="{tree["children"][0]["id"]}"]').inner_text()
+        assert "lora a · key 0123456789abcdef" in node
+        assert browser_page.errors == []

@@ -83,6 +83,7 @@ def render_waiting(snap: Mapping[str, Any]) -> str:
         + (f'<span class="badge">retracted ×{r.get("retraction_count", 1)}</span>' if r["retracted"] else "")
         + (f'<span class="badge">priority {r["priority"]}</span>' if r.get("priority") is not None else "")
         + (f'<span class="badge">lora {escape(r["lora_id"])}</span>' if r.get("lora_id") is not None else "")
+        + (f'<span class="badge">key {escape(r["cache_key"])}</span>' if r.get("cache_key") is not None else "")
         + f'</div><div title="{_LAST_MATCH}">prompt {r["input_len"]} tok · matched {r["prefix_len"]}</div>'
         f'<div class="detail">waited {_ms(r["waited_ms"])}</div></div>'
         for r in snap["waiting_queue"]
@@ -137,7 +138,7 @@ def _batch_row(r: Mapping[str, Any], mode: str = "") -> str:
         f'{_seg("prefix", cached, total, f"cached prefix (radix hit) {cached}")}'
         f'{_seg("computed", computed, total, f"{own} {computed}")}{_seg(kind, extend, total, f"{kind} {extend}")}'
         f'{_draft_segs(r, total)}</div>'
-        f'<span class="label">{label}{" · lora " + escape(r["lora_id"]) if r.get("lora_id") is not None else ""}</span></div>'
+        f'<span class="label">{label}{_namespace(r)}</span></div>'
     )
 
 
@@ -167,7 +168,7 @@ def render_running(snap: Mapping[str, Any]) -> str:
         f'<div class="row running-req" data-rid="{escape(r["rid"])}"><span class="rid">{escape(r["rid"])}</span>'
         f'<div class="stackbar">{_seg("progress", r["output_len"], r["max_new_tokens"], "generated")}</div>'
         f'<span class="label">{r["output_len"]} / {r["max_new_tokens"]} tok'
-        f'{" · lora " + escape(r["lora_id"]) if r.get("lora_id") is not None else ""}</span></div>'
+        f'{_namespace(r)}</span></div>'
         for r in snap["running_batch"]
     )
     count = len(snap["running_batch"])
@@ -210,11 +211,18 @@ def render_adder(snap: Mapping[str, Any]) -> str:
     return _panel("adder", f'PrefillAdder <span class="reason" data-reason="{reason}">{reason or "no stop"}</span>', body)
 
 
+def _namespace(row: Mapping[str, Any]) -> str:
+    """' · lora NAME · key TAG' for a request row or a tree node outside the default namespace: the
+    adapter (--lora-paths) and the tag of its extra_key / cache_salt (never the key itself)."""
+    return ((f' · lora {escape(row["lora_id"])}' if row.get("lora_id") is not None else "")
+            + (f' · key {escape(row["cache_key"])}' if row.get("cache_key") is not None else ""))  # fmt: skip
+
+
 def _radix_node(node: Mapping[str, Any]) -> str:
     is_root = node["id"] == 0
     label = "root" if is_root else f'#{node["id"]} · {node["len"]} tok'
-    if not is_root and node.get("lora_id") is not None:  # (--lora-paths: the adapter whose K/V it holds)
-        label += f' · lora {escape(node["lora_id"])}'
+    if not is_root:  # (whose K/V it holds: --lora-paths' adapter, a request's cache key)
+        label += _namespace(node)
     kids = "".join(_radix_node(c) for c in node.get("children", []))
     locked = int(node["lock_ref"] > 0 and not is_root)
     title = (f'lock_ref {node["lock_ref"]} · hits {node.get("hits", 0)} · '

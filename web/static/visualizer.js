@@ -23,6 +23,9 @@ const state = {
 
 const $ = (id) => document.getElementById(id);
 const esc = (s) => String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
+// " · lora NAME · key TAG" for a request row or a tree node outside the default namespace: its
+// adapter (--lora-paths) and the tag of its extra_key / cache_salt (the snapshot never holds the key)
+const namespace = (r) => (r.lora_id != null ? ` · lora ${esc(r.lora_id)}` : "") + (r.cache_key != null ? ` · key ${esc(r.cache_key)}` : "");
 const fmtMs = (ms) => (ms == null ? "–" : ms >= 1000 ? (ms / 1000).toFixed(2) + " s" : ms.toFixed(1) + " ms");
 const pct = (x, total) => (total > 0 ? Math.max(0, Math.min(100, (100 * x) / total)) : 0);
 const seg = (cls, x, total, title) => `<div class="seg ${cls}" style="width:${pct(x, total)}%" title="${esc(title)}"></div>`;
@@ -40,7 +43,7 @@ function renderWaiting(snap) {
     </div>`).join("");
   $("waiting-queue").innerHTML = q.length + g.length === 0 ? '<p class="empty">empty</p>' : compiling + q.map((r) => `
     <div class="req-card" data-rid="${esc(r.rid)}" data-retracted="${r.retracted ? 1 : 0}">
-      <div><span class="rid">${esc(r.rid)}</span>${r.retracted ? `<span class="badge">retracted ×${r.retraction_count}</span>` : ""}${r.priority != null ? `<span class="badge">priority ${esc(String(r.priority))}</span>` : ""}${r.lora_id != null ? `<span class="badge">lora ${esc(r.lora_id)}</span>` : ""}</div>
+      <div><span class="rid">${esc(r.rid)}</span>${r.retracted ? `<span class="badge">retracted ×${r.retraction_count}</span>` : ""}${r.priority != null ? `<span class="badge">priority ${esc(String(r.priority))}</span>` : ""}${r.lora_id != null ? `<span class="badge">lora ${esc(r.lora_id)}</span>` : ""}${r.cache_key != null ? `<span class="badge">key ${esc(r.cache_key)}</span>` : ""}</div>
       <div title="the prefix the radix tree held when the scheduler last matched this request (at an admission attempt, or lpm's ordering)">prompt ${r.input_len} tok · matched ${r.prefix_len}</div>
       <div class="detail">waited ${fmtMs(r.waited_ms)}${r.output_len ? ` · ${r.output_len} out` : ""}</div>
     </div>`).join("");
@@ -79,7 +82,7 @@ function batchRow(r, mode) {
     <div class="stackbar">${seg("prefix", r.cached_len, total, `cached prefix (radix hit) ${r.cached_len}`)}${seg("computed",
       r.prefix_len - r.cached_len, total, `${r.is_decode ? "context" : "earlier chunks"} ${r.prefix_len - r.cached_len}`)}${seg(kind,
       own, total, `${kind} ${own}`)}${draftSegs(r, total)}</div>
-    <span class="label">${label}${r.lora_id != null ? ` · lora ${esc(r.lora_id)}` : ""}</span></div>`;
+    <span class="label">${label}${namespace(r)}</span></div>`;
 }
 
 function renderBatch(snap) {
@@ -102,7 +105,7 @@ function renderRunning(snap) {
     <div class="row running-req" data-rid="${esc(r.rid)}">
       <span class="rid">${esc(r.rid)}</span>
       <div class="stackbar">${seg("progress", r.output_len, r.max_new_tokens, "generated")}</div>
-      <span class="label">${r.output_len} / ${r.max_new_tokens} tok${r.lora_id != null ? ` · lora ${esc(r.lora_id)}` : ""}</span></div>`).join("");
+      <span class="label">${r.output_len} / ${r.max_new_tokens} tok${namespace(r)}</span></div>`).join("");
 }
 
 // Each budget: what is left of what limit (null = unlimited).
@@ -146,8 +149,8 @@ function kvSegments(m) {
 }
 
 function radixNode(n, depth) {
-  // (--lora-paths: an adapter's node says whose K/V it holds)
-  const label = n.id === 0 ? "root" : `#${n.id} · ${n.len} tok${n.lora_id != null ? ` · lora ${esc(n.lora_id)}` : ""}`;
+  // (a node outside the default namespace says whose K/V it holds: --lora-paths' adapter, a key's tag)
+  const label = n.id === 0 ? "root" : `#${n.id} · ${n.len} tok${namespace(n)}`;
   const kids = n.children && n.children.length ? `<ul>${n.children.map((c) => radixNode(c, depth + 1)).join("")}</ul>` : "";
   return `<li><span class="rnode" data-node="${n.id}" data-len="${n.len}" data-locked="${n.lock_ref > 0 && n.id !== 0 ? 1 : 0}"
     data-root="${n.id === 0 ? 1 : 0}" title="lock_ref ${n.lock_ref} · hits ${n.hits || 0}${n.tokens_preview ? " · tokens " + n.tokens_preview.join(" ") : ""}">${label}</span>${kids}</li>`;
