@@ -1,0 +1,129 @@
+"""Tensor-parallel groups: which rank this process is, and the collectives its layers call.
+
+Where it sits: under the ModelRunner, beside the model. With `--tp-size N`, N scheduler
+processes (one per rank) each hold 1/N of every large weight; the layers that split a
+matmul call `all_reduce` / `all_gather` here to put the pieces back together, and the
+schedulers use `broadcast_bytes` to see the same requests in the same order (rank 0
+receives them from the TokenizerManager).
+
+SGLang keeps these groups in module globals (`get_tp_group()`); minisgl builds a
+`GroupCoordinator` object and hands it down explicitly (STYLE.md habit 6), so two
+Engines, or a test's ranks, can live in one process without resetting anything. The
+process groups are built straight from a store (`ProcessGroupGloo(store, rank, size)`),
+never through `torch.distributed.init_process_group`, which would set the process-wide
+default group.
+
+Rendezvous goes through a `FileStore` in the server's private temp dir (DESIGN.md:
+nothing listens on TCP but the HTTP server); gloo's own transport then connects the
+ranks over loopback only. On CUDA, tensors go through NCCL and Python bytes through a
+second, gloo group, as SGLang's `device_group` / `cpu_group` pair.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+
+class GroupCoordinator:
+    """One tensor-parallel group, seen from one rank (SGLang's GroupCoordinator, TP only).
+
+    `world_size == 1` is a valid group with no process group behind it: every collective
+    returns its input, so the single-rank path runs the same layer code.
+    """
+
+    def __init__(
+        self, rank: int, world_size: int, device: str = "cpu", device_group: Optional[object] = None,
+        cpu_group: Optional[object] = None,
+    ) -> None:  # fmt: skip
+        self.rank_in_group = rank
+        self.world_size = world_size
+        self.device = device
+        self.device_group = device_group  # tensors: gloo on the CPU, NCCL on CUDA
+        self.cpu_group = cpu_group  # Python bytes (broadcast_bytes): always gloo
+
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank_in_group == 0
+
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Sum (or min / max) `x` over the ranks, in place; returns `x`.
+
+        Every rank ends with the same bits: gloo's and NCCL's ring reduce each element once
+        and copy the result, so ranks that feed identical logits to the sampler stay in step.
+        """
+        if self.world_size == 1:
+            return x
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
+        self.device_group.allreduce([x], opts).wait()  # type: ignore[union-attr]
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's `x`, concatenated along `dim` in rank order."""
+        if self.world_size == 1:
+            return x
+        x = x.contiguous()
+        parts: List[torch.Tensor] = [torch.empty_like(x) for _ in range(self.world_size)]
+        self.device_group.allgather([parts], [x]).wait()  # type: ignore[union-attr]
+        return torch.cat(parts, dim=dim)
+
+    def broadcast_bytes(self, data: Optional[bytes], src: int = 0) -> bytes:
+        """Rank `src`'s bytes, on every rank (the others pass None).
+
+        Two broadcasts: the length, then the payload. Messages cross as bytes the sender
+        encoded (io_struct.encode), never as pickles (STYLE.md habit 4).
+        """
+        if self.world_size == 1:
+            assert data is not None
+            return data
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        mine = self.rank_in_group == src
+        size = torch.tensor([len(data) if mine and data is not None else 0], dtype=torch.int64)
+        self.cpu_group.broadcast([size], opts).wait()  # type: ignore[union-attr]
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if mine and data else torch.empty(int(size), dtype=torch.uint8)
+        if int(size):
+            self.cpu_group.broadcast([buf], opts).wait()  # type: ignore[union-attr]
+        return bytes(buf.numpy()) if not mine else (data or b"")
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            self.cpu_group.barrier().wait()  # type: ignore[union-attr]
+
+
+def _gloo_group(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> object:
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]  # loopback only
+    return dist.ProcessGroupGloo(store, rank, world_size, opts)
+
+
+def init_tensor_parallel_group(
+    rank: int, world_size: int, store_path: str, device: str = "cpu", timeout_s: float = 1800.0
+) -> GroupCoordinator:
+    """Join the group of `world_size` ranks that rendezvous at the file `store_path`.
+
+    Every rank calls this with the same path; it returns once all have joined. `timeout_s`
+    bounds every later collective: a rank that waits longer for the others raises instead
+    of hanging forever (the schedulers keep talking while idle, docs/parallelism.md).
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"tensor-parallel rank {rank} is outside 0..{world_size - 1}")
+    if world_size == 1:
+        return GroupCoordinator(0, 1, device)
+    if not dist.is_available():
+        raise RuntimeError("this torch build has no torch.distributed: --tp-size must be 1")
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.FileStore(store_path, world_size)
+    cpu_group = _gloo_group(dist.PrefixStore("cpu", store), rank, world_size, timeout)
+    if device == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        device_group: object = dist.ProcessGroupNCCL(dist.PrefixStore("device", store), rank, world_size, opts)
+    else:
+        device_group = cpu_group
+    return GroupCoordinator(rank, world_size, device, device_group, cpu_group)
