@@ -109,7 +109,9 @@ class ServerArgs:
             "up to it are captured at start); larger batches run eagerly. Default: 256, at most --max-running-requests."
         )
     )
-    tp_size: int = field(default=1, metadata=_opt("Tensor-parallel size (minisgl runs one rank).", "--tp"))
+    tp_size: int = field(default=1, metadata=_opt(
+        "Tensor-parallel size: this many scheduler processes (ranks), each holding 1/N of every layer's weights "
+        "and heads (docs/parallelism.md).", "--tp"))
     random_seed: int = field(default=0, metadata=_opt("Seed of unseeded sampling (the ModelRunner's own generator) and of the random schedule policy.", "--seed"))
 
     # --- memory ---
@@ -271,8 +273,8 @@ class ServerArgs:
         # so that a missing file or a typo fails the start, not every chat request.
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
-        if self.tp_size != 1:
-            raise ValueError("minisgl runs a single tensor-parallel rank: use --tp-size 1")
+        if self.tp_size < 1:
+            raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size * 2:
             raise ValueError(f"--max-total-tokens must hold at least two pages, got {self.max_total_tokens}")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:

@@ -29,6 +29,7 @@ from typing import List, Optional, Union
 
 import torch
 
+from minisgl.distributed import GroupCoordinator
 from minisgl.layers.attention.base import AttentionBackend
 from minisgl.layers.logits_processor import LogitsProcessorOutput
 from minisgl.layers.pooler import EmbeddingPoolerOutput
@@ -52,10 +53,20 @@ CPU_MAX_RUNNING_REQUESTS = 256
 
 
 class ModelRunner:
-    def __init__(self, server_args: ServerArgs, show_progress: bool = True) -> None:
+    def __init__(
+        self, server_args: ServerArgs, show_progress: bool = True, tp_group: Optional[GroupCoordinator] = None
+    ) -> None:
         if not server_args.is_resolved:
             raise ValueError("ModelRunner needs a resolved ServerArgs: call resolve_server_args first")
+        if tp_group is None:
+            tp_group = GroupCoordinator(0, 1, server_args.device)
+        if tp_group.world_size != server_args.tp_size:
+            raise ValueError(
+                f"--tp-size {server_args.tp_size} needs this rank's tensor-parallel group of {server_args.tp_size} ranks "
+                f"(minisgl.distributed.init_tensor_parallel_group), got a group of {tp_group.world_size}"
+            )
         self.server_args = server_args
+        self.tp_group = tp_group  # this rank's place among --tp-size ranks, and their collectives
         self.device: str = server_args.device
         self.dtype: torch.dtype = getattr(torch, server_args.dtype)
         self.kv_cache_dtype: torch.dtype = getattr(torch, server_args.kv_cache_dtype)  # the model's, or bfloat16
