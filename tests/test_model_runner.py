@@ -315,7 +315,8 @@ def test_loader_errors_name_the_checkpoint_tensor(tiny_model_factory: Callable[.
 
 def test_a_checkpoint_with_fused_qkv_and_gate_up_loads_the_same_model(tiny_model_factory: Callable[..., str], tmp_path: Any) -> None:
     """Some checkpoints store q/k/v (and gate/up) already fused, under the fused names: the
-    loader copies them whole (_ShardedLinear's shard_id None) and counts every shard as filled."""
+    loader splits them into their shards (the fused layers' weight_loader with shard_id None) and
+    counts every shard as filled."""
     from safetensors.torch import load_file, save_file
 
     src = tiny_model_factory("llama")
@@ -470,14 +471,16 @@ def test_qwen2_window_counts_only_when_switched_on_and_some_layer_slides(
 
 def test_cpu_float32_weights_are_packed_once(tiny_model_factory: Callable[..., str]) -> None:
     """Every matmul weight goes to oneDNN's layout, the dense copy is released, logits unchanged."""
-    from minisgl.layers.linear import ReplicatedLinear, pack_weight_for_cpu
+    from minisgl.layers.linear import CpuPackedWeight, pack_weight_for_cpu
+    from minisgl.layers.vocab_parallel_embedding import ParallelLMHead
 
     if pack_weight_for_cpu(torch.ones(4, 4)) is None:
         pytest.skip("this torch build has no oneDNN linear: weights stay dense")
     path = tiny_model_factory("qwen2")  # untied head, qkv bias
     r = make_runner(path)
-    linears = [m for m in r.model.modules() if isinstance(m, ReplicatedLinear)]
+    linears = [m for m in r.model.modules() if isinstance(m, CpuPackedWeight)]
     assert linears and all(m.packed_weight is not None and m.weight.numel() == 0 for m in linears)
+    assert any(isinstance(m, ParallelLMHead) for m in linears)  # the untied head too
     # the same prompt through dense copies of the same weights gives the same logits
     prompt = [[5, 9, 200, 31, 7, 77]]
     d = BatchDriver(r)
@@ -490,7 +493,7 @@ def test_cpu_float32_weights_are_packed_once(tiny_model_factory: Callable[..., s
     torch.testing.assert_close(packed_logits, dense_logits, atol=1e-5, rtol=1e-4)
     # bf16 runs keep dense weights (no packed path for them)
     bf16 = make_runner(path, dtype="bfloat16")
-    assert all(m.packed_weight is None for m in bf16.model.modules() if isinstance(m, ReplicatedLinear))
+    assert all(m.packed_weight is None for m in bf16.model.modules() if isinstance(m, CpuPackedWeight))
 
 
 def test_packed_multiplies_meet_a_bounded_set_of_row_counts() -> None:

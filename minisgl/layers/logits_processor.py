@@ -4,6 +4,12 @@ Where it sits: model (after the final norm) -> LogitsProcessor -> ModelRunner.sa
 In: hidden [N, H] for every token of the pass; out: LogitsProcessorOutput with
 `next_token_logits [bs, V]` float32.
 
+Tensor parallelism (`--tp-size N`): the LM head is split by vocabulary rows
+(ParallelLMHead), so each rank's matmul gives its [M, V / N] columns of the logits;
+`_get_logits` all_gathers them into [M, V] on every rank (SGLang's _get_logits) and cuts the
+padding columns past V. Every rank then holds the same logits, bit for bit, and samples the
+same tokens from them: the schedulers stay in step without sending a token to each other.
+
 In an extend only the last token of each request needs logits (`last_token_indices()`),
 so only bs rows go through the [H, V] matmul, not all N; a 2000-token prompt then costs
 one LM-head row, not 2000. With `return_all_logits` (set only by the transformers parity
@@ -34,7 +40,8 @@ from torch import nn
 
 import torch.nn.functional as F
 
-from minisgl.layers.linear import EXACT_PACKED_ROWS, linear
+from minisgl.distributed import GroupCoordinator
+from minisgl.layers.linear import EXACT_PACKED_ROWS, linear, single_rank
 from minisgl.model_executor.forward_batch_info import ForwardBatch
 
 
@@ -61,14 +68,26 @@ class LogitsProcessorOutput:
 
 
 class LogitsProcessor(nn.Module):
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, tp_group: Optional[GroupCoordinator] = None) -> None:
         super().__init__()
         self.vocab_size = vocab_size
+        self.tp_group = single_rank(tp_group)
+
+    def _get_logits(
+        self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, lm_head_packed: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        """hidden [M, H] -> float32 logits [M, V] over the whole vocabulary, on every rank."""
+        logits = linear(hidden, lm_head_weight, packed=lm_head_packed)  # [M, V / N]: this rank's vocabulary rows
+        if self.tp_group.world_size > 1:
+            logits = self.tp_group.all_gather(logits, dim=-1)  # [M, V_padded], in rank order
+            if logits.shape[-1] != self.vocab_size:
+                logits = logits[:, : self.vocab_size].contiguous()  # [M, V]: the padding rows' zeros go
+        return logits.float()
 
     def forward(
         self,
         hidden_states: torch.Tensor,  # [N, H]
-        lm_head_weight: torch.Tensor,  # [V, H] (empty once packed)
+        lm_head_weight: torch.Tensor,  # [V / N, H], this rank's vocabulary rows (empty once packed)
         forward_batch: ForwardBatch,
         lm_head_packed: Optional[torch.Tensor] = None,  # the oneDNN-packed head on CPU (linear.py)
     ) -> LogitsProcessorOutput:
@@ -88,13 +107,13 @@ class LogitsProcessor(nn.Module):
         # over, after its final norm (what transformers' output_hidden_states[-1] is)
         stored = hidden_states if forward_batch.capture_hidden_mode.is_full() else None  # [N, H]
         if forward_batch.return_all_logits:
-            full = linear(hidden_states, lm_head_weight, packed=lm_head_packed).float()  # [N, V]
+            full = self._get_logits(hidden_states, lm_head_weight, lm_head_packed)  # [N, V]
             return LogitsProcessorOutput(
                 next_token_logits=full[last], full_logits=full, input_logprobs=input_logprobs, hidden_states=stored
             )
         # (a verify pass samples at every row: nothing to prune)
         pruned = hidden_states if forward_batch.forward_mode.is_target_verify() else hidden_states[last]  # [bs or N, H]
-        next_token_logits = linear(pruned, lm_head_weight, packed=lm_head_packed).float()  # [bs, V]
+        next_token_logits = self._get_logits(pruned, lm_head_weight, lm_head_packed)  # [bs, V]
         return LogitsProcessorOutput(next_token_logits=next_token_logits, input_logprobs=input_logprobs, hidden_states=stored)
 
     def input_logprobs(
@@ -119,7 +138,7 @@ class LogitsProcessor(nn.Module):
                 # slices of every length made the scheduler grow by ~230 MB on the built-in
                 # model. A power of two (at most a whole slice) leaves a handful of counts.
                 x = F.pad(x, (0, 0, 0, min(1 << (n - 1).bit_length(), rows_per_slice) - n))
-            logits = linear(x, lm_head_weight, packed=lm_head_packed)[:n].float()
+            logits = self._get_logits(x, lm_head_weight, lm_head_packed)[:n]  # [m, V]
             # clamped as the sampler's output logprobs: JSON has no -inf
             logprobs = torch.log_softmax(logits, dim=-1).clamp_(min=torch.finfo(torch.float32).min)  # [m, V]
             token_parts.append(logprobs.gather(-1, target_ids[rows, None]).squeeze(-1))

@@ -17,6 +17,15 @@ calls them w13_weight and w2_weight). Hub checkpoints store one tensor per exper
 (`experts.{e}.gate_proj.weight`, ...; Mixtral's w1/w3/w2): `MoeExperts.weight_loader` copies
 each into its slice; a checkpoint that stores them stacked loads whole.
 
+Tensor parallelism (`--tp-size N`, SGLang's MoE TP without expert parallelism): every rank
+holds every expert, each expert's intermediate dimension split N ways, as a dense MLP's is:
+gate_up_proj [E, 2I/N, H] (column-parallel: the rank's gate rows, then its up rows) and
+down_proj [E, H, I/N] (row-parallel). The router is replicated, so every rank picks the same
+experts for a token; each rank adds its partial sums of the chosen experts' outputs, the
+shared expert adds its own (its down_proj does not reduce), and ONE all_reduce after the
+weighted combine sums the ranks: a routing weight and the shared expert's sigmoid gate are
+the same on every rank, so scaling the partial sums scales their total.
+
 `run_experts` is the plain torch path, used on the CPU and on CUDA: the N*k (token, expert)
 pairs are sorted by expert, every expert that got a token runs its two matmuls once on its
 rows, and the outputs are added back to their tokens, weighted. There is no fused MoE kernel
@@ -31,8 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minisgl.distributed import GroupCoordinator
 from minisgl.layers.activation import SiluAndMul
-from minisgl.layers.linear import ReplicatedLinear, default_weight_loader
+from minisgl.layers.linear import ReplicatedLinear, default_weight_loader, divide, narrow_checked, single_rank
 
 # (expert, half): half 0 = the gate rows, 1 = the up rows of gate_up_proj; None = all of down_proj[expert]
 ExpertShard = Tuple[int, Optional[int]]
@@ -88,34 +98,52 @@ def run_experts(
 
 
 class MoeExperts(nn.Module):
-    """E gated-SiLU experts, stacked: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+    """E gated-SiLU experts, stacked: gate_up_proj [E, 2I/N, H], down_proj [E, H, I/N] (this rank's I/N columns)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, kernels: str = "torch") -> None:
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, kernels: str = "torch",
+        tp_group: Optional[GroupCoordinator] = None,
+    ) -> None:  # fmt: skip
         super().__init__()
-        self.num_experts, self.intermediate_size = num_experts, intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        group = single_rank(tp_group)
+        self.tp_rank, self.tp_size = group.rank_in_group, group.world_size
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size  # I, every rank's experts' width
+        self.local_intermediate_size = divide(intermediate_size, self.tp_size, "each expert's intermediate size")
+        i = self.local_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * i, hidden_size))  # [E, 2I/N, H]
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, i))  # [E, H, I/N]
         self.act_fn = SiluAndMul(kernels)
 
     def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Optional[ExpertShard]) -> None:
-        """Copy one expert's checkpoint tensor into its slice (shard_id None: the whole stacked tensor)."""
-        if shard_id is None:
-            default_weight_loader(param, loaded_weight)
+        """Copy this rank's slice of one expert's checkpoint tensor (shard_id None: of the whole stacked tensor)."""
+        full, local, start = self.intermediate_size, self.local_intermediate_size, self.tp_rank * self.local_intermediate_size
+        if shard_id is None:  # stacked [E, 2I, H] or [E, H, I]: the same slices, every expert at once
+            if param is self.down_proj:
+                default_weight_loader(param, narrow_checked(loaded_weight, 2, full, start, local))
+                return
+            for half in (0, 1):  # gate rows, then up rows, each narrowed to this rank's
+                rows = narrow_checked(loaded_weight, 1, 2 * full, half * full + start, local)
+                default_weight_loader(param.data.narrow(1, half * local, local), rows)
             return
         expert, half = shard_id
         if not 0 <= expert < self.num_experts:  # checked here too: a negative index would wrap
             raise ValueError(f"there is no expert {expert}: the config has num_experts={self.num_experts}")
-        target = param.data[expert]  # [2I, H] or [H, I]
-        if half is not None:
-            target = target.narrow(0, half * self.intermediate_size, self.intermediate_size)  # [I, H]
-        default_weight_loader(target, loaded_weight)
+        target = param.data[expert]  # [2I/N, H] or [H, I/N]
+        if half is None:  # down [H, I]: this rank's input columns
+            default_weight_loader(target, narrow_checked(loaded_weight, 1, full, start, local))
+            return
+        rows = narrow_checked(loaded_weight, 0, full, start, local)  # gate or up [I, H]: this rank's rows
+        default_weight_loader(target.narrow(0, half * local, local), rows)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         return run_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.act_fn)  # [N, H]
 
 
 class SparseMoeBlock(nn.Module):
-    """Router + experts (+ a shared expert and its sigmoid gate: Qwen2-MoE). [N, H] -> [N, H]."""
+    """Router + experts (+ a shared expert and its sigmoid gate: Qwen2-MoE). [N, H] -> [N, H].
+
+    On N > 1 ranks the shared expert must leave its sum unreduced (DecoderMLP with
+    reduce_results=False): the block reduces once, experts and shared expert together."""
 
     def __init__(
         self,
@@ -126,18 +154,20 @@ class SparseMoeBlock(nn.Module):
         renormalize: bool,
         kernels: str = "torch",
         shared_expert: Optional[nn.Module] = None,
+        tp_group: Optional[GroupCoordinator] = None,
     ) -> None:
         super().__init__()
+        self.tp_group = single_rank(tp_group)
         self.top_k, self.renormalize = top_k, renormalize
         self.gate = ReplicatedLinear(hidden_size, num_experts)  # the router: [E, H], no bias in any family
-        self.experts = MoeExperts(num_experts, hidden_size, intermediate_size, kernels)
+        self.experts = MoeExperts(num_experts, hidden_size, intermediate_size, kernels, tp_group)
         self.shared_expert = shared_expert  # a dense gated MLP every token runs
         self.shared_expert_gate = ReplicatedLinear(hidden_size, 1) if shared_expert is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = self.gate(x)  # [N, E]
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)  # [N, k] each
-        out = self.experts(x, topk_weights, topk_ids)  # [N, H]
+        out = self.experts(x, topk_weights, topk_ids)  # [N, H] (N > 1 ranks: this rank's partial sum)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # [N, 1] * [N, H]
-        return out
+        return self.tp_group.all_reduce(out)  # [N, H]: one reduce per block (a no-op on one rank)

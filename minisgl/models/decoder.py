@@ -15,6 +15,12 @@ Per layer (pre-norm, residual stream carried beside the hidden states):
 The per-architecture differences are flags on ModelConfig (models/registry.py); Qwen3-MoE,
 Qwen2-MoE and Mixtral put a SparseMoeBlock (layers/moe.py) in place of the MLP on the layers
 `config.moe.sparse_layers` names.
+Tensor parallelism (`--tp-size N`, docs/parallelism.md): the model takes its rank's
+GroupCoordinator. qkv_proj / gate_up_proj are column-parallel (this rank's heads, its
+intermediate columns), o_proj / down_proj row-parallel (one all_reduce each), the embedding
+and the LM head split by vocabulary rows; attention runs on this rank's heads only, against
+a KV pool that holds only its KV heads. Norms, rotary tables and q/k norms are whole on
+every rank (they act per head or on the whole hidden state, which every rank holds).
 Parameter names match the Hugging Face checkpoint, except the fused `qkv_proj` and
 `gate_up_proj`, which `load_weights` fills from q/k/v_proj and gate/up_proj, and the stacked
 `experts.gate_up_proj` / `experts.down_proj`, filled from each expert's tensors.
@@ -30,19 +36,22 @@ from torch import nn
 
 from minisgl.layers.activation import SiluAndMul
 from minisgl.layers.layernorm import RMSNorm
+from minisgl.distributed import GroupCoordinator
 from minisgl.layers.linear import (
-    MergedColumnLinear,
-    QKVLinear,
-    ReplicatedLinear,
-    VocabEmbedding,
+    CpuPackedWeight,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
     default_weight_loader,
     pack_weight_for_cpu,
+    single_rank,
 )
 from minisgl.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from minisgl.layers.moe import SparseMoeBlock
 from minisgl.layers.pooler import EmbeddingPoolerOutput, Pooler
 from minisgl.layers.radix_attention import RadixAttention
 from minisgl.layers.rotary_embedding import RotaryEmbedding
+from minisgl.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.lora.lora_batch import LoRABatchInfo, apply_lora
 from minisgl.model_executor.forward_batch_info import ForwardBatch
 from minisgl.models.model_config import ModelConfig
@@ -50,11 +59,18 @@ from minisgl.models.registry import MoeConfig
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, kernels: str, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_id: int, kernels: str, rotary_emb: RotaryEmbedding, tp_group: GroupCoordinator
+    ) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, config.qkv_bias)
-        self.o_proj = ReplicatedLinear(self.num_heads * self.head_dim, config.hidden_size, config.o_bias)
+        tp = tp_group.world_size
+        # this rank's heads (all of them on one rank)
+        self.num_heads, self.num_kv_heads = config.get_num_attention_heads(tp), config.get_num_kv_heads(tp)
+        self.head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, config.num_heads, config.num_kv_heads, config.qkv_bias, tp_group
+        )
+        self.o_proj = RowParallelLinear(config.num_heads * self.head_dim, config.hidden_size, config.o_bias, tp_group)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if config.qk_norm else None
         self.rotary_emb = rotary_emb  # one cos/sin table for the whole model (DecoderModel)
@@ -64,7 +80,7 @@ class DecoderAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         n, d = hidden_states.shape[0], self.head_dim
         lora = forward_batch.lora_batch_info  # (None: no request of the pass uses an adapter)
-        qkv = self.qkv_proj(hidden_states)  # [N, (Hq + 2 * Hkv) * D]
+        qkv = self.qkv_proj(hidden_states)  # [N, (Hq + 2 * Hkv) * D], this rank's heads
         apply_lora(lora, self.layer_id, "qkv_proj", hidden_states, qkv)
         q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
         if self.q_norm is not None and self.k_norm is not None:
@@ -76,30 +92,36 @@ class DecoderAttention(nn.Module):
         v = v.reshape(n, self.num_kv_heads, d)  # [N, Hkv, D]
         self.rotary_emb(positions, q, k)
         out = self.attn(q, k, v, forward_batch).reshape(n, self.num_heads * d)  # [N, Hq * D]
-        return apply_lora(lora, self.layer_id, "o_proj", out, self.o_proj(out))  # [N, hidden]
+        return apply_lora(lora, self.layer_id, "o_proj", out, self.o_proj(out))  # [N, hidden], summed over ranks
 
 
 class DecoderMLP(nn.Module):
+    """down(silu(gate x) * up x); on N ranks each holds I / N of the intermediate columns.
+    `reduce_results=False`: the output is this rank's partial sum (a MoE block's shared expert)."""
+
     def __init__(
-        self, hidden_size: int, intermediate_size: int, bias: bool = False, kernels: str = "torch", layer_id: int = -1
-    ) -> None:
+        self, hidden_size: int, intermediate_size: int, bias: bool = False, kernels: str = "torch", layer_id: int = -1,
+        tp_group: Optional[GroupCoordinator] = None, reduce_results: bool = True,
+    ) -> None:  # fmt: skip
         super().__init__()
-        self.gate_up_proj = MergedColumnLinear(hidden_size, intermediate_size, bias)
-        self.down_proj = ReplicatedLinear(intermediate_size, hidden_size, bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias, tp_group)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp_group, reduce_results)
         self.act_fn = SiluAndMul(kernels)
         self.layer_id = layer_id  # (-1: a MoE block's shared expert, which no adapter targets)
 
     def forward(self, x: torch.Tensor, lora: Optional[LoRABatchInfo] = None) -> torch.Tensor:
-        gate_up = apply_lora(lora, self.layer_id, "gate_up_proj", x, self.gate_up_proj(x))  # [N, 2 * I]
-        h = self.act_fn(gate_up)  # [N, I]
+        gate_up = apply_lora(lora, self.layer_id, "gate_up_proj", x, self.gate_up_proj(x))  # [N, 2 * I / N_tp]
+        h = self.act_fn(gate_up)  # [N, I / N_tp]
         return apply_lora(lora, self.layer_id, "down_proj", h, self.down_proj(h))  # [N, hidden]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, kernels: str, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_id: int, kernels: str, rotary_emb: RotaryEmbedding, tp_group: GroupCoordinator
+    ) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(config, layer_id, kernels, rotary_emb)
-        self.mlp = _make_mlp(config, layer_id, kernels)
+        self.self_attn = DecoderAttention(config, layer_id, kernels, rotary_emb, tp_group)
+        self.mlp = _make_mlp(config, layer_id, kernels, tp_group)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
@@ -118,29 +140,32 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
-def _make_mlp(config: ModelConfig, layer_id: int, kernels: str) -> nn.Module:
+def _make_mlp(config: ModelConfig, layer_id: int, kernels: str, tp_group: GroupCoordinator) -> nn.Module:
     """The layer's dense MLP, or its SparseMoeBlock when config.moe names the layer sparse."""
     moe = config.moe
     if moe is None or layer_id not in moe.sparse_layers:
-        return DecoderMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, kernels, layer_id)
+        return DecoderMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, kernels, layer_id, tp_group)
     shared = None
-    if moe.shared_expert_intermediate_size is not None:
-        shared = DecoderMLP(config.hidden_size, moe.shared_expert_intermediate_size, config.mlp_bias, kernels)
+    if moe.shared_expert_intermediate_size is not None:  # (unreduced: the block reduces it with the experts)
+        shared = DecoderMLP(
+            config.hidden_size, moe.shared_expert_intermediate_size, config.mlp_bias, kernels, tp_group=tp_group,
+            reduce_results=False,
+        )  # fmt: skip
     return SparseMoeBlock(
-        config.hidden_size, moe.num_experts, moe.top_k, moe.intermediate_size, moe.renormalize, kernels, shared
+        config.hidden_size, moe.num_experts, moe.top_k, moe.intermediate_size, moe.renormalize, kernels, shared, tp_group
     )
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, kernels: str) -> None:
+    def __init__(self, config: ModelConfig, kernels: str, tp_group: GroupCoordinator) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group)
         # Shared by every layer (as transformers' model-level rotary_emb): one [context_len, D]
         # table, not one per layer (32 x 128k positions of an 8B model would be 2 GiB).
         # The scheduler keeps every position below context_len (init_req_max_new_tokens).
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.context_len, config.rope_theta, config.rope_scaling, kernels)
         self.layers = nn.ModuleList(
-            [DecoderLayer(config, i, kernels, self.rotary_emb) for i in range(config.num_layers)]
+            [DecoderLayer(config, i, kernels, self.rotary_emb, tp_group) for i in range(config.num_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
@@ -167,15 +192,22 @@ IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class DecoderForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, kernels: str = "torch", is_embedding: bool = False) -> None:
+    def __init__(
+        self, config: ModelConfig, kernels: str = "torch", is_embedding: bool = False,
+        tp_group: Optional[GroupCoordinator] = None,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.config = config
         self.is_embedding = is_embedding
-        self.model = DecoderModel(config, kernels)
-        # Tied: the LM head reuses the embedding table (no lm_head.weight in the checkpoint).
+        self.tp_group = group = single_rank(tp_group)  # this rank's place among --tp-size ranks
+        config.check_tensor_parallel(group.world_size)
+        self.model = DecoderModel(config, kernels, group)
+        # Tied: the LM head reuses the embedding table (no lm_head.weight in the checkpoint), split alike.
         # An embedding model has no LM head at all: its checkpoint often stores none (Qwen3-Embedding's)
-        self.lm_head = None if config.tie_word_embeddings or is_embedding else ReplicatedLinear(config.hidden_size, config.vocab_size)
-        self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.lm_head = (
+            None if config.tie_word_embeddings or is_embedding else ParallelLMHead(config.vocab_size, config.hidden_size, group)
+        )
+        self.logits_processor = LogitsProcessor(config.vocab_size, group)
         # --is-embedding's head instead of the LM head: last token, L2-normalised (SGLang's Qwen3/Llama)
         self.pooler = Pooler(normalize=True)
         # Tied and packed: the embedding lookup keeps the dense table; the head multiplies a packed copy.
@@ -183,7 +215,7 @@ class DecoderForCausalLM(nn.Module):
 
     def pack_linear_weights_for_cpu(self) -> int:
         """Pack every matmul weight for oneDNN (CPU float32, linear.py); returns how many were packed."""
-        packed = sum(m.pack_for_cpu() for m in self.modules() if isinstance(m, ReplicatedLinear))
+        packed = sum(m.pack_for_cpu() for m in self.modules() if isinstance(m, CpuPackedWeight))
         if self.lm_head is None and not self.is_embedding:
             self.tied_lm_head_packed = pack_weight_for_cpu(self.model.embed_tokens.weight)
             packed += self.tied_lm_head_packed is not None
@@ -225,18 +257,19 @@ class DecoderForCausalLM(nn.Module):
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {self.config.architecture}")
             param = params[target]
+            # the layer that owns the parameter narrows the full tensor to this rank's slice
+            owner = self.get_submodule(target.rsplit(".", 1)[0])
             try:
-                if shard_id is None:
-                    default_weight_loader(param, tensor)
-                else:
-                    owner = self.get_submodule(target.rsplit(".", 1)[0])
+                if hasattr(owner, "weight_loader"):
                     owner.weight_loader(param, tensor, shard_id)
+                else:  # (norms: whole on every rank)
+                    default_weight_loader(param, tensor)
             except ValueError as e:  # name the tensor: a config that disagrees with its weights
                 raise ValueError(f"checkpoint tensor {name!r} does not fit {target!r}: {e}") from None
             # a tensor stored fused (qkv_proj, gate_up_proj, stacked experts) fills every shard of its parameter
             loaded.update((target, s) for s in (self._shards_of(target) if shard_id is None else (shard_id,)))
         if tied_head is not None:
-            self._load_tied_head(tied_head, params["model.embed_tokens.weight"], loaded)
+            self._load_tied_head(tied_head, loaded)
         expected = {(n, s) for n in params for s in self._shards_of(n)}
         missing = sorted(_checkpoint_name(target, shard, self.config.moe) for target, shard in expected - loaded)
         if missing:
@@ -254,16 +287,21 @@ class DecoderForCausalLM(nn.Module):
             return (0, 1)
         return (None,)
 
-    @staticmethod
-    def _load_tied_head(head: torch.Tensor, embed: torch.nn.Parameter, loaded: Set[Tuple[str, object]]) -> None:
+    def _load_tied_head(self, head: torch.Tensor, loaded: Set[Tuple[str, object]]) -> None:
         """A tied model's lm_head.weight: the embedding itself when the checkpoint stores only
         the head's name, else a copy that must equal it. A different matrix would be dropped
         without a word (transformers 5 unties the two instead): refused, naming the fix."""
+        embedding = self.model.embed_tokens
         key = ("model.embed_tokens.weight", None)
         if key not in loaded:
-            default_weight_loader(embed, head)
+            embedding.weight_loader(embedding.weight, head)
             loaded.add(key)
-        elif not torch.equal(embed.data, head.to(device=embed.device, dtype=embed.dtype)):
+            return
+        # each rank holds its rows of the embedding only: it compares those, and the ranks agree
+        # (a min over them) so that all refuse together, none left waiting in a collective
+        rows = embedding.rows_of(head).to(device=embedding.weight.device, dtype=embedding.weight.dtype)
+        same = torch.tensor([int(torch.equal(embedding.weight.data[: rows.shape[0]], rows))], device=rows.device)
+        if not self.tp_group.all_reduce(same, op="min").item():
             raise ValueError(
                 "tie_word_embeddings is true, but the checkpoint's lm_head.weight differs from "
                 "model.embed_tokens.weight; set tie_word_embeddings to false in config.json to use the stored head"

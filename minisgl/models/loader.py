@@ -9,6 +9,9 @@ load_model. In: `--model-path`; out: the model, in `--dtype`, on `--device`.
   `model.safetensors.index.json`. A tqdm bar counts tensors as they load.
 - Files store any dtype (the built-in model ships bf16); each tensor is cast to the
   parameter's dtype as it is copied in.
+- With --tp-size N, each rank reads every tensor and its layers' weight_loaders keep this
+  rank's slice (decoder.load_weights): N ranks read the checkpoint N times, simple and
+  what SGLang's default loader does too.
 """
 
 from __future__ import annotations
@@ -16,10 +19,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from typing import Iterator, List, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 
+from minisgl.distributed import GroupCoordinator
 from minisgl.models.decoder import DecoderForCausalLM
 from minisgl.models.model_config import ModelConfig
 from minisgl.server_args import is_missing_local_dir
@@ -89,10 +93,13 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def load_model(
     config: ModelConfig, device: str, dtype: torch.dtype, kernels: str = "torch", show_progress: bool = True,
-    is_embedding: bool = False,
+    is_embedding: bool = False, tp_group: Optional[GroupCoordinator] = None,
 ) -> DecoderForCausalLM:
+    """The model of `config` with its weights, on `device`; on one of --tp-size N ranks
+    (`tp_group`), with this rank's slice of each split weight (every rank reads the whole
+    checkpoint and keeps its part, as SGLang's default loader does)."""
     with _default_dtype(dtype), torch.device(device):
-        model = DecoderForCausalLM(config, kernels=kernels, is_embedding=is_embedding)
+        model = DecoderForCausalLM(config, kernels=kernels, is_embedding=is_embedding, tp_group=tp_group)
     with torch.no_grad():
         model.load_weights(iterate_weights(config.model_path, show_progress))
     return model.eval()

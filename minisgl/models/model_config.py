@@ -1,7 +1,9 @@
 """ModelConfig: the model's shape, read once from config.json and generation_config.json.
 
 Where it sits: ModelRunner -> ModelConfig.from_pretrained(model_dir) -> decoder, KV pool
-sizing, the scheduler (context_len, vocab_size, hf_eos_token_ids).
+sizing, the scheduler (context_len, vocab_size, hf_eos_token_ids). With --tp-size N it also
+says what one rank holds (get_num_attention_heads, get_num_kv_heads) and refuses a model
+that N ranks cannot split (check_tensor_parallel).
 
 Handles both config spellings: transformers >= 5 writes `rope_parameters`
 ({"rope_type", "rope_theta", ...}); older files write `rope_theta` and `rope_scaling`
@@ -37,8 +39,8 @@ class ModelConfig:
     hidden_size: int
     intermediate_size: int
     num_layers: int
-    num_heads: int
-    num_kv_heads: int
+    num_heads: int  # the model's; one rank of --tp-size N holds get_num_attention_heads(N)
+    num_kv_heads: int  # the model's; one rank holds get_num_kv_heads(N)
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
@@ -107,6 +109,48 @@ class ModelConfig:
             default_sampling_params=default_sampling_params(gen_cfg),
             hf_config=cfg,
         )
+
+    # ------------------------------------------------------------------ tensor parallelism
+    def get_num_attention_heads(self, tp_size: int) -> int:
+        """Query heads one of `tp_size` ranks holds (SGLang's get_num_attention_heads)."""
+        return max(1, self.num_heads // tp_size)
+
+    def get_num_kv_heads(self, tp_size: int) -> int:
+        """KV heads one of `tp_size` ranks holds (SGLang's get_num_kv_heads): its share, or one
+        head shared with other ranks when there are fewer KV heads than ranks."""
+        return max(1, self.num_kv_heads // tp_size)
+
+    def check_tensor_parallel(self, tp_size: int) -> None:
+        """Refuse, before any weight loads, a model whose heads or MLP widths `tp_size` ranks
+        cannot split evenly (docs/parallelism.md); the message says what to change."""
+        if tp_size == 1:
+            return
+        fix = "use a --tp-size that divides it, or --tp-size 1"
+        if self.num_heads % tp_size != 0:
+            raise ValueError(
+                f"--tp-size {tp_size} splits the attention heads across ranks, but num_attention_heads "
+                f"({self.num_heads}) is not divisible by it; {fix}"
+            )
+        kv = self.num_kv_heads
+        if kv % tp_size != 0 and tp_size % kv != 0:
+            raise ValueError(
+                f"--tp-size {tp_size} and num_key_value_heads ({kv}): each rank holds num_key_value_heads / tp_size "
+                "KV heads, or one shared by tp_size / num_key_value_heads ranks, so one must divide the other; "
+                f"use a --tp-size that divides {kv} or is a multiple of it, or --tp-size 1"
+            )
+        widths = []
+        if self.moe is None or len(self.moe.sparse_layers) < self.num_layers:  # a dense MLP somewhere
+            widths.append(("intermediate_size", self.intermediate_size))
+        if self.moe is not None and self.moe.sparse_layers:
+            widths.append(("each expert's intermediate size (moe_intermediate_size; Mixtral: intermediate_size)", self.moe.intermediate_size))
+            if self.moe.shared_expert_intermediate_size is not None:
+                widths.append(("shared_expert_intermediate_size", self.moe.shared_expert_intermediate_size))
+        for name, width in widths:
+            if width % tp_size != 0:
+                raise ValueError(
+                    f"--tp-size {tp_size} splits the MLP's intermediate columns across ranks, but {name} ({width}) "
+                    f"is not divisible by it; {fix}"
+                )
 
 
 def default_sampling_params(gen_cfg: Dict[str, Any]) -> Dict[str, Any]:
