@@ -70,6 +70,7 @@ def test_graphs_are_off_with_a_reason_where_they_cannot_be_replayed(tiny_model: 
     assert "use triton" in str(cuda_graph_disabled_reason(dataclasses.replace(gpu, attention_backend="torch"), dense))
     assert "--disable-cuda-graph" == cuda_graph_disabled_reason(dataclasses.replace(gpu, disable_cuda_graph=True), dense)
     assert "embedding" in str(cuda_graph_disabled_reason(dataclasses.replace(gpu, is_embedding=True), dense))
+    assert "--tp-size 2: the ranks' all_reduce" in str(cuda_graph_disabled_reason(dataclasses.replace(gpu, tp_size=2), dense))
     assert "--device cuda" in str(cuda_graph_disabled_reason(dataclasses.replace(gpu, device="cpu"), dense))
 
 

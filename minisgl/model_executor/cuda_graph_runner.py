@@ -18,6 +18,8 @@ How (the CUDA graph contract: fixed addresses, fixed shapes, no host work inside
   the last bucket below it). A batch of 5 replays the graph of 8: its own rows are copied in, and the 3 padding rows are reset each replay to a request of
   one token at position 0 whose K/V goes to slot 0, the pool's padding slot, which no request
   owns. (Left as the last larger batch wrote them, they would write K/V into live slots.)
+- One rank only: with --tp-size N > 1 every step runs eagerly (the collectives between the
+  ranks are not captured).
 - Only the triton backend: its decode metadata is built on the device (the torch backend reads
   host lists that a graph would freeze). A MoE model's decode steps all run eagerly: its expert
   loop reads the token count of each expert on the host.
@@ -57,6 +59,10 @@ def cuda_graph_disabled_reason(server_args: "ServerArgs", model_config: "ModelCo
         return "--disable-cuda-graph"
     if server_args.is_embedding:
         return "an embedding server (--is-embedding) runs no decode steps"
+    if server_args.tp_size > 1:
+        # SGLang captures its collectives (custom all-reduce kernels, pynccl) in the graphs;
+        # minisgl's go through torch.distributed's process groups, never captured or run on GPUs here
+        return f"--tp-size {server_args.tp_size}: the ranks' all_reduce / all_gather are not captured in CUDA graphs"
     if server_args.attention_backend != "triton":
         return f"--attention-backend {server_args.attention_backend} builds its metadata on the host (use triton)"
     if model_config.moe is not None:

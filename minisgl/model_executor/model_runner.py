@@ -20,6 +20,12 @@ Sizing (SGLang's formulas, sglang-facts.md §4.1; docs/model_execution.md):
 - max_running_requests: --max-running-requests, else SGLang's
   min(max_total // 2, clamp(max_total / context_len * 512, 2048, 4096)); on CPU further
   capped at CPU_MAX_RUNNING_REQUESTS.
+
+Tensor parallelism (--tp-size N, `tp_group` this rank's GroupCoordinator; docs/parallelism.md):
+the model holds this rank's slice of every split weight, and the KV pool this rank's KV heads
+(cell_size per rank). Both sizes above are then the minimum over the ranks (an all_reduce),
+as in SGLang: the N schedulers must admit the same requests into pools of the same size to
+stay in step. On CUDA, rank r runs on cuda:r. --lora-paths is refused with N > 1.
 """
 
 from __future__ import annotations
@@ -67,6 +73,15 @@ class ModelRunner:
             )
         self.server_args = server_args
         self.tp_group = tp_group  # this rank's place among --tp-size ranks, and their collectives
+        self.tp_rank, self.tp_size = tp_group.rank_in_group, tp_group.world_size
+        if server_args.lora_adapters and self.tp_size > 1:
+            raise ValueError(
+                f"--lora-paths needs --tp-size 1: minisgl's LoRA adds each adapter's delta to the whole q/k/v/o and "
+                f"gate/up/down outputs, and with --tp-size {self.tp_size} each rank holds only a slice of them; "
+                "drop --lora-paths or use --tp-size 1"
+            )
+        if server_args.device == "cuda" and self.tp_size > 1:
+            torch.cuda.set_device(self.tp_rank)  # (SGLang's gpu_id = tp_rank): before anything is allocated
         self.device: str = server_args.device
         self.dtype: torch.dtype = getattr(torch, server_args.dtype)
         self.kv_cache_dtype: torch.dtype = getattr(torch, server_args.kv_cache_dtype)  # the model's, or bfloat16
@@ -82,10 +97,13 @@ class ModelRunner:
         assert server_args.model_path is not None
         model_dir = resolve_model_path(server_args.model_path)
         self.model_config = ModelConfig.from_pretrained(model_dir, server_args.context_length)
+        self.model_config.check_tensor_parallel(self.tp_size)  # (refused before any weight is read)
         # the triton and cpu backends also route RMSNorm and RoPE through their kernels
         self.kernels = server_args.attention_backend if server_args.attention_backend in ("triton", "cpu") else "torch"
         self.free_memory_before_load = self._free_cuda_memory() if self.device == "cuda" else 0
-        self.model = load_model(self.model_config, self.device, self.dtype, self.kernels, show_progress, not self.is_generation)
+        self.model = load_model(
+            self.model_config, self.device, self.dtype, self.kernels, show_progress, not self.is_generation, tp_group
+        )
         if self.device == "cpu" and self.dtype == torch.float32:
             n = self.model.pack_linear_weights_for_cpu()  # oneDNN layout: ~2x matmul rate at decode sizes
             logger.info("packed %d linear weights for oneDNN", n)
@@ -101,25 +119,34 @@ class ModelRunner:
         )
         self.token_to_kv_pool_allocator = make_allocator(self.max_total_num_tokens, self.page_size, self.device)
         mc = self.model_config
-        self.token_to_kv_pool = MHATokenToKVPool(
-            self.max_total_num_tokens, self.page_size, self.kv_cache_dtype, mc.num_kv_heads, mc.head_dim, mc.num_layers,
-            self.device,
-        )
+        self.token_to_kv_pool = MHATokenToKVPool(  # this rank's KV heads only
+            self.max_total_num_tokens, self.page_size, self.kv_cache_dtype, mc.get_num_kv_heads(self.tp_size),
+            mc.head_dim, mc.num_layers, self.device,
+        )  # fmt: skip
         self.attn_backend = self._make_attn_backend()
         self.cuda_graph_runner = self._init_cuda_graphs()  # last: it runs the model on the pools above
         logger.info(
             "Load model %s (%s) on %s in %s: context_len=%d, max_total_num_tokens=%d, max_running_requests=%d, "
-            "page_size=%d, attention_backend=%s, kv_cache_dtype=%s",
+            "page_size=%d, attention_backend=%s, kv_cache_dtype=%s, tp_rank=%d of tp_size=%d",
             model_dir, mc.architecture, self.device, server_args.dtype, mc.context_len,
             self.max_total_num_tokens, self.max_running_requests, self.page_size, server_args.attention_backend,
-            server_args.kv_cache_dtype,
+            server_args.kv_cache_dtype, self.tp_rank, self.tp_size,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ sizing
     @property
     def cell_size(self) -> int:
+        """Bytes of K and V per token on this rank (its KV heads only)."""
         mc = self.model_config
-        return MHATokenToKVPool.cell_size_bytes(mc.num_kv_heads, mc.head_dim, mc.num_layers, self.kv_cache_dtype)
+        return MHATokenToKVPool.cell_size_bytes(mc.get_num_kv_heads(self.tp_size), mc.head_dim, mc.num_layers, self.kv_cache_dtype)
+
+    def _min_over_ranks(self, value: int) -> int:
+        """The smallest of the ranks' values (SGLang sizes its pools from the least free memory
+        among the ranks): every scheduler then has the same pool and makes the same decisions."""
+        if self.tp_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        return int(self.tp_group.all_reduce(t, op="min").item())
 
     def _profile_max_num_token(self) -> int:
         args = self.server_args
@@ -128,15 +155,15 @@ class ModelRunner:
         elif self.device == "cuda":
             free, total = self._free_cuda_memory(), self.free_memory_before_load
             rest = free - total * (1 - args.mem_fraction_static)  # resolved: 0.85 unless set
-            tokens = int(rest) // self.cell_size
+            tokens = self._min_over_ranks(int(rest) // self.cell_size)  # (before refusing: all ranks refuse alike)
             if tokens <= 0:
                 raise RuntimeError(
                     f"No GPU memory left for the KV cache (free {free / 2**30:.2f} GiB of the {total / 2**30:.2f} GiB "
                     "free before the weights loaded); raise --mem-fraction-static or use a smaller model"
                 )
         else:
-            budget = int(args.cpu_kv_cache_gb * 2**30) // self.cell_size
-            tokens = min(budget, CPU_POOL_CONTEXTS * self.model_config.context_len)
+            budget = int(args.cpu_kv_cache_gb * 2**30) // self.cell_size  # (each rank's budget: its own KV heads)
+            tokens = self._min_over_ranks(min(budget, CPU_POOL_CONTEXTS * self.model_config.context_len))
         tokens -= tokens % self.page_size
         if tokens < 2 * self.page_size:
             raise ValueError(f"KV pool of {tokens} tokens is too small; raise --max-total-tokens / --cpu-kv-cache-gb")
@@ -158,7 +185,7 @@ class ModelRunner:
         n = min(self.max_total_num_tokens // 2, max_num_reqs)
         if self.device == "cpu":
             n = min(n, CPU_MAX_RUNNING_REQUESTS)
-        return max(1, n)
+        return self._min_over_ranks(max(1, n))
 
     def _make_attn_backend(self) -> AttentionBackend:
         backend = self.server_args.attention_backend
