@@ -4,7 +4,9 @@ Where it sits: two levels of indirection, as in SGLang.
 - ReqToTokenPool: one row per running request; `req_to_token[row, pos]` is the KV slot
   that holds the K/V of token `pos` of that request.
 - MHATokenToKVPool: per layer, `k_buffer[layer][slot]` and `v_buffer[layer][slot]`,
-  each `[size + page_size, num_kv_heads, head_dim]`; slot 0 is the padding slot.
+  each `[size + page_size, num_kv_heads, head_dim]`; slot 0 is the padding slot. Under
+  --tp-size N, num_kv_heads is this rank's (ModelConfig.get_num_kv_heads(N)): each rank's
+  pool holds the K/V of its own heads, at the same slots as every other rank's.
 The allocator (allocator.py) decides which slots are free; the attention backend reads
 K/V through `req_to_token[req_pool_indices, :seq_len]` and writes new K/V at
 `out_cache_loc`.
