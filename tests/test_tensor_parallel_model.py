@@ -106,13 +106,20 @@ def run_scenario(sc: Scenario, tp_size: int, group: Optional[GroupCoordinator]) 
     }
 
 
+def run_or_refusal(sc: Scenario, tp_size: int, group: Optional[GroupCoordinator]) -> Dict[str, Any]:
+    try:
+        return run_scenario(sc, tp_size, group)
+    except ValueError as e:  # a model refused at start: every rank must refuse it (none left waiting)
+        return {"refused": str(e)}
+
+
 def _rank_main(rank: int, store_path: str, scenarios: List[Scenario], results: Any) -> None:
     torch.set_num_threads(1)
     try:
         from minisgl.distributed import init_tensor_parallel_group
 
         group = init_tensor_parallel_group(rank, TP, store_path, timeout_s=120)
-        results.put((rank, {sc.name: run_scenario(sc, TP, group) for sc in scenarios}))
+        results.put((rank, {sc.name: run_or_refusal(sc, TP, group) for sc in scenarios}))
     except BaseException:  # (the parent fails with this rank's traceback, not a queue timeout)
         results.put((rank, traceback.format_exc()))
 
@@ -169,10 +176,27 @@ def with_random_biases(src: str, dst: str) -> str:
     return dst
 
 
+def with_stored_head(src: str, dst: str, last_row_delta: float = 0.0) -> str:
+    """A copy of a tied model whose checkpoint also stores lm_head.weight: the embedding, its last
+    row (held by the last rank) moved by `last_row_delta`."""
+    from safetensors.torch import load_file, save_file
+
+    copy_model_with(src, dst)
+    path = os.path.join(dst, "model.safetensors")
+    weights = load_file(path)
+    head = weights["model.embed_tokens.weight"].clone()
+    head[-1] += last_row_delta
+    weights["lm_head.weight"] = head
+    save_file(weights, path, metadata={"format": "pt"})
+    return dst
+
+
 def build_scenarios(factory: Callable[..., str], tmp_path: Any) -> List[Scenario]:
     shared = _prompt(0, 24)  # a prefix the second wave finds in the radix tree
     llama = factory("llama", vocab_size=511, num_key_value_heads=1, attention_bias=True, mlp_bias=True)
-    qwen3 = factory("qwen3")  # tied embeddings, per-head q/k norms, 4 q heads over 2 KV heads: 2 / 1 per rank
+    # tied, and the checkpoint stores the head too: each rank checks its rows of it
+    qwen3 = with_stored_head(factory("qwen3"), os.path.join(str(tmp_path), "qwen3-head"))
+    # (Qwen3: tied embeddings, per-head q/k norms, 4 q heads over 2 KV heads: 2 / 1 per rank)
     return [
         Scenario("qwen3: chunked prefill, radix hits, page_size 4, prompt logprobs", qwen3,
                  # (a KV budget that binds: 1 MiB holds 1,024 tokens of 2 KV heads, 2,048 of one rank's 1)
@@ -199,6 +223,9 @@ def build_scenarios(factory: Callable[..., str], tmp_path: Any) -> List[Scenario
         # Triton interpreter: one extend and one decode step (each costs seconds here)
         Scenario("qwen3: triton backend", qwen3, dict(attention_backend="triton"),
                  [[dict(input_ids=_prompt(11, 5), max_new_tokens=2)]]),
+        # a stored head that differs in a row only rank 1 holds: rank 0 learns it from the min over ranks
+        Scenario("qwen3: a tied head that differs", with_stored_head(factory("qwen3"), os.path.join(str(tmp_path), "bad-head"), 1.0),
+                 {}, [[dict(input_ids=_prompt(12, 5), max_new_tokens=1)]]),
     ]  # fmt: skip
 
 
@@ -224,9 +251,13 @@ def assert_same_outputs(name: str, ref: Dict[str, Any], tp: Dict[str, Any]) -> N
 
 def test_two_ranks_serve_what_one_rank_serves(tiny_model_factory: Callable[..., str], tmp_path: Any) -> None:
     scenarios = build_scenarios(tiny_model_factory, tmp_path)
-    ref, got = run_two_ranks(scenarios, tmp_path, lambda: {sc.name: run_scenario(sc, 1, None) for sc in scenarios})
-    for sc in scenarios:
+    ref, got = run_two_ranks(scenarios, tmp_path, lambda: {sc.name: run_or_refusal(sc, 1, None) for sc in scenarios})
+    *served, refused = scenarios
+    for r in (ref, got[0], got[1]):
+        assert "lm_head.weight differs from model.embed_tokens.weight" in r[refused.name].get("refused", "")
+    for sc in served:
         one, r0, r1 = ref[sc.name], got[0][sc.name], got[1][sc.name]
+        assert "refused" not in one and "refused" not in r0, (one.get("refused"), r0.get("refused"))
         assert r0["outs"] == r1["outs"], f"{sc.name}: the ranks' outputs differ (their schedulers would drift apart)"
         assert_same_outputs(sc.name, one["outs"], r0["outs"])
         assert r0["q_heads"] * TP == one["q_heads"]  # each rank attends over its half of the heads
