@@ -34,9 +34,9 @@ from typing import Iterable, Optional, Set, Tuple, Union
 import torch
 from torch import nn
 
+from minisgl.distributed import GroupCoordinator
 from minisgl.layers.activation import SiluAndMul
 from minisgl.layers.layernorm import RMSNorm
-from minisgl.distributed import GroupCoordinator
 from minisgl.layers.linear import (
     CpuPackedWeight,
     MergedColumnParallelLinear,
