@@ -35,6 +35,7 @@ from minisgl.managers.io_struct import (
     SchedulerSnapshotOut,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
+    TpBroadcastInput,
     decode,
     encode,
 )
@@ -88,6 +89,14 @@ SAMPLES: Dict[str, Any] = {
     "ProfileReqOutput": ProfileReqOutput(success=True, message="Stop profiling.", paths=["/tmp/1.5-TP-0.trace.json.gz"]),
     "ClearDecodeStatusReq": ClearDecodeStatusReq(rids=["a", "b"]),
     "SchedulerSnapshotOut": SchedulerSnapshotOut(step=12, snapshot_json=json.dumps({"step": 12, "waiting": ["a"]})),
+    # rank 0's inputs of one iteration, to the other tensor-parallel ranks: the messages inside come back typed
+    "TpBroadcastInput": TpBroadcastInput(
+        recv_reqs=[
+            TokenizedGenerateReqInput(rid="r2", input_text=None, input_ids=[7, 8], sampling_params=_sampling_params()),
+            AbortReq(rid="r1"), FlushCacheReqInput(), FreezeGCReq(),
+        ],
+        run_step=False, shutdown=True, lockstep_state=[3, 1, 0, 2, 0, 90, 4, 250],
+    ),  # fmt: skip
     "BatchTokenIDOutput": BatchTokenIDOutput(
         rids=["a", "b"],
         finished_reasons=[None, {"type": "stop", "matched": 2}],

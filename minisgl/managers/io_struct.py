@@ -7,6 +7,7 @@
     EmbeddingReqInput -> TokenizedEmbeddingReqInput -> BatchEmbeddingOutput: the same chain for an
         embedding model (--is-embedding); the detokenizer passes the output through
     AbortReq, FlushCache*, GetLoad*, ProfileReq*, ClearDecodeStatusReq, FreezeGCReq, SchedulerSnapshotOut: control
+    TpBroadcastInput            Scheduler rank 0 -> ranks 1..N-1     (--tp-size N: gloo broadcast, managers/tp_lockstep.py)
 
 Everything that crosses a process boundary is one of the dataclasses registered in
 `_MESSAGE_TYPES` and travels as JSON through `encode` / `decode`: no pickling of
@@ -492,6 +493,24 @@ class SchedulerSnapshotOut:
     snapshot_json: str
 
 
+@dataclass
+class TpBroadcastInput:
+    """One scheduler iteration's inputs, rank 0 -> the other tensor-parallel ranks (--tp-size N).
+
+    SGLang's rank 0 broadcasts the list it read from the TokenizerManager's socket
+    (`broadcast_pyobj(recv_reqs)` in recv_requests); here the list travels inside this
+    message, encoded like every other one. Each rank then runs the same
+    process_input_requests(recv_reqs) and, when `run_step`, the same run_step(), so all
+    schedulers make the same decisions (managers/tp_lockstep.py)."""
+
+    recv_reqs: List[Any]  # registered messages, in the order rank 0 processes them
+    run_step: bool = True  # the server's loop always steps; the Engine hands over requests without a step too
+    shutdown: bool = False  # the Engine is closing: the other ranks leave their loop
+    # rank 0's scheduler before these inputs (tp_lockstep.lockstep_state): each rank checks its own
+    # against it, so ranks that fell out of step stop with an error instead of exchanging wrong tensors
+    lockstep_state: List[int] = field(default_factory=list)
+
+
 # --------------------------------------------------------------------------- outputs
 @dataclass(eq=False)
 class HiddenStateRows:
@@ -713,6 +732,7 @@ _MESSAGE_TYPES: Dict[str, type] = {
         ClearDecodeStatusReq,
         FreezeGCReq,
         SchedulerSnapshotOut,
+        TpBroadcastInput,
         BatchTokenIDOutput,
         BatchStrOutput,
         BatchEmbeddingOutput,
