@@ -27,6 +27,7 @@ from minisgl.lora.lora_config import parse_lora_paths
 logger = logging.getLogger(__name__)
 
 _DEFAULT_CPU_KV_CACHE_GB = 1.0
+DEFAULT_DIST_TIMEOUT_S = 1800  # --dist-timeout's default: torch.distributed's 30 minutes
 # SGLang options that ask for what minisgl always does: `serve` takes them as flags and the
 # Engine as keywords, so SGLang launch lines and scripts run, and each is said at start
 SGLANG_OPTIONS_ALREADY_SO = {
@@ -111,7 +112,12 @@ class ServerArgs:
     )
     tp_size: int = field(default=1, metadata=_opt(
         "Tensor-parallel size: this many scheduler processes (ranks), each holding 1/N of every layer's weights "
-        "and heads (docs/parallelism.md).", "--tp"))
+        "and heads; rank 0 reads the requests and hands them to the others each step, so all schedule alike. On "
+        "the CPU the ranks share the cores: each runs max(1, torch's threads // N) threads (docs/parallelism.md).", "--tp"))
+    dist_timeout: Optional[int] = field(default=None, metadata=_opt(
+        "--tp-size > 1: seconds a rank waits at start-up's rendezvous and in any collective before it gives up "
+        "and the server exits (a rank that died is noticed at once; this bounds one that hangs). An idle rank 0 "
+        f"wakes the others well within it. Default: {DEFAULT_DIST_TIMEOUT_S} (torch's)."))
     random_seed: int = field(default=0, metadata=_opt("Seed of unseeded sampling (the ModelRunner's own generator) and of the random schedule policy.", "--seed"))
 
     # --- memory ---
@@ -275,6 +281,16 @@ class ServerArgs:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
+        if self.dist_timeout is not None and (isinstance(self.dist_timeout, bool) or not isinstance(self.dist_timeout, int) or self.dist_timeout < 1):
+            raise ValueError(f"--dist-timeout must be a whole number of seconds >= 1, got {self.dist_timeout!r}")
+        if self.tp_size > 1 and self.enable_custom_logit_processor:
+            # every rank would run the client's code on its own copy of the logits: code that reads a clock,
+            # draws random numbers or keeps state would make the ranks sample different tokens, and
+            # schedulers that disagree run different batches into the same collectives
+            raise ValueError(
+                "--enable-custom-logit-processor runs each request's processor on every tensor-parallel rank, and a "
+                "processor that is not deterministic would put the ranks out of step: use --tp-size 1 with it"
+            )
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size * 2:
             raise ValueError(f"--max-total-tokens must hold at least two pages, got {self.max_total_tokens}")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
@@ -533,6 +549,7 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
         tokenizer_path=args.tokenizer_path or model_path,
         served_model_name=args.served_model_name or ("minisgl-builtin" if args.model_path is None else model_path),
         lora_adapters=parse_lora_paths(args.lora_paths) if args.lora_paths else None,  # (parsed once, here)
+        dist_timeout=args.dist_timeout if args.dist_timeout is not None else DEFAULT_DIST_TIMEOUT_S,
     )
 
 
@@ -608,7 +625,9 @@ class PortArgs:
       tokenizer_ipc_name        TokenizerManager PULL binds; Detokenizer PUSH and the
                                 Scheduler's control PUSH (flush/load replies) connect.
       visualizer_ipc_name       Scheduler PUB binds (with --visualize); HTTP SUB connects.
-    All live in one private temp dir, so nothing but HTTP listens on TCP.
+      tp_store_path             --tp-size N: the file where the scheduler ranks meet (a FileStore);
+                                their gloo group then talks over loopback only.
+    All live in one private temp dir, so nothing but HTTP listens beyond this machine.
     """
 
     ipc_dir: str
@@ -616,6 +635,7 @@ class PortArgs:
     detokenizer_ipc_name: str
     tokenizer_ipc_name: str
     visualizer_ipc_name: str
+    tp_store_path: str
 
     @classmethod
     def init_new(cls, ipc_dir: Optional[str] = None) -> "PortArgs":
@@ -638,4 +658,5 @@ class PortArgs:
             detokenizer_ipc_name=f"ipc://{d}/detokenizer",
             tokenizer_ipc_name=f"ipc://{d}/tokenizer",
             visualizer_ipc_name=f"ipc://{d}/visualizer",
+            tp_store_path=f"{d}/tp-store",
         )
