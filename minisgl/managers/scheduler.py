@@ -53,6 +53,7 @@ from minisgl.managers.scheduler_output_processor_mixin import (
 )  # fmt: skip
 from minisgl.managers.scheduler_profiler_mixin import SchedulerProfilerMixin
 from minisgl.managers.tokenization import LORA_NOT_ENABLED, RETURN_HIDDEN_STATES_DISABLED, lora_not_loaded
+from minisgl.managers.tp_lockstep import TpLeader, agree_on_ready_grammars, heartbeat_interval, threads_per_rank
 from minisgl.mem_cache.allocator import ceil_paged_tokens, new_page_slots
 from minisgl.mem_cache.radix_cache import RadixCache
 from minisgl.sampling.custom_logit_processor import CustomLogitProcessor, client_error_text
@@ -71,6 +72,12 @@ GRAMMAR_POLL_INTERVAL = 0.005
 # first, with their own message): it ends with this 400, through the normal output path
 EMBEDDING_SCHEDULER_REFUSES_GENERATION = "This server runs an embedding model (--is-embedding): it computes embeddings, not text"
 EMBEDDING_NEEDS_EMBEDDING_SERVER = "An embedding request needs a server started with --is-embedding"
+# stop_regex's search has a time budget per token (sampling/stop_regex.py): ranks whose budgets ran out
+# differently would end the request differently, and schedulers that disagree run different batches
+STOP_REGEX_NEEDS_ONE_RANK = (
+    "stop_regex is not supported with --tp-size > 1: each search has a time budget, and tensor-parallel ranks "
+    "whose budgets ran out differently would fall out of step; use stop strings, or a server with --tp-size 1"
+)
 
 # new_token_ratio defaults (SGLANG_INIT_NEW_TOKEN_RATIO, ..._MIN_..._FACTOR, ..._DECAY_STEPS)
 INIT_NEW_TOKEN_RATIO = 0.7
@@ -81,6 +88,9 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
 
         self.server_args = server_args
         self.model_runner = model_runner
+        # this rank's place among --tp-size ranks: the schedulers take the same decisions from the same
+        # inputs (managers/tp_lockstep.py), and agree on the one thing their threads decide, grammar compiles
+        self.tp_group = model_runner.tp_group
         self.tokenizer = tokenizer
         self.model_config = model_runner.model_config
         self.req_to_token_pool = model_runner.req_to_token_pool
@@ -252,6 +262,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
             error_msg = self.check_lora_id(req.lora_id)
         if error_msg is None and recv_req.custom_logit_processor is not None:
             error_msg = self.load_custom_logit_processor(req, recv_req.custom_logit_processor)
+        if error_msg is None and req.sampling_params.stop_regex_strs and self.server_args.tp_size > 1:
+            error_msg = STOP_REGEX_NEEDS_ONE_RANK  # (the same on every rank: its 400 keeps them in step)
         if error_msg is not None:
             req.set_finish_with_abort(error_msg)
             self._add_request_to_queue(req)
@@ -346,16 +358,26 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
         """Move the requests whose grammar has compiled from the grammar queue to the waiting
         queue (SGLang's get_ready_grammar_requests), each with its own matcher; one that did not
         compile, or took longer than GRAMMAR_TIMEOUT, is aborted with a 400 (it runs a
-        one-token prefill to carry the error out, as every rejected request does)."""
+        one-token prefill to carry the error out, as every rejected request does).
+
+        With --tp-size N the compiles finish on each rank's own threads, at different times:
+        the ranks agree first (a grammar is ready once ready on every rank; the timeout is rank
+        0's clock), so every scheduler moves the same requests (tp_lockstep.agree_on_ready_grammars)."""
         if not self.grammar_queue:
             return
         if may_wait and not self.waiting_queue and not self._unfinished_reqs() and self.chunked_req is None:
             # nothing else to do: wait a little for a compile instead of spinning (SGLang's poll)
             wait([r.grammar_future for r in self.grammar_queue], timeout=GRAMMAR_POLL_INTERVAL, return_when=FIRST_COMPLETED)
         now = time.perf_counter()
-        for req in list(self.grammar_queue):
+        queue = list(self.grammar_queue)
+        ready, timed_out = agree_on_ready_grammars(
+            self.tp_group,
+            [r.grammar_future.done() for r in queue],
+            [now - r.time_stats.scheduler_recv_time > GRAMMAR_TIMEOUT for r in queue],
+        )  # fmt: skip
+        for req, is_ready, is_timed_out in zip(queue, ready, timed_out):
             future = req.grammar_future
-            if future.done():
+            if is_ready:
                 try:
                     req.grammar = self._grammar_backend.get_grammar(future)
                     if req.require_reasoning:  # (held only from the end of the thinking on)
@@ -363,7 +385,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
                         req.grammar = ReasonerGrammar(req.grammar, end, self.tokenizer.decode)
                 except ValueError as e:
                     req.set_finish_with_abort(str(e))
-            elif now - req.time_stats.scheduler_recv_time > GRAMMAR_TIMEOUT:
+            elif is_timed_out:
                 busy = "" if future.running() else " (it was still waiting for a compile thread: other grammars were compiling)"
                 req.set_finish_with_abort(
                     f"Its {req.sampling_params.grammar_key[0]} did not compile within {GRAMMAR_TIMEOUT:g} s{busy}; "
@@ -980,14 +1002,18 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
         return list(reqs.values())
 
 # --------------------------------------------------------------------------- the process shell
-def recv_requests(recv_from_tokenizer: Any, block: bool) -> List[Any]:
+def recv_requests(recv_from_tokenizer: Any, block: bool, timeout_s: Optional[float] = None) -> List[Any]:
     """Every message the TokenizerManager has queued (seed 002's first call of the loop).
 
-    `block`: the scheduler is idle, so wait for the first one instead of spinning.
+    `block`: the scheduler is idle, so wait for the first one instead of spinning; for at most
+    `timeout_s` when given (--tp-size N: rank 0 wakes to keep the other ranks' collectives alive),
+    then return what there is, maybe nothing.
     """
     import zmq
 
-    recv_reqs = [decode(recv_from_tokenizer.recv())] if block else []
+    recv_reqs: List[Any] = []
+    if block and (timeout_s is None or recv_from_tokenizer.poll(int(timeout_s * 1000))):
+        recv_reqs.append(decode(recv_from_tokenizer.recv()))
     while True:
         try:
             recv_reqs.append(decode(recv_from_tokenizer.recv(zmq.NOBLOCK)))
@@ -996,12 +1022,16 @@ def recv_requests(recv_from_tokenizer: Any, block: bool) -> List[Any]:
 
 
 def event_loop_normal(scheduler: Scheduler, recv_from_tokenizer: Any, send_to_detokenizer: Any,
-                      send_to_tokenizer: Any, publish_snapshot: Any = None) -> None:  # fmt: skip
+                      send_to_tokenizer: Any, publish_snapshot: Any = None, tp_leader: Optional[TpLeader] = None) -> None:  # fmt: skip
     """recv_requests -> process -> one step (run_step: get_next_batch_to_run, run_batch) -> send; block on recv when idle.
 
     The soft watchdog logs an iteration slower than --soft-watchdog-timeout (with the
     rids being run); the hard one exits the process when one makes no progress for
     --watchdog-timeout. Time spent waiting for requests counts for neither.
+
+    `tp_leader` (--tp-size N, rank 0): what was received goes to the other ranks first, which
+    then run the same iteration (tp_lockstep.follower_loop); an idle wait ends after a
+    heartbeat interval with nothing, and that empty iteration is broadcast too.
     """
     import zmq
 
@@ -1034,10 +1064,14 @@ def event_loop_normal(scheduler: Scheduler, recv_from_tokenizer: Any, send_to_de
         if scheduler.is_idle():
             with soft_watchdog.disable(), hard_watchdog.disable():  # waiting is not being stuck
                 with scheduler.trace_range("recv_requests"):
-                    recv_reqs = recv_requests(recv_from_tokenizer, block=True)
+                    heartbeat = tp_leader.heartbeat_s if tp_leader is not None else None
+                    recv_reqs = recv_requests(recv_from_tokenizer, block=True, timeout_s=heartbeat)
         else:
             with scheduler.trace_range("recv_requests"):
                 recv_reqs = recv_requests(recv_from_tokenizer, block=False)
+        if tp_leader is not None:  # (SGLang's broadcast_pyobj of recv_reqs)
+            with scheduler.trace_range("broadcast_recv_reqs"):
+                tp_leader.broadcast(recv_reqs)
         for reply in scheduler.process_input_requests(recv_reqs):
             send_to_tokenizer.send(encode(reply))
         send_outputs()  # e.g. aborts of waiting requests
@@ -1061,17 +1095,23 @@ def event_loop_normal(scheduler: Scheduler, recv_from_tokenizer: Any, send_to_de
 
 
 def run_scheduler_process(server_args: ServerArgs, port_args: Any, pipe_writer: Any) -> None:
-    """Child process entry: build ModelRunner + Scheduler, report ready, loop forever."""
+    """Child process entry: build ModelRunner + Scheduler, report ready, loop forever.
+
+    With --tp-size N this is rank 0, the one with the sockets; ranks 1..N-1 run
+    tp_lockstep.run_tp_follower_process and follow its broadcasts."""
     import sys
 
+    import torch
     import zmq
 
+    from minisgl.distributed import init_tensor_parallel_group
     from minisgl.model_executor.model_runner import ModelRunner
     from minisgl.utils import configure_logging, get_tokenizer, get_zmq_socket, kill_itself_when_parent_died, leave_ctrl_c_to_the_parent
 
     kill_itself_when_parent_died()
     leave_ctrl_c_to_the_parent()
-    configure_logging(server_args.log_level, prefix="Scheduler")
+    tp_size = server_args.tp_size
+    configure_logging(server_args.log_level, prefix="Scheduler" if tp_size == 1 else "Scheduler TP0")  # (SGLang's " TP0")
     # tqdm (the weight-loading bar) would otherwise create a multiprocessing lock, a
     # semaphore the parent's resource tracker reports as leaked when this child is stopped.
     import threading
@@ -1080,9 +1120,18 @@ def run_scheduler_process(server_args: ServerArgs, port_args: Any, pipe_writer: 
 
     tqdm.tqdm.set_lock(threading.RLock())
     try:
-        model_runner = ModelRunner(server_args)
+        tp_group, tp_leader = None, None
+        if tp_size > 1:
+            if server_args.device == "cpu":
+                threads = threads_per_rank(torch.get_num_threads(), tp_size)
+                torch.set_num_threads(threads)
+                logging.getLogger("minisgl").info("%d CPU thread(s) per rank: the %d ranks share the cores", threads, tp_size)
+            tp_group = init_tensor_parallel_group(0, tp_size, port_args.tp_store_path, server_args.device, server_args.dist_timeout)
+        model_runner = ModelRunner(server_args, tp_group=tp_group)
         tokenizer = get_tokenizer(server_args.tokenizer_path, server_args.trust_remote_code)
         scheduler = Scheduler(server_args, model_runner, tokenizer)
+        if tp_group is not None:
+            tp_leader = TpLeader(tp_group, scheduler, heartbeat_interval(server_args.dist_timeout))
         context = zmq.Context(2)
         recv_from_tokenizer = get_zmq_socket(context, zmq.PULL, port_args.scheduler_input_ipc_name, bind=True)
         send_to_detokenizer = get_zmq_socket(context, zmq.PUSH, port_args.detokenizer_ipc_name, bind=False)
@@ -1118,7 +1167,7 @@ def run_scheduler_process(server_args: ServerArgs, port_args: Any, pipe_writer: 
             pass
         sys.exit(1)
     try:
-        event_loop_normal(scheduler, recv_from_tokenizer, send_to_detokenizer, send_to_tokenizer, publish)
+        event_loop_normal(scheduler, recv_from_tokenizer, send_to_detokenizer, send_to_tokenizer, publish, tp_leader)
     except Exception:
         logger.exception("Scheduler hit an exception")
         sys.exit(1)

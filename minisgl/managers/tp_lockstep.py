@@ -1,0 +1,284 @@
+"""Tensor parallelism, the process side (stage 3 with --tp-size N): N schedulers in lockstep.
+
+Where it sits: around the Scheduler, in every rank's process. In: on rank 0, what the
+TokenizerManager sent (or what the Engine hands over); on rank r > 0, TpBroadcastInput from
+rank 0. Out: the same scheduler iteration on every rank. Owns: nothing but the broadcast.
+
+With `--tp-size N` each rank holds 1/N of the model (docs/parallelism.md, "Model side") and
+its own Scheduler, RadixCache and KV pool. Their forwards meet in collectives (all_reduce,
+all_gather) that only work when every rank runs the same batch at the same time, so every
+scheduler must take the same decisions. SGLang's way (scheduler.py recv_requests,
+broadcast_pyobj), here:
+
+    rank 0:  recv_requests (socket) --TpBroadcastInput--> broadcast_bytes, then process_input_requests, run_step, send
+    rank r:                                               broadcast_bytes, then process_input_requests, run_step, drop outputs
+
+Only rank 0 reads the socket, sends to the detokenizer, replies to the tokenizer and
+publishes snapshots. Everything a scheduler decides from is either in those inputs, or
+the same on every rank by construction (seeded RNGs, a logical clock in the radix tree,
+identical logits), or agreed on here:
+
+- a grammar compiles on each rank's own threads: it counts as ready once it is ready on
+  every rank, and it times out by rank 0's clock alone (agree_on_ready_grammars; SGLang
+  all_gathers the ready and failed sets in get_ready_grammar_requests);
+- each broadcast carries rank 0's `lockstep_state` from before it; a rank whose own differs
+  stops with an error naming both, instead of running a different batch into a collective.
+
+Idle: rank 0 blocks on its socket and the other ranks in the broadcast. So that an idle
+server never reaches the collectives' timeout (--dist-timeout), rank 0 wakes every
+heartbeat_interval() seconds and broadcasts an empty iteration (the Engine, which has no
+loop, from a thread). A rank that dies breaks the others' next collective at once (gloo
+sees the connection close); one that hangs is bounded by the timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
+
+from minisgl.managers.io_struct import GetLoadReqInput, ProfileReq, TpBroadcastInput, decode, encode
+
+logger = logging.getLogger("minisgl.scheduler")
+
+# the longest an idle rank 0 stays silent; always well inside --dist-timeout (heartbeat_interval)
+HEARTBEAT_S = 5.0
+# what only rank 0's scheduler handles: both read (or record, for the profiler) rank 0's own state
+# and change no decision, so the other ranks never see them (docs/parallelism.md: profiling is rank 0's)
+RANK0_ONLY = (ProfileReq, GetLoadReqInput)
+LOCKSTEP_FIELDS = (
+    "forward_ct", "waiting", "grammar_queue", "running", "chunked", "free_kv_tokens", "evictable_tokens", "free_req_rows",
+)  # fmt: skip
+
+
+def heartbeat_interval(dist_timeout_s: float) -> float:
+    """Seconds an idle rank 0 waits before it broadcasts an empty iteration: a quarter of the
+    collectives' timeout at most, so a busy machine's delays never let a follower time out."""
+    return min(HEARTBEAT_S, dist_timeout_s / 4)
+
+
+def threads_per_rank(num_threads: int, tp_size: int) -> int:
+    """CPU threads of each rank: the ranks share the machine's cores (threads that outnumber
+    the cores spin waiting for each other, docs/benchmarks.md)."""
+    return max(1, num_threads // tp_size)
+
+
+def lockstep_state(scheduler: Any) -> List[int]:
+    """A few numbers that any two schedulers fed the same inputs agree on (LOCKSTEP_FIELDS)."""
+    return [
+        scheduler.forward_ct,
+        len(scheduler.waiting_queue),
+        len(scheduler.grammar_queue),
+        len(scheduler.running_batch.reqs),
+        int(scheduler.chunked_req is not None),
+        scheduler.token_to_kv_pool_allocator.available_size(),
+        scheduler.tree_cache.evictable_size(),
+        scheduler.req_to_token_pool.available_size(),
+    ]
+
+
+def agree_on_ready_grammars(group: Any, done: Sequence[bool], over_time: Sequence[bool]) -> Tuple[List[bool], List[bool]]:
+    """Which requests of the grammar queue every rank moves on: (ready, timed_out), one flag each.
+
+    `done`: this rank's compile finished (or failed); `over_time`: the request has waited past
+    the grammar timeout by this rank's clock. Ready means done on every rank; timed out means
+    over time by rank 0's clock and not ready. One all_reduce(MIN) on the CPU group decides
+    both: row 0 holds the done flags, row 1 minus rank 0's over-time flags (0 elsewhere).
+    """
+    if group is None or group.world_size == 1 or not done:
+        return list(done), [o and not d for d, o in zip(done, over_time)]
+    import torch
+    import torch.distributed as dist
+
+    rank0 = group.is_first_rank
+    flags = torch.tensor([[int(d) for d in done], [-int(o) if rank0 else 0 for o in over_time]], dtype=torch.int64)  # [2, n]
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MIN
+    group.cpu_group.allreduce([flags], opts).wait()  # (the CPU group: these are host flags, even on CUDA)
+    ready = [bool(x) for x in flags[0].tolist()]
+    return ready, [not r and x < 0 for r, x in zip(ready, flags[1].tolist())]
+
+
+class TpLeader:
+    """Rank 0's side of the lockstep: broadcast each iteration's inputs to the other ranks.
+
+    The server's rank 0 calls `broadcast` once per loop iteration (an idle loop wakes for the
+    heartbeat itself); the Engine calls it for each change it hands its scheduler and starts
+    `start_heartbeat`, a thread that broadcasts an empty, step-less iteration when the Engine
+    has been quiet for a heartbeat interval.
+    """
+
+    def __init__(self, group: Any, scheduler: Any, heartbeat_s: float) -> None:
+        self.group = group
+        self.scheduler = scheduler
+        self.heartbeat_s = heartbeat_s
+        self.last_broadcast = time.monotonic()
+        self.closed = False
+        self.heartbeat_error: Optional[str] = None  # why the heartbeat thread stopped (a rank died)
+        self._lock = threading.Lock()  # one broadcast at a time: the Engine's calls and its heartbeat
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def broadcast(self, recv_reqs: List[Any], run_step: bool = True, shutdown: bool = False) -> None:
+        """Send rank 0's inputs of one iteration; call it before rank 0 processes them itself."""
+        frame = TpBroadcastInput(
+            [m for m in recv_reqs if not isinstance(m, RANK0_ONLY)], run_step, shutdown, lockstep_state(self.scheduler)
+        )  # fmt: skip
+        self._send(encode(frame))
+
+    def _send(self, data: bytes) -> None:
+        with self._lock:
+            if self.closed:
+                raise RuntimeError("the tensor-parallel ranks were shut down")
+            self.group.broadcast_bytes(data)
+            self.last_broadcast = time.monotonic()
+
+    def start_heartbeat(self) -> None:
+        self._thread = threading.Thread(target=self._beat, name="minisgl-tp-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        # (no lockstep state: a beat can fall between another thread's broadcast and that thread's
+        # own step, where rank 0's state is mid-change; it carries nothing to run, so nothing to check)
+        beat = encode(TpBroadcastInput([], run_step=False))
+        while not self._stop.wait(self.heartbeat_s / 2):
+            if time.monotonic() - self.last_broadcast < self.heartbeat_s:
+                continue
+            try:
+                self._send(beat)
+            except Exception as e:  # a rank died: the Engine's next call finds it and says so
+                self.heartbeat_error = f"{type(e).__name__}: {e}"
+                return
+
+    def shutdown(self) -> None:
+        """Tell the other ranks to leave their loop (best effort: a dead rank cannot hear it)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        state = lockstep_state(self.scheduler) if self.scheduler is not None else []
+        try:
+            self._send(encode(TpBroadcastInput([], run_step=False, shutdown=True, lockstep_state=state)))
+        except Exception as e:  # (a rank already gone: joining it is what is left to do)
+            logger.debug("shutdown broadcast failed: %s", e)
+        self.closed = True
+
+
+def check_lockstep(scheduler: Any, frame: TpBroadcastInput, rank: int) -> None:
+    """RuntimeError when this rank's scheduler no longer matches rank 0's as the frame found it."""
+    if not frame.lockstep_state:  # (the Engine's heartbeat carries none)
+        return
+    mine = lockstep_state(scheduler)
+    if mine != frame.lockstep_state:
+        diff = ", ".join(f"{name} {a} here, {b} on rank 0" for name, a, b in zip(LOCKSTEP_FIELDS, mine, frame.lockstep_state) if a != b)
+        raise RuntimeError(f"tensor-parallel rank {rank} fell out of lockstep with rank 0 ({diff}); stopping")
+
+
+def apply_broadcast(scheduler: Any, frame: TpBroadcastInput, rank: int) -> None:
+    """One follower iteration: rank 0's inputs, then the same step (its outputs are dropped:
+    rank 0 sends them). RuntimeError when this rank's scheduler no longer matches rank 0's."""
+    check_lockstep(scheduler, frame, rank)
+    scheduler.process_input_requests(frame.recv_reqs)  # (the control replies are rank 0's to send)
+    if frame.run_step:
+        scheduler.run_step()
+        scheduler.self_check_during_idle()
+    scheduler.pop_outputs()
+
+
+def follower_loop(scheduler: Any, group: Any, watchdog_timeout: Optional[float] = None) -> None:
+    """Rank r > 0 of the server or of an Engine: apply rank 0's broadcasts until it says shutdown.
+
+    Waiting for the next broadcast is idle time for the hard watchdog (as rank 0's wait on its
+    socket); a step that makes no progress for --watchdog-timeout ends the process."""
+    from minisgl.managers.watchdog import HardWatchdog
+
+    rank = group.rank_in_group
+    watchdog = HardWatchdog(f"Scheduler TP{rank}", watchdog_timeout, lambda: f"forward_ct {scheduler.forward_ct}")
+    while True:
+        with watchdog.disable():
+            frame = decode(group.broadcast_bytes(None))
+        if not isinstance(frame, TpBroadcastInput):
+            raise TypeError(f"rank {rank} got a {type(frame).__name__} from rank 0, not a TpBroadcastInput")
+        if frame.shutdown:  # (checked too: an Engine's ranks end where its rank 0 ended, or exit 1)
+            check_lockstep(scheduler, frame, rank)
+            return
+        apply_broadcast(scheduler, frame, rank)
+        watchdog.feed()
+
+
+@contextlib.contextmanager
+def _start_up_reported(pipe_writer: Any, rank: int) -> Iterator[None]:
+    """Errors while a rank starts: said on its pipe (the launcher reports the first) and exit 1."""
+    try:
+        yield
+    except Exception as e:
+        if isinstance(e, ValueError):  # a setting or a model minisgl refuses: the message says what to change
+            logger.error("Scheduler TP%d failed to start: %s", rank, e)
+        else:
+            logger.exception("Scheduler TP%d failed to start", rank)
+        with contextlib.suppress(OSError):  # (the parent is gone: nobody to tell)
+            pipe_writer.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
+        sys.exit(1)
+
+
+def _exit_when_parent_exits(parent_pid: int) -> None:
+    """An Engine's rank may outlive the thread that started it (prctl's parent-death signal
+    follows that thread, not the process): watch the parent process instead."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="minisgl-parent-watch", daemon=True).start()
+
+
+def run_tp_follower_process(
+    server_args: Any, tp_rank: int, store_path: str, pipe_writer: Any, num_threads: Optional[int] = None,
+    engine_pid: Optional[int] = None, log_level: Optional[str] = None,
+) -> None:  # fmt: skip
+    """Entry of rank `tp_rank` > 0 (server or Engine): join the group, build ModelRunner and
+    Scheduler, report ready on the pipe, then follow rank 0 until it says shutdown.
+
+    `num_threads`: the Engine's per-rank count (its rank 0 is the user's process); the server's
+    ranks each take threads_per_rank(torch's default). `engine_pid`: the Engine's process, which
+    this rank must not outlive; None in the server, whose ranks die with the launcher.
+    `log_level`: the Engine's (its "minisgl" logger's level); the server's ranks take --log-level.
+    """
+    import torch
+
+    from minisgl.distributed import init_tensor_parallel_group
+    from minisgl.managers.scheduler import Scheduler
+    from minisgl.model_executor.model_runner import ModelRunner
+    from minisgl.utils import configure_logging, get_tokenizer, kill_itself_when_parent_died, leave_ctrl_c_to_the_parent
+
+    if engine_pid is not None:
+        _exit_when_parent_exits(engine_pid)
+    else:
+        kill_itself_when_parent_died()
+    leave_ctrl_c_to_the_parent()
+    # (as run_scheduler_process: tqdm's default multiprocessing lock is a semaphore the parent's
+    # resource tracker reports as leaked when this process is stopped)
+    import tqdm
+
+    tqdm.tqdm.set_lock(threading.RLock())
+    configure_logging(log_level or server_args.log_level, prefix=f"Scheduler TP{tp_rank}")
+    # rank 0 logs each step's line; the others would only repeat it (their warnings and errors stay)
+    logging.getLogger("minisgl.scheduler").setLevel(max(logging.WARNING, logging.getLogger().level))
+    with _start_up_reported(pipe_writer, tp_rank):
+        if server_args.device == "cpu":
+            threads = num_threads if num_threads is not None else threads_per_rank(torch.get_num_threads(), server_args.tp_size)
+            torch.set_num_threads(threads)
+            logging.getLogger("minisgl").info("%d CPU thread(s) per rank: the %d ranks share the cores", threads, server_args.tp_size)
+        group = init_tensor_parallel_group(tp_rank, server_args.tp_size, store_path, server_args.device, server_args.dist_timeout)
+        model_runner = ModelRunner(server_args, show_progress=False, tp_group=group)
+        scheduler = Scheduler(server_args, model_runner, get_tokenizer(server_args.tokenizer_path, server_args.trust_remote_code))
+        pipe_writer.send({"status": "ready", "tp_rank": tp_rank})
+    try:
+        follower_loop(scheduler, group, None if engine_pid is not None else server_args.watchdog_timeout)
+    except Exception:
+        logger.exception("Scheduler TP%d hit an exception", tp_rank)
+        sys.exit(1)
