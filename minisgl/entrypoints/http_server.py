@@ -455,14 +455,23 @@ async def _native_encode(tm: TokenizerManager, request: EncodeRequest, raw_reque
 
 # --------------------------------------------------------------------------- launch
 def _spawn_children(server_args: ServerArgs, port_args: PortArgs) -> Tuple[List[mp.Process], List[Any]]:
+    """The scheduler (rank 0 with --tp-size N), ranks 1..N-1, the detokenizer; each with its ready pipe.
+
+    (SGLang's _launch_subprocesses: one scheduler process per TP rank.) The ranks meet at
+    port_args.tp_store_path; only rank 0 opens the sockets."""
     from minisgl.managers.detokenizer_manager import run_detokenizer_process
     from minisgl.managers.scheduler import run_scheduler_process
+    from minisgl.managers.tp_lockstep import run_tp_follower_process
 
     ctx = mp.get_context("spawn")
+    children: List[Tuple[str, Any, Tuple[Any, ...]]] = [("scheduler", run_scheduler_process, (server_args, port_args))]
+    for rank in range(1, server_args.tp_size):
+        children.append((f"scheduler_tp{rank}", run_tp_follower_process, (server_args, rank, port_args.tp_store_path)))
+    children.append(("detokenizer", run_detokenizer_process, (server_args, port_args)))
     procs, readers = [], []
-    for name, target in (("scheduler", run_scheduler_process), ("detokenizer", run_detokenizer_process)):
+    for name, target, args in children:
         reader, writer = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=target, args=(server_args, port_args, writer), name=f"minisgl-{name}", daemon=True)
+        proc = ctx.Process(target=target, args=(*args, writer), name=f"minisgl-{name}", daemon=True)
         proc.start()
         writer.close()
         procs.append(proc)
@@ -472,23 +481,30 @@ def _spawn_children(server_args: ServerArgs, port_args: PortArgs) -> Tuple[List[
 
 
 def _wait_ready(procs: List[mp.Process], readers: List[Any], timeout: float = READY_TIMEOUT_S) -> List[Dict[str, Any]]:
-    """Each child's ready message; raise RuntimeError with the child's own message on failure."""
-    infos: List[Dict[str, Any]] = []
+    """Each child's ready message, in the children's order; raise RuntimeError with the first
+    failure's own message. All are watched at once: with --tp-size N, a rank that fails makes the
+    others fail after it (their rendezvous or collective breaks), and its message is the one to see."""
+    infos: Dict[int, Dict[str, Any]] = {}
     deadline = time.monotonic() + timeout
-    for proc, reader in zip(procs, readers):
-        while not reader.poll(0.2):
-            if not proc.is_alive():
-                raise RuntimeError(f"{proc.name} exited with code {proc.exitcode} before it was ready")
+    while len(infos) < len(procs):
+        for i, (proc, reader) in enumerate(zip(procs, readers)):
+            if i in infos or not reader.poll():
+                if i not in infos and not proc.is_alive() and not reader.poll():
+                    raise RuntimeError(f"{proc.name} exited with code {proc.exitcode} before it was ready")
+                continue
+            try:
+                info = reader.recv()
+            except EOFError:
+                raise RuntimeError(f"{proc.name} closed its pipe before it was ready (exit code {proc.exitcode})")
+            if info.get("status") != "ready":
+                raise RuntimeError(f"{proc.name} failed to start: {info.get('message', info)}")
+            infos[i] = info
+        if len(infos) < len(procs):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{proc.name} was not ready after {timeout:.0f} s")
-        try:
-            info = reader.recv()
-        except EOFError:
-            raise RuntimeError(f"{proc.name} closed its pipe before it was ready (exit code {proc.exitcode})")
-        if info.get("status") != "ready":
-            raise RuntimeError(f"{proc.name} failed to start: {info.get('message', info)}")
-        infos.append(info)
-    return infos
+                waiting = ", ".join(p.name for i, p in enumerate(procs) if i not in infos)
+                raise RuntimeError(f"{waiting} not ready after {timeout:.0f} s")
+            time.sleep(0.05)
+    return [infos[i] for i in range(len(procs))]
 
 
 def server_url(host: str, port: int) -> str:
@@ -669,7 +685,7 @@ def launch_server(server_args: ServerArgs) -> None:
     try:
         # the children first: a model that cannot load fails there with the clearest message
         # (the scheduler's), before this process tries (and retries) the same path
-        sched_info, _ = _wait_ready(procs, readers)
+        sched_info = _wait_ready(procs, readers)[0]  # (rank 0's: every rank's limits are the same)
         tokenizer = get_tokenizer(server_args.tokenizer_path, server_args.trust_remote_code)
         if server_args.chat_template is not None:
             load_chat_template(tokenizer, server_args.chat_template)
