@@ -40,11 +40,13 @@ import os
 import signal
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
+from minisgl.entrypoints.engine_tp import EngineTpRanks, RankDiedError
 from minisgl.managers.io_struct import (
-    LOGPROB_META_KEYS, AbortReq, BatchEmbeddingOutput, BatchStrOutput, EmbeddingReqInput, GenerateReqInput, ProfileReq,
+    LOGPROB_META_KEYS, AbortReq, BatchEmbeddingOutput, BatchStrOutput, EmbeddingReqInput, FlushCacheReqInput, GenerateReqInput, ProfileReq,
     ProfileReqType, TokenizedEmbeddingReqInput, TokenizedGenerateReqInput, check_logprob_args, expand_samples,
     hidden_states_of, logprobs_of, new_rid, prefix_warmups, spec_meta_info,
 )  # fmt: skip
@@ -141,9 +143,27 @@ class Engine:
         if "log_level" in kwargs:  # minisgl's loggers only: the application owns the handlers and their format
             logging.getLogger("minisgl").setLevel(args.log_level.upper())
         self.server_args = resolve_server_args(args)
-        self.model_runner = ModelRunner(self.server_args)
-        self.tokenizer = get_tokenizer(self.server_args.tokenizer_path, self.server_args.trust_remote_code)
-        self.scheduler = Scheduler(self.server_args, self.model_runner, self.tokenizer)
+        # tp_size > 1: this process is rank 0, the other ranks are child processes that follow it
+        # (entrypoints/engine_tp.py); every change of the scheduler goes to them first (_handover)
+        self._tp: Optional[EngineTpRanks] = EngineTpRanks(self.server_args) if self.server_args.tp_size > 1 else None
+        try:
+            self.model_runner = ModelRunner(self.server_args, tp_group=self._tp.group if self._tp is not None else None)
+            self.tokenizer = get_tokenizer(self.server_args.tokenizer_path, self.server_args.trust_remote_code)
+            self.scheduler = Scheduler(self.server_args, self.model_runner, self.tokenizer)
+            if self._tp is not None:
+                self._tp.wait_ready(self.scheduler)
+        except BaseException as e:
+            if self._tp is None:
+                raise
+            try:
+                self._tp.check_alive()  # a rank that died first is the error to see (rank 0's is then its echo)
+            except RankDiedError as died:
+                raise died from e
+            finally:
+                self._tp.close()
+            raise
+        if self._tp is not None:  # (the ranks stop even when the caller forgets shutdown())
+            weakref.finalize(self, self._tp.close)
         self.detokenizer = DetokenizerManager(self.server_args)
         self.vocab_size: int = self.model_runner.model_config.vocab_size
         self.context_len: int = self.model_runner.model_config.context_len
@@ -266,7 +286,7 @@ class Engine:
                     is_embedding=isinstance(tokenized, TokenizedEmbeddingReqInput),
                     hidden_states=[] if getattr(tokenized, "return_hidden_states", False) else None,
                 )  # fmt: skip
-            self._guarded(self.scheduler.process_input_requests, requests)
+            self._guarded(self._handover, requests)
             self._drain_outputs()  # a request rejected at the gate (queue full) finishes here
 
     @_locked
@@ -640,20 +660,41 @@ class Engine:
         """
         self._check_open()
         with _signals_held_until_the_end():  # Ctrl-C lands after the step, on a whole scheduler
+            aborts: List[Any] = []
             if self._dropped:  # streams dropped inside an earlier call: their requests go now
                 dropped, self._dropped = self._dropped, []
                 for rid in dropped:
                     state = self.rid_to_state.pop(rid, None)  # (their later outputs are ignored)
                     self._forget_sample(rid)
                     if state is not None and not state.finished:
-                        self.scheduler.abort_request(AbortReq(rid=rid))  # a running one: at this step's forward
-            self._guarded(self._run_one_step)
+                        aborts.append(AbortReq(rid=rid))  # a running one: at this step's forward
+            self._guarded(self._run_one_step, aborts)
         return self.scheduler.snapshot() if snapshot else None
 
-    def _run_one_step(self) -> None:
-        self.scheduler.run_step()
-        self._drain_outputs()
-        self.scheduler.self_check_during_idle()  # as the server's loop does before it blocks
+    def _run_one_step(self, aborts: List[AbortReq]) -> None:
+        self._handover(aborts, run_step=True, apply=self._abort_locally)
+
+    def _abort_locally(self, aborts: List[AbortReq]) -> List[Any]:
+        for msg in aborts:  # (what process_input_requests does with them, without its other dispatch)
+            self.scheduler.abort_request(msg)
+        return []
+
+    def _handover(self, msgs: List[Any], run_step: bool = False, apply: Optional[Callable[[List[Any]], List[Any]]] = None) -> List[Any]:
+        """Give the scheduler these messages (`apply`: process_input_requests by default), then
+        (`run_step`) one iteration: the server's loop body (process the inputs, run_step, hand the
+        outputs on, then the idle check it runs before it blocks). Returns the control replies; the
+        caller drains what the messages alone produced. With tp_size > 1 the other ranks get the
+        same first (engine_tp.py), so that every scheduler changes alike; Ctrl-C is held to the
+        end, never landing between the two."""
+        with _signals_held_until_the_end():
+            if self._tp is not None:
+                self._tp.broadcast(msgs, run_step)
+            replies = (apply or self.scheduler.process_input_requests)(msgs) if msgs else []
+            if run_step:
+                self.scheduler.run_step()
+                self._drain_outputs()
+                self.scheduler.self_check_during_idle()  # as the server's loop does before it blocks
+        return replies
 
     def _guarded(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run a call that changes the scheduler; if it raises half-way, the Engine is broken.
@@ -797,14 +838,13 @@ class Engine:
 
         The rid given to an n > 1 generate() aborts all its samples (`<rid>-<j>`), as on the server."""
         self._check_open()
-        for one in self._samples_of.get(rid, [rid]):
-            self.scheduler.abort_request(AbortReq(rid=one))
+        self._guarded(self._handover, [AbortReq(rid=one) for one in self._samples_of.get(rid, [rid])], False, self._abort_locally)
         self._drain_outputs()
 
     @_locked
     def flush_cache(self) -> bool:
         self._check_open()
-        return self.scheduler.flush_cache().success
+        return self._guarded(self._handover, [FlushCacheReqInput()])[0].success
 
     @_locked
     def get_load(self) -> Any:
@@ -860,16 +900,22 @@ class Engine:
         """
         if self._closed:
             return
-        if not self._broken and not self.scheduler.is_idle():
-            self.scheduler.abort_request(AbortReq(abort_all=True))
-            # until the scheduler holds nothing (not until every state finished: one it never
-            # received would keep this waiting for ever); running requests end at their next forward
-            for _ in range(1000):
-                if self.scheduler.is_idle():
-                    break
-                self.step(snapshot=False)
-            else:
-                logger.warning("shutdown: the scheduler still held requests after aborting all of them")
+        try:
+            if not self._broken and not self.scheduler.is_idle():
+                self._guarded(self._handover, [AbortReq(abort_all=True)], False, self._abort_locally)
+                # until the scheduler holds nothing (not until every state finished: one it never
+                # received would keep this waiting for ever); running requests end at their next forward
+                for _ in range(1000):
+                    if self.scheduler.is_idle():
+                        break
+                    self.step(snapshot=False)
+                else:
+                    logger.warning("shutdown: the scheduler still held requests after aborting all of them")
+        except RankDiedError as e:  # (a rank is gone: nothing to step with; the rest is cleared below)
+            logger.warning("shutdown: %s", e)
+        finally:
+            if self._tp is not None:  # the other ranks leave their loop and are joined
+                self._tp.close()
         self.rid_to_state.clear()
         self._samples_of.clear()
         self.scheduler.shutdown_grammar_backend()  # (its threads and compiled grammars)

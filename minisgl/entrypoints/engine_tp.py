@@ -1,0 +1,194 @@
+"""The Engine's tensor-parallel ranks (`Engine(tp_size=N)`): ranks 1..N-1 as child processes.
+
+Where it sits: beside the Engine, which stays rank 0 in the caller's process (its scheduler
+steps in the caller's thread, as with one rank). Each other rank is a spawned process running
+tp_lockstep.run_tp_follower_process: its own ModelRunner (1/N of the model) and Scheduler,
+following rank 0's broadcasts. The Engine hands every change of its scheduler to `broadcast`
+first (requests, aborts, flushes, each step), so the followers step with it; shutdown() (or
+the garbage collector, or the interpreter's exit, when the caller forgets it) tells them to
+stop and joins them. A rank that dies makes the Engine's next call raise RuntimeError naming it.
+
+CPU threads: the ranks share the machine's cores, so each gets threads_per_rank(the caller's
+torch thread count at start); rank 0's count is the caller's process's own, set here for the
+Engine's life and put back by close() (docs/engine.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import threading
+import time
+from typing import Any, Dict, List, Optional, Set
+
+from minisgl.managers.tp_lockstep import TpLeader, heartbeat_interval, run_tp_follower_process, threads_per_rank
+
+logger = logging.getLogger("minisgl")
+
+READY_TIMEOUT_S = 600.0  # loading a real model on the CPU can take minutes (the server's limit)
+JOIN_TIMEOUT_S = 10.0  # how long close() waits for a rank to leave its loop before it terminates it
+
+
+class RankDiedError(RuntimeError):
+    """A tensor-parallel rank of an Engine exited; the Engine cannot step without it."""
+
+
+class EngineTpRanks:
+    """Ranks 1..N-1 of one Engine: start them (`__init__`, then `wait_ready` once rank 0's own
+    ModelRunner is built), `broadcast` rank 0's inputs to them, `close` them."""
+
+    def __init__(self, server_args: Any) -> None:
+        import torch
+
+        self.tp_size = server_args.tp_size
+        self.leader: Optional[TpLeader] = None
+        self.user_threads: Optional[int] = None  # the caller's torch thread count, put back by close()
+        self.closed = False
+        num_threads = None
+        if server_args.device == "cpu":
+            self.user_threads = torch.get_num_threads()
+            num_threads = threads_per_rank(self.user_threads, self.tp_size)
+            torch.set_num_threads(num_threads)
+            logger.info(
+                "tp_size=%d: %d CPU thread(s) per rank, this process's included, until shutdown() (it had %d)",
+                self.tp_size, num_threads, self.user_threads,
+            )  # fmt: skip
+        self.dir = tempfile.mkdtemp(prefix="minisgl-tp-")  # (the rendezvous file: private to this Engine)
+        store_path = os.path.join(self.dir, "tp-store")
+        ctx = mp.get_context("spawn")  # (fork would copy the caller's threads and CUDA state)
+        # the ranks log as this process's minisgl loggers do (warnings only, unless the caller asked for more)
+        log_level = logging.getLevelName(logger.getEffectiveLevel()).lower()
+        self.procs: List[Any] = []
+        self.readers: List[Any] = []
+        self.ready: Set[int] = set()  # ranks that said ready
+        try:
+            for rank in range(1, self.tp_size):
+                reader, writer = ctx.Pipe(duplex=False)
+                proc = ctx.Process(
+                    target=run_tp_follower_process,
+                    args=(server_args, rank, store_path, writer, num_threads, os.getpid(), log_level),
+                    name=f"minisgl-engine-tp{rank}", daemon=True,
+                )  # fmt: skip
+                proc.start()
+                writer.close()
+                self.procs.append(proc)
+                self.readers.append(reader)
+            self.group = self._join(server_args, store_path)
+        except BaseException:
+            self.close()
+            raise
+        self.heartbeat_s = heartbeat_interval(server_args.dist_timeout)
+
+    def _join(self, server_args: Any, store_path: str) -> Any:
+        """Rank 0's place in the group. The rendezvous waits for every rank up to --dist-timeout;
+        it runs in a thread while this one watches the ranks, so that one which fails before it
+        joins is reported at once (its own message), not after the timeout."""
+        from minisgl.distributed import init_tensor_parallel_group
+
+        result: Dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                result["group"] = init_tensor_parallel_group(0, self.tp_size, store_path, server_args.device, server_args.dist_timeout)
+            except BaseException as e:  # (re-raised in the caller's thread)
+                result["error"] = e
+
+        joiner = threading.Thread(target=join, name="minisgl-tp-join", daemon=True)
+        joiner.start()
+        while joiner.is_alive():
+            joiner.join(timeout=0.05)
+            self._poll_ranks()  # (a rank that failed: RankDiedError; the join thread ends at its timeout)
+        if "error" in result:
+            raise result["error"]
+        return result["group"]
+
+    def _poll_ranks(self) -> None:
+        """Read the ranks' start-up messages that came; RankDiedError for a failure or an exit."""
+        for rank, reader in enumerate(self.readers, start=1):
+            if rank in self.ready:
+                continue
+            if reader.poll():
+                try:
+                    info = reader.recv()
+                except EOFError:
+                    raise RankDiedError(self._exit_text(rank)) from None
+                if info.get("status") != "ready":
+                    raise RankDiedError(f"tensor-parallel rank {rank} failed to start: {info.get('message', info)}")
+                self.ready.add(rank)
+            elif not self.procs[rank - 1].is_alive():
+                raise RankDiedError(self._exit_text(rank))
+
+    def wait_ready(self, scheduler: Any) -> None:
+        """Every rank's ready message (RankDiedError with the first failure's), then the broadcasts
+        can start: the heartbeat keeps idle ranks inside --dist-timeout from here on."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            self._poll_ranks()
+            if len(self.ready) == len(self.procs):
+                break
+            if time.monotonic() > deadline:
+                waiting = sorted(set(range(1, self.tp_size)) - self.ready)
+                raise RankDiedError(f"tensor-parallel rank(s) {waiting} not ready after {READY_TIMEOUT_S:.0f} s")
+            time.sleep(0.02)
+        self.leader = TpLeader(self.group, scheduler, self.heartbeat_s)
+        self.leader.start_heartbeat()
+
+    def _exit_text(self, rank: int) -> str:
+        proc = self.procs[rank - 1]
+        proc.join(timeout=1)  # (its exit code)
+        return f"tensor-parallel rank {rank} of this Engine exited (exit code {proc.exitcode}); its log is above"
+
+    def check_alive(self) -> None:
+        """RankDiedError naming the first rank that is gone (a cheap waitpid per rank)."""
+        for rank, proc in enumerate(self.procs, start=1):
+            if not proc.is_alive():
+                raise RankDiedError(self._exit_text(rank))
+
+    def broadcast(self, recv_reqs: List[Any], run_step: bool) -> None:
+        """Hand rank 0's inputs (and a step) to every other rank, before rank 0 runs them itself."""
+        assert self.leader is not None, "wait_ready() first"
+        self.check_alive()
+        try:
+            self.leader.broadcast(recv_reqs, run_step)
+        except Exception as e:
+            # a rank closing its connection is a rank exiting: give it a moment to be gone, and name it
+            deadline = time.monotonic() + 2.0
+            for proc in self.procs:
+                proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            self.check_alive()
+            raise RankDiedError(f"the broadcast to the tensor-parallel ranks failed: {e}") from e
+
+    def close(self) -> None:
+        """Stop the ranks (a shutdown broadcast, then join; terminate what does not leave), put the
+        caller's thread count back. Idempotent; also the Engine's finalizer (no reference to it)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.leader is not None:
+            if all(p.is_alive() for p in self.procs):
+                self.leader.shutdown()
+            else:  # (a rank is gone: the others' next collective fails and they exit by themselves)
+                self.leader.closed = True
+                self.leader._stop.set()
+            self.leader.scheduler = None  # (rank 0's model and KV pool go with the Engine's references)
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        for proc in self.procs:
+            proc.join(timeout=max(0.1, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.is_alive():
+                logger.warning("tensor-parallel rank process %s did not stop; terminating it", proc.pid)
+                proc.terminate()
+                proc.join(timeout=5)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(timeout=5)
+        for reader in self.readers:
+            reader.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        if self.user_threads is not None:
+            import torch
+
+            torch.set_num_threads(self.user_threads)
