@@ -1,0 +1,313 @@
+"""Tensor parallelism, the process side: N scheduler ranks in lockstep (managers/tp_lockstep.py).
+
+The Engine with tp_size=2 (rank 0 in this process, rank 1 a child) against tp_size=1 on the
+same tiny model, and the server with --tp-size 2 against the same oracle. Only rank 0's
+outputs are seen, so each test also makes sure rank 1 really followed: a rank checks its
+scheduler against rank 0's at every broadcast and at shutdown, and exits non-zero when they
+differ, so "every rank exited 0 after shutdown()" means rank 1 ran the same steps.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import multiprocessing as mp
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Dict, Iterator, List, Optional
+
+import httpx
+import openai
+import pytest
+import torch
+
+from minisgl import Engine
+from minisgl.managers.io_struct import AbortReq, TpBroadcastInput
+from minisgl.managers.tp_lockstep import agree_on_ready_grammars, apply_broadcast, heartbeat_interval, lockstep_state
+from minisgl.server_args import ServerArgs
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+GREEDY = {"temperature": 0.0, "max_new_tokens": 8}
+# both engines: small chunks (a 70-token prompt prefills in three), a radix cache, room for a batch
+ENGINE_ARGS = dict(device="cpu", max_total_tokens=1024, chunked_prefill_size=32)
+LONG = list(range(10, 80))  # 70 tokens: chunked
+SCHEMA = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+IDLE_DIST_TIMEOUT = 6  # s: the tp engine's and the idle server's --dist-timeout (heartbeat 1.5 s)
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_model: str) -> Iterator[Engine]:
+    engine = Engine(tiny_model, **ENGINE_ARGS)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tp2(tiny_model: str) -> Iterator[Engine]:
+    engine = Engine(tiny_model, tp_size=2, dist_timeout=IDLE_DIST_TIMEOUT, **ENGINE_ARGS)
+    yield engine
+    engine.shutdown()
+
+
+def _workload(engine: Engine, stop: Optional[str]) -> List[Dict[str, Any]]:
+    """The same calls on any engine; what each answered (the test compares two engines)."""
+    outs: List[Dict[str, Any]] = []
+    # a batch, with a chunked prompt and logprobs
+    outs += engine.generate(input_ids=[[5, 6, 7], LONG, [40, 41, 42, 43]], sampling_params=GREEDY,
+                            return_logprob=True, top_logprobs_num=2)  # fmt: skip
+    # a radix hit: the long prompt's prefix is cached
+    outs.append(engine.generate(input_ids=LONG[:60] + [3, 4, 5], sampling_params=GREEDY))
+    # an abort after three steps (the request is mid-decode then)
+    rid = engine.add_request(input_ids=[9, 10, 11], sampling_params={**GREEDY, "max_new_tokens": 50, "ignore_eos": True})
+    for _ in range(3):
+        engine.step(snapshot=False)
+    engine.abort(rid)
+    engine.run_until_idle()
+    outs.append(engine.get_result(rid))
+    # a stream dropped after its first chunk: aborted at the next step (Engine._dropped)
+    stream = engine.generate(input_ids=[12, 13], sampling_params={**GREEDY, "max_new_tokens": 40, "ignore_eos": True}, stream=True)
+    next(stream)
+    stream.close()
+    if stop is not None:  # stop strings (the scheduler finds them in the decoded tail on every rank)
+        outs.append(engine.generate("The quick brown fox", {**GREEDY, "max_new_tokens": 16, "stop": [stop]}))
+    # a grammar compiles on each rank's threads; the ranks agree when it is ready (without the grammar
+    # extra installed, structured output is a 400 on every rank alike)
+    if importlib.util.find_spec("xgrammar") is not None:
+        outs += engine.generate(input_ids=[[20, 21], [22, 23]], sampling_params={**GREEDY, "max_new_tokens": 12, "json_schema": SCHEMA})
+    assert engine.flush_cache()
+    return outs
+
+
+def _assert_same(got: List[Dict[str, Any]], want: List[Dict[str, Any]]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g["output_ids"] == w["output_ids"] and g["text"] == w["text"]
+        gm, wm = g["meta_info"], w["meta_info"]
+        assert gm["finish_reason"] == wm["finish_reason"] and gm["cached_tokens"] == wm["cached_tokens"]
+        for key in ("output_token_logprobs", "output_top_logprobs"):
+            got_lp = [lp for entry in gm[key] for lp in (entry if key == "output_top_logprobs" else [entry])]
+            want_lp = [lp for entry in wm[key] for lp in (entry if key == "output_top_logprobs" else [entry])]
+            assert [e[1] for e in got_lp] == [e[1] for e in want_lp]
+            assert all(abs(a[0] - b[0]) <= 1e-4 for a, b in zip(got_lp, want_lp))
+
+
+def test_tp2_engine_answers_as_tp1_and_its_rank_follows_every_step(oracle: Engine, tp2: Engine) -> None:
+    text = oracle.generate("The quick brown fox", {**GREEDY, "max_new_tokens": 16})["text"]
+    stop = text[3:6] if len(text) >= 6 else None
+    assert oracle.flush_cache()  # (both start from an empty radix cache)
+    want = _workload(oracle, stop)
+    got = _workload(tp2, stop)
+    _assert_same(got, want)
+    assert want[3]["meta_info"]["cached_tokens"] >= 60  # (the radix hit happened)
+    assert want[4]["meta_info"]["finish_reason"]["type"] == "abort" and 0 < len(want[4]["output_ids"]) < 50
+    if stop is not None:
+        assert want[5]["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    # (rank 1 checked its scheduler against rank 0's at each broadcast; at shutdown too, whose test
+    # reads its exit code)
+
+
+def test_an_idle_engine_keeps_its_ranks_past_the_collectives_timeout(oracle: Engine, tp2: Engine) -> None:
+    """Rank 1 waits in a broadcast whose timeout is --dist-timeout; the Engine's heartbeat thread
+    wakes it while the caller does nothing for longer than that."""
+    assert tp2.server_args.dist_timeout == IDLE_DIST_TIMEOUT and heartbeat_interval(IDLE_DIST_TIMEOUT) == 1.5
+    time.sleep(IDLE_DIST_TIMEOUT + 1.5)
+    want = oracle.generate(input_ids=[30, 31, 32], sampling_params=GREEDY)
+    assert tp2.generate(input_ids=[30, 31, 32], sampling_params=GREEDY)["output_ids"] == want["output_ids"]
+
+
+def test_stop_regex_is_a_400_on_every_rank(tp2: Engine) -> None:
+    """Its search has a time budget: ranks whose budgets ran out differently would fall out of step."""
+    with pytest.raises(ValueError, match="stop_regex is not supported with --tp-size > 1"):
+        tp2.generate(input_ids=[5, 6], sampling_params={**GREEDY, "stop_regex": "a+"})
+
+
+def test_shutdown_stops_and_joins_the_ranks_which_ended_in_step(tp2: Engine) -> None:
+    procs = list(tp2._tp.procs)
+    tp2.generate(input_ids=[5, 6], sampling_params=GREEDY)
+    tp2.shutdown()
+    assert [p.exitcode for p in procs] == [0]  # (a rank out of step with rank 0 exits 1 at shutdown)
+    assert not mp.active_children()
+
+
+def test_a_forgotten_engine_stops_its_ranks_and_gives_the_threads_back(tiny_model: str) -> None:
+    """A second tp Engine in the same process works; dropped without shutdown(), its ranks stop
+    (a finalizer) and this process gets back the thread count it had."""
+    torch.set_num_threads(2)
+    try:
+        engine = Engine(tiny_model, tp_size=2, **ENGINE_ARGS)
+        assert torch.get_num_threads() == 1  # two ranks share the two threads
+        assert engine.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)["meta_info"]["finish_reason"]["type"] == "length"
+        procs = list(engine._tp.procs)
+        del engine
+        gc.collect()
+        assert [p.exitcode for p in procs] == [0] and not mp.active_children()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(1)
+
+
+def test_a_rank_that_dies_makes_the_engine_raise_not_hang(tiny_model: str) -> None:
+    engine = Engine(tiny_model, tp_size=2, **ENGINE_ARGS)
+    rank1 = engine._tp.procs[0]
+    os.kill(rank1.pid, signal.SIGKILL)
+    rank1.join(10)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"tensor-parallel rank 1 of this Engine exited \(exit code -9\)"):
+        engine.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)
+    assert time.monotonic() - start < 5
+    with pytest.raises(RuntimeError, match="rank 1 of this Engine exited"):  # (and every later call says so)
+        engine.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)
+    engine.shutdown()
+    assert not mp.active_children()
+
+
+def test_a_rank_out_of_step_stops_with_both_states_named(oracle: Engine) -> None:
+    scheduler = oracle.scheduler
+    state = lockstep_state(scheduler)
+    apply_broadcast(scheduler, TpBroadcastInput([], run_step=False, lockstep_state=state), rank=1)  # in step: fine
+    wrong = [state[0] + 1, *state[1:]]
+    with pytest.raises(RuntimeError, match=rf"rank 1 fell out of lockstep with rank 0 \(forward_ct {state[0]} here, {state[0] + 1} on rank 0\)"):
+        apply_broadcast(scheduler, TpBroadcastInput([AbortReq(abort_all=True)], lockstep_state=wrong), rank=1)
+    assert lockstep_state(scheduler) == state  # (nothing of that iteration ran)
+
+
+def _grammar_rank(rank: int, store: str, results: Any) -> None:
+    from minisgl.distributed import init_tensor_parallel_group
+
+    torch.set_num_threads(1)
+    group = init_tensor_parallel_group(rank, 2, store, timeout_s=60)
+    # request 0: compiled everywhere; 1: only on rank 1 (rank 0 still waits, and is not over time);
+    # 2: only on rank 0, and over time by rank 0's clock; 3: nowhere, over time by rank 1's clock only
+    done = [[True, False, True, False], [True, True, False, False]][rank]
+    over_time = [[False, False, True, False], [False, False, False, True]][rank]
+    results.put((rank, agree_on_ready_grammars(group, done, over_time)))
+
+
+def test_ranks_agree_on_ready_grammars_and_rank_0_times_them_out(tmp_path: Any) -> None:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_grammar_rank, args=(r, str(tmp_path / "store"), results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert got[0] == got[1] == ([True, False, False, False], [False, False, True, False])
+    assert agree_on_ready_grammars(None, [True, False], [True, True]) == ([True, False], [False, True])  # one rank
+
+
+def test_what_cannot_stay_in_step_is_refused(tiny_model: str) -> None:
+    with pytest.raises(ValueError, match="--enable-custom-logit-processor .* use --tp-size 1"):
+        ServerArgs(tp_size=2, enable_custom_logit_processor=True)
+    with pytest.raises(ValueError, match="--dist-timeout must be a whole number of seconds >= 1"):
+        ServerArgs(tp_size=2, dist_timeout=0)
+
+
+# --------------------------------------------------------------------------- the server, --tp-size 2
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # (a zombie is dead, not yet reaped)
+    except FileNotFoundError:
+        return False
+
+
+class Server:
+    def __init__(self, model: str, log_path: str, *flags: str) -> None:
+        cmd = [sys.executable, "-m", "minisgl", "serve", "--model", model, "--port", "0", "--device", "cpu",
+               "--max-total-tokens", "1024", "--tp-size", "2", "--log-level", "warning", *flags]  # fmt: skip
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        deadline = time.monotonic() + 180
+        while not (m := re.search(r"ready at (http://[\d.]+:\d+)", self.read_log())):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"server not ready (exit code {self.proc.returncode}):\n{self.read_log()}")
+            time.sleep(0.2)
+        self.url = m.group(1)
+        self.pids = {name: int(pid) for name, pid in re.findall(r"minisgl (\w+) pid=(\d+)", self.read_log())}
+
+    def read_log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    s = Server(tiny_model, str(tmp_path_factory.mktemp("srv") / "tp2.log"), "--dist-timeout", str(IDLE_DIST_TIMEOUT))
+    yield s
+    s.stop()
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_server_tp2_answers_as_tp1(server: Server, oracle: Engine, tiny_model: str) -> None:
+    assert set(server.pids) == {"scheduler", "scheduler_tp1", "detokenizer"}
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    want = oracle.generate("The quick brown fox", GREEDY)
+    r = httpx.post(server.url + "/generate", json={"text": "The quick brown fox", "sampling_params": GREEDY}, timeout=60)
+    assert r.status_code == 200 and r.json()["output_ids"] == want["output_ids"]
+    chat = [{"role": "user", "content": "def main():"}]
+    prompt = oracle.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    want_chat = oracle.generate(prompt, GREEDY)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    stream = client.chat.completions.create(model=tiny_model, messages=chat, max_tokens=8, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want_chat["text"]
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_server_tp2_idle_past_the_collectives_timeout_then_serves(server: Server, oracle: Engine) -> None:
+    """Rank 0 blocks on its socket while idle; without its heartbeat rank 1 would time out in
+    the broadcast (--dist-timeout 6) and the server would exit."""
+    time.sleep(IDLE_DIST_TIMEOUT + 1.5)
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    r = httpx.post(server.url + "/generate", json={"input_ids": [30, 31, 32], "sampling_params": GREEDY}, timeout=60)
+    assert r.json()["output_ids"] == oracle.generate(input_ids=[30, 31, 32], sampling_params=GREEDY)["output_ids"]
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_server_tp2_stops_cleanly_with_no_process_left(server: Server) -> None:
+    assert server.stop() == 0
+    time.sleep(0.5)
+    assert [name for name, pid in server.pids.items() if _alive(pid)] == []
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_killing_a_follower_rank_exits_the_server_nonzero(tiny_model: str, tmp_path: Any) -> None:
+    s = Server(tiny_model, str(tmp_path / "tp2-kill.log"))
+    try:
+        body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}, "stream": True}
+        with httpx.stream("POST", s.url + "/generate", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))  # generating
+            os.kill(s.pids["scheduler_tp1"], signal.SIGKILL)
+            start = time.monotonic()
+            list(lines)  # (the stream ends: an error event, or the connection closes)
+        code = s.proc.wait(timeout=15)
+        assert code != 0 and time.monotonic() - start < 10
+        assert "scheduler_tp1 (exit code -9) died" in s.read_log()
+        time.sleep(0.5)
+        assert [name for name, pid in s.pids.items() if _alive(pid)] == []
+    finally:
+        s.stop()
