@@ -252,7 +252,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = Server(tiny_model, str(tmp_path_factory.mktemp("srv") / "tp2.log"), "--dist-timeout", str(IDLE_DIST_TIMEOUT))
+    s = Server(tiny_model, str(tmp_path_factory.mktemp("srv") / "tp2.log"), "--dist-timeout", str(IDLE_DIST_TIMEOUT), "--visualize")
     yield s
     s.stop()
 
@@ -271,6 +271,21 @@ def test_server_tp2_answers_as_tp1(server: Server, oracle: Engine, tiny_model: s
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
     stream = client.chat.completions.create(model=tiny_model, messages=chat, max_tokens=8, temperature=0, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want_chat["text"]
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_server_tp2_ops_routes_show_rank_0(server: Server, tmp_path: Any) -> None:
+    """The visualizer, /metrics and the profiler are rank 0's: its snapshots, its load, its trace."""
+    r = httpx.post(server.url + "/start_profile", json={"output_dir": str(tmp_path), "activities": ["CPU"]}, timeout=60)
+    assert r.status_code == 200, r.text
+    httpx.post(server.url + "/generate", json={"input_ids": [5, 6], "sampling_params": GREEDY}, timeout=60)
+    assert httpx.post(server.url + "/stop_profile", timeout=60).status_code == 200
+    assert [name.endswith("-TP-0.trace.json.gz") for name in os.listdir(tmp_path)] == [True]  # (rank 0 only)
+    snapshot = httpx.get(server.url + "/visualizer/snapshot", timeout=10).json()
+    assert snapshot["step"] >= 1 and snapshot["memory"]["total"] == 1024
+    metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    assert re.search(r"^sglang:max_total_num_tokens\{[^}]*\} 1024\.0$", metrics, re.M)
 
 
 @pytest.mark.e2e
