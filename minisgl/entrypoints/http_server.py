@@ -10,6 +10,10 @@ uvicorn in this process:
 (with --is-embedding: TokenizedEmbeddingReqInput in, BatchEmbeddingOutput back through the
 detokenizer unchanged; /v1/embeddings and /encode serve, the generation routes answer 400)
 
+With `--tp-size N` the scheduler is N processes, one per rank: rank 0 has the sockets and
+broadcasts what it receives to ranks 1..N-1, which follow it (managers/tp_lockstep.py,
+docs/parallelism.md).
+
 A monitor task watches the children: if one dies, the server exits non-zero within
 about a second instead of hanging. SIGINT / SIGTERM stop uvicorn; the children are then
 terminated (and die with us anyway: `kill_itself_when_parent_died`).

@@ -15,7 +15,9 @@ The class does no socket I/O (STYLE.md habit 7): inputs arrive through
 scheduler_output_processor_mixin.py, log lines and `snapshot()` in
 scheduler_metrics_mixin.py, the torch.profiler and the named ranges of a step in
 scheduler_profiler_mixin.py (SGLang's split). The Engine calls these directly; `event_loop_normal` at the bottom
-of this file is the thin ZMQ shell the server runs in its own process.
+of this file is the thin ZMQ shell the server runs in its own process. With --tp-size N each rank
+runs one Scheduler; rank 0's shell broadcasts what it received, and the other ranks' shell
+(tp_lockstep.follower_loop) feeds them the same, so all take the same decisions.
 """
 
 from __future__ import annotations

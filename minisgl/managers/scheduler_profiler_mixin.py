@@ -29,7 +29,8 @@ from minisgl.managers.io_struct import ProfileReq, ProfileReqOutput, ProfileReqT
 
 logger = logging.getLogger("minisgl.scheduler")
 
-# minisgl runs one scheduler; SGLang's trace names carry the tensor-parallel rank, so ours say 0
+# SGLang's trace names carry the tensor-parallel rank; with --tp-size N only rank 0 profiles
+# (ProfileReq is not broadcast: docs/parallelism.md), so ours say 0
 TP_RANK = 0
 ACTIVITIES = ("CPU", "GPU", "MEM")
 # SGLang's other activities, each refused with the reason (an accepted name that did nothing
