@@ -18,6 +18,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -27,8 +28,8 @@ import pytest
 import torch
 
 from minisgl import Engine
-from minisgl.managers.io_struct import AbortReq, TpBroadcastInput
-from minisgl.managers.tp_lockstep import agree_on_ready_grammars, apply_broadcast, heartbeat_interval, lockstep_state
+from minisgl.managers.io_struct import AbortReq, TpBroadcastInput, decode
+from minisgl.managers.tp_lockstep import TpLeader, agree_on_ready_grammars, apply_broadcast, heartbeat_interval, lockstep_state
 from minisgl.server_args import ServerArgs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -175,6 +176,31 @@ def test_a_rank_out_of_step_stops_with_both_states_named(oracle: Engine) -> None
     with pytest.raises(RuntimeError, match=rf"rank 1 fell out of lockstep with rank 0 \(forward_ct {state[0]} here, {state[0] + 1} on rank 0\)"):
         apply_broadcast(scheduler, TpBroadcastInput([AbortReq(abort_all=True)], lockstep_state=wrong), rank=1)
     assert lockstep_state(scheduler) == state  # (nothing of that iteration ran)
+
+
+def test_the_engine_heartbeat_never_falls_inside_a_call() -> None:
+    """A beat sent while rank 0 is in a step would pair with that step's collectives (the grammar
+    all_reduce, the forward's) on the other ranks: it waits for the Engine's lock to be free."""
+
+    class Group:
+        sent: List[bytes] = []
+
+        def broadcast_bytes(self, data: bytes) -> bytes:
+            self.sent.append(data)
+            return data
+
+    busy = threading.RLock()
+    leader = TpLeader(Group(), scheduler=None, heartbeat_s=0.05)
+    with busy:  # a call (a step) runs for ten heartbeat intervals
+        leader.start_heartbeat(busy)
+        time.sleep(0.5)
+        assert Group.sent == []
+    deadline = time.monotonic() + 5
+    while not Group.sent and time.monotonic() < deadline:
+        time.sleep(0.01)
+    leader.shutdown()
+    frames = [decode(data) for data in Group.sent]
+    assert frames[0] == TpBroadcastInput([], run_step=False) and frames[-1].shutdown  # beats, then the shutdown
 
 
 def _grammar_rank(rank: int, store: str, results: Any) -> None:

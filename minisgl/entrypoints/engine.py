@@ -148,12 +148,15 @@ class Engine:
         # tp_size > 1: this process is rank 0, the other ranks are child processes that follow it
         # (entrypoints/engine_tp.py); every change of the scheduler goes to them first (_handover)
         self._tp: Optional[EngineTpRanks] = EngineTpRanks(self.server_args) if self.server_args.tp_size > 1 else None
+        # One scheduler, driven by whoever calls: calls from several threads (a generate() in a
+        # background thread while a notebook steps) take turns, one step or call at a time.
+        self._lock = threading.RLock()
         try:
             self.model_runner = ModelRunner(self.server_args, tp_group=self._tp.group if self._tp is not None else None)
             self.tokenizer = get_tokenizer(self.server_args.tokenizer_path, self.server_args.trust_remote_code)
             self.scheduler = Scheduler(self.server_args, self.model_runner, self.tokenizer)
             if self._tp is not None:
-                self._tp.wait_ready(self.scheduler)
+                self._tp.wait_ready(self.scheduler, self._lock)
         except BaseException as e:
             if self._tp is None:
                 raise
@@ -171,9 +174,6 @@ class Engine:
         self.context_len: int = self.model_runner.model_config.context_len
         self.rid_to_state: Dict[str, _ReqState] = {}
         self._closed = False
-        # One scheduler, driven by whoever calls: calls from several threads (a generate() in a
-        # background thread while a notebook steps) take turns, one step or call at a time.
-        self._lock = threading.RLock()
         self._calls_in_progress = 0  # locked calls running (nested ones count too); changed under the lock
         # rids of streams dropped while a call of this thread ran (a garbage-collector finalizer):
         # aborted and forgotten at the start of the next step, never from inside the running call

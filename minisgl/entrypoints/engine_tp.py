@@ -121,9 +121,10 @@ class EngineTpRanks:
             elif not self.procs[rank - 1].is_alive():
                 raise RankDiedError(self._exit_text(rank))
 
-    def wait_ready(self, scheduler: Any) -> None:
+    def wait_ready(self, scheduler: Any, busy: Any) -> None:
         """Every rank's ready message (RankDiedError with the first failure's), then the broadcasts
-        can start: the heartbeat keeps idle ranks inside --dist-timeout from here on."""
+        can start: the heartbeat keeps idle ranks inside --dist-timeout from here on, sending only
+        while it holds `busy` (the Engine's lock: never in the middle of a step's collectives)."""
         deadline = time.monotonic() + READY_TIMEOUT_S
         while True:
             self._poll_ranks()
@@ -134,7 +135,7 @@ class EngineTpRanks:
                 raise RankDiedError(f"tensor-parallel rank(s) {waiting} not ready after {READY_TIMEOUT_S:.0f} s")
             time.sleep(0.02)
         self.leader = TpLeader(self.group, scheduler, self.heartbeat_s)
-        self.leader.start_heartbeat()
+        self.leader.start_heartbeat(busy)
 
     def _exit_text(self, rank: int) -> str:
         proc = self.procs[rank - 1]

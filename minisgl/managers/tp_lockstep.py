@@ -109,7 +109,7 @@ class TpLeader:
     The server's rank 0 calls `broadcast` once per loop iteration (an idle loop wakes for the
     heartbeat itself); the Engine calls it for each change it hands its scheduler and starts
     `start_heartbeat`, a thread that broadcasts an empty, step-less iteration when the Engine
-    has been quiet for a heartbeat interval.
+    has been quiet for a heartbeat interval and no call of it is running.
     """
 
     def __init__(self, group: Any, scheduler: Any, heartbeat_s: float) -> None:
@@ -137,22 +137,29 @@ class TpLeader:
             self.group.broadcast_bytes(data)
             self.last_broadcast = time.monotonic()
 
-    def start_heartbeat(self) -> None:
-        self._thread = threading.Thread(target=self._beat, name="minisgl-tp-heartbeat", daemon=True)
+    def start_heartbeat(self, busy: Any) -> None:
+        """`busy`: a lock held whenever rank 0 may be inside a collective (the Engine's: its calls hold
+        it through each step). A beat is only sent with it taken: a broadcast in the middle of a
+        step's grammar all_reduce, or of the forward's collectives on the same group, would be
+        paired with the wrong operation on the other ranks."""
+        self._thread = threading.Thread(target=self._beat, args=(busy,), name="minisgl-tp-heartbeat", daemon=True)
         self._thread.start()
 
-    def _beat(self) -> None:
-        # (no lockstep state: a beat can fall between another thread's broadcast and that thread's
-        # own step, where rank 0's state is mid-change; it carries nothing to run, so nothing to check)
+    def _beat(self, busy: Any) -> None:
+        # (no lockstep state: nothing runs on it, so there is nothing to check)
         beat = encode(TpBroadcastInput([], run_step=False))
-        while not self._stop.wait(self.heartbeat_s / 2):
+        while not self._stop.wait(self.heartbeat_s / 4):
             if time.monotonic() - self.last_broadcast < self.heartbeat_s:
+                continue
+            if not busy.acquire(blocking=False):  # a call is running: it broadcasts at each step itself
                 continue
             try:
                 self._send(beat)
             except Exception as e:  # a rank died: the Engine's next call finds it and says so
                 self.heartbeat_error = f"{type(e).__name__}: {e}"
                 return
+            finally:
+                busy.release()
 
     def shutdown(self) -> None:
         """Tell the other ranks to leave their loop (best effort: a dead rank cannot hear it)."""
