@@ -168,6 +168,16 @@ def test_a_rank_that_dies_makes_the_engine_raise_not_hang(tiny_model: str) -> No
     assert not mp.active_children()
 
 
+def test_an_engine_that_fails_to_start_leaves_no_rank_and_gives_the_threads_back(tiny_model: str) -> None:
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(ValueError, match="leave no room for a prompt"):  # (every rank refuses it; rank 0 says it)
+            Engine(tiny_model, device="cpu", tp_size=2, max_total_tokens=4)
+        assert not mp.active_children() and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(1)
+
+
 def test_a_rank_out_of_step_stops_with_both_states_named(oracle: Engine) -> None:
     scheduler = oracle.scheduler
     state = lockstep_state(scheduler)

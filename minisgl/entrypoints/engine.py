@@ -161,9 +161,10 @@ class Engine:
             if self._tp is None:
                 raise
             try:
-                self._tp.check_alive()  # a rank that died first is the error to see (rank 0's is then its echo)
-            except RankDiedError as died:
-                raise died from e
+                if not isinstance(e, ValueError):  # (a setting refused: every rank refuses it alike, rank 0 says it)
+                    self._tp.raise_rank_failure()  # a rank that failed first is the error to see (rank 0's is its echo)
+            except RankDiedError as failed:
+                raise failed from e
             finally:
                 self._tp.close()
             raise

@@ -142,6 +142,15 @@ class EngineTpRanks:
         proc.join(timeout=1)  # (its exit code)
         return f"tensor-parallel rank {rank} of this Engine exited (exit code {proc.exitcode}); its log is above"
 
+    def raise_rank_failure(self, wait_s: float = 1.0) -> None:
+        """After rank 0 failed to start: RankDiedError with a rank's own message (or exit) if one
+        failed too, waiting up to `wait_s` for it (its failure often comes a moment later than
+        the broken collective it caused on rank 0); nothing when every rank is still up."""
+        deadline = time.monotonic() + wait_s
+        for proc in self.procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._poll_ranks()
+
     def check_alive(self) -> None:
         """RankDiedError naming the first rank that is gone (a cheap waitpid per rank)."""
         for rank, proc in enumerate(self.procs, start=1):
