@@ -177,19 +177,16 @@ class EngineTpRanks:
         if self.closed:
             return
         self.closed = True
-        if self.leader is not None:
-            if all(p.is_alive() for p in self.procs):
-                self.leader.shutdown()
-            else:  # (a rank is gone: the others' next collective fails and they exit by themselves)
-                self.leader.closed = True
-                self.leader._stop.set()
-            self.leader.scheduler = None  # (rank 0's model and KV pool go with the Engine's references)
-        deadline = time.monotonic() + JOIN_TIMEOUT_S
-        for proc in self.procs:
-            proc.join(timeout=max(0.1, deadline - time.monotonic()))
+        if self.leader is not None:  # (a rank is gone: the others' next collective fails, and they exit by themselves)
+            self.leader.shutdown(notify=all(p.is_alive() for p in self.procs))
+            deadline = time.monotonic() + JOIN_TIMEOUT_S
+            for proc in self.procs:
+                proc.join(timeout=max(0.1, deadline - time.monotonic()))
+        # (never started following, as when the start failed: nothing to wait for, they go now)
         for proc in self.procs:
             if proc.is_alive():
-                logger.warning("tensor-parallel rank process %s did not stop; terminating it", proc.pid)
+                if self.leader is not None:
+                    logger.warning("tensor-parallel rank process %s did not stop; terminating it", proc.pid)
                 proc.terminate()
                 proc.join(timeout=5)
                 if proc.is_alive():

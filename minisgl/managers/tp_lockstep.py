@@ -118,7 +118,6 @@ class TpLeader:
         self.heartbeat_s = heartbeat_s
         self.last_broadcast = time.monotonic()
         self.closed = False
-        self.heartbeat_error: Optional[str] = None  # why the heartbeat thread stopped (a rank died)
         self._lock = threading.Lock()  # one broadcast at a time: the Engine's calls and its heartbeat
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -156,22 +155,25 @@ class TpLeader:
             try:
                 self._send(beat)
             except Exception as e:  # a rank died: the Engine's next call finds it and says so
-                self.heartbeat_error = f"{type(e).__name__}: {e}"
+                logger.warning("tensor-parallel heartbeat stopped: %s", e)
                 return
             finally:
                 busy.release()
 
-    def shutdown(self) -> None:
-        """Tell the other ranks to leave their loop (best effort: a dead rank cannot hear it)."""
+    def shutdown(self, notify: bool = True) -> None:
+        """Stop the heartbeat and, with `notify`, tell the other ranks to leave their loop (best
+        effort: a dead rank cannot hear it). No broadcast is possible afterwards."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
-        state = lockstep_state(self.scheduler) if self.scheduler is not None else []
-        try:
-            self._send(encode(TpBroadcastInput([], run_step=False, shutdown=True, lockstep_state=state)))
-        except Exception as e:  # (a rank already gone: joining it is what is left to do)
-            logger.debug("shutdown broadcast failed: %s", e)
+        if notify:
+            state = lockstep_state(self.scheduler) if self.scheduler is not None else []
+            try:
+                self._send(encode(TpBroadcastInput([], run_step=False, shutdown=True, lockstep_state=state)))
+            except Exception as e:  # (a rank already gone: joining it is what is left to do)
+                logger.debug("shutdown broadcast failed: %s", e)
         self.closed = True
+        self.scheduler = None  # (rank 0's model and KV pool go with the Engine's references)
 
 
 def check_lockstep(scheduler: Any, frame: TpBroadcastInput, rank: int) -> None:
