@@ -134,7 +134,7 @@ def refuse_unsupported_profile_args(
                          "minisgl: its one trace holds both, told apart by the forward_extend and forward_decode ranges")  # fmt: skip
     if merge_profiles:
         raise ValueError("merge_profiles is not supported by minisgl: it merges the traces of several ranks, and minisgl "
-                         "runs one scheduler, whose one trace is already whole")  # fmt: skip
+                         "profiles rank 0 alone (with --tp-size N too), whose one trace is already whole")  # fmt: skip
 
 
 def _check_writable(directory: str) -> Optional[str]:
