@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Optional, Sequence, Tuple
 
 from minisgl.chat_template import read_chat_template
-from minisgl.lora.lora_config import parse_lora_paths
+from minisgl.lora.lora_config import SUPPORTED_TARGET_MODULES, parse_lora_paths
 
 logger = logging.getLogger(__name__)
 
@@ -239,17 +239,37 @@ class ServerArgs:
     )
 
     # --- LoRA (multi-adapter serving, minisgl/lora/) ---
+    enable_lora: bool = field(
+        default=False, metadata=_opt(
+            "Serve LoRA adapters, and let /load_lora_adapter load more while serving (on by itself with "
+            "--lora-paths). Without --lora-paths, give --max-lora-rank and --lora-target-modules too."
+        )
+    )
     lora_paths: Optional[Tuple[str, ...]] = field(
         default=None, metadata=_opt(
-            "LoRA adapters to serve, all loaded at start: NAME=PATH, or PATH (named by itself), PEFT save_pretrained "
+            "LoRA adapters loaded at start: NAME=PATH, or PATH (named by itself), PEFT save_pretrained "
             "directories. A request picks one with lora_path (or model \"BASE:NAME\" on the OpenAI routes).",
             nargs="+",
         )
     )
     # filled by resolve_server_args from lora_paths (not a flag): ((name, directory), ...) in the
-    # order given, what the ModelRunner loads and the Scheduler and TokenizerManager accept
+    # order given, what the ModelRunner loads and the TokenizerManager's and the Engine's
+    # LoRARegistry start with
     lora_adapters: Optional[Tuple[Tuple[str, str], ...]] = field(
         default=None, metadata=_opt("(resolved from --lora-paths; not a flag)", resolved=True)
+    )
+    max_lora_rank: Optional[int] = field(
+        default=None, metadata=_opt("The largest rank (r) of an adapter loaded while serving. Default: the largest of --lora-paths.")
+    )
+    lora_target_modules: Optional[Tuple[str, ...]] = field(
+        default=None, metadata=_opt(
+            "The modules an adapter loaded while serving may target: some of q_proj k_proj v_proj o_proj "
+            "gate_proj up_proj down_proj, or all. Default: those the --lora-paths adapters target.",
+            nargs="+",
+        )
+    )
+    max_loaded_loras: Optional[int] = field(
+        default=None, metadata=_opt("Most adapters loaded at once, --lora-paths included: a load past it is refused. Default: no limit.")
     )
     max_loras_per_batch: int = field(
         default=DEFAULT_MAX_LORAS_PER_BATCH, metadata=_opt("Most distinct adapters one batch runs (the base model counts as one, as in SGLang).")
@@ -358,9 +378,28 @@ class ServerArgs:
     def _check_lora(self) -> None:
         if self.max_loras_per_batch < 1:
             raise ValueError(f"--max-loras-per-batch must be >= 1, got {self.max_loras_per_batch}")
+        if not self.enable_lora and self.lora_paths is None:
+            shaping = ("max_loras_per_batch", "max_lora_rank", "lora_target_modules", "max_loaded_loras")
+            changed = [f"--{_flag(f.name)}" for f in fields(self) if f.name in shaping and getattr(self, f.name) != f.default]
+            if changed:  # (not silently ignored)
+                raise ValueError(f"{', '.join(changed)} set without --lora-paths or --enable-lora: name the adapters (or turn LoRA on), or drop it")
+            if self.lora_adapters is not None:
+                raise ValueError("lora_adapters is filled from lora_paths by resolve_server_args: give lora_paths instead")
+            return
+        if self.speculative_algorithm is not None:
+            raise ValueError(
+                "LoRA (--lora-paths, --enable-lora) does not combine with --speculative-algorithm: a verify pass would "
+                "have to apply each request's adapter too, which it does not. Drop one of the two."
+            )
+        if self.is_embedding:
+            raise ValueError("LoRA (--lora-paths, --enable-lora) serves generation adapters; an embedding server (--is-embedding) does not apply them: drop one of the two")
+        self._check_lora_shapes()
         if self.lora_paths is None:
-            if self.max_loras_per_batch != DEFAULT_MAX_LORAS_PER_BATCH:  # (not silently ignored)
-                raise ValueError("--max-loras-per-batch set without --lora-paths: name the adapters, or drop it")
+            if self.max_lora_rank is None or self.lora_target_modules is None:  # (SGLang's rule)
+                raise ValueError(
+                    "--enable-lora without --lora-paths needs --max-lora-rank and --lora-target-modules: the largest "
+                    "rank and the modules of the adapters /load_lora_adapter may load"
+                )
             if self.lora_adapters is not None:
                 raise ValueError("lora_adapters is filled from lora_paths by resolve_server_args: give lora_paths instead")
             return
@@ -371,20 +410,32 @@ class ServerArgs:
             )
         if not self.lora_paths:
             raise ValueError("--lora-paths is empty: name at least one adapter, or leave it out")
-        if self.speculative_algorithm is not None:
-            raise ValueError(
-                "--lora-paths does not combine with --speculative-algorithm: a verify pass would have to apply each "
-                "request's adapter too, which it does not. Drop one of the two flags."
-            )
-        if self.is_embedding:
-            raise ValueError("--lora-paths serves generation adapters; an embedding server (--is-embedding) does not apply them: drop one of the two flags")
         adapters = parse_lora_paths(self.lora_paths)  # (duplicate names, missing directories)
         if self.lora_adapters is not None and self.lora_adapters != adapters:
             raise ValueError("lora_adapters is filled from lora_paths by resolve_server_args: give lora_paths only")
+        if self.max_loaded_loras is not None and len(adapters) > self.max_loaded_loras:
+            raise ValueError(f"--lora-paths names {len(adapters)} adapters, more than --max-loaded-loras {self.max_loaded_loras}")
+
+    def _check_lora_shapes(self) -> None:
+        """--max-lora-rank, --lora-target-modules and --max-loaded-loras: what adapters loaded later may be."""
+        for name in ("max_lora_rank", "max_loaded_loras"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"--{_flag(name)} must be an integer >= 1, got {value!r}")
+        targets = self.lora_target_modules
+        if targets is None:
+            return
+        if not isinstance(targets, tuple) or not targets or not all(isinstance(t, str) for t in targets):
+            raise ValueError(f"lora_target_modules must be a list of module names, e.g. ['q_proj', 'v_proj'] or ['all'], got {targets!r}")
+        if "all" in targets and len(targets) > 1:
+            raise ValueError("--lora-target-modules all stands alone: give `all` or a list of module names, not both")
+        bad = [t for t in targets if t != "all" and t not in SUPPORTED_TARGET_MODULES]
+        if bad:
+            raise ValueError(f"--lora-target-modules {bad}: LoRA applies to {', '.join(SUPPORTED_TARGET_MODULES)} (or all of them: all)")
 
     @property
     def lora_names(self) -> frozenset:
-        """The --lora-paths adapter names a request may ask for (empty without adapters; resolved args)."""
+        """The --lora-paths adapter names (empty without them; resolved args): those loaded at start."""
         return frozenset(name for name, _ in self.lora_adapters or ())
 
     def _check_speculative(self) -> None:
@@ -419,7 +470,8 @@ class ServerArgs:
         return (
             self.device != "auto" and self.dtype != "auto" and self.attention_backend != "auto"
             and self.kv_cache_dtype != "auto" and self.model_path is not None
-            and (self.lora_paths is None or self.lora_adapters is not None)
+            and (self.lora_paths is None or (self.lora_adapters is not None and self.enable_lora))
+            and self.lora_target_modules != ("all",)
         )  # fmt: skip
 
     # ------------------------------------------------------------------ argparse
@@ -550,6 +602,9 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
         served_model_name=args.served_model_name or ("minisgl-builtin" if args.model_path is None else model_path),
         lora_adapters=parse_lora_paths(args.lora_paths) if args.lora_paths else None,  # (parsed once, here)
         dist_timeout=args.dist_timeout if args.dist_timeout is not None else DEFAULT_DIST_TIMEOUT_S,
+        enable_lora=args.enable_lora or bool(args.lora_paths),  # (SGLang: --lora-paths turns LoRA on)
+        # `all`: every module LoRA applies to; None stays None (the LoRAManager infers it from --lora-paths)
+        lora_target_modules=SUPPORTED_TARGET_MODULES if args.lora_target_modules == ("all",) else args.lora_target_modules,
     )
 
 

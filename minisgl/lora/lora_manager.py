@@ -1,7 +1,10 @@
 """LoRAManager: every served adapter's weights, and their deltas added to the decoder's projections.
 
-Where it sits: the ModelRunner builds one LoRAManager at start (--lora-paths; every adapter is
-loaded then, none later). Per forward pass, ModelRunner.forward_eager calls `prepare_lora_batch`
+Where it sits: the ModelRunner builds one LoRAManager at start when LoRA is on (--lora-paths,
+--enable-lora) and loads the --lora-paths adapters. While serving, the Scheduler hands it
+/load_lora_adapter's and /unload_lora_adapter's messages (`load_lora_adapter`,
+`unload_lora_adapter`); it keys adapters by `lora_id`, the id of each load (lora_registry.py).
+Per forward pass, ModelRunner.forward_eager calls `prepare_lora_batch`
 with the ForwardBatch's plain fields (its `lora_ids`, one adapter name or None per request, and
 each request's token count) and sets `forward_batch.lora_batch_info`: for each distinct adapter of
 the pass, the rows of its tokens. DecoderAttention and DecoderMLP then call lora_batch.apply_lora
@@ -37,9 +40,11 @@ import torch
 
 from minisgl.lora.lora_batch import LoRAAdapter, LoRABatchInfo, build_lora_batch_info
 from minisgl.lora.lora_config import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MLP_MODULES, SUPPORTED_TARGET_MODULES, LoRAConfig
+from minisgl.lora.lora_registry import LoRARef, LoRARegistry
 
 if TYPE_CHECKING:
     from minisgl.models.model_config import ModelConfig
+    from minisgl.server_args import ServerArgs
 
 logger = logging.getLogger("minisgl")
 
@@ -64,16 +69,102 @@ def module_shapes(mc: "ModelConfig") -> Dict[str, Tuple[int, int]]:
 
 
 class LoRAManager:
-    def __init__(self, lora_paths: Dict[str, str], model_config: "ModelConfig", device: str, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        lora_paths: Dict[str, str],
+        model_config: "ModelConfig",
+        device: str,
+        dtype: torch.dtype,
+        max_lora_rank: Optional[int] = None,
+        target_modules: Optional[Sequence[str]] = None,
+    ) -> None:
         self.model_config = model_config
         self.device, self.dtype = device, dtype
-        self.adapters: Dict[str, LoRAAdapter] = {name: self._load(name, path) for name, path in lora_paths.items()}
+        self.adapters: Dict[str, LoRAAdapter] = {}  # lora_id -> weights
+        self.lora_refs: Dict[str, LoRARef] = {}  # lora_id -> its load (name, directory)
+        # --lora-paths: ids as the LoRARegistry of the HTTP process (or the Engine) mints them, so
+        # that both sides name each start-up adapter alike without a message between them
+        for ref in LoRARegistry(lora_paths.items()).refs():
+            self.adapters[ref.lora_id] = self._load(ref.lora_name, ref.lora_path)
+            self.lora_refs[ref.lora_id] = ref
+        self.init_lora_shapes(max_lora_rank, target_modules)
         for a in self.adapters.values():
             logger.info("LoRA adapter %s: r=%d, scaling=%.4g, targets %s", a.name, a.config.r, a.config.scaling, ",".join(a.config.target_modules))
 
+    @classmethod
+    def from_server_args(cls, args: "ServerArgs", model_config: "ModelConfig", device: str, dtype: torch.dtype) -> Optional["LoRAManager"]:
+        """The ModelRunner's manager: None when LoRA is off (no --lora-paths, no --enable-lora)."""
+        if not args.enable_lora:
+            return None
+        return cls(dict(args.lora_adapters or ()), model_config, device, dtype, args.max_lora_rank, args.lora_target_modules)
+
+    def init_lora_shapes(self, max_lora_rank: Optional[int], target_modules: Optional[Sequence[str]]) -> None:
+        """SGLang's: what a later load may use. Each not given is inferred from the --lora-paths
+        adapters (the largest rank, every module one of them targets); each given must hold them.
+        minisgl stores each adapter at its own rank (no pool sized by them): the two are limits on
+        what a load may add, kept so a server refuses what SGLang's refuses."""
+        loaded = list(self.adapters.values())
+        self._inferred = {"rank": max_lora_rank is None, "targets": target_modules is None}  # (said in refusals)
+        self.max_lora_rank = max_lora_rank if max_lora_rank is not None else max((a.config.r for a in loaded), default=0)
+        self.target_modules = (
+            frozenset(target_modules) if target_modules is not None else frozenset(t for a in loaded for t in a.config.target_modules)
+        )
+        for a in loaded:  # (a start-up adapter outside the flags given fails the start, naming the flag)
+            self._check_shape(a.name, a.config)
+        logger.info("LoRA: adapters loaded later may have rank <= %d and target %s", self.max_lora_rank, ",".join(sorted(self.target_modules)) or "nothing")
+
+    def _check_shape(self, name: str, config: LoRAConfig) -> None:
+        """An adapter's rank and targets against --max-lora-rank and --lora-target-modules."""
+        if config.r > self.max_lora_rank:
+            where = " (not given: the largest rank of --lora-paths)" if self._inferred["rank"] else ""
+            raise ValueError(
+                f"LoRA adapter {name!r} has rank {config.r}, above --max-lora-rank {self.max_lora_rank}{where}: "
+                f"restart the server with --max-lora-rank {config.r} or more"
+            )
+        outside = sorted(set(config.target_modules) - self.target_modules)
+        if outside:
+            wanted = " ".join(sorted(self.target_modules | set(outside)))
+            where = " (not given: the modules --lora-paths target)" if self._inferred["targets"] else ""
+            raise ValueError(
+                f"LoRA adapter {name!r} targets {outside}, outside --lora-target-modules "
+                f"{sorted(self.target_modules)}{where}: restart the server with --lora-target-modules {wanted} (or all)"
+            )
+
+    # ------------------------------------------------------------------ load and unload while serving
+    def load_lora_adapter(self, ref: LoRARef) -> None:
+        """Read, check and keep one adapter under its new lora_id (SGLang's load_lora_adapter +
+        validate_new_adapter). ValueError says why it was refused; then nothing changed."""
+        if ref.lora_id in self.lora_refs:  # (the registry mints a new id per load: a bug if not)
+            raise ValueError(f"LoRA adapter id {ref.lora_id!r} is loaded already")
+        if any(r.lora_name == ref.lora_name for r in self.lora_refs.values()):
+            raise ValueError(f"Failed to load LoRA adapter {ref.lora_name!r} because it is already loaded")
+        if not isinstance(ref.lora_path, str) or not os.path.isdir(ref.lora_path):
+            raise ValueError(f"LoRA adapter {ref.lora_name!r}: {ref.lora_path!r} is not a directory (a PEFT save_pretrained directory)")
+        config = LoRAConfig.from_dir(ref.lora_path)
+        self._check_shape(ref.lora_name, config)  # (before reading the weights)
+        for other in self.lora_refs.values():
+            if other.lora_path == ref.lora_path:  # (SGLang warns too: two names, two copies)
+                logger.warning("LoRA adapter %s is loaded from %s, which adapter %s was loaded from too", ref.lora_name, ref.lora_path, other.lora_name)
+        self.adapters[ref.lora_id] = self._load(ref.lora_name, ref.lora_path, config)
+        self.lora_refs[ref.lora_id] = ref
+        logger.info("LoRA adapter %s loaded (id %s, r=%d, targets %s)%s", ref.lora_name, ref.lora_id, config.r,
+                    ",".join(config.target_modules), "; pinned: minisgl keeps every adapter resident" if ref.pinned else "")  # fmt: skip
+
+    def unload_lora_adapter(self, lora_id: str) -> None:
+        """Drop one load's weights (the Scheduler first checks that no request still uses it)."""
+        if lora_id not in self.lora_refs:
+            raise ValueError(f"LoRA adapter id {lora_id!r} is not loaded")
+        ref = self.lora_refs.pop(lora_id)
+        del self.adapters[lora_id]
+        logger.info("LoRA adapter %s unloaded (id %s)", ref.lora_name, lora_id)
+
+    def loaded_adapters(self) -> Dict[str, str]:
+        """Name -> directory of every loaded adapter (LoRAUpdateOutput.loaded_adapters)."""
+        return {ref.lora_name: ref.lora_path for ref in self.lora_refs.values()}
+
     # ------------------------------------------------------------------ loading
-    def _load(self, name: str, path: str) -> LoRAAdapter:
-        config = LoRAConfig.from_dir(path)
+    def _load(self, name: str, path: str, config: Optional[LoRAConfig] = None) -> LoRAAdapter:
+        config = config if config is not None else LoRAConfig.from_dir(path)
         mc = self.model_config
         if mc.moe is not None and set(config.target_modules) & set(MLP_MODULES):
             raise ValueError(f"LoRA adapter {name!r} targets MLP modules of a mixture-of-experts model (its experts); "

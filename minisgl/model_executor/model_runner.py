@@ -108,9 +108,8 @@ class ModelRunner:
             n = self.model.pack_linear_weights_for_cpu()  # oneDNN layout: ~2x matmul rate at decode sizes
             logger.info("packed %d linear weights for oneDNN", n)
         self.sampler = Sampler()
-        # --lora-paths: every adapter's weights, on the model's device and dtype (None without adapters)
-        lora_adapters = server_args.lora_adapters
-        self.lora_manager = LoRAManager(dict(lora_adapters), self.model_config, self.device, self.dtype) if lora_adapters else None
+        # --lora-paths / --enable-lora: every adapter's weights, on the model's device and dtype (None: LoRA off)
+        self.lora_manager = LoRAManager.from_server_args(server_args, self.model_config, self.device, self.dtype)
 
         self.max_total_num_tokens = self._profile_max_num_token()
         self.max_running_requests = self._max_running_requests()
