@@ -29,6 +29,9 @@ from minisgl.managers.io_struct import (
     GetLoadReqInput,
     GetLoadReqOutput,
     HiddenStateRows,
+    LoadLoRAAdapterReqInput,
+    LoadLoRAAdapterReqOutput,
+    LoRAUpdateOutput,
     ProfileReq,
     ProfileReqOutput,
     ProfileReqType,
@@ -36,6 +39,8 @@ from minisgl.managers.io_struct import (
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
     TpBroadcastInput,
+    UnloadLoRAAdapterReqInput,
+    UnloadLoRAAdapterReqOutput,
     decode,
     encode,
 )
@@ -87,6 +92,9 @@ SAMPLES: Dict[str, Any] = {
         record_shapes=None, profile_prefix="run1",
     ),  # fmt: skip
     "ProfileReqOutput": ProfileReqOutput(success=True, message="Stop profiling.", paths=["/tmp/1.5-TP-0.trace.json.gz"]),
+    "LoadLoRAAdapterReqInput": LoadLoRAAdapterReqInput(lora_name="tenant é", lora_path="/adapters/é a", pinned=True, lora_id="tenant é#2"),
+    "UnloadLoRAAdapterReqInput": UnloadLoRAAdapterReqInput(lora_name="a", lora_id="a#3"),
+    "LoRAUpdateOutput": LoRAUpdateOutput(success=False, error_message="rank 8 > 4", loaded_adapters={"a": "/x/a", "é": "/x/é"}),
     "ClearDecodeStatusReq": ClearDecodeStatusReq(rids=["a", "b"]),
     "SchedulerSnapshotOut": SchedulerSnapshotOut(step=12, snapshot_json=json.dumps({"step": 12, "waiting": ["a"]})),
     # rank 0's inputs of one iteration, to the other tensor-parallel ranks: the messages inside come back typed
@@ -165,6 +173,13 @@ def test_round_trip(name: str) -> None:
     # Every field travels explicitly (a receiver never silently falls back to a default); the JSON
     # ends at the first newline (hidden states' raw rows follow it)
     assert set(json.loads(data.split(b"\n")[0])) == {"__type__"} | {f.name for f in dataclasses.fields(msg)}
+
+
+def test_lora_update_replies_keep_sglang_s_names() -> None:
+    """SGLang names a load's and an unload's reply LoadLoRAAdapterReqOutput / UnloadLoRAAdapterReqOutput,
+    both its LoRAUpdateOutput: code written against those names imports and reads the same fields."""
+    assert LoadLoRAAdapterReqOutput is UnloadLoRAAdapterReqOutput is LoRAUpdateOutput
+    assert [f.name for f in dataclasses.fields(LoRAUpdateOutput)] == ["success", "error_message", "loaded_adapters"]
 
 
 def test_neg_inf_logprobs_survive() -> None:

@@ -47,15 +47,16 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 from minisgl.entrypoints.engine_tp import EngineTpRanks, RankDiedError
+from minisgl.lora.lora_registry import LoRARegistry
 from minisgl.managers.io_struct import (
-    LOGPROB_META_KEYS, AbortReq, BatchEmbeddingOutput, BatchStrOutput, EmbeddingReqInput, FlushCacheReqInput, GenerateReqInput, ProfileReq,
-    ProfileReqType, TokenizedEmbeddingReqInput, TokenizedGenerateReqInput, check_logprob_args, expand_samples,
-    hidden_states_of, logprobs_of, new_rid, prefix_warmups, spec_meta_info,
+    LOGPROB_META_KEYS, AbortReq, BatchEmbeddingOutput, BatchStrOutput, EmbeddingReqInput, FlushCacheReqInput, GenerateReqInput,
+    LoadLoRAAdapterReqInput, LoRAUpdateOutput, ProfileReq, ProfileReqType, TokenizedEmbeddingReqInput,
+    TokenizedGenerateReqInput, UnloadLoRAAdapterReqInput, check_logprob_args, expand_samples, hidden_states_of,
+    logprobs_of, new_rid, prefix_warmups, spec_meta_info,
 )  # fmt: skip
 from minisgl.managers.tokenization import (
-    check_custom_logit_processor, check_dimensions, check_extra_key, check_lora_path, check_priority, check_return_hidden_states,
-    tokenize_one_request,
-    validate_context_length,
+    check_custom_logit_processor, check_dimensions, check_extra_key, check_priority, check_return_hidden_states,
+    resolve_lora_ids, tokenize_one_request, validate_context_length,
 )  # fmt: skip
 from minisgl.sampling.sampling_params import SamplingParams
 from minisgl.server_args import SERVER_ONLY_FIELDS, SGLANG_OPTIONS_ALREADY_SO, ServerArgs, resolve_server_args
@@ -139,8 +140,9 @@ class Engine:
                 f"{', '.join(server_only)}: option(s) of `minisgl serve`'s HTTP server and processes, "
                 "which the in-process Engine does not have; leave them out"
             )
-        if isinstance(kwargs.get("lora_paths"), list):  # (SGLang's Engine takes a list; the frozen args hold a tuple)
-            kwargs["lora_paths"] = tuple(kwargs["lora_paths"])
+        for name in ("lora_paths", "lora_target_modules"):  # (SGLang's Engine takes lists; the frozen args hold tuples)
+            if isinstance(kwargs.get(name), list):
+                kwargs[name] = tuple(kwargs[name])
         args = ServerArgs(model_path=model_path, **kwargs)  # (checks every value, log_level's too)
         if "log_level" in kwargs:  # minisgl's loggers only: the application owns the handlers and their format
             logging.getLogger("minisgl").setLevel(args.log_level.upper())
@@ -174,6 +176,8 @@ class Engine:
         self.vocab_size: int = self.model_runner.model_config.vocab_size
         self.context_len: int = self.model_runner.model_config.context_len
         self.rid_to_state: Dict[str, _ReqState] = {}
+        # the adapters a request may name (lora_paths, then load_lora_adapter); None: LoRA off
+        self.lora_registry = LoRARegistry(self.server_args.lora_adapters or ()) if self.server_args.enable_lora else None
         self._closed = False
         self._calls_in_progress = 0  # locked calls running (nested ones count too); changed under the lock
         # rids of streams dropped while a call of this thread ran (a garbage-collector finalizer):
@@ -236,7 +240,7 @@ class Engine:
             lora_path=lora_path, extra_key=extra_key,
         )  # fmt: skip
         obj.normalize_batch_and_arguments()
-        check_lora_path(obj, self.scheduler.lora_names)
+        resolve_lora_ids(obj, self.lora_registry)
         check_extra_key(obj)
         check_priority(priority, self.server_args.enable_priority_scheduling)
         check_custom_logit_processor(obj, self.server_args.enable_custom_logit_processor)
@@ -318,7 +322,7 @@ class Engine:
         )  # fmt: skip
         check_priority(priority, self.server_args.enable_priority_scheduling)
         obj.normalize_batch_and_arguments()  # single or batch, lists per prompt, the same n for all
-        check_lora_path(obj, self.scheduler.lora_names)
+        resolve_lora_ids(obj, self.lora_registry)
         check_extra_key(obj)
         check_custom_logit_processor(obj, self.server_args.enable_custom_logit_processor)
         check_return_hidden_states(obj, self.server_args.enable_return_hidden_states, RETURN_HIDDEN_STATES_ENGINE_HINT)
@@ -843,6 +847,51 @@ class Engine:
         self._check_open()
         self._guarded(self._handover, [AbortReq(rid=one) for one in self._samples_of.get(rid, [rid])], False, self._abort_locally)
         self._drain_outputs()
+
+    @_locked
+    def load_lora_adapter(self, lora_name: str, lora_path: Union[str, "os.PathLike[str]"], pinned: bool = False) -> LoRAUpdateOutput:
+        """Load a PEFT adapter while the Engine runs (SGLang's Engine.load_lora_adapter): requests may
+        name it (lora_path=lora_name) from now on. Needs lora_paths, or enable_lora=True with
+        max_lora_rank and lora_target_modules. ValueError says why a load is refused (a taken name,
+        max_loaded_loras reached, a rank or module past those limits, not a PEFT LoRA directory);
+        nothing changes then. Returns the scheduler's answer (loaded_adapters: name -> directory)."""
+        self._check_open()
+        registry = self._lora_registry()
+        lora_path = os.fspath(lora_path) if isinstance(lora_path, os.PathLike) else lora_path
+        if not isinstance(lora_path, str) or not lora_path:
+            raise ValueError(f"lora_path must be the adapter's directory (a PEFT save_pretrained directory), got {lora_path!r}")
+        if not isinstance(pinned, bool):
+            raise ValueError(f"pinned must be True or False, got {pinned!r}")
+        registry.check_new_name(lora_name, self.server_args.max_loaded_loras)
+        ref = registry.new_ref(lora_name, lora_path, pinned)
+        out = self.scheduler.load_lora_adapter(LoadLoRAAdapterReqInput(lora_name, lora_path, pinned, ref.lora_id))
+        if not out.success:
+            raise ValueError(out.error_message)
+        registry.register(ref)
+        return out
+
+    @_locked
+    def unload_lora_adapter(self, lora_name: str) -> LoRAUpdateOutput:
+        """Unload an adapter (SGLang's Engine.unload_lora_adapter): new requests naming it are refused
+        at once; those already queued or running with it finish first, as SGLang waits for them,
+        so this steps the scheduler (everyone's requests advance) until none is left. Their results
+        stay to collect. ValueError when no adapter of that name is loaded."""
+        self._check_open()
+        ref = self._lora_registry().unregister(lora_name)
+        while self.scheduler.reqs_of_lora(ref.lora_id):
+            self.step(snapshot=False)
+        out = self.scheduler.unload_lora_adapter(UnloadLoRAAdapterReqInput(lora_name, ref.lora_id))
+        if not out.success:
+            raise ValueError(out.error_message)
+        return out
+
+    def _lora_registry(self) -> LoRARegistry:
+        if self.lora_registry is None:
+            raise ValueError(
+                "LoRA is off in this Engine: build it with lora_paths=[...], or enable_lora=True with max_lora_rank "
+                "and lora_target_modules, to load adapters"
+            )
+        return self.lora_registry
 
     @_locked
     def flush_cache(self) -> bool:

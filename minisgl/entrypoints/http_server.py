@@ -50,10 +50,12 @@ from minisgl.entrypoints.openai.protocol import (
     EmbeddingRequest,
     EncodeRequest,
     GenerateRequest,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     ProfileReqInput,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from minisgl.entrypoints.openai.serving_base import (
     create_error_response, error_body, handler_error_response, prepend, sse_data, sse_response, unknown_model_response,
@@ -62,7 +64,10 @@ from minisgl.entrypoints.openai.serving_chat import OpenAIServingChat
 from minisgl.entrypoints.openai import serving_tokenize
 from minisgl.entrypoints.openai.serving_completions import OpenAIServingCompletions
 from minisgl.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, json_list_in_pieces
-from minisgl.managers.io_struct import LOGPROB_META_KEYS, EmbeddingReqInput, GenerateReqInput, ProfileReq, ProfileReqType
+from minisgl.managers.io_struct import (
+    LOGPROB_META_KEYS, EmbeddingReqInput, GenerateReqInput, LoadLoRAAdapterReqInput, LoRAUpdateOutput, ProfileReq, ProfileReqType,
+    UnloadLoRAAdapterReqInput,
+)  # fmt: skip
 from minisgl.managers.scheduler_profiler_mixin import refuse_unsupported_profile_args
 from minisgl.managers.tokenizer_manager import ReqAbortedError, TokenizerManager
 from minisgl.server_args import PortArgs, ServerArgs, resolve_server_args
@@ -221,10 +226,10 @@ def _add_generate_routes(app: FastAPI, tm: TokenizerManager) -> None:
         return await _native_encode(tm, request, raw_request)
 
     def model_cards() -> List[ModelCard]:
-        """The served model's card, then one per --lora-paths adapter (SGLang's ModelCard fields)."""
+        """The served model's card, then one per loaded adapter, in load order (SGLang's ModelCard fields)."""
         cards = [ModelCard(id=tm.model_name, root=tm.model_name, max_model_len=tm.context_len)]
-        for name, path in tm.server_args.lora_adapters or ():
-            cards.append(ModelCard(id=name, root=path, parent=tm.model_name))
+        for ref in tm.lora_registry.refs() if tm.lora_registry is not None else ():
+            cards.append(ModelCard(id=ref.lora_name, root=ref.lora_path, parent=tm.model_name))
         return cards
 
     @app.get("/v1/models")
@@ -334,6 +339,18 @@ def _add_ops_routes(app: FastAPI, tm: TokenizerManager, is_healthy: Callable[[],
         tm.freeze_gc()  # the scheduler and the detokenizer follow through their sockets
         return JSONResponse({"message": "Garbage collection frozen in the HTTP process; the scheduler and detokenizer follow."})
 
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Response:
+        """SGLang's: load a PEFT adapter while serving; requests may name it once this answered."""
+        obj = LoadLoRAAdapterReqInput(lora_name=request.lora_name, lora_path=request.lora_path, pinned=request.pinned)
+        return _lora_update_response(await tm.load_lora_adapter(obj))
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Response:
+        """SGLang's: refuse new requests naming the adapter now; answer once its requests finished
+        and its weights are gone."""
+        return _lora_update_response(await tm.unload_lora_adapter(UnloadLoRAAdapterReqInput(lora_name=request.lora_name)))
+
     @app.post("/abort_request")
     async def abort_request(raw_request: Request) -> Response:
         try:
@@ -346,6 +363,14 @@ def _add_ops_routes(app: FastAPI, tm: TokenizerManager, is_healthy: Callable[[],
             return create_error_response("`abort_all` must be true or false", param="abort_all")
         tm.abort_request(rid=body.get("rid", ""), abort_all=body.get("abort_all", False))
         return Response(status_code=200)
+
+
+def _lora_update_response(out: LoRAUpdateOutput) -> Response:
+    """A load's or an unload's answer: SGLang's LoRAUpdateOutput as JSON with 200, or the OpenAI
+    error body with 400 (SGLang sends the output itself with 400) saying why."""
+    if not out.success:
+        return create_error_response(out.error_message or "The LoRA adapter update failed")
+    return JSONResponse(dataclasses.asdict(out))
 
 
 async def _profile_response(reply: Any, route: str) -> Response:

@@ -6,7 +6,8 @@
     BatchStrOutput              DetokenizerManager -> TokenizerManager (ZMQ)
     EmbeddingReqInput -> TokenizedEmbeddingReqInput -> BatchEmbeddingOutput: the same chain for an
         embedding model (--is-embedding); the detokenizer passes the output through
-    AbortReq, FlushCache*, GetLoad*, ProfileReq*, ClearDecodeStatusReq, FreezeGCReq, SchedulerSnapshotOut: control
+    AbortReq, FlushCache*, GetLoad*, ProfileReq*, LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput,
+        LoRAUpdateOutput, ClearDecodeStatusReq, FreezeGCReq, SchedulerSnapshotOut: control
     TpBroadcastInput            Scheduler rank 0 -> ranks 1..N-1     (--tp-size N: gloo broadcast, managers/tp_lockstep.py)
 
 Everything that crosses a process boundary is one of the dataclasses registered in
@@ -141,6 +142,9 @@ class GenerateReqInput:
     # SGLang's: the LoRA adapter (a --lora-paths name) to run the request with, None for the base
     # model; one for all prompts of a batch or a list of one per prompt
     lora_path: Optional[Union[str, List[Optional[str]]]] = None
+    # SGLang's: the id of that adapter's load (lora/lora_registry.py), filled from lora_path by the
+    # TokenizerManager and the Engine (tokenization.resolve_lora_ids), never by a client
+    lora_id: Optional[Union[str, List[Optional[str]]]] = None
     # SGLang's: the request's own radix-tree namespace (a tenant's cache salt; the OpenAI routes'
     # cache_salt + extra_key): prompts under two keys never share cached K/V. One string for all
     # prompts of a batch or a list of one per prompt; None or "" is no key (docs/server.md)
@@ -189,7 +193,7 @@ class GenerateReqInput:
         check_same_n(self.sampling_params)
         for name in (
             "return_logprob", "logprob_start_len", "top_logprobs_num", "custom_logit_processor", "return_hidden_states",
-            "lora_path", "extra_key",
+            "lora_path", "lora_id", "extra_key",
         ):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, list):
@@ -235,6 +239,7 @@ class GenerateReqInput:
             return_text_in_logprobs=self.return_text_in_logprobs,
             return_hidden_states=self.return_hidden_states[i],  # type: ignore[index]
             lora_path=self.lora_path[i],  # type: ignore[index]
+            lora_id=self.lora_id[i],  # type: ignore[index]
             extra_key=self.extra_key[i],  # type: ignore[index]
             stream=self.stream,
             priority=self.priority,
@@ -292,7 +297,7 @@ class TokenizedGenerateReqInput:
     top_logprobs_num: int = 0
     token_ids_logprob: Optional[List[int]] = None
     return_hidden_states: bool = False  # (checked against --enable-return-hidden-states before it is built)
-    lora_id: Optional[str] = None  # the adapter's --lora-paths name (SGLang's field), None: the base model
+    lora_id: Optional[str] = None  # the id of the adapter's load (SGLang's field; lora_registry.py), None: the base model
     extra_key: Optional[str] = None  # the request's own cache namespace (None: none); Req.extra_key adds lora_id
     stream: bool = False
     priority: Optional[int] = None
@@ -467,6 +472,42 @@ class ProfileReqOutput:
     success: bool
     message: str = ""
     paths: List[str] = field(default_factory=list)
+
+
+@dataclass
+class LoadLoRAAdapterReqInput:
+    """Load a PEFT adapter while serving (SGLang's /load_lora_adapter, Engine.load_lora_adapter):
+    TokenizerManager -> Scheduler, whose LoRAManager reads and checks it. `lora_id` is minted by
+    the TokenizerManager's LoRARegistry (a new one per load), which registers the name only
+    once the scheduler answered success."""
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False  # (every minisgl adapter stays resident: docs/model_execution.md)
+    lora_id: Optional[str] = None
+
+
+@dataclass
+class UnloadLoRAAdapterReqInput:
+    """Drop a loaded adapter's weights (SGLang's /unload_lora_adapter): sent by the TokenizerManager
+    after it unregistered the name and its last request finished."""
+
+    lora_name: str
+    lora_id: Optional[str] = None
+
+
+@dataclass
+class LoRAUpdateOutput:
+    """The scheduler's answer to a load or an unload (SGLang's LoRAUpdateOutput, which it also names
+    LoadLoRAAdapterReqOutput and UnloadLoRAAdapterReqOutput). `error_message` says why when
+    `success` is false; `loaded_adapters`: name -> directory of every adapter loaded after it."""
+
+    success: bool
+    error_message: Optional[str] = None
+    loaded_adapters: Dict[str, str] = field(default_factory=dict)
+
+
+LoadLoRAAdapterReqOutput = UnloadLoRAAdapterReqOutput = LoRAUpdateOutput  # (SGLang's aliases: one type)
 
 
 @dataclass
@@ -729,6 +770,9 @@ _MESSAGE_TYPES: Dict[str, type] = {
         GetLoadReqOutput,
         ProfileReq,
         ProfileReqOutput,
+        LoadLoRAAdapterReqInput,
+        UnloadLoRAAdapterReqInput,
+        LoRAUpdateOutput,
         ClearDecodeStatusReq,
         FreezeGCReq,
         SchedulerSnapshotOut,

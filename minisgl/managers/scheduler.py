@@ -40,10 +40,13 @@ from minisgl.managers.io_struct import (
     FreezeGCReq,
     GetLoadReqInput,
     GetLoadReqOutput,
+    LoadLoRAAdapterReqInput,
+    LoRAUpdateOutput,
     ProfileReq,
     SchedulerSnapshotOut,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
+    UnloadLoRAAdapterReqInput,
     decode,
     encode,
 )
@@ -54,7 +57,8 @@ from minisgl.managers.scheduler_output_processor_mixin import (
     EmbeddingBatchResult, GenerationBatchResult, SchedulerOutputProcessorMixin,
 )  # fmt: skip
 from minisgl.managers.scheduler_profiler_mixin import SchedulerProfilerMixin
-from minisgl.managers.tokenization import LORA_NOT_ENABLED, RETURN_HIDDEN_STATES_DISABLED, lora_not_loaded
+from minisgl.lora.lora_registry import LoRARef, lora_not_loaded
+from minisgl.managers.tokenization import LORA_NOT_ENABLED, RETURN_HIDDEN_STATES_DISABLED
 from minisgl.managers.tp_lockstep import TpLeader, agree_on_ready_grammars, heartbeat_interval, threads_per_rank
 from minisgl.mem_cache.allocator import ceil_paged_tokens, new_page_slots
 from minisgl.mem_cache.radix_cache import RadixCache
@@ -102,7 +106,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
         self.max_running_requests = model_runner.max_running_requests
         # --is-embedding: every request is prefilled only, and its result is an embedding (SGLang's name)
         self.is_generation = not server_args.is_embedding
-        self.lora_names = server_args.lora_names  # --lora-paths adapters (empty: none)
+        self.enable_lora = server_args.enable_lora  # --lora-paths / --enable-lora (the adapters: model_runner.lora_manager)
         # --enable-priority-scheduling: +1 orders lower values first, -1 higher ones (SGLang's default)
         self.priority_order = (1 if server_args.schedule_low_priority_values_first else -1) if server_args.enable_priority_scheduling else None
         self.tree_cache = RadixCache(
@@ -220,6 +224,10 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
                 replies.append(self.flush_cache())
             elif isinstance(msg, GetLoadReqInput):
                 replies.append(self.get_load())
+            elif isinstance(msg, LoadLoRAAdapterReqInput):
+                replies.append(self.load_lora_adapter(msg))
+            elif isinstance(msg, UnloadLoRAAdapterReqInput):
+                replies.append(self.unload_lora_adapter(msg))
             elif isinstance(msg, FreezeGCReq):
                 freeze_gc("Scheduler")
                 self._outputs.append(msg)  # on to the detokenizer, after the outputs already queued
@@ -262,6 +270,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
             error_msg = RETURN_HIDDEN_STATES_DISABLED  # (the TokenizerManager and the Engine refuse it first)
         if error_msg is None and req.lora_id is not None:  # (the TokenizerManager and the Engine refuse it first)
             error_msg = self.check_lora_id(req.lora_id)
+            if error_msg is not None:
+                req.lora_id = None  # (its one-token prefill runs on the base model: that adapter is not here)
         if error_msg is None and recv_req.custom_logit_processor is not None:
             error_msg = self.load_custom_logit_processor(req, recv_req.custom_logit_processor)
         if error_msg is None and req.sampling_params.stop_regex_strs and self.server_args.tp_size > 1:
@@ -730,9 +740,9 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
         """_admit_waiting's walk of the queue; appends each request skipped for its adapter to `skipped`."""
         # the adapters the pass already runs (None: the base model), built once per pass: the
         # running batch changes only on a preemption, the admitted ones only on an admission
-        batch_loras = self._batch_loras(adder) if self.lora_names else set()
+        batch_loras = self._batch_loras(adder) if self.enable_lora else set()
         for req in self.waiting_queue:
-            if self.lora_names and len(batch_loras | {req.lora_id}) > self.server_args.max_loras_per_batch:
+            if self.enable_lora and len(batch_loras | {req.lora_id}) > self.server_args.max_loras_per_batch:
                 skipped.append(req)
                 continue
             no_slot = len(adder.can_run_list) >= self.get_num_allocatable_reqs(running_bs, rows_held)
@@ -743,7 +753,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
                     adder.record_stop("BATCH_FULL", f"no request slot left (max_running_requests={self.max_running_requests})")
                     return
                 running_bs = len(self.running_batch.reqs)
-                batch_loras = self._batch_loras(adder) if self.lora_names else set()
+                batch_loras = self._batch_loras(adder) if self.enable_lora else set()
             req.init_next_round_input(self.tree_cache)
             res = adder.add_one_req(req)
             # (NO_TOKEN may also come after `req` was admitted, when it used up the budget: then
@@ -753,7 +763,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
                 adder.stop_reason = None  # (room was made: offered again)
                 running_bs = len(self.running_batch.reqs)
                 res = adder.add_one_req(req)
-                batch_loras = self._batch_loras(adder) if self.lora_names else set()
+                batch_loras = self._batch_loras(adder) if self.enable_lora else set()
             if any(r is req for r in adder.can_run_list):
                 batch_loras.add(req.lora_id)
             if res != AddReqResult.CONTINUE:
@@ -774,12 +784,55 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
         return {r.lora_id for r in self.running_batch.reqs} | {r.lora_id for r in adder.can_run_list}
 
     def check_lora_id(self, lora_id: str) -> Optional[str]:
-        """The error of a request naming an adapter this server did not load (None: it is loaded)."""
-        if not self.lora_names:
+        """The error of a request naming an adapter load this server does not hold (None: it does)."""
+        manager = self.model_runner.lora_manager
+        if manager is None:
             return LORA_NOT_ENABLED
-        if lora_id not in self.lora_names:
-            return lora_not_loaded(lora_id, self.lora_names)
+        if lora_id not in manager.adapters:
+            return lora_not_loaded(lora_id, manager.loaded_adapters())
         return None
+
+    def load_lora_adapter(self, recv_req: LoadLoRAAdapterReqInput) -> LoRAUpdateOutput:
+        """/load_lora_adapter's work: the LoRAManager reads and checks the adapter under its new
+        lora_id; a refusal (or a broken file) is the reply's error, and nothing changed."""
+        manager = self.model_runner.lora_manager
+        if manager is None:
+            return LoRAUpdateOutput(False, "LoRA is not enabled: start the server with --enable-lora (or --lora-paths)")
+        try:
+            assert recv_req.lora_id is not None, "the TokenizerManager mints the lora_id"
+            manager.load_lora_adapter(LoRARef(recv_req.lora_id, recv_req.lora_name, recv_req.lora_path, recv_req.pinned))
+        except ValueError as e:
+            return LoRAUpdateOutput(False, str(e), manager.loaded_adapters())
+        except Exception as e:  # (a file safetensors cannot read, ...): the load fails, the server goes on
+            logger.exception("Loading LoRA adapter %s failed", recv_req.lora_name)
+            return LoRAUpdateOutput(False, f"LoRA adapter {recv_req.lora_name!r} failed to load: {type(e).__name__}: {e}", manager.loaded_adapters())
+        return LoRAUpdateOutput(True, None, manager.loaded_adapters())
+
+    def unload_lora_adapter(self, recv_req: UnloadLoRAAdapterReqInput) -> LoRAUpdateOutput:
+        """/unload_lora_adapter's last step: drop the weights of a load no request uses any more.
+        The TokenizerManager (the Engine) waits for that first, as SGLang's does; a request still
+        here is refused rather than left without its adapter's weights."""
+        manager = self.model_runner.lora_manager
+        if manager is None:
+            return LoRAUpdateOutput(False, "LoRA is not enabled: start the server with --enable-lora (or --lora-paths)")
+        in_use = [r.rid for r in self.reqs_of_lora(recv_req.lora_id)]
+        if in_use:
+            return LoRAUpdateOutput(
+                False, f"LoRA adapter {recv_req.lora_name!r} is still used by {len(in_use)} request(s) ({', '.join(in_use[:8])}); "
+                "unload it once they finished", manager.loaded_adapters(),
+            )  # fmt: skip
+        try:
+            manager.unload_lora_adapter(recv_req.lora_id or "")
+        except ValueError as e:
+            return LoRAUpdateOutput(False, str(e), manager.loaded_adapters())
+        return LoRAUpdateOutput(True, None, manager.loaded_adapters())
+
+    def reqs_of_lora(self, lora_id: Optional[str]) -> List[Req]:
+        """The requests here that will still run a forward with adapter load `lora_id`."""
+        reqs = self.grammar_queue + self.waiting_queue + self._unfinished_reqs()
+        if self.chunked_req is not None:
+            reqs.append(self.chunked_req)
+        return list({id(r): r for r in reqs if r.lora_id == lora_id and not r.finished()}.values())
 
     def _preempt_for(self, adder: PrefillAdder, req: Req, no_slot: bool) -> bool:
         """Priority preemption for `req` (--enable-priority-scheduling): whether it freed room."""

@@ -18,11 +18,12 @@ Bad input raises ValueError with a message that says what to change (HTTP 400 up
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable, List, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Union
 
 from minisgl.managers.io_struct import (
     EmbeddingReqInput, GenerateReqInput, TokenizedEmbeddingReqInput, TokenizedGenerateReqInput, check_logprob_args,
 )  # fmt: skip
+from minisgl.lora.lora_registry import LoRARegistry
 from minisgl.sampling.sampling_params import SamplingParams
 from minisgl.utils import lone_surrogate_at
 
@@ -90,29 +91,28 @@ def check_return_hidden_states(obj: GenerateReqInput, enabled: bool, hint: str =
         raise ValueError(RETURN_HIDDEN_STATES_DISABLED + hint)
 
 
-LORA_NOT_ENABLED = "lora_path needs a server started with --lora-paths NAME=PATH ... (the Engine: lora_paths=[...])"
+LORA_NOT_ENABLED = (
+    "lora_path needs a server started with --lora-paths NAME=PATH ... or --enable-lora "
+    "(the Engine: lora_paths=[...] or enable_lora=True)"
+)
 
 
-def lora_not_loaded(name: str, loaded: Iterable[str]) -> str:
-    """The error of a request naming an adapter this server did not load (the TokenizerManager's,
-    the Engine's and the Scheduler's: one wording)."""
-    return f"LoRA adapter {name!r} is not loaded; the loaded adapters are: {', '.join(sorted(loaded))}"
-
-
-def check_lora_path(obj: GenerateReqInput, loaded: Iterable[str]) -> None:
-    """A normalized request's lora_path (one name, or one per prompt of a batch; None: the base model):
-    a name of --lora-paths. Refused before anything is queued, naming the loaded adapters."""
+def resolve_lora_ids(obj: GenerateReqInput, registry: Optional[LoRARegistry]) -> None:
+    """A normalized request's lora_path (one name, or one per prompt of a batch; None: the base model)
+    -> obj.lora_id, the id each named adapter's load has now (SGLang's lora_registry.acquire).
+    registry None: LoRA is off. Refused before anything is queued, naming the loaded adapters."""
     values = obj.lora_path if isinstance(obj.lora_path, list) else [obj.lora_path]
-    names = sorted(loaded)
+    ids: List[Optional[str]] = []
     for value in values:
         if value is None:
+            ids.append(None)
             continue
         if not isinstance(value, str):
             raise ValueError(f"lora_path must be an adapter name (a string), got {value!r}")
-        if not names:
+        if registry is None:
             raise ValueError(LORA_NOT_ENABLED)
-        if value not in names:
-            raise ValueError(lora_not_loaded(value, names))
+        ids.append(registry.lora_id_of(value))
+    obj.lora_id = ids if isinstance(obj.lora_path, list) else ids[0]
 
 
 MAX_EXTRA_KEY_CHARS = 1024  # a request's cache namespace, cache_salt + extra_key
@@ -196,7 +196,7 @@ def create_tokenized_object(
         top_logprobs_num=obj.top_logprobs_num,
         token_ids_logprob=list(obj.token_ids_logprob) if obj.token_ids_logprob else None,
         return_hidden_states=bool(obj.return_hidden_states),
-        lora_id=obj.lora_path,  # type: ignore[arg-type]  (a single request's one name, checked by check_lora_path)
+        lora_id=obj.lora_id,  # type: ignore[arg-type]  (a single request's one id, from resolve_lora_ids)
         extra_key=obj.extra_key or None,  # type: ignore[arg-type]  (checked by check_extra_key; "" is no key, as SGLang's)
         stream=obj.stream,
         priority=obj.priority,

@@ -57,12 +57,15 @@ from minisgl.managers.io_struct import (
     GenerateReqInput,
     GetLoadReqInput,
     GetLoadReqOutput,
+    LoadLoRAAdapterReqInput,
+    LoRAUpdateOutput,
     ProfileReq,
     ProfileReqOutput,
     ProfileReqType,
     Sample,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
+    UnloadLoRAAdapterReqInput,
     check_logprob_args,
     decode,
     encode,
@@ -73,6 +76,7 @@ from minisgl.managers.io_struct import (
     prefix_warmups,
     spec_meta_info,
 )
+from minisgl.lora.lora_registry import LoRARegistry
 from minisgl.sampling.sampling_params import MAX_TOP_LOGPROBS_NUM, SamplingParams
 from minisgl.server_args import PortArgs, ServerArgs
 from minisgl.utils import freeze_gc, get_zmq_socket
@@ -97,6 +101,8 @@ MAX_RID_CHARS = 256  # a rid rides in every step's output message and snapshot: 
 # a worker thread: ~1 ms per 2,000 characters, so this is where one starts to stall others.
 TOKENIZE_OFF_LOOP_CHARS = 20_000
 MAX_TOKEN_IDS_LOGPROB = 256  # ids of token_ids_logprob (class labels are a handful; each is reported at every position)
+# How often an unload checks whether the adapter's last request finished (seconds).
+LORA_UNLOAD_POLL_INTERVAL = 0.01
 # SGLang's HEALTH_CHECK_TIMEOUT: how long /health_generate waits for the pipeline to answer.
 HEALTH_CHECK_TIMEOUT = 20.0
 # A backlog this long means the client reads slower than the engine writes (seed 004).
@@ -303,7 +309,10 @@ class TokenizerManager:
         self.server_args = server_args
         # --is-embedding: embedding requests only; the model's Matryoshka sizes check their `dimensions`
         self.is_embedding = server_args.is_embedding
-        self.lora_names = server_args.lora_names  # --lora-paths adapters a request may name
+        # the adapters a request may name (--lora-paths, then /load_lora_adapter); None: LoRA off.
+        # Loads and unloads take turns (lora_update_lock): each sees the registry the last one left
+        self.lora_registry = LoRARegistry(server_args.lora_adapters or ()) if server_args.enable_lora else None
+        self.lora_update_lock = asyncio.Lock()
         self.hidden_size = hidden_size
         self.is_matryoshka = is_matryoshka
         self.matryoshka_dimensions = matryoshka_dimensions
@@ -364,7 +373,9 @@ class TokenizerManager:
         tokenization.check_priority(obj.priority, self.server_args.enable_priority_scheduling)
         tokenization.check_custom_logit_processor(obj, self.server_args.enable_custom_logit_processor)
         tokenization.check_return_hidden_states(obj, self.server_args.enable_return_hidden_states)
-        tokenization.check_lora_path(obj, self.lora_names)
+        # (no await from here to the ReqStates' registration: an unload finds each request that
+        # resolved its adapter among those it waits for, or the request finds the name gone)
+        tokenization.resolve_lora_ids(obj, self.lora_registry)
         tokenization.check_extra_key(obj)
         n = params[0].n if obj.is_single else 1
         if obj.is_single and n == 1:
@@ -758,6 +769,58 @@ class TokenizerManager:
         # the scheduler writes the trace before it answers: a long profile takes a while (minutes),
         # with its watchdogs paused, so no timeout here either (a scheduler that dies ends the server)
         return await self._control_request(ProfileReq(ProfileReqType.STOP_PROFILE), ProfileReqOutput, timeout=None)
+
+    # ------------------------------------------------------------------ LoRA adapters while serving
+    async def load_lora_adapter(self, obj: LoadLoRAAdapterReqInput) -> LoRAUpdateOutput:
+        """SGLang's: mint the load's lora_id, let the scheduler read and check the adapter, and only
+        then register the name (a failed load leaves nothing behind). Refusals come back as the
+        output's error_message (the route's 400)."""
+        return await asyncio.shield(self._update_lora(self._load_lora_adapter_locked, obj))
+
+    async def unload_lora_adapter(self, obj: UnloadLoRAAdapterReqInput) -> LoRAUpdateOutput:
+        """SGLang's: unregister the name (new requests naming it are 400s from now on), wait until
+        no request that resolved it is in flight, then let the scheduler drop the weights."""
+        return await asyncio.shield(self._update_lora(self._unload_lora_adapter_locked, obj))
+
+    async def _update_lora(self, update: Any, obj: Any) -> LoRAUpdateOutput:
+        """One load or unload at a time. Shielded by its callers: a client that leaves mid-way
+        does not stop it half done (the scheduler holding weights no name reaches, or the reverse)."""
+        try:
+            if self.lora_registry is None:
+                raise ValueError("LoRA is not enabled: start the server with --enable-lora (with --max-lora-rank and --lora-target-modules) or --lora-paths")
+            async with self.lora_update_lock:
+                return await update(obj)
+        except ValueError as e:
+            return LoRAUpdateOutput(False, str(e), self.lora_registry.loaded_adapters() if self.lora_registry else {})
+
+    async def _load_lora_adapter_locked(self, obj: LoadLoRAAdapterReqInput) -> LoRAUpdateOutput:
+        registry = self.lora_registry
+        assert registry is not None
+        registry.check_new_name(obj.lora_name, self.server_args.max_loaded_loras)
+        ref = registry.new_ref(obj.lora_name, obj.lora_path, obj.pinned)
+        obj.lora_id = ref.lora_id
+        logger.info("Start load LoRA adapter. name=%s path=%s id=%s", ref.lora_name, ref.lora_path, ref.lora_id)
+        # (no timeout: reading a big adapter takes what it takes; a scheduler that dies ends the server)
+        out = await self._control_request(obj, LoRAUpdateOutput, timeout=None)
+        if out.success:
+            registry.register(ref)
+        return out
+
+    async def _unload_lora_adapter_locked(self, obj: UnloadLoRAAdapterReqInput) -> LoRAUpdateOutput:
+        registry = self.lora_registry
+        assert registry is not None
+        ref = registry.unregister(obj.lora_name)
+        obj.lora_id = ref.lora_id
+        logger.info("Start unload LoRA adapter. name=%s id=%s", ref.lora_name, ref.lora_id)
+        while self._requests_of_lora(ref.lora_id):  # (SGLang's wait_for_unload)
+            await asyncio.sleep(LORA_UNLOAD_POLL_INTERVAL)
+        return await self._control_request(obj, LoRAUpdateOutput, timeout=None)
+
+    def _requests_of_lora(self, lora_id: str) -> int:
+        """Requests in flight that run adapter load `lora_id`. rid_to_state holds every request from
+        before tokenization to its finish (an abandoned one until the scheduler's abort comes back),
+        so this counts what SGLang's per-adapter counters count, with nothing to release."""
+        return sum(getattr(state.obj, "lora_id", None) == lora_id for state in self.rid_to_state.values())
 
     async def _control_request(self, msg: Any, reply_type: type, timeout: Optional[float] = 10.0) -> Any:
         lock = self._control_locks.setdefault(reply_type, asyncio.Lock())

@@ -705,3 +705,21 @@ class ProfileReqInput(BaseModel):
     merge_profiles: Optional[bool] = None
     profile_prefix: Optional[str] = None  # the trace's file name starts with "<profile_prefix>-"
     profile_stages: Optional[List[str]] = None
+
+
+# --------------------------------------------------------------------------- /load_lora_adapter, /unload_lora_adapter
+class LoadLoRAAdapterRequest(BaseModel):
+    """SGLang's /load_lora_adapter body (its LoadLoRAAdapterReqInput's client fields): the name
+    requests will use, the PEFT directory, and `pinned` (docs/server.md)."""
+
+    model_config = _STRICT
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """SGLang's /unload_lora_adapter body: the name of a loaded adapter."""
+
+    model_config = _STRICT
+    lora_name: str

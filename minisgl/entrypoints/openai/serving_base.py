@@ -274,11 +274,12 @@ class OpenAIServingBase(ABC):
         if unknown is not None:
             return unknown
         adapter = split_lora_model(request.model, self.tokenizer_manager.model_name)[1]
-        if adapter is not None and not self.tokenizer_manager.lora_names:
+        if adapter is not None and self.tokenizer_manager.lora_registry is None:  # (LoRA off)
             # (said about `model`, which named it; the TokenizerManager's message is about lora_path)
             return create_error_response(
                 f"model {request.model!r} names LoRA adapter {adapter!r} (\"BASE:ADAPTER\"), but this server serves "
-                f"no adapters: send model {self._base_model(request)!r}, or start the server with --lora-paths {adapter}=PATH",
+                f"no adapters: send model {self._base_model(request)!r}, or start the server with --lora-paths {adapter}=PATH "
+                "(or --enable-lora, then /load_lora_adapter)",
                 param="model",
             )
         if self.tokenizer_manager.is_embedding:  # (the TokenizerManager refuses it too; said first, before any other check)
