@@ -225,3 +225,23 @@ def test_server_args_of_dynamic_lora(tiny_model: str, adapters: Dict[str, str]) 
         Engine(tiny_model, device="cpu", max_total_tokens=1024, lora_paths=[f"r8={adapters['r8']}"], max_lora_rank=4)
     with pytest.raises(ValueError, match=r"LoRA adapter 'one' targets \['down_proj', 'gate_proj', 'k_proj', 'o_proj', 'up_proj'\], outside --lora-target-modules"):
         Engine(tiny_model, device="cpu", max_total_tokens=1024, lora_paths=[one], lora_target_modules=["q_proj", "v_proj"])
+
+
+def test_the_routes_on_a_server_without_lora_are_400s_saying_how_to_turn_it_on(tiny_model: str, tmp_path: Any) -> None:
+    """The TokenizerManager answers before anything reaches a scheduler (none runs here)."""
+    from fastapi.testclient import TestClient
+
+    from minisgl.entrypoints.http_server import create_app
+    from minisgl.managers.tokenizer_manager import TokenizerManager
+    from minisgl.server_args import PortArgs
+    from minisgl.utils import get_tokenizer
+
+    tokenizer = get_tokenizer(tiny_model)
+    tm = TokenizerManager(resolve_server_args(ServerArgs(model_path=tiny_model, device="cpu")), PortArgs.init_new(str(tmp_path)), tokenizer, 64, len(tokenizer))
+    with TestClient(create_app(tm.server_args, tm, is_healthy=lambda: True)) as client:
+        for route, body in (("/load_lora_adapter", {"lora_name": "a", "lora_path": str(tmp_path)}), ("/unload_lora_adapter", {"lora_name": "a"})):
+            r = client.post(route, json=body)
+            assert r.status_code == 400 and r.json()["error"]["message"].startswith("LoRA is not enabled: start the server with --enable-lora"), r.text
+        r = client.post("/v1/completions", json={"model": f"{tm.model_name}:a", "prompt": "hi", "max_tokens": 1})
+        assert r.status_code == 400 and "or --enable-lora, then /load_lora_adapter" in r.json()["error"]["message"]
+    tm.close()
