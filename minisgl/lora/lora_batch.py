@@ -3,7 +3,7 @@ projection adds.
 
 Where it sits: the ModelRunner's LoRAManager (lora_manager.py) builds a LoRABatchInfo once per
 pass with `build_lora_batch_info` (from the ForwardBatch's plain fields: each request's adapter
-name and token count) and sets it on `forward_batch.lora_batch_info`. DecoderAttention and
+load, its lora_id, and token count) and sets it on `forward_batch.lora_batch_info`. DecoderAttention and
 DecoderMLP (models/decoder.py) then call `apply_lora` after each projection. This module
 imports no executor or model code, so the ForwardBatch can name LoRABatchInfo and the models can
 apply it without importing the manager (no import cycle).
@@ -41,8 +41,8 @@ def build_lora_batch_info(
     adapters: Mapping[str, LoRAAdapter],
     device: torch.device,
 ) -> Optional[LoRABatchInfo]:
-    """Group a pass's tokens by adapter. lora_ids: each request's adapter name (None: the base
-    model); tokens_per_req: each request's tokens in the pass, in order (its extend length, or 1
+    """Group a pass's tokens by adapter. lora_ids: each request's adapter load, its lora_id (None:
+    the base model); tokens_per_req: each request's tokens in the pass, in order (its extend length, or 1
     for a decode row). None when every request runs the base model."""
     if lora_ids is None or all(i is None for i in lora_ids):
         return None

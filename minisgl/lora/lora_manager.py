@@ -5,7 +5,7 @@ Where it sits: the ModelRunner builds one LoRAManager at start when LoRA is on (
 /load_lora_adapter's and /unload_lora_adapter's messages (`load_lora_adapter`,
 `unload_lora_adapter`); it keys adapters by `lora_id`, the id of each load (lora_registry.py).
 Per forward pass, ModelRunner.forward_eager calls `prepare_lora_batch`
-with the ForwardBatch's plain fields (its `lora_ids`, one adapter name or None per request, and
+with the ForwardBatch's plain fields (its `lora_ids`, one adapter lora_id or None per request, and
 each request's token count) and sets `forward_batch.lora_batch_info`: for each distinct adapter of
 the pass, the rows of its tokens. DecoderAttention and DecoderMLP then call lora_batch.apply_lora
 after each projection (lora_batch.py holds the per-pass half, so neither imports this module).

@@ -3,17 +3,18 @@
 Where it sits: the scheduler's `Req.extra_key` calls `namespace(lora_id, cache_key)`, and every
 RadixCache match and insert for the request passes the result on (radix_cache.py: it is part of
 every child key). The snapshot splits it back (`split_namespace`) to show the adapter and a tag
-of the key (`key_tag`), never the key itself. In: the adapter's --lora-paths name (None: the
-base model) and the request's key (/generate's `extra_key`, the OpenAI routes' `cache_salt +
-extra_key`; None: none). Out: one string or None, SGLang's RadixKey.extra_key type.
+of the key (`key_tag`), never the key itself. In: the adapter's lora_id (the id of its load,
+lora/lora_registry.py: its name, or NAME#k for a name loaded again; None: the base model) and
+the request's key (/generate's `extra_key`, the OpenAI routes' `cache_salt + extra_key`; None:
+none). Out: one string or None, SGLang's RadixKey.extra_key type.
 
 Encoding, and why: SGLang concatenates (`(extra_key or "") + lora_id`), so key "a" with the base
 model and key "" with adapter "a" share a namespace, and a client who picks a key equal to an
 adapter's name reads that adapter's cached K/V. Here a request without a key keeps the plain
 adapter name (the tree of a server that never sees a key is unchanged), and one with a key is
-`lora_id + "\\0" + key`: adapter names hold no NUL (lora_config.parse_lora_paths refuses it), so
-the first NUL splits the string back into the pair, and a keyed namespace (it has a NUL) never
-equals an unkeyed one (it has none). The map is one-to-one: two requests share cached K/V only
+`lora_id + "\\0" + key`: adapter names, so lora_ids, hold no NUL (lora_registry.check_lora_name and
+lora_config.parse_lora_paths refuse it), so the first NUL splits the string back into the pair,
+and a keyed namespace (it has a NUL) never equals an unkeyed one (it has none). The map is one-to-one: two requests share cached K/V only
 when both their adapter and their key are equal.
 """
 

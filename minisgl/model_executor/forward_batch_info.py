@@ -105,7 +105,7 @@ class ForwardBatch:
     # FULL when a request of the pass asked for return_hidden_states: the LogitsProcessor then hands
     # back the final-norm hidden state of every token of the pass (LogitsProcessorOutput.hidden_states)
     capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
-    # --lora-paths: each request's adapter name (None: the base model; the list None when no request
+    # LoRA: each request's adapter, its lora_id (None: the base model; the list None when no request
     # of the pass names one), and, set by the ModelRunner's LoRAManager.prepare_lora_batch once per
     # pass, the tokens grouped by adapter that DecoderAttention / DecoderMLP add the deltas of
     lora_ids: Optional[List[Optional[str]]] = None
