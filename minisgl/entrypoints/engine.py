@@ -13,10 +13,10 @@ so a notebook can watch the scheduler decide, one batch at a time. An Engine bui
 `is_embedding=True` serves an embedding model: `encode()` (SGLang's) sends EmbeddingReqInputs
 down the same chain and returns {"embedding", "meta_info"}; generate() is refused there, and
 encode() everywhere else.
-Owns: the ModelRunner, the Scheduler, the DetokenizerManager, one tokenizer, and a
-`_ReqState` per request submitted and not yet collected. With `tp_size=N` it is rank 0, and
-owns ranks 1..N-1 as child processes (engine_tp.py): each change of its scheduler goes to them
-first (`_handover`). Every call runs in its caller's
+Owns: the ModelRunner, the Scheduler, the DetokenizerManager, one tokenizer, the LoRARegistry
+(with LoRA on), and a `_ReqState` per request submitted and not yet collected. With `tp_size=N`
+it is rank 0, and owns ranks 1..N-1 as child processes (engine_tp.py): each change of its
+scheduler goes to them first (`_handover`). Every call runs in its caller's
 thread; calls from several threads take turns (one lock: a step, or a call, at a time).
 
 Results have the TokenizerManager's shape (docs/engine.md): `meta_info` always carries

@@ -25,7 +25,8 @@ Streaming dicts carry deltas (SGLang's incremental streaming); the final dict of
 non-streaming request carries the whole text, ids, logprobs and hidden states. Prompt logprobs
 (asked for by `logprob_start_len`) come once, in the first dict after the prompt was prefilled;
 so does the prompt's entry of the hidden states (Req.hidden_states' layout).
-Owns: rid_to_state, the request-side Prometheus metrics, the dynamic batch tokenizer.
+Owns: rid_to_state, the request-side Prometheus metrics, the dynamic batch tokenizer, and the
+LoRARegistry (the adapters a request may name; /load_lora_adapter and /unload_lora_adapter).
 """
 
 from __future__ import annotations
