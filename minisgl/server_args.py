@@ -386,6 +386,12 @@ class ServerArgs:
             if self.lora_adapters is not None:
                 raise ValueError("lora_adapters is filled from lora_paths by resolve_server_args: give lora_paths instead")
             return
+        if self.tp_size > 1:
+            raise ValueError(
+                f"LoRA (--lora-paths, --enable-lora) does not combine with --tp-size {self.tp_size}: tensor parallelism "
+                "does not shard the adapters' weights (each rank would add a whole adapter's delta to its slice). "
+                "Drop one of the two."
+            )
         if self.speculative_algorithm is not None:
             raise ValueError(
                 "LoRA (--lora-paths, --enable-lora) does not combine with --speculative-algorithm: a verify pass would "
@@ -432,11 +438,6 @@ class ServerArgs:
         bad = [t for t in targets if t != "all" and t not in SUPPORTED_TARGET_MODULES]
         if bad:
             raise ValueError(f"--lora-target-modules {bad}: LoRA applies to {', '.join(SUPPORTED_TARGET_MODULES)} (or all of them: all)")
-
-    @property
-    def lora_names(self) -> frozenset:
-        """The --lora-paths adapter names (empty without them; resolved args): those loaded at start."""
-        return frozenset(name for name, _ in self.lora_adapters or ())
 
     def _check_speculative(self) -> None:
         if self.speculative_algorithm is None:

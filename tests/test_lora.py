@@ -371,7 +371,6 @@ def test_server_args_refusals(tiny_model: str, adapters: Dict[str, str], tmp_pat
     assert args.lora_paths == (a, adapters["b"]) and args.max_loras_per_batch == 2
     resolved = resolve_server_args(dataclasses.replace(args, device="cpu", model_path=tiny_model))
     assert resolved.lora_adapters == (("a", adapters["a"]), (adapters["b"], adapters["b"]))  # parsed once, in order
-    assert resolved.lora_names == {"a", adapters["b"]}
     assert not args.is_resolved and resolved.is_resolved
     with pytest.raises(ValueError, match="filled from lora_paths by resolve_server_args"):
         ServerArgs(lora_paths=(a,), lora_adapters=(("x", adapters["a"]),))
