@@ -389,7 +389,7 @@ def test_request_refusals(engine: Any, tiny_model: str) -> None:
     with pytest.raises(ValueError, match="lora_path must be an adapter name"):
         engine.add_request(input_ids=PROMPTS[0], lora_path=3)  # type: ignore[arg-type]
     with Engine(tiny_model, device="cpu", max_total_tokens=1024) as plain:
-        with pytest.raises(ValueError, match="needs a server started with --lora-paths"):
+        with pytest.raises(ValueError, match="LoRA is not enabled: start the server with --lora-paths"):
             plain.generate(input_ids=PROMPTS[0], sampling_params={"max_new_tokens": 2}, lora_path="a")
 
 

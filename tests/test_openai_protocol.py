@@ -209,7 +209,7 @@ def test_unsupported_field_names_the_param(client: TestClient) -> None:
     r = client.post("/generate", json={"text": "hi", "session_params": {"id": "s"}})
     assert r.status_code == 400 and "'session_params': it is not supported by minisgl" in r.json()["error"]["message"]
     r = client.post("/generate", json={"text": "hi", "lora_path": "adapter"})  # (built; this server has no adapter)
-    assert r.status_code == 400 and "lora_path needs a server started with --lora-paths" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "LoRA is not enabled: start the server with --lora-paths" in r.json()["error"]["message"]
 
 
 def test_generate_takes_the_nulls_sglangs_own_clients_send(tiny_model: str, tmp_path: Any) -> None:

@@ -47,12 +47,11 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 from minisgl.entrypoints.engine_tp import EngineTpRanks, RankDiedError
-from minisgl.lora.lora_registry import LoRARegistry
+from minisgl.lora.lora_registry import LORA_NOT_ENABLED, LoRARegistry
 from minisgl.managers.io_struct import (
     LOGPROB_META_KEYS, AbortReq, BatchEmbeddingOutput, BatchStrOutput, EmbeddingReqInput, FlushCacheReqInput, GenerateReqInput,
-    LoadLoRAAdapterReqInput, LoRAUpdateOutput, ProfileReq, ProfileReqType, TokenizedEmbeddingReqInput,
-    TokenizedGenerateReqInput, UnloadLoRAAdapterReqInput, check_logprob_args, expand_samples, hidden_states_of,
-    logprobs_of, new_rid, prefix_warmups, spec_meta_info,
+    LoRAUpdateOutput, ProfileReq, ProfileReqType, TokenizedEmbeddingReqInput, TokenizedGenerateReqInput,
+    check_logprob_args, expand_samples, hidden_states_of, logprobs_of, new_rid, prefix_warmups, spec_meta_info,
 )  # fmt: skip
 from minisgl.managers.tokenization import (
     check_custom_logit_processor, check_dimensions, check_extra_key, check_priority, check_return_hidden_states,
@@ -220,7 +219,8 @@ class Engine:
         reports, in meta_info["output_token_ids_logprobs"] ("input_token_ids_logprobs").
         return_hidden_states: with enable_return_hidden_states, the final-norm hidden states in
         meta_info["hidden_states"] (docs/engine.md).
-        lora_path: the name of a lora_paths adapter to run the request with (None: the base model).
+        lora_path: the name of a loaded adapter (lora_paths, or load_lora_adapter) to run the request
+        with (None: the base model).
         extra_key: the request's own radix-tree namespace (SGLang's; a tenant's cache salt): it
         reuses cached K/V only of requests with the same key (None or "": no key)."""
         self._check_open()
@@ -381,8 +381,8 @@ class Engine:
         return_hidden_states (with enable_return_hidden_states=True; one for all prompts or one per
         prompt): meta_info["hidden_states"], SGLang's list: the prompt's final-norm rows [n, H] (the
         tokens the prefill computed: after a radix hit, only the uncached ones), then one [H] row per
-        decode step (docs/engine.md). lora_path (with lora_paths): the adapter name each prompt runs
-        with, one for all or one per prompt (None: the base model). extra_key: each prompt's own
+        decode step (docs/engine.md). lora_path (with LoRA on): the name of the loaded adapter each
+        prompt runs with, one for all or one per prompt (None: the base model). extra_key: each prompt's own
         radix-tree namespace (SGLang's; a tenant's cache salt), one for all or one per prompt: a
         prompt reuses cached K/V only of requests with the same key and adapter (docs/engine.md)."""
         rids, single = self._submit(
@@ -853,44 +853,42 @@ class Engine:
         """Load a PEFT adapter while the Engine runs (SGLang's Engine.load_lora_adapter): requests may
         name it (lora_path=lora_name) from now on. Needs lora_paths, or enable_lora=True with
         max_lora_rank and lora_target_modules. ValueError says why a load is refused (a taken name,
-        max_loaded_loras reached, a rank or module past those limits, not a PEFT LoRA directory);
-        nothing changes then. Returns the scheduler's answer (loaded_adapters: name -> directory)."""
+        max_loaded_loras reached, a rank or module past those limits, not a PEFT LoRA directory,
+        a bad argument; SGLang's returns the failed LoRAUpdateOutput instead); nothing changes then.
+        Returns the scheduler's answer (loaded_adapters: name -> directory)."""
         self._check_open()
-        registry = self._lora_registry()
         lora_path = os.fspath(lora_path) if isinstance(lora_path, os.PathLike) else lora_path
-        if not isinstance(lora_path, str) or not lora_path:
-            raise ValueError(f"lora_path must be the adapter's directory (a PEFT save_pretrained directory), got {lora_path!r}")
-        if not isinstance(pinned, bool):
-            raise ValueError(f"pinned must be True or False, got {pinned!r}")
-        registry.check_new_name(lora_name, self.server_args.max_loaded_loras)
-        ref = registry.new_ref(lora_name, lora_path, pinned)
-        out = self.scheduler.load_lora_adapter(LoadLoRAAdapterReqInput(lora_name, lora_path, pinned, ref.lora_id))
-        if not out.success:
-            raise ValueError(out.error_message)
-        registry.register(ref)
-        return out
+        with self._lora_registry().loading(lora_name, lora_path, pinned, self.server_args.max_loaded_loras) as update:
+            with _signals_held_until_the_end():  # (a Ctrl-C lands once the answer is kept: weights and name agree)
+                update.out = self.scheduler.load_lora_adapter(update.msg)
+        if not update.out.success:
+            raise ValueError(update.out.error_message)
+        return update.out
 
     @_locked
     def unload_lora_adapter(self, lora_name: str) -> LoRAUpdateOutput:
         """Unload an adapter (SGLang's Engine.unload_lora_adapter): new requests naming it are refused
         at once; those already queued or running with it finish first, as SGLang waits for them,
         so this steps the scheduler (everyone's requests advance) until none is left. Their results
-        stay to collect. ValueError when no adapter of that name is loaded."""
+        stay to collect. ValueError when no adapter of that name is loaded. Interrupted while it
+        waits (Ctrl-C, an error in a step), it leaves the adapter loaded and named, and re-raises."""
         self._check_open()
-        ref = self._lora_registry().unregister(lora_name)
-        while self.scheduler.reqs_of_lora(ref.lora_id):
-            self.step(snapshot=False)
-        out = self.scheduler.unload_lora_adapter(UnloadLoRAAdapterReqInput(lora_name, ref.lora_id))
-        if not out.success:
-            raise ValueError(out.error_message)
-        return out
+        with self._lora_registry().unloading(lora_name) as update:
+            lora_id = update.msg.lora_id
+            while self.scheduler.reqs_of_lora(lora_id):
+                self.step(snapshot=False)
+            with _signals_held_until_the_end():
+                # (nothing uses it now, so the scheduler answers at once: it defers only an unload
+                # whose adapter still runs, the server's safety net)
+                update.out = self.scheduler.unload_lora_adapter(update.msg)
+        assert update.out is not None
+        if not update.out.success:
+            raise ValueError(update.out.error_message)
+        return update.out
 
     def _lora_registry(self) -> LoRARegistry:
         if self.lora_registry is None:
-            raise ValueError(
-                "LoRA is off in this Engine: build it with lora_paths=[...], or enable_lora=True with max_lora_rank "
-                "and lora_target_modules, to load adapters"
-            )
+            raise ValueError(LORA_NOT_ENABLED)
         return self.lora_registry
 
     @_locked

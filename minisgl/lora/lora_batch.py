@@ -21,10 +21,15 @@ from minisgl.lora.lora_config import LoRAConfig
 
 @dataclass
 class LoRAAdapter:
+    """One loaded adapter, the LoRAManager's record of it: its name and directory (what the
+    answers to loads and unloads list), `pinned` as its load asked, its config and weights."""
+
     name: str
+    path: str
     config: LoRAConfig
     # (layer id, fused module) -> (A [n * r, in], scaling * block-diagonal B [out, n * r])
     weights: Dict[Tuple[int, str], Tuple[torch.Tensor, torch.Tensor]]
+    pinned: bool = False
 
 
 @dataclass

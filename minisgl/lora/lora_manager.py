@@ -80,13 +80,13 @@ class LoRAManager:
     ) -> None:
         self.model_config = model_config
         self.device, self.dtype = device, dtype
-        self.adapters: Dict[str, LoRAAdapter] = {}  # lora_id -> weights
-        self.lora_refs: Dict[str, LoRARef] = {}  # lora_id -> its load (name, directory)
+        # lora_id -> the adapter (name, directory, config, weights): what the scheduler asks about
+        # and each pass reads
+        self.adapters: Dict[str, LoRAAdapter] = {}
         # --lora-paths: ids as the LoRARegistry of the HTTP process (or the Engine) mints them, so
         # that both sides name each start-up adapter alike without a message between them
         for ref in LoRARegistry(lora_paths.items()).refs():
             self.adapters[ref.lora_id] = self._load(ref.lora_name, ref.lora_path)
-            self.lora_refs[ref.lora_id] = ref
         self.init_lora_shapes(max_lora_rank, target_modules)
         for a in self.adapters.values():
             logger.info("LoRA adapter %s: r=%d, scaling=%.4g, targets %s", a.name, a.config.r, a.config.scaling, ",".join(a.config.target_modules))
@@ -134,36 +134,34 @@ class LoRAManager:
     def load_lora_adapter(self, ref: LoRARef) -> None:
         """Read, check and keep one adapter under its new lora_id (SGLang's load_lora_adapter +
         validate_new_adapter). ValueError says why it was refused; then nothing changed."""
-        if ref.lora_id in self.lora_refs:  # (the registry mints a new id per load: a bug if not)
+        if ref.lora_id in self.adapters:  # (the registry mints a new id per load: a bug if not)
             raise ValueError(f"LoRA adapter id {ref.lora_id!r} is loaded already")
-        if any(r.lora_name == ref.lora_name for r in self.lora_refs.values()):
+        if any(a.name == ref.lora_name for a in self.adapters.values()):
             raise ValueError(f"Failed to load LoRA adapter {ref.lora_name!r} because it is already loaded")
         if not isinstance(ref.lora_path, str) or not os.path.isdir(ref.lora_path):
             raise ValueError(f"LoRA adapter {ref.lora_name!r}: {ref.lora_path!r} is not a directory (a PEFT save_pretrained directory)")
         config = LoRAConfig.from_dir(ref.lora_path)
         self._check_shape(ref.lora_name, config)  # (before reading the weights)
-        for other in self.lora_refs.values():
-            if other.lora_path == ref.lora_path:  # (SGLang warns too: two names, two copies)
-                logger.warning("LoRA adapter %s is loaded from %s, which adapter %s was loaded from too", ref.lora_name, ref.lora_path, other.lora_name)
-        self.adapters[ref.lora_id] = self._load(ref.lora_name, ref.lora_path, config)
-        self.lora_refs[ref.lora_id] = ref
+        for other in self.adapters.values():
+            if other.path == ref.lora_path:  # (SGLang warns too: two names, two copies)
+                logger.warning("LoRA adapter %s is loaded from %s, which adapter %s was loaded from too", ref.lora_name, ref.lora_path, other.name)
+        self.adapters[ref.lora_id] = self._load(ref.lora_name, ref.lora_path, config, ref.pinned)
         logger.info("LoRA adapter %s loaded (id %s, r=%d, targets %s)%s", ref.lora_name, ref.lora_id, config.r,
                     ",".join(config.target_modules), "; pinned: minisgl keeps every adapter resident" if ref.pinned else "")  # fmt: skip
 
     def unload_lora_adapter(self, lora_id: str) -> None:
-        """Drop one load's weights (the Scheduler first checks that no request still uses it)."""
-        if lora_id not in self.lora_refs:
+        """Drop one load's weights (the Scheduler first waits until no request uses it)."""
+        adapter = self.adapters.pop(lora_id, None)
+        if adapter is None:
             raise ValueError(f"LoRA adapter id {lora_id!r} is not loaded")
-        ref = self.lora_refs.pop(lora_id)
-        del self.adapters[lora_id]
-        logger.info("LoRA adapter %s unloaded (id %s)", ref.lora_name, lora_id)
+        logger.info("LoRA adapter %s unloaded (id %s)", adapter.name, lora_id)
 
     def loaded_adapters(self) -> Dict[str, str]:
         """Name -> directory of every loaded adapter (LoRAUpdateOutput.loaded_adapters)."""
-        return {ref.lora_name: ref.lora_path for ref in self.lora_refs.values()}
+        return {a.name: a.path for a in self.adapters.values()}
 
     # ------------------------------------------------------------------ loading
-    def _load(self, name: str, path: str, config: Optional[LoRAConfig] = None) -> LoRAAdapter:
+    def _load(self, name: str, path: str, config: Optional[LoRAConfig] = None, pinned: bool = False) -> LoRAAdapter:
         config = config if config is not None else LoRAConfig.from_dir(path)
         mc = self.model_config
         if mc.moe is not None and set(config.target_modules) & set(MLP_MODULES):
@@ -176,7 +174,7 @@ class LoRAManager:
                 if set(parts) & set(config.target_modules):
                     a, b = self._fuse(name, config, tensors, layer, parts)
                     weights[(layer, fused)] = (a.to(self.device, self.dtype), b.to(self.device, self.dtype))
-        return LoRAAdapter(name, config, weights)
+        return LoRAAdapter(name, path, config, weights, pinned)
 
     def _read_tensors(self, name: str, path: str, config: LoRAConfig) -> Dict[Tuple[int, str, str], torch.Tensor]:
         """adapter_model.safetensors -> {(layer, module, "A" or "B"): weight}; any other tensor is refused."""

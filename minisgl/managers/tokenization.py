@@ -23,7 +23,7 @@ from typing import Any, List, Optional, Sequence, Union
 from minisgl.managers.io_struct import (
     EmbeddingReqInput, GenerateReqInput, TokenizedEmbeddingReqInput, TokenizedGenerateReqInput, check_logprob_args,
 )  # fmt: skip
-from minisgl.lora.lora_registry import LoRARegistry
+from minisgl.lora.lora_registry import LORA_NOT_ENABLED, LoRARegistry
 from minisgl.sampling.sampling_params import SamplingParams
 from minisgl.utils import lone_surrogate_at
 
@@ -89,12 +89,6 @@ def check_return_hidden_states(obj: GenerateReqInput, enabled: bool, hint: str =
             raise ValueError(f"return_hidden_states must be true or false, got {value!r}")
     if any(values) and not enabled:
         raise ValueError(RETURN_HIDDEN_STATES_DISABLED + hint)
-
-
-LORA_NOT_ENABLED = (
-    "lora_path needs a server started with --lora-paths NAME=PATH ... or --enable-lora "
-    "(the Engine: lora_paths=[...] or enable_lora=True)"
-)
 
 
 def resolve_lora_ids(obj: GenerateReqInput, registry: Optional[LoRARegistry]) -> None:

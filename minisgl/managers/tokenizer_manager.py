@@ -25,8 +25,9 @@ Streaming dicts carry deltas (SGLang's incremental streaming); the final dict of
 non-streaming request carries the whole text, ids, logprobs and hidden states. Prompt logprobs
 (asked for by `logprob_start_len`) come once, in the first dict after the prompt was prefilled;
 so does the prompt's entry of the hidden states (Req.hidden_states' layout).
-Owns: rid_to_state, the request-side Prometheus metrics, the dynamic batch tokenizer, and the
-LoRARegistry (the adapters a request may name; /load_lora_adapter and /unload_lora_adapter).
+Owns: rid_to_state, the request-side Prometheus metrics, the dynamic batch tokenizer, the
+LoRARegistry (the adapters a request may name; /load_lora_adapter and /unload_lora_adapter) and
+LoRAInFlight (each adapter load's requests in flight, what an unload waits for).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Deque, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Set, Tuple, TypeVar, Union
 
 import zmq
 import zmq.asyncio
@@ -77,7 +78,7 @@ from minisgl.managers.io_struct import (
     prefix_warmups,
     spec_meta_info,
 )
-from minisgl.lora.lora_registry import LoRARegistry
+from minisgl.lora.lora_registry import LORA_NOT_ENABLED, LoRAInFlight, LoRARegistry, check_lora_load_args
 from minisgl.sampling.sampling_params import MAX_TOP_LOGPROBS_NUM, SamplingParams
 from minisgl.server_args import PortArgs, ServerArgs
 from minisgl.utils import freeze_gc, get_zmq_socket
@@ -102,8 +103,8 @@ MAX_RID_CHARS = 256  # a rid rides in every step's output message and snapshot: 
 # a worker thread: ~1 ms per 2,000 characters, so this is where one starts to stall others.
 TOKENIZE_OFF_LOOP_CHARS = 20_000
 MAX_TOKEN_IDS_LOGPROB = 256  # ids of token_ids_logprob (class labels are a handful; each is reported at every position)
-# How often an unload checks whether the adapter's last request finished (seconds).
-LORA_UNLOAD_POLL_INTERVAL = 0.01
+# a load's or an unload's message (TokenizerManager._update_lora runs either)
+_LoRAUpdateReq = TypeVar("_LoRAUpdateReq", LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput)
 # SGLang's HEALTH_CHECK_TIMEOUT: how long /health_generate waits for the pipeline to answer.
 HEALTH_CHECK_TIMEOUT = 20.0
 # A backlog this long means the client reads slower than the engine writes (seed 004).
@@ -314,6 +315,7 @@ class TokenizerManager:
         # Loads and unloads take turns (lora_update_lock): each sees the registry the last one left
         self.lora_registry = LoRARegistry(server_args.lora_adapters or ()) if server_args.enable_lora else None
         self.lora_update_lock = asyncio.Lock()
+        self.lora_in_flight = LoRAInFlight()  # requests per lora_id, from registration to deletion (_drop_state)
         self.hidden_size = hidden_size
         self.is_matryoshka = is_matryoshka
         self.matryoshka_dimensions = matryoshka_dimensions
@@ -499,7 +501,7 @@ class TokenizerManager:
                     state.abandoned = True
                     self.abort_request(obj.rid, with_samples=False)  # this rid only, never another's samples
                 else:
-                    del self.rid_to_state[obj.rid]
+                    self._drop_state(obj.rid)
 
     def _init_req_state(self, obj: GenerateReqInput) -> ReqState:
         rid = obj.rid
@@ -515,7 +517,18 @@ class TokenizerManager:
         else:
             logger.debug("Receive: rid=%s", rid)
         self.rid_to_state[rid] = state  # registered BEFORE tokenizing (0.5.23 order)
+        lora_id = getattr(obj, "lora_id", None)
+        if lora_id is not None:  # (an unload of that load waits for it: LoRAInFlight)
+            self.lora_in_flight.acquire(lora_id)
         return state
+
+    def _drop_state(self, rid: str) -> None:
+        """Forget a rid's ReqState: every deletion goes through here, so the count of its adapter's
+        requests in flight (what an unload waits for) falls with it."""
+        state = self.rid_to_state.pop(rid)
+        lora_id = getattr(state.obj, "lora_id", None)
+        if lora_id is not None:
+            self.lora_in_flight.release(lora_id)
 
     async def _tokenize_one_request(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
         if isinstance(obj.text, str) and len(obj.text) > self.max_prompt_chars:
@@ -638,7 +651,7 @@ class TokenizerManager:
         except BaseException:
             for sub, state in zip(subs, states):
                 if self.rid_to_state.get(sub.rid) is state:
-                    del self.rid_to_state[sub.rid]
+                    self._drop_state(sub.rid)
             self._forget_samples(parents, subs)
             raise
         queue: asyncio.Queue = asyncio.Queue()
@@ -675,13 +688,25 @@ class TokenizerManager:
         find the prompt in the radix tree. Kept out of the request metrics, as the health probe is."""
 
         async def warm(tokenized: TokenizedGenerateReqInput) -> None:
-            obj = GenerateReqInput(input_ids=tokenized.input_ids, sampling_params={"max_new_tokens": 0}, rid=tokenized.rid)
+            # (its lora_id too: it runs with the samples' adapter, and an unload waits for it)
+            obj = GenerateReqInput(
+                input_ids=tokenized.input_ids, sampling_params={"max_new_tokens": 0}, rid=tokenized.rid, lora_id=tokenized.lora_id
+            )
             obj.log_metrics = False
             obj.normalize_batch_and_arguments()
             async for _ in self._generate_one(obj, request, self._init_req_state(obj), tokenized):
                 pass
 
-        await asyncio.gather(*(warm(w) for w in warmups))
+        tasks = [asyncio.ensure_future(warm(w)) for w in warmups]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            # one failed (a full queue's 503) or the client left: the others are aborted too
+            # (each _generate_one's finally), not left to run for a request that is over
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
 
     async def _tokenize_batch(self, samples: List[Sample]) -> List[TokenizedGenerateReqInput]:
         """Each prompt tokenized and checked once, its n samples copies of it that differ in rid
@@ -774,54 +799,48 @@ class TokenizerManager:
     # ------------------------------------------------------------------ LoRA adapters while serving
     async def load_lora_adapter(self, obj: LoadLoRAAdapterReqInput) -> LoRAUpdateOutput:
         """SGLang's: mint the load's lora_id, let the scheduler read and check the adapter, and only
-        then register the name (a failed load leaves nothing behind). Refusals come back as the
-        output's error_message (the route's 400)."""
+        then register the name (a failed load leaves nothing behind: LoRARegistry.loading).
+        Refusals come back as the output's error_message (the route's 400)."""
         return await asyncio.shield(self._update_lora(self._load_lora_adapter_locked, obj))
 
     async def unload_lora_adapter(self, obj: UnloadLoRAAdapterReqInput) -> LoRAUpdateOutput:
         """SGLang's: unregister the name (new requests naming it are 400s from now on), wait until
-        no request that resolved it is in flight, then let the scheduler drop the weights."""
+        no request that resolved it is in flight, then let the scheduler drop the weights (it waits
+        for its own requests of that load too). A failed unload leaves the name registered."""
         return await asyncio.shield(self._update_lora(self._unload_lora_adapter_locked, obj))
 
-    async def _update_lora(self, update: Any, obj: Any) -> LoRAUpdateOutput:
-        """One load or unload at a time. Shielded by its callers: a client that leaves mid-way
-        does not stop it half done (the scheduler holding weights no name reaches, or the reverse)."""
+    async def _update_lora(self, update: Callable[[LoRARegistry, _LoRAUpdateReq], Awaitable[LoRAUpdateOutput]],
+                           obj: _LoRAUpdateReq) -> LoRAUpdateOutput:  # fmt: skip
+        """One load or unload at a time (lora_update_lock). Shielded by its callers: a client that
+        leaves mid-way does not stop it half done (the scheduler holding weights no name reaches,
+        or the reverse). A load's own fields are checked before it waits for its turn."""
+        registry = self.lora_registry
         try:
-            if self.lora_registry is None:
-                raise ValueError("LoRA is not enabled: start the server with --enable-lora (with --max-lora-rank and --lora-target-modules) or --lora-paths")
+            if registry is None:
+                raise ValueError(LORA_NOT_ENABLED)
+            if isinstance(obj, LoadLoRAAdapterReqInput):
+                check_lora_load_args(obj.lora_name, obj.lora_path, obj.pinned)
             async with self.lora_update_lock:
-                return await update(obj)
+                return await update(registry, obj)
         except ValueError as e:
-            return LoRAUpdateOutput(False, str(e), self.lora_registry.loaded_adapters() if self.lora_registry else {})
+            return LoRAUpdateOutput(False, str(e), registry.loaded_adapters() if registry is not None else {})
 
-    async def _load_lora_adapter_locked(self, obj: LoadLoRAAdapterReqInput) -> LoRAUpdateOutput:
-        registry = self.lora_registry
-        assert registry is not None
-        registry.check_new_name(obj.lora_name, self.server_args.max_loaded_loras)
-        ref = registry.new_ref(obj.lora_name, obj.lora_path, obj.pinned)
-        obj.lora_id = ref.lora_id
-        logger.info("Start load LoRA adapter. name=%s path=%s id=%s", ref.lora_name, ref.lora_path, ref.lora_id)
-        # (no timeout: reading a big adapter takes what it takes; a scheduler that dies ends the server)
-        out = await self._control_request(obj, LoRAUpdateOutput, timeout=None)
-        if out.success:
-            registry.register(ref)
-        return out
+    async def _load_lora_adapter_locked(self, registry: LoRARegistry, obj: LoadLoRAAdapterReqInput) -> LoRAUpdateOutput:
+        with registry.loading(obj.lora_name, obj.lora_path, obj.pinned, self.server_args.max_loaded_loras) as update:
+            logger.info("Start load LoRA adapter. name=%s path=%s id=%s", obj.lora_name, obj.lora_path, update.msg.lora_id)
+            # (no timeout: reading a big adapter takes what it takes; a scheduler that dies ends the server)
+            update.out = await self._control_request(update.msg, LoRAUpdateOutput, timeout=None)
+        return update.out
 
-    async def _unload_lora_adapter_locked(self, obj: UnloadLoRAAdapterReqInput) -> LoRAUpdateOutput:
-        registry = self.lora_registry
-        assert registry is not None
-        ref = registry.unregister(obj.lora_name)
-        obj.lora_id = ref.lora_id
-        logger.info("Start unload LoRA adapter. name=%s id=%s", ref.lora_name, ref.lora_id)
-        while self._requests_of_lora(ref.lora_id):  # (SGLang's wait_for_unload)
-            await asyncio.sleep(LORA_UNLOAD_POLL_INTERVAL)
-        return await self._control_request(obj, LoRAUpdateOutput, timeout=None)
-
-    def _requests_of_lora(self, lora_id: str) -> int:
-        """Requests in flight that run adapter load `lora_id`. rid_to_state holds every request from
-        before tokenization to its finish (an abandoned one until the scheduler's abort comes back),
-        so this counts what SGLang's per-adapter counters count, with nothing to release."""
-        return sum(getattr(state.obj, "lora_id", None) == lora_id for state in self.rid_to_state.values())
+    async def _unload_lora_adapter_locked(self, registry: LoRARegistry, obj: UnloadLoRAAdapterReqInput) -> LoRAUpdateOutput:
+        with registry.unloading(obj.lora_name) as update:
+            lora_id = update.msg.lora_id
+            assert lora_id is not None
+            logger.info("Start unload LoRA adapter. name=%s id=%s, %d request(s) in flight", obj.lora_name, lora_id,
+                        self.lora_in_flight.count(lora_id))  # fmt: skip
+            await self.lora_in_flight.wait_for_zero(lora_id)  # (SGLang's wait_for_unload)
+            update.out = await self._control_request(update.msg, LoRAUpdateOutput, timeout=None)
+        return update.out
 
     async def _control_request(self, msg: Any, reply_type: type, timeout: Optional[float] = 10.0) -> Any:
         lock = self._control_locks.setdefault(reply_type, asyncio.Lock())
@@ -877,7 +896,7 @@ class TokenizerManager:
         for i, rid, state in self._live_states(recv):
             if state.abandoned:  # its reader is gone: only its finish matters (it frees the rid)
                 if recv.finished_reasons[i] is not None:
-                    del self.rid_to_state[rid]
+                    self._drop_state(rid)
                     state.finished_time = now
                     if state.obj.log_metrics and recv.completion_tokens[i] > 0:  # it ran: a request served
                         self.metrics.observe_finished(state, recv.prompt_tokens[i], recv.completion_tokens[i], recv.cached_tokens[i])
@@ -912,7 +931,7 @@ class TokenizerManager:
                 state.finished = True
                 state.finished_time = now
                 meta_info["e2e_latency"] = now - state.created_time
-                del self.rid_to_state[rid]
+                self._drop_state(rid)
                 # an abort counts as a finished request once it produced tokens, as SGLang's do (an
                 # abort while waiting, or a full queue's 503, never ran: not a request served)
                 if state.obj.log_metrics and (not is_abort or recv.completion_tokens[i] > 0):
@@ -925,7 +944,7 @@ class TokenizerManager:
         BatchEmbeddingOutput, with cached_tokens, which minisgl always reports)."""
         now = time.perf_counter()
         for i, rid, state in self._live_states(recv):
-            del self.rid_to_state[rid]  # (an embedding is sent once, finished)
+            self._drop_state(rid)  # (an embedding is sent once, finished)
             state.finished = True
             state.finished_time = now
             finish_reason = recv.finished_reasons[i]
@@ -993,7 +1012,8 @@ class TokenizerManager:
         await asyncio.gather(task, return_exceptions=True)  # its abort is sent
         # a stuck pipeline may never answer that abort: forget the probe now, as SGLang does,
         # or every failed probe would leave its rid in flight for good
-        self.rid_to_state.pop(obj.rid, None)
+        if obj.rid in self.rid_to_state:
+            self._drop_state(obj.rid)
         return False
 
     def fail_all_requests(self, message: str, status_code: int = 503) -> None:
