@@ -226,7 +226,7 @@ def test_steps_on_other_threads_are_recorded_and_stopped_safely(engine: Any, tmp
 
 
 def test_the_trace_is_written_under_the_write_guard_and_appears_whole(engine: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The server's scheduler pauses its watchdogs through profile_write_guard while a trace is
+    """The server's scheduler pauses its watchdogs through watchdogs_paused while a trace is
     written (a long profile takes minutes to write; the hard watchdog killed the server)."""
     import contextlib
 
@@ -238,7 +238,7 @@ def test_the_trace_is_written_under_the_write_guard_and_appears_whole(engine: An
         yield
         seen.append(sorted(p.name for p in tmp_path.iterdir()))  # the trace is written by now
 
-    monkeypatch.setattr(engine.scheduler, "profile_write_guard", guard)
+    monkeypatch.setattr(engine.scheduler, "watchdogs_paused", guard)
     engine.start_profile(output_dir=str(tmp_path), with_stack=False)
     engine.generate(PROMPTS[0], GREEDY)
     [path] = engine.stop_profile()

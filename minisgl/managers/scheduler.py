@@ -11,7 +11,8 @@ One iteration (`run_step`) is SGLang's event_loop_normal body without the I/O:
 
 The class does no socket I/O (STYLE.md habit 7): inputs arrive through
 `process_input_requests(msgs)`, outputs are collected and handed out by
-`pop_outputs()`. Result processing and streaming live in
+`pop_outputs()` (and a control reply answered after a step, a LoRA unload's that waited for the
+adapter's requests, by `pop_control_replies()`). Result processing and streaming live in
 scheduler_output_processor_mixin.py, log lines and `snapshot()` in
 scheduler_metrics_mixin.py, the torch.profiler and the named ranges of a step in
 scheduler_profiler_mixin.py (SGLang's split). The Engine calls these directly; `event_loop_normal` at the bottom
@@ -27,7 +28,7 @@ import json
 import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
-from typing import Any, Dict, Iterator, List, Optional, Set, Union
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Set, Union
 
 from minisgl.constrained.reasoner_grammar import REASONING_TAGS, ReasonerGrammar
 from minisgl.constrained.xgrammar_backend import XGrammarGrammarBackend
@@ -57,8 +58,8 @@ from minisgl.managers.scheduler_output_processor_mixin import (
     EmbeddingBatchResult, GenerationBatchResult, SchedulerOutputProcessorMixin,
 )  # fmt: skip
 from minisgl.managers.scheduler_profiler_mixin import SchedulerProfilerMixin
-from minisgl.lora.lora_registry import LoRARef, lora_not_loaded
-from minisgl.managers.tokenization import LORA_NOT_ENABLED, RETURN_HIDDEN_STATES_DISABLED
+from minisgl.lora.lora_registry import LORA_NOT_ENABLED, LoRARef, lora_name_of, lora_not_loaded
+from minisgl.managers.tokenization import RETURN_HIDDEN_STATES_DISABLED
 from minisgl.managers.tp_lockstep import TpLeader, agree_on_ready_grammars, heartbeat_interval, threads_per_rank
 from minisgl.mem_cache.allocator import ceil_paged_tokens, new_page_slots
 from minisgl.mem_cache.radix_cache import RadixCache
@@ -107,6 +108,12 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
         # --is-embedding: every request is prefilled only, and its result is an embedding (SGLang's name)
         self.is_generation = not server_args.is_embedding
         self.enable_lora = server_args.enable_lora  # --lora-paths / --enable-lora (the adapters: model_runner.lora_manager)
+        # unloads waiting for their adapter's last request here (finish_lora_unloads, each step)
+        self.pending_lora_unloads: List[UnloadLoRAAdapterReqInput] = []
+        self._control_replies: List[Any] = []  # replies answered after their step (pop_control_replies)
+        # the process shell (event_loop_normal) pauses its watchdogs with this around work that is
+        # slow but not hung: writing a profile's trace, reading a LoRA adapter from disk
+        self.watchdogs_paused: Callable[[], ContextManager[Any]] = contextlib.nullcontext
         # --enable-priority-scheduling: +1 orders lower values first, -1 higher ones (SGLang's default)
         self.priority_order = (1 if server_args.schedule_low_priority_values_first else -1) if server_args.enable_priority_scheduling else None
         self.tree_cache = RadixCache(
@@ -227,7 +234,9 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
             elif isinstance(msg, LoadLoRAAdapterReqInput):
                 replies.append(self.load_lora_adapter(msg))
             elif isinstance(msg, UnloadLoRAAdapterReqInput):
-                replies.append(self.unload_lora_adapter(msg))
+                reply = self.unload_lora_adapter(msg)
+                if reply is not None:  # (else answered once its adapter's requests finished: pop_control_replies)
+                    replies.append(reply)
             elif isinstance(msg, FreezeGCReq):
                 freeze_gc("Scheduler")
                 self._outputs.append(msg)  # on to the detokenizer, after the outputs already queued
@@ -237,6 +246,10 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
 
     def handle_generate_request(self, recv_req: TokenizedGenerateReqInput) -> Req:
         """Build the Req, then SGLang's gates (§1.5), with truncation before the max_new_tokens clamp."""
+        # (the TokenizerManager and the Engine refuse an unknown adapter first.) A load this scheduler
+        # does not hold is left off the Req: its one-token prefill runs on the base model, and its
+        # radix namespace (extra_key) never carries an id whose weights are gone
+        lora_error = self.check_lora_id(recv_req.lora_id) if recv_req.lora_id is not None else None
         req = Req(
             recv_req.rid,
             recv_req.input_text,
@@ -253,7 +266,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
             priority=recv_req.priority,
             require_reasoning=recv_req.require_reasoning,
             return_hidden_states=recv_req.return_hidden_states,
-            lora_id=recv_req.lora_id,
+            lora_id=recv_req.lora_id if lora_error is None else None,
             cache_key=recv_req.extra_key,
         )
         if self.priority_order is not None and req.priority is None:
@@ -268,10 +281,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
             error_msg = EMBEDDING_SCHEDULER_REFUSES_GENERATION
         if error_msg is None and req.return_hidden_states and not self.server_args.enable_return_hidden_states:
             error_msg = RETURN_HIDDEN_STATES_DISABLED  # (the TokenizerManager and the Engine refuse it first)
-        if error_msg is None and req.lora_id is not None:  # (the TokenizerManager and the Engine refuse it first)
-            error_msg = self.check_lora_id(req.lora_id)
-            if error_msg is not None:
-                req.lora_id = None  # (its one-token prefill runs on the base model: that adapter is not here)
+        if error_msg is None:
+            error_msg = lora_error
         if error_msg is None and recv_req.custom_logit_processor is not None:
             error_msg = self.load_custom_logit_processor(req, recv_req.custom_logit_processor)
         if error_msg is None and req.sampling_params.stop_regex_strs and self.server_args.tp_size > 1:
@@ -628,6 +639,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
             with self.trace_range("process_batch_result_prefill" if batch.forward_mode.is_extend() else "process_batch_result_decode"):
                 self.process_batch_result(batch, result)
         self.last_batch = batch
+        if self.pending_lora_unloads:
+            self.finish_lora_unloads()
         self._step_record_end = (len(self.events), len(self.finished_records))
         if batch is not None:
             self._idle_checked = False  # busy again: check once more when it next goes idle
@@ -784,23 +797,31 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
         return {r.lora_id for r in self.running_batch.reqs} | {r.lora_id for r in adder.can_run_list}
 
     def check_lora_id(self, lora_id: str) -> Optional[str]:
-        """The error of a request naming an adapter load this server does not hold (None: it does)."""
+        """The error of a request naming an adapter load this server does not hold, or one being
+        unloaded (None: it may run with it). Worded with the adapter's name, as the client sent it."""
         manager = self.model_runner.lora_manager
         if manager is None:
             return LORA_NOT_ENABLED
+        name = lora_name_of(lora_id)
+        if any(u.lora_id == lora_id for u in self.pending_lora_unloads):
+            return f"LoRA adapter {name!r} is being unloaded; load it again (/load_lora_adapter) to use it"
         if lora_id not in manager.adapters:
-            return lora_not_loaded(lora_id, manager.loaded_adapters())
+            if name in manager.loaded_adapters():  # (another load of that name now)
+                return f"LoRA adapter {name!r} was unloaded and loaded again while this request was on its way: send it again"
+            return lora_not_loaded(name, manager.loaded_adapters())
         return None
 
     def load_lora_adapter(self, recv_req: LoadLoRAAdapterReqInput) -> LoRAUpdateOutput:
         """/load_lora_adapter's work: the LoRAManager reads and checks the adapter under its new
-        lora_id; a refusal (or a broken file) is the reply's error, and nothing changed."""
+        lora_id; a refusal (or a broken file) is the reply's error, and nothing changed. Reading a
+        big adapter from a slow disk takes long, not forever: the server's watchdogs are paused."""
         manager = self.model_runner.lora_manager
         if manager is None:
-            return LoRAUpdateOutput(False, "LoRA is not enabled: start the server with --enable-lora (or --lora-paths)")
+            return LoRAUpdateOutput(False, LORA_NOT_ENABLED)
         try:
             assert recv_req.lora_id is not None, "the TokenizerManager mints the lora_id"
-            manager.load_lora_adapter(LoRARef(recv_req.lora_id, recv_req.lora_name, recv_req.lora_path, recv_req.pinned))
+            with self.watchdogs_paused():
+                manager.load_lora_adapter(LoRARef(recv_req.lora_id, recv_req.lora_name, recv_req.lora_path, recv_req.pinned))
         except ValueError as e:
             return LoRAUpdateOutput(False, str(e), manager.loaded_adapters())
         except Exception as e:  # (a file safetensors cannot read, ...): the load fails, the server goes on
@@ -808,24 +829,40 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
             return LoRAUpdateOutput(False, f"LoRA adapter {recv_req.lora_name!r} failed to load: {type(e).__name__}: {e}", manager.loaded_adapters())
         return LoRAUpdateOutput(True, None, manager.loaded_adapters())
 
-    def unload_lora_adapter(self, recv_req: UnloadLoRAAdapterReqInput) -> LoRAUpdateOutput:
-        """/unload_lora_adapter's last step: drop the weights of a load no request uses any more.
-        The TokenizerManager (the Engine) waits for that first, as SGLang's does; a request still
-        here is refused rather than left without its adapter's weights."""
+    def unload_lora_adapter(self, recv_req: UnloadLoRAAdapterReqInput) -> Optional[LoRAUpdateOutput]:
+        """/unload_lora_adapter's last step: drop the weights of a load. While a request here still
+        runs with it (queued, running, mid-chunk, compiling its grammar), the unload waits in
+        pending_lora_unloads and is answered after the step its last request finished in
+        (finish_lora_unloads; None here): the TokenizerManager waits for its own requests first,
+        as SGLang's does, and this makes the weights' removal safe whatever that count says."""
         manager = self.model_runner.lora_manager
         if manager is None:
-            return LoRAUpdateOutput(False, "LoRA is not enabled: start the server with --enable-lora (or --lora-paths)")
-        in_use = [r.rid for r in self.reqs_of_lora(recv_req.lora_id)]
+            return LoRAUpdateOutput(False, LORA_NOT_ENABLED)
+        lora_id = recv_req.lora_id or ""
+        if lora_id not in manager.adapters:
+            return LoRAUpdateOutput(False, lora_not_loaded(recv_req.lora_name, manager.loaded_adapters()), manager.loaded_adapters())
+        if any(u.lora_id == lora_id for u in self.pending_lora_unloads):
+            return LoRAUpdateOutput(False, f"LoRA adapter {recv_req.lora_name!r} is being unloaded already", manager.loaded_adapters())
+        in_use = self.reqs_of_lora(lora_id)
         if in_use:
-            return LoRAUpdateOutput(
-                False, f"LoRA adapter {recv_req.lora_name!r} is still used by {len(in_use)} request(s) ({', '.join(in_use[:8])}); "
-                "unload it once they finished", manager.loaded_adapters(),
-            )  # fmt: skip
-        try:
-            manager.unload_lora_adapter(recv_req.lora_id or "")
-        except ValueError as e:
-            return LoRAUpdateOutput(False, str(e), manager.loaded_adapters())
+            logger.info("Unload of LoRA adapter %s waits for %d request(s) using it", recv_req.lora_name, len(in_use))
+            self.pending_lora_unloads.append(recv_req)
+            return None
+        manager.unload_lora_adapter(lora_id)
         return LoRAUpdateOutput(True, None, manager.loaded_adapters())
+
+    def finish_lora_unloads(self) -> None:
+        """Each step's end: the pending unloads whose adapter no request here uses any more drop its
+        weights; their replies wait in pop_control_replies for the process shell."""
+        for recv_req in [u for u in self.pending_lora_unloads if not self.reqs_of_lora(u.lora_id)]:
+            self.pending_lora_unloads.remove(recv_req)
+            self.model_runner.lora_manager.unload_lora_adapter(recv_req.lora_id)
+            self._control_replies.append(LoRAUpdateOutput(True, None, self.model_runner.lora_manager.loaded_adapters()))
+
+    def pop_control_replies(self) -> List[Any]:
+        """Control replies answered after a step (a deferred unload's), for the tokenizer."""
+        out, self._control_replies = self._control_replies, []
+        return out
 
     def reqs_of_lora(self, lora_id: Optional[str]) -> List[Req]:
         """The requests here that will still run a forward with adapter load `lora_id`."""
@@ -1105,7 +1142,7 @@ def event_loop_normal(scheduler: Scheduler, recv_from_tokenizer: Any, send_to_de
         with soft_watchdog.disable(), hard_watchdog.disable():
             yield
 
-    scheduler.profile_write_guard = watchdogs_paused  # (writing a long trace is not a hung step)
+    scheduler.watchdogs_paused = watchdogs_paused  # (writing a long trace, reading an adapter: not a hung step)
 
     def send_outputs() -> None:
         outputs = scheduler.pop_outputs()
@@ -1132,6 +1169,8 @@ def event_loop_normal(scheduler: Scheduler, recv_from_tokenizer: Any, send_to_de
         send_outputs()  # e.g. aborts of waiting requests
         batch = scheduler.run_step()
         send_outputs()
+        for reply in scheduler.pop_control_replies():  # (an unload that waited for its requests)
+            send_to_tokenizer.send(encode(reply))
         # Outputs are out; if that was the last work, the idle check (ratio reset, leak check)
         # runs now, before the snapshot, so the page shows what Engine.step() shows.
         scheduler.self_check_during_idle()

@@ -161,9 +161,6 @@ class SchedulerProfilerMixin:
         self._record_function: Optional[Callable[[str], ContextManager[Any]]] = None
         # the thread that started the profiler, when this torch records that thread only (see _start_recording)
         self._profiled_thread: Optional[int] = None
-        # the process shell (event_loop_normal) pauses its watchdogs with this while a trace is
-        # written: a long profile takes seconds to minutes to write, which is not a hung forward
-        self.profile_write_guard: Callable[[], ContextManager[Any]] = contextlib.nullcontext
 
     def trace_range(self, name: str) -> ContextManager[Any]:
         """`with self.trace_range("run_batch"):` a range named `name` in the trace while
@@ -271,7 +268,8 @@ class SchedulerProfilerMixin:
         profiler, self.torch_profiler, self._record_function = self.torch_profiler, None, None
         try:
             if profiler is not None:
-                with self.profile_write_guard():
+                # (the shell's watchdogs paused: a long profile takes seconds to minutes to write)
+                with self.watchdogs_paused():
                     profiler.stop()
                     # (a .gz name: torch writes it gzipped); under a temporary name until whole, so a
                     # write cut short (a full disk, a killed process) never leaves a truncated trace
