@@ -2,7 +2,7 @@
 
 Where it sits: ServerArgs checks `--lora-paths` with `parse_lora_paths` (names, directories)
 before any process starts, and resolve_server_args keeps its ((name, path), ...) as
-`ServerArgs.lora_adapters`, which every later stage reads; the ModelRunner's LoRAManager (lora_manager.py) then reads each
+`ServerArgs.lora_adapters`, the adapters loaded at start; the ModelRunner's LoRAManager (lora_manager.py) then reads each
 adapter's `LoRAConfig.from_dir` and its weights. No torch here: ServerArgs imports this module.
 
 What minisgl serves of PEFT's LoraConfig: rank `r`, `lora_alpha`, `use_rslora` (scaling

@@ -139,8 +139,8 @@ class GenerateReqInput:
     # SGLang's: the final-norm hidden states of the tokens the model computes for the request, in
     # meta_info["hidden_states"] (needs --enable-return-hidden-states); one for all prompts or one per prompt
     return_hidden_states: Union[bool, List[bool]] = False
-    # SGLang's: the LoRA adapter (a --lora-paths name) to run the request with, None for the base
-    # model; one for all prompts of a batch or a list of one per prompt
+    # SGLang's: the name of the loaded LoRA adapter (--lora-paths, /load_lora_adapter) to run the
+    # request with, None for the base model; one for all prompts of a batch or a list of one per prompt
     lora_path: Optional[Union[str, List[Optional[str]]]] = None
     # SGLang's: the id of that adapter's load (lora/lora_registry.py), filled from lora_path by the
     # TokenizerManager and the Engine (tokenization.resolve_lora_ids), never by a client
@@ -490,7 +490,8 @@ class LoadLoRAAdapterReqInput:
 @dataclass
 class UnloadLoRAAdapterReqInput:
     """Drop a loaded adapter's weights (SGLang's /unload_lora_adapter): sent by the TokenizerManager
-    after it unregistered the name and its last request finished."""
+    after it unregistered the name and its last request finished. The scheduler answers it once
+    none of its own requests uses the load either (Scheduler.pending_lora_unloads)."""
 
     lora_name: str
     lora_id: Optional[str] = None

@@ -173,8 +173,9 @@ class Req:
         cache_key: Optional[str] = None,
     ) -> None:
         self.rid = rid
-        # the LoRA adapter (--lora-paths name) this request runs with, None: the base model (SGLang's
-        # lora_id); it also namespaces the radix tree (extra_key), so adapters never share KV
+        # the LoRA adapter this request runs with, the id of its load (SGLang's lora_id; the adapter's
+        # name, or NAME#k for a name loaded again, lora/lora_registry.py), None: the base model; it
+        # also namespaces the radix tree (extra_key), so adapters (and loads) never share KV
         self.lora_id = lora_id
         # the request's own namespace (TokenizedGenerateReqInput.extra_key: /generate's extra_key, the
         # OpenAI routes' cache_salt + extra_key), None: none; extra_key below folds it with lora_id

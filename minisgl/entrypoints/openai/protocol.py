@@ -240,7 +240,7 @@ class _SamplingFields(BaseModel):
     # SGLang's (chat and completions): with --enable-return-hidden-states, each choice carries the
     # hidden state of its last decode step (OpenAIServingBase.last_hidden_state)
     return_hidden_states: bool = False
-    # SGLang's extra field: the --lora-paths adapter to run with (a `model` of "BASE:NAME" names one too, and wins)
+    # SGLang's extra field: the loaded adapter to run with, by name (a `model` of "BASE:NAME" names one too, and wins)
     lora_path: Optional[str] = None
     # the request's own radix-tree namespace, SGLang's pair (cache_salt is vLLM's name): the
     # prompt reuses cached K/V only of requests that sent the same cache_salt + extra_key
@@ -636,7 +636,7 @@ class GenerateRequest(BaseModel):
     # with --enable-custom-logit-processor: CustomLogitProcessor.to_str() for all prompts, or a list
     # of one per prompt (None: none); its parameters go in sampling_params["custom_params"]
     custom_logit_processor: Optional[Union[str, List[Optional[str]]]] = None
-    # SGLang's: the --lora-paths adapter name (None: the base model), one for all prompts or one per prompt
+    # SGLang's: the loaded adapter's name (None: the base model), one for all prompts or one per prompt
     lora_path: Optional[Union[str, List[Optional[str]]]] = None
     # SGLang's: the request's own radix-tree namespace (a tenant's cache salt), one for all prompts or one per prompt
     extra_key: Optional[Union[str, List[Optional[str]]]] = None
