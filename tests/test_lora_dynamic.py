@@ -7,15 +7,18 @@ what to change and leaves the rest untouched. The oracle is PEFT (tests/test_lor
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import pytest
 import torch
 
 from minisgl import Engine, ServerArgs
-from minisgl.managers.io_struct import UnloadLoRAAdapterReqInput
+from minisgl.lora.lora_registry import LORA_NOT_ENABLED, LoRARegistry, lora_name_of
+from minisgl.managers.io_struct import LoRAUpdateOutput, TokenizedGenerateReqInput, UnloadLoRAAdapterReqInput
+from minisgl.sampling.sampling_params import SamplingParams
 from minisgl.server_args import resolve_server_args
 
 from test_lora import GREEDY, PROMPTS, _edited_adapter, make_adapter, peft_greedy
@@ -93,18 +96,80 @@ def test_unload_lets_the_adapter_s_requests_finish_first(tiny_model: str, adapte
             e.add_request(input_ids=PROMPTS[0], lora_path="one")
 
 
-def test_the_scheduler_refuses_to_drop_weights_a_request_still_runs_with(tiny_model: str, adapters: Dict[str, str]) -> None:
-    """The last guard: an unload that reaches the scheduler while a request of that adapter is there
-    (the TokenizerManager and the Engine wait first) is refused, and the request still finishes right."""
-    want = peft_greedy(tiny_model, adapters["one"], PROMPTS[0], 6)[0]
+def test_an_unload_reaching_the_scheduler_while_the_adapter_runs_is_answered_after_its_requests(tiny_model: str, adapters: Dict[str, str]) -> None:
+    """The scheduler's own wait, the safety net under the TokenizerManager's count: an unload that
+    arrives while a request of that load runs and another is queued gets no reply yet, a request
+    naming the load from then on is refused, and once the last one finished (with the adapter's
+    tokens) the weights go and the reply comes, after that step."""
+    want = peft_greedy(tiny_model, adapters["one"], PROMPTS[0], 12)[0]
     with _engine(tiny_model) as e:
         e.load_lora_adapter("one", adapters["one"])
-        rid = e.add_request(input_ids=PROMPTS[0], sampling_params={**GREEDY, "max_new_tokens": 6}, lora_path="one", rid="in-use")
-        out = e.scheduler.unload_lora_adapter(UnloadLoRAAdapterReqInput("one", "one"))
-        assert not out.success and "LoRA adapter 'one' is still used by 1 request(s) (in-use)" in out.error_message
-        assert out.loaded_adapters == {"one": adapters["one"]}
+        running = e.add_request(input_ids=PROMPTS[0], sampling_params={**GREEDY, "max_new_tokens": 12}, lora_path="one")
+        e.step()
+        queued = e.add_request(input_ids=PROMPTS[0], sampling_params={**GREEDY, "max_new_tokens": 12}, lora_path="one")
+        assert e.scheduler.process_input_requests([UnloadLoRAAdapterReqInput("one", "one")]) == []  # held
+        late = e.scheduler.handle_generate_request(_tokenized("late", "one"))
+        assert late.to_finish.message == "LoRA adapter 'one' is being unloaded; load it again (/load_lora_adapter) to use it"
+        replies: List[Any] = []
+        while not replies:
+            assert "one" in e.model_runner.lora_manager.adapters  # (kept while a request needs it)
+            e.step()
+            replies = e.scheduler.pop_control_replies()
+        assert replies == [LoRAUpdateOutput(True, None, {})] and e.model_runner.lora_manager.adapters == {}
+        assert e.get_result(running)["output_ids"] == want and e.get_result(queued)["output_ids"] == want
+        assert not e.scheduler.pending_lora_unloads
+
+
+def _tokenized(rid: str, lora_id: str) -> TokenizedGenerateReqInput:
+    """A request as the scheduler receives it, naming adapter load `lora_id` (none was resolved here)."""
+    return TokenizedGenerateReqInput(rid=rid, input_text=None, input_ids=PROMPTS[1], sampling_params=SamplingParams(max_new_tokens=2), lora_id=lora_id)
+
+
+def test_the_scheduler_refuses_a_request_of_a_load_it_no_longer_holds_in_the_adapter_s_name(tiny_model: str, adapters: Dict[str, str]) -> None:
+    """A request naming a load the scheduler does not hold (the TokenizerManager refuses it first;
+    this is the last gate) is refused with the adapter's name, never the id, and runs its one-token
+    prefill on the base model, in the base model's radix namespace (no stale id in extra_key)."""
+    with _engine(tiny_model) as e:
+        e.load_lora_adapter("x", adapters["one"])
+        e.unload_lora_adapter("x")
+        gone = e.scheduler.handle_generate_request(_tokenized("gone", "x"))
+        assert gone.to_finish.message == "LoRA adapter 'x' is not loaded; no adapter is loaded"
+        assert gone.lora_id is None and gone.extra_key is None
+        e.load_lora_adapter("x", adapters["two"])  # (lora_id x#2)
+        stale = e.scheduler.handle_generate_request(_tokenized("stale", "x"))
+        assert stale.to_finish.message == "LoRA adapter 'x' was unloaded and loaded again while this request was on its way: send it again"
+        assert stale.lora_id is None and stale.extra_key is None
+        e.unload_lora_adapter("x")
+        assert e.scheduler.handle_generate_request(_tokenized("gone2", "x#2")).to_finish.message == "LoRA adapter 'x' is not loaded; no adapter is loaded"
         e.run_until_idle()
+        e.scheduler.check_integrity()
+
+
+def test_an_interrupted_unload_leaves_the_adapter_loaded_named_and_unloadable(tiny_model: str, adapters: Dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C (delivered after a step: Engine.step holds signals until then) or an error in a step
+    while unload_lora_adapter waits for the adapter's request: the call re-raises, and the adapter
+    is still loaded and named: requests run with it, and a later unload works."""
+    want = peft_greedy(tiny_model, adapters["one"], PROMPTS[0], 24)[0]
+    with _engine(tiny_model) as e:
+        e.load_lora_adapter("one", adapters["one"])
+        rid = e.add_request(input_ids=PROMPTS[0], sampling_params={**GREEDY, "max_new_tokens": 24}, lora_path="one")
+        step = type(e).step
+        for error in (KeyboardInterrupt, RuntimeError):
+
+            def step_then_fail(self: Engine, snapshot: bool = True) -> Any:
+                step(self, snapshot)
+                raise error("interrupted")
+
+            monkeypatch.setattr(Engine, "step", step_then_fail)
+            with pytest.raises(error):
+                e.unload_lora_adapter("one")
+            monkeypatch.undo()
+            assert _state(e) == ({"one": adapters["one"]}, ["one"]) and e.lora_registry.lora_id_of("one") == "one"
+        assert _greedy(e, PROMPTS[0], "one", n=24)["output_ids"] == want  # a new request runs with it
         assert e.get_result(rid)["output_ids"] == want
+        assert e.unload_lora_adapter("one").success and _state(e) == ({}, [])
+        e.load_lora_adapter("one", adapters["two"])
+        assert e.lora_registry.lora_id_of("one") == "one#2"
 
 
 def test_a_name_loaded_again_with_other_weights_never_reuses_the_old_cached_kv(tiny_model: str, adapters: Dict[str, str]) -> None:
@@ -169,6 +234,9 @@ def test_refused_loads_say_what_to_change_and_change_nothing(tiny_model: str, ad
             ("dora", dora, "use_dora=True is not supported"),
             ("", adapters["qv"], "lora_name must be a non-empty string"),
             ("a\0b", adapters["qv"], "holds a NUL character"),
+            (" qv2", adapters["qv"], "lora_name ' qv2' starts or ends with whitespace; name the adapter without it"),
+            ("x" * 257, adapters["qv"], "lora_name takes at most 256 characters, got 257"),
+            ("p", "", "lora_path must be the adapter's directory (a PEFT save_pretrained directory), got ''"),
         ):  # fmt: skip
             with pytest.raises(ValueError) as info:
                 e.load_lora_adapter(name, path)
@@ -189,10 +257,61 @@ def test_refused_loads_say_what_to_change_and_change_nothing(tiny_model: str, ad
         assert _greedy(e, PROMPTS[0], "qv")["output_ids"] == want  # what was loaded answers as before
         assert _greedy(e, PROMPTS[0], "qv3")["output_ids"] == want
     with Engine(tiny_model, device="cpu", max_total_tokens=1024) as off:
-        with pytest.raises(ValueError, match="LoRA is off in this Engine: build it with lora_paths"):
-            off.load_lora_adapter("one", adapters["one"])
-        with pytest.raises(ValueError, match="needs a server started with --lora-paths NAME=PATH ... or --enable-lora"):
-            off.generate(input_ids=PROMPTS[0], sampling_params={"max_new_tokens": 1}, lora_path="one")
+        for call in (lambda: off.load_lora_adapter("one", adapters["one"]), lambda: off.unload_lora_adapter("one"),
+                     lambda: off.generate(input_ids=PROMPTS[0], sampling_params={"max_new_tokens": 1}, lora_path="one")):  # fmt: skip
+            with pytest.raises(ValueError) as info:
+                call()
+            assert str(info.value) == LORA_NOT_ENABLED and "(the Engine: lora_paths=[...], or enable_lora=True" in LORA_NOT_ENABLED
+
+
+def test_a_refused_load_uses_up_no_lora_id_and_ids_never_repeat(tiny_model: str, adapters: Dict[str, str], tmp_path: Any) -> None:
+    """A load's id is committed only when it succeeds: a name refused first still gets its plain
+    id. Ids of every (name, load) pair differ, names holding '#' included, and name the adapter back."""
+    with _engine(tiny_model) as e:
+        with pytest.raises(ValueError, match="is not a directory"):
+            e.load_lora_adapter("x", str(tmp_path / "nope"))
+        e.load_lora_adapter("x", adapters["one"])
+        assert e.lora_registry.lora_id_of("x") == "x"
+    registry, seen = LoRARegistry(), set()
+
+    def load(name: str) -> str:
+        with registry.loading(name, "/p", False, None) as update:
+            update.out = LoRAUpdateOutput(True)
+        lora_id = registry.lora_id_of(name)
+        assert lora_id not in seen and lora_name_of(lora_id) == name
+        seen.add(lora_id)
+        return lora_id
+
+    def unload(name: str) -> None:
+        with registry.unloading(name) as update:
+            update.out = LoRAUpdateOutput(True)
+
+    assert [load("x#2"), load("x")] == ["x#2#1", "x"]
+    unload("x")
+    assert load("x") == "x#2"  # (not the id of adapter "x#2")
+    for _ in range(3):
+        unload("x#2")
+        load("x#2")
+        unload("x")
+        load("x")
+    assert registry.lora_id_of("x") == "x#5" and registry.lora_id_of("x#2") == "x#2#4"
+
+
+def test_an_adapter_is_read_with_the_server_s_watchdogs_paused(tiny_model: str, adapters: Dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading an adapter from a slow disk inside the scheduler's loop is slow, not hung: the load
+    runs under Scheduler.watchdogs_paused (the server's loop pauses its hard watchdog with it)."""
+    seen: List[Any] = []
+    with _engine(tiny_model) as e:
+
+        @contextlib.contextmanager
+        def paused() -> Iterator[None]:
+            seen.append(sorted(e.model_runner.lora_manager.adapters))
+            yield
+            seen.append(sorted(e.model_runner.lora_manager.adapters))
+
+        monkeypatch.setattr(e.scheduler, "watchdogs_paused", paused)
+        e.load_lora_adapter("one", adapters["one"])
+    assert seen == [[], ["one"]]  # read inside the pause
 
 
 def test_server_args_of_dynamic_lora(tiny_model: str, adapters: Dict[str, str]) -> None:
@@ -213,6 +332,9 @@ def test_server_args_of_dynamic_lora(tiny_model: str, adapters: Dict[str, str]) 
         ServerArgs(lora_paths=(one, f"two={adapters['two']}"), max_loaded_loras=1)
     with pytest.raises(ValueError, match="--speculative-algorithm"):
         ServerArgs(enable_lora=True, max_lora_rank=8, lora_target_modules=("q_proj",), speculative_algorithm="NGRAM")
+    for lora in ({"enable_lora": True, "max_lora_rank": 8, "lora_target_modules": ("q_proj",)}, {"lora_paths": (one,)}):
+        with pytest.raises(ValueError, match=r"LoRA \(--lora-paths, --enable-lora\) does not combine with --tp-size 2: tensor parallelism does not shard"):
+            ServerArgs(tp_size=2, **lora)
     # the CLI: `all` resolves to every module LoRA applies to; --lora-paths turns LoRA on
     args = ServerArgs.from_argv(["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "all", "--max-loaded-loras", "3"])
     resolved = resolve_server_args(dataclasses.replace(args, device="cpu", model_path=tiny_model))
@@ -227,8 +349,9 @@ def test_server_args_of_dynamic_lora(tiny_model: str, adapters: Dict[str, str]) 
         Engine(tiny_model, device="cpu", max_total_tokens=1024, lora_paths=[one], lora_target_modules=["q_proj", "v_proj"])
 
 
-def test_the_routes_on_a_server_without_lora_are_400s_saying_how_to_turn_it_on(tiny_model: str, tmp_path: Any) -> None:
-    """The TokenizerManager answers before anything reaches a scheduler (none runs here)."""
+@contextlib.contextmanager
+def _http(tiny_model: str, tmp_path: Any, **args: Any) -> Iterator[Tuple[Any, List[Any]]]:
+    """A TestClient on the HTTP app and its TokenizerManager, no scheduler: what would reach one is listed."""
     from fastapi.testclient import TestClient
 
     from minisgl.entrypoints.http_server import create_app
@@ -237,11 +360,41 @@ def test_the_routes_on_a_server_without_lora_are_400s_saying_how_to_turn_it_on(t
     from minisgl.utils import get_tokenizer
 
     tokenizer = get_tokenizer(tiny_model)
-    tm = TokenizerManager(resolve_server_args(ServerArgs(model_path=tiny_model, device="cpu")), PortArgs.init_new(str(tmp_path)), tokenizer, 64, len(tokenizer))
-    with TestClient(create_app(tm.server_args, tm, is_healthy=lambda: True)) as client:
+    tm = TokenizerManager(resolve_server_args(ServerArgs(model_path=tiny_model, device="cpu", **args)), PortArgs.init_new(str(tmp_path)), tokenizer, 64, len(tokenizer))
+    sent: List[Any] = []
+    tm._send_to_scheduler = sent.append  # type: ignore[method-assign]
+    try:
+        with TestClient(create_app(tm.server_args, tm, is_healthy=lambda: True)) as client:
+            yield client, sent
+    finally:
+        tm.close()
+
+
+def test_the_routes_on_a_server_without_lora_are_400s_saying_how_to_turn_it_on(tiny_model: str, tmp_path: Any) -> None:
+    """The TokenizerManager answers before anything reaches a scheduler."""
+    with _http(tiny_model, tmp_path) as (client, sent):
         for route, body in (("/load_lora_adapter", {"lora_name": "a", "lora_path": str(tmp_path)}), ("/unload_lora_adapter", {"lora_name": "a"})):
             r = client.post(route, json=body)
-            assert r.status_code == 400 and r.json()["error"]["message"].startswith("LoRA is not enabled: start the server with --enable-lora"), r.text
-        r = client.post("/v1/completions", json={"model": f"{tm.model_name}:a", "prompt": "hi", "max_tokens": 1})
+            assert r.status_code == 400 and r.json()["error"]["message"] == LORA_NOT_ENABLED, r.text
+        r = client.post("/v1/completions", json={"model": f"{tiny_model}:a", "prompt": "hi", "max_tokens": 1})  # (served as its path)
         assert r.status_code == 400 and "or --enable-lora, then /load_lora_adapter" in r.json()["error"]["message"]
-    tm.close()
+    assert sent == []
+
+
+def test_bad_load_bodies_are_400s_that_never_reach_the_scheduler(tiny_model: str, tmp_path: Any) -> None:
+    """The route and the Engine share one check of a load's fields (lora_registry.check_lora_load_args):
+    a name with whitespace around it (never reachable as "BASE:NAME"), an over-long name, an empty
+    path, a NUL; each a 400 with the Engine's message, before anything reaches the scheduler."""
+    lora = {"enable_lora": True, "max_lora_rank": 4, "lora_target_modules": ("all",)}
+    with _http(tiny_model, tmp_path, **lora) as (client, sent):
+        for body, message in (
+            ({"lora_name": " a", "lora_path": str(tmp_path)}, "lora_name ' a' starts or ends with whitespace; name the adapter without it"),
+            ({"lora_name": "a\t", "lora_path": str(tmp_path)}, "starts or ends with whitespace"),
+            ({"lora_name": "x" * 257, "lora_path": str(tmp_path)}, "lora_name takes at most 256 characters, got 257"),
+            ({"lora_name": "a", "lora_path": ""}, "lora_path must be the adapter's directory (a PEFT save_pretrained directory), got ''"),
+            ({"lora_name": "a\0", "lora_path": str(tmp_path)}, "holds a NUL character"),
+            ({"lora_name": "", "lora_path": str(tmp_path)}, "lora_name must be a non-empty string"),
+        ):  # fmt: skip
+            r = client.post("/load_lora_adapter", json=body)
+            assert r.status_code == 400 and message in r.json()["error"]["message"], (body, r.text)
+    assert sent == []
