@@ -7,6 +7,7 @@ what to change and leaves the rest untouched. The oracle is PEFT (tests/test_lor
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -17,7 +18,7 @@ import torch
 
 from minisgl import Engine, ServerArgs
 from minisgl.lora.lora_registry import LORA_NOT_ENABLED, LoRARegistry, lora_name_of
-from minisgl.managers.io_struct import LoRAUpdateOutput, TokenizedGenerateReqInput, UnloadLoRAAdapterReqInput
+from minisgl.managers.io_struct import LoadLoRAAdapterReqInput, LoRAUpdateOutput, TokenizedGenerateReqInput, UnloadLoRAAdapterReqInput
 from minisgl.sampling.sampling_params import SamplingParams
 from minisgl.server_args import resolve_server_args
 
@@ -351,7 +352,8 @@ def test_server_args_of_dynamic_lora(tiny_model: str, adapters: Dict[str, str]) 
 
 @contextlib.contextmanager
 def _http(tiny_model: str, tmp_path: Any, **args: Any) -> Iterator[Tuple[Any, List[Any]]]:
-    """A TestClient on the HTTP app and its TokenizerManager, no scheduler: what would reach one is listed."""
+    """A TestClient on the HTTP app and its TokenizerManager, no scheduler: what would reach one is
+    listed, and a load or unload that did is answered "reached the scheduler" (not left waiting)."""
     from fastapi.testclient import TestClient
 
     from minisgl.entrypoints.http_server import create_app
@@ -362,7 +364,13 @@ def _http(tiny_model: str, tmp_path: Any, **args: Any) -> Iterator[Tuple[Any, Li
     tokenizer = get_tokenizer(tiny_model)
     tm = TokenizerManager(resolve_server_args(ServerArgs(model_path=tiny_model, device="cpu", **args)), PortArgs.init_new(str(tmp_path)), tokenizer, 64, len(tokenizer))
     sent: List[Any] = []
-    tm._send_to_scheduler = sent.append  # type: ignore[method-assign]
+
+    def scheduler(msg: Any) -> None:
+        sent.append(msg)
+        if isinstance(msg, (LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput)):
+            asyncio.get_running_loop().call_soon(tm._dispatch, LoRAUpdateOutput(False, "reached the scheduler"))
+
+    tm._send_to_scheduler = scheduler  # type: ignore[method-assign]
     try:
         with TestClient(create_app(tm.server_args, tm, is_healthy=lambda: True)) as client:
             yield client, sent
