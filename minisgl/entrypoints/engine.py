@@ -860,7 +860,7 @@ class Engine:
         lora_path = os.fspath(lora_path) if isinstance(lora_path, os.PathLike) else lora_path
         with self._lora_registry().loading(lora_name, lora_path, pinned, self.server_args.max_loaded_loras) as update:
             with _signals_held_until_the_end():  # (a Ctrl-C lands once the answer is kept: weights and name agree)
-                update.out = self.scheduler.load_lora_adapter(update.msg)
+                [update.out] = self._guarded(self._handover, [update.msg])
         if not update.out.success:
             raise ValueError(update.out.error_message)
         return update.out
@@ -878,10 +878,9 @@ class Engine:
             while self.scheduler.reqs_of_lora(lora_id):
                 self.step(snapshot=False)
             with _signals_held_until_the_end():
-                # (nothing uses it now, so the scheduler answers at once: it defers only an unload
+                # (nothing uses it now, so the scheduler answers at once: it holds only an unload
                 # whose adapter still runs, the server's safety net)
-                update.out = self.scheduler.unload_lora_adapter(update.msg)
-        assert update.out is not None
+                [update.out] = self._guarded(self._handover, [update.msg])
         if not update.out.success:
             raise ValueError(update.out.error_message)
         return update.out
