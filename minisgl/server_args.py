@@ -388,9 +388,9 @@ class ServerArgs:
             return
         if self.tp_size > 1:
             raise ValueError(
-                f"LoRA (--lora-paths, --enable-lora) does not combine with --tp-size {self.tp_size}: tensor parallelism "
-                "does not shard the adapters' weights (each rank would add a whole adapter's delta to its slice). "
-                "Drop one of the two."
+                f"LoRA (--lora-paths, --enable-lora) needs --tp-size 1: minisgl's LoRA adds each adapter's delta to the "
+                f"whole q/k/v/o and gate/up/down outputs, and with --tp-size {self.tp_size} each rank holds only a slice "
+                "of them (tensor parallelism does not shard the adapters); drop LoRA or use --tp-size 1"
             )
         if self.speculative_algorithm is not None:
             raise ValueError(

@@ -334,7 +334,7 @@ def test_server_args_of_dynamic_lora(tiny_model: str, adapters: Dict[str, str]) 
     with pytest.raises(ValueError, match="--speculative-algorithm"):
         ServerArgs(enable_lora=True, max_lora_rank=8, lora_target_modules=("q_proj",), speculative_algorithm="NGRAM")
     for lora in ({"enable_lora": True, "max_lora_rank": 8, "lora_target_modules": ("q_proj",)}, {"lora_paths": (one,)}):
-        with pytest.raises(ValueError, match=r"LoRA \(--lora-paths, --enable-lora\) does not combine with --tp-size 2: tensor parallelism does not shard"):
+        with pytest.raises(ValueError, match=r"LoRA \(--lora-paths, --enable-lora\) needs --tp-size 1: .* with --tp-size 2 each rank holds only a slice"):
             ServerArgs(tp_size=2, **lora)
     # the CLI: `all` resolves to every module LoRA applies to; --lora-paths turns LoRA on
     args = ServerArgs.from_argv(["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "all", "--max-loaded-loras", "3"])

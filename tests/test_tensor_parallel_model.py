@@ -380,5 +380,5 @@ def test_model_runner_refuses_at_start_before_loading(tiny_model: str, tmp_path:
         runner(3)
     adapter = tmp_path / "adapter"
     adapter.mkdir()
-    with pytest.raises(ValueError, match="--lora-paths needs --tp-size 1"):
+    with pytest.raises(ValueError, match=r"LoRA \(--lora-paths, --enable-lora\) needs --tp-size 1"):  # (ServerArgs refuses it)
         runner(2, lora_paths=(f"a={adapter}",))

@@ -4,7 +4,7 @@ Where it sits: Scheduler -> ScheduleBatch -> ForwardBatch -> ModelRunner.forward
 LogitsProcessorOutput -> ModelRunner.sample (logits bias, custom logit processors, Sampler) ->
 SampleOutput -> Scheduler. With --is-embedding (`is_generation` False, SGLang's name) forward
 returns an EmbeddingPoolerOutput instead, and nothing is sampled.
-Owns: model (DecoderForCausalLM), model_config, lora_manager (--lora-paths), req_to_token_pool,
+Owns: model (DecoderForCausalLM), model_config, lora_manager (--lora-paths, --enable-lora), req_to_token_pool,
 token_to_kv_pool_allocator, token_to_kv_pool, attn_backend, sampler, and on CUDA the
 cuda_graph_runner that replays decode steps (cuda_graph_runner.py; None where they run eagerly).
 
@@ -25,7 +25,7 @@ Tensor parallelism (--tp-size N, `tp_group` this rank's GroupCoordinator; docs/p
 the model holds this rank's slice of every split weight, and the KV pool this rank's KV heads
 (cell_size per rank). Both sizes above are then the minimum over the ranks (an all_reduce),
 as in SGLang: the N schedulers must admit the same requests into pools of the same size to
-stay in step. On CUDA, rank r runs on cuda:r. --lora-paths is refused with N > 1.
+stay in step. On CUDA, rank r runs on cuda:r. LoRA is refused with N > 1 (ServerArgs).
 """
 
 from __future__ import annotations
@@ -74,12 +74,6 @@ class ModelRunner:
         self.server_args = server_args
         self.tp_group = tp_group  # this rank's place among --tp-size ranks, and their collectives
         self.tp_rank, self.tp_size = tp_group.rank_in_group, tp_group.world_size
-        if server_args.lora_adapters and self.tp_size > 1:
-            raise ValueError(
-                f"--lora-paths needs --tp-size 1: minisgl's LoRA adds each adapter's delta to the whole q/k/v/o and "
-                f"gate/up/down outputs, and with --tp-size {self.tp_size} each rank holds only a slice of them; "
-                "drop --lora-paths or use --tp-size 1"
-            )
         if server_args.device == "cuda" and self.tp_size > 1:
             torch.cuda.set_device(self.tp_rank)  # (SGLang's gpu_id = tp_rank): before anything is allocated
         self.device: str = server_args.device
