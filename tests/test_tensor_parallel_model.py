@@ -349,6 +349,27 @@ def test_split_layers_put_back_together_equal_the_whole_layer() -> None:
 # ---------------------------------------------------------------------- refusals
 
 
+def test_a_tied_head_of_the_wrong_shape_is_refused_on_every_rank(tiny_model: str) -> None:
+    """A stored lm_head.weight one row short: a rank compares only its rows of the embedding, and
+    those (the last rank's, or a single rank's first V - 1) matched it, so the whole shape is
+    checked first, with the loader's message, and before any collective (no process group here)."""
+    from safetensors.torch import load_file
+
+    from minisgl.models.decoder import DecoderForCausalLM
+    from minisgl.models.model_config import ModelConfig
+
+    mc = ModelConfig.from_pretrained(tiny_model)
+    assert mc.tie_word_embeddings
+    weights = load_file(os.path.join(tiny_model, "model.safetensors"))
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"][:-1].clone()
+    for tp_size in (1, 2):
+        for rank in range(tp_size):
+            model = DecoderForCausalLM(mc, tp_group=GroupCoordinator(rank, tp_size))
+            with pytest.raises(ValueError, match=r"'lm_head.weight' does not fit .*shape mismatch: parameter \(\d+, \d+\) vs checkpoint"):
+                model.load_weights(weights.items())
+
+
+
 def test_models_the_ranks_cannot_split_are_refused_with_the_fix(tiny_model: str, tiny_model_factory: Callable[..., str]) -> None:
     from minisgl.models.model_config import ModelConfig
 

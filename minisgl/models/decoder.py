@@ -292,6 +292,14 @@ class DecoderForCausalLM(nn.Module):
         the head's name, else a copy that must equal it. A different matrix would be dropped
         without a word (transformers 5 unties the two instead): refused, naming the fix."""
         embedding = self.model.embed_tokens
+        # the whole [V, H] first, on every rank alike: a rank compares only its rows below, and a
+        # head one row short would match them (the last rank's short by one) and load
+        expected = (embedding.org_vocab_size, embedding.embedding_dim)
+        if tuple(head.shape) != expected:
+            raise ValueError(
+                f"checkpoint tensor 'lm_head.weight' does not fit 'model.embed_tokens.weight' (tie_word_embeddings): "
+                f"shape mismatch: parameter {expected} vs checkpoint {tuple(head.shape)}"
+            )
         key = ("model.embed_tokens.weight", None)
         if key not in loaded:
             embedding.weight_loader(embedding.weight, head)
