@@ -9,6 +9,7 @@ differ, so "every rank exited 0 after shutdown()" means rank 1 ran the same step
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 import json
@@ -28,6 +29,7 @@ import pytest
 import torch
 
 from minisgl import Engine
+from minisgl.entrypoints.engine_tp import RankDiedError
 from minisgl.managers.io_struct import AbortReq, TpBroadcastInput, decode
 from minisgl.managers.tp_lockstep import TpLeader, agree_on_ready_grammars, apply_broadcast, heartbeat_interval, lockstep_state
 from minisgl.server_args import ServerArgs
@@ -168,6 +170,23 @@ def test_a_rank_that_dies_makes_the_engine_raise_not_hang(tiny_model: str) -> No
     assert not mp.active_children()
 
 
+def test_a_rank_that_dies_in_the_middle_of_a_step_is_named(tiny_model: str) -> None:
+    """Rank 0's collective breaks ("Connection closed by peer"): the error is the rank's death."""
+    engine = Engine(tiny_model, tp_size=2, **ENGINE_ARGS)
+    rank1, forward = engine._tp.procs[0], engine.model_runner.forward
+
+    def forward_after_a_death(batch: Any) -> Any:
+        os.kill(rank1.pid, signal.SIGKILL)
+        rank1.join(10)
+        return forward(batch)
+
+    engine.model_runner.forward = forward_after_a_death
+    with pytest.raises(RankDiedError, match=r"tensor-parallel rank 1 of this Engine exited \(exit code -9\)"):
+        engine.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)
+    engine.shutdown()
+    assert not mp.active_children()
+
+
 def test_an_engine_that_fails_to_start_leaves_no_rank_and_gives_the_threads_back(tiny_model: str) -> None:
     torch.set_num_threads(2)
     try:
@@ -188,6 +207,22 @@ def test_a_rank_out_of_step_stops_with_both_states_named(oracle: Engine) -> None
     assert lockstep_state(scheduler) == state  # (nothing of that iteration ran)
 
 
+def _turn_of(lock: Any) -> Any:
+    """A heartbeat turn (Engine._heartbeat_turn's shape) from a plain lock: taken without waiting."""
+
+    @contextlib.contextmanager
+    def turn() -> Iterator[bool]:
+        if not lock.acquire(blocking=False):
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            lock.release()
+
+    return turn
+
+
 def test_the_engine_heartbeat_never_falls_inside_a_call() -> None:
     """A beat sent while rank 0 is in a step would pair with that step's collectives (the grammar
     all_reduce, the forward's) on the other ranks: it waits for the Engine's lock to be free."""
@@ -202,7 +237,7 @@ def test_the_engine_heartbeat_never_falls_inside_a_call() -> None:
     busy = threading.RLock()
     leader = TpLeader(Group(), scheduler=None, heartbeat_s=0.05)
     with busy:  # a call (a step) runs for ten heartbeat intervals
-        leader.start_heartbeat(busy)
+        leader.start_heartbeat(_turn_of(busy))
         time.sleep(0.5)
         assert Group.sent == []
     deadline = time.monotonic() + 5
@@ -211,6 +246,92 @@ def test_the_engine_heartbeat_never_falls_inside_a_call() -> None:
     leader.shutdown()
     frames = [decode(data) for data in Group.sent]
     assert frames[0] == TpBroadcastInput([], run_step=False) and frames[-1].shutdown  # beats, then the shutdown
+
+
+def test_a_broadcast_started_inside_a_broadcast_is_refused_not_a_deadlock() -> None:
+    """A finalizer the garbage collector runs mid-broadcast, on the same thread, that broadcasts
+    (a forgotten Engine's shutdown frame): it would wait for the leader's lock its thread holds."""
+    inner: List[BaseException] = []
+
+    class Group:
+        def broadcast_bytes(self, data: bytes) -> bytes:
+            if data == b"outer":
+                try:
+                    leader._send(b"inner")  # (what the finalizer would do)
+                except RuntimeError as e:
+                    inner.append(e)
+            return data
+
+    leader = TpLeader(Group(), scheduler=None, heartbeat_s=60)
+    sender = threading.Thread(target=leader._send, args=(b"outer",), daemon=True)
+    sender.start()
+    sender.join(10)
+    assert not sender.is_alive(), "the nested broadcast deadlocked"
+    assert len(inner) == 1 and "started inside another one on the same thread" in str(inner[0])
+    leader._send(b"next")  # (the leader is usable afterwards)
+
+
+def test_a_stream_the_collector_drops_inside_a_heartbeat_is_released_at_the_next_step(tiny_model: str) -> None:
+    """The garbage collector may finalize a dropped stream in the heartbeat thread, in the middle of
+    its broadcast: the beat counts as a call in progress, so the release waits for the next step,
+    as inside any call (it used to broadcast an abort from inside the broadcast: a deadlock)."""
+    engine = Engine(tiny_model, tp_size=2, dist_timeout=8, **ENGINE_ARGS)  # a heartbeat after 2 s quiet
+    procs = list(engine._tp.procs)
+    group = engine._tp.group
+    real, collected = group.broadcast_bytes, threading.Event()
+
+    def broadcast_bytes(data: Optional[bytes], src: int = 0) -> bytes:
+        if threading.current_thread().name == "minisgl-tp-heartbeat" and not collected.is_set():
+            collected.set()
+            gc.collect()  # (what an automatic collection in this thread does)
+        return real(data, src)
+
+    group.broadcast_bytes = broadcast_bytes
+    gc.disable()  # (only the heartbeat's collection finds the cycle)
+    try:
+        stream = engine.generate(input_ids=[5, 6, 7], sampling_params={**GREEDY, "max_new_tokens": 40, "ignore_eos": True}, stream=True)
+        next(stream)
+        [rid] = engine.rid_to_state
+        cycle: List[Any] = [stream]
+        cycle.append(cycle)  # a dropped stream that only the collector frees
+        del stream, cycle
+        assert collected.wait(30)
+        assert engine._lock.acquire(timeout=10), "the heartbeat deadlocked"
+        engine._lock.release()
+        assert engine._dropped == [rid]  # released at the next step
+    finally:
+        gc.enable()
+    while not engine.scheduler.is_idle():
+        engine.step(snapshot=False)
+    assert not engine.rid_to_state
+    engine.shutdown()
+    assert [p.exitcode for p in procs] == [0]
+
+
+def test_close_sends_no_shutdown_frame_into_another_threads_call(tiny_model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The finalizer of an Engine whose lock another thread holds (a step of it would be in the
+    forward's collectives) waits for that call a while, then terminates the ranks rather than
+    broadcast into the middle of it."""
+    from minisgl.entrypoints import engine_tp
+
+    monkeypatch.setattr(engine_tp, "LOCK_TIMEOUT_S", 0.5)
+    engine = Engine(tiny_model, tp_size=2, **ENGINE_ARGS)
+    procs = list(engine._tp.procs)
+    holding, done = threading.Event(), threading.Event()
+
+    def a_call() -> None:
+        with engine._lock:
+            holding.set()
+            done.wait(30)
+
+    caller = threading.Thread(target=a_call, daemon=True)
+    caller.start()
+    assert holding.wait(10)
+    engine._tp.close()  # (what the finalizer runs)
+    done.set()
+    caller.join(10)
+    assert [p.exitcode for p in procs] == [-signal.SIGTERM]  # terminated: no shutdown frame reached it
+    engine.shutdown()
 
 
 def _grammar_rank(rank: int, store: str, results: Any) -> None:

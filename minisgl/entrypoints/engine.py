@@ -146,18 +146,27 @@ class Engine:
         if "log_level" in kwargs:  # minisgl's loggers only: the application owns the handlers and their format
             logging.getLogger("minisgl").setLevel(args.log_level.upper())
         self.server_args = resolve_server_args(args)
-        # tp_size > 1: this process is rank 0, the other ranks are child processes that follow it
-        # (entrypoints/engine_tp.py); every change of the scheduler goes to them first (_handover)
-        self._tp: Optional[EngineTpRanks] = EngineTpRanks(self.server_args) if self.server_args.tp_size > 1 else None
         # One scheduler, driven by whoever calls: calls from several threads (a generate() in a
         # background thread while a notebook steps) take turns, one step or call at a time.
         self._lock = threading.RLock()
+        self._calls_in_progress = 0  # locked calls running (nested ones, and a heartbeat, count too); changed under the lock
+        # rids of streams dropped while a call of this thread ran (a garbage-collector finalizer):
+        # aborted and forgotten at the start of the next step, never from inside the running call
+        self._dropped: List[str] = []
+        # why a step stopped half-way, leaving the scheduler in a state nothing can trust
+        self._broken: Optional[str] = None
+        self._closed = False
+        self.rid_to_state: Dict[str, _ReqState] = {}
+        # tp_size > 1: this process is rank 0, the other ranks are child processes that follow it
+        # (entrypoints/engine_tp.py); every change of the scheduler goes to them first (_handover)
+        self._tp: Optional[EngineTpRanks] = EngineTpRanks(self.server_args, self._lock) if self.server_args.tp_size > 1 else None
         try:
             self.model_runner = ModelRunner(self.server_args, tp_group=self._tp.group if self._tp is not None else None)
             self.tokenizer = get_tokenizer(self.server_args.tokenizer_path, self.server_args.trust_remote_code)
             self.scheduler = Scheduler(self.server_args, self.model_runner, self.tokenizer)
             if self._tp is not None:
-                self._tp.wait_ready(self.scheduler, self._lock)
+                turn = weakref.WeakMethod(self._heartbeat_turn)  # (the heartbeat thread must not keep a forgotten Engine alive)
+                self._tp.wait_ready(self.scheduler, lambda: (turn() or _no_turn)())
         except BaseException as e:
             if self._tp is None:
                 raise
@@ -169,21 +178,13 @@ class Engine:
             finally:
                 self._tp.close()
             raise
-        if self._tp is not None:  # (the ranks stop even when the caller forgets shutdown())
-            weakref.finalize(self, self._tp.close)
+        if self._tp is not None:  # (the ranks stop even when the caller forgets shutdown(); at exit, engine_tp's hook)
+            weakref.finalize(self, self._tp.close).atexit = False
         self.detokenizer = DetokenizerManager(self.server_args)
         self.vocab_size: int = self.model_runner.model_config.vocab_size
         self.context_len: int = self.model_runner.model_config.context_len
-        self.rid_to_state: Dict[str, _ReqState] = {}
         # the adapters a request may name (lora_paths, then load_lora_adapter); None: LoRA off
         self.lora_registry = LoRARegistry(self.server_args.lora_adapters or ()) if self.server_args.enable_lora else None
-        self._closed = False
-        self._calls_in_progress = 0  # locked calls running (nested ones count too); changed under the lock
-        # rids of streams dropped while a call of this thread ran (a garbage-collector finalizer):
-        # aborted and forgotten at the start of the next step, never from inside the running call
-        self._dropped: List[str] = []
-        # why a step stopped half-way, leaving the scheduler in a state nothing can trust
-        self._broken: Optional[str] = None
         # the rid a caller gave an n > 1 prompt -> its samples' rids (`<rid>-<j>`), for abort(rid)
         self._samples_of: Dict[str, List[str]] = {}
 
@@ -623,6 +624,22 @@ class Engine:
             self._lock.release()
         self._release(rids)
 
+    @contextlib.contextmanager
+    def _heartbeat_turn(self) -> Iterator[bool]:
+        """The tensor-parallel heartbeat's turn (TpLeader.start_heartbeat): True with the Engine's
+        lock, never waiting for it (a call is running: it broadcasts at each step itself), and
+        counted as a call in progress, so that a stream the garbage collector finalizes in the
+        heartbeat's thread mid-beat is released at the next step (_dropped), not inside the beat."""
+        if not self._lock.acquire(blocking=False):
+            yield False
+            return
+        self._calls_in_progress += 1
+        try:
+            yield True
+        finally:
+            self._calls_in_progress -= 1
+            self._lock.release()
+
     def _release_after_error(self, rids: List[str]) -> None:
         """generate()'s clean-up when it is interrupted: nothing to do if the Engine is closed or broken
         (then the original exception is the one to see)."""
@@ -696,11 +713,16 @@ class Engine:
         with _signals_held_until_the_end():
             if self._tp is not None:
                 self._tp.broadcast(msgs, run_step)
-            replies = (apply or self.scheduler.process_input_requests)(msgs) if msgs else []
-            if run_step:
-                self.scheduler.run_step()
-                self._drain_outputs()
-                self.scheduler.self_check_during_idle()  # as the server's loop does before it blocks
+            try:
+                replies = (apply or self.scheduler.process_input_requests)(msgs) if msgs else []
+                if run_step:
+                    self.scheduler.run_step()
+                    self._drain_outputs()
+                    self.scheduler.self_check_during_idle()  # as the server's loop does before it blocks
+            except Exception as e:
+                if self._tp is not None:  # a rank that died mid-step broke its collectives: named, not gloo's echo
+                    self._tp.raise_if_a_rank_died(e)
+                raise
         return replies
 
     def _guarded(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -713,6 +735,8 @@ class Engine:
             return fn(*args)
         except BaseException as e:
             self._broken = f"{type(e).__name__}: {e}"
+            if self._tp is not None:  # (the other ranks may be inside this step's collectives: no shutdown frame)
+                self._tp.broken = True
             raise
 
     @_locked
@@ -994,6 +1018,12 @@ class Engine:
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+
+@contextlib.contextmanager
+def _no_turn() -> Iterator[bool]:
+    """The heartbeat's turn once its Engine is gone (its finalizer stops the heartbeat)."""
+    yield False
 
 
 @contextlib.contextmanager

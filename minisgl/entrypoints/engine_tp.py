@@ -5,8 +5,11 @@ steps in the caller's thread, as with one rank). Each other rank is a spawned pr
 tp_lockstep.run_tp_follower_process: its own ModelRunner (1/N of the model) and Scheduler,
 following rank 0's broadcasts. The Engine hands every change of its scheduler to `broadcast`
 first (requests, aborts, flushes, each step), so the followers step with it; shutdown() (or
-the garbage collector, or the interpreter's exit, when the caller forgets it) tells them to
-stop and joins them. A rank that dies makes the Engine's next call raise RuntimeError naming it.
+the garbage collector, when the caller forgets it) tells them to stop and joins them. A
+shutdown frame is sent only with the Engine's lock held (no step of another thread runs, whose
+collectives it would meet) and never from a broken Engine or at the interpreter's exit: there
+the ranks are terminated. A rank that dies makes the Engine's next call raise RuntimeError
+naming it.
 
 CPU threads: the ranks share the machine's cores, so each gets threads_per_rank(the caller's
 torch thread count at start); rank 0's count is the caller's process's own, set here for the
@@ -15,6 +18,7 @@ Engine's life and put back by close() (docs/engine.md).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing as mp
 import os
@@ -24,12 +28,13 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, Set
 
-from minisgl.managers.tp_lockstep import TpLeader, heartbeat_interval, run_tp_follower_process, threads_per_rank
+from minisgl.managers.tp_lockstep import NestedBroadcastError, TpLeader, heartbeat_interval, run_tp_follower_process, threads_per_rank
 
 logger = logging.getLogger("minisgl")
 
 READY_TIMEOUT_S = 600.0  # loading a real model on the CPU can take minutes (the server's limit)
 JOIN_TIMEOUT_S = 10.0  # how long close() waits for a rank to leave its loop before it terminates it
+LOCK_TIMEOUT_S = 5.0  # how long close() waits for a call of another thread to end before it terminates the ranks
 
 
 class RankDiedError(RuntimeError):
@@ -40,13 +45,15 @@ class EngineTpRanks:
     """Ranks 1..N-1 of one Engine: start them (`__init__`, then `wait_ready` once rank 0's own
     ModelRunner is built), `broadcast` rank 0's inputs to them, `close` them."""
 
-    def __init__(self, server_args: Any) -> None:
+    def __init__(self, server_args: Any, engine_lock: Any) -> None:
         import torch
 
         self.tp_size = server_args.tp_size
+        self.engine_lock = engine_lock  # held by every Engine call (and its steps); close() takes it too
         self.leader: Optional[TpLeader] = None
         self.user_threads: Optional[int] = None  # the caller's torch thread count, put back by close()
         self.closed = False
+        self.broken = False  # a call failed half-way (Engine._guarded): the ranks may sit in its collectives
         num_threads = None
         if server_args.device == "cpu":
             self.user_threads = torch.get_num_threads()
@@ -81,6 +88,7 @@ class EngineTpRanks:
             self.close()
             raise
         self.heartbeat_s = heartbeat_interval(server_args.dist_timeout)
+        atexit.register(self._close_at_exit)  # (not the Engine's finalizer: this one knows it is the exit)
 
     def _join(self, server_args: Any, store_path: str) -> Any:
         """Rank 0's place in the group. The rendezvous waits for every rank up to --dist-timeout;
@@ -121,10 +129,10 @@ class EngineTpRanks:
             elif not self.procs[rank - 1].is_alive():
                 raise RankDiedError(self._exit_text(rank))
 
-    def wait_ready(self, scheduler: Any, busy: Any) -> None:
+    def wait_ready(self, scheduler: Any, heartbeat_turn: Any) -> None:
         """Every rank's ready message (RankDiedError with the first failure's), then the broadcasts
         can start: the heartbeat keeps idle ranks inside --dist-timeout from here on, sending only
-        while it holds `busy` (the Engine's lock: never in the middle of a step's collectives)."""
+        in its `heartbeat_turn` (the Engine's lock: never in the middle of a step's collectives)."""
         deadline = time.monotonic() + READY_TIMEOUT_S
         while True:
             self._poll_ranks()
@@ -135,7 +143,7 @@ class EngineTpRanks:
                 raise RankDiedError(f"tensor-parallel rank(s) {waiting} not ready after {READY_TIMEOUT_S:.0f} s")
             time.sleep(0.02)
         self.leader = TpLeader(self.group, scheduler, self.heartbeat_s)
-        self.leader.start_heartbeat(busy)
+        self.leader.start_heartbeat(heartbeat_turn)
 
     def _exit_text(self, rank: int) -> str:
         proc = self.procs[rank - 1]
@@ -163,30 +171,58 @@ class EngineTpRanks:
         self.check_alive()
         try:
             self.leader.broadcast(recv_reqs, run_step)
+        except NestedBroadcastError:  # (no rank is at fault: the message says what happened)
+            raise
         except Exception as e:
-            # a rank closing its connection is a rank exiting: give it a moment to be gone, and name it
+            self.raise_if_a_rank_died(e)
+            raise RankDiedError(f"the broadcast to the tensor-parallel ranks failed: {e}") from e
+
+    def raise_if_a_rank_died(self, error: BaseException) -> None:
+        """After a broadcast or a step of rank 0 failed: RankDiedError naming a rank that exited,
+        from `error`; nothing when every rank is up. A collective's error (a RuntimeError: gloo's
+        "Connection closed by peer") gives the rank a moment to be gone: closing its connection is
+        how a dying rank is first seen."""
+        if isinstance(error, RuntimeError):
             deadline = time.monotonic() + 2.0
             for proc in self.procs:
                 proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        try:
             self.check_alive()
-            raise RankDiedError(f"the broadcast to the tensor-parallel ranks failed: {e}") from e
+        except RankDiedError as died:
+            raise died from error
 
-    def close(self) -> None:
-        """Stop the ranks (a shutdown broadcast, then join; terminate what does not leave), put the
-        caller's thread count back. Idempotent; also the Engine's finalizer (no reference to it)."""
+    def close(self, at_exit: bool = False) -> None:
+        """Stop the ranks, put the caller's thread count back. Idempotent; also the Engine's
+        finalizer (no reference to it) and, `at_exit`, the interpreter's exit hook.
+
+        A shutdown frame, then a join (terminating what does not leave), only when it is safe: no
+        rank gone, the Engine not broken half-way through a step, not the exit (another thread
+        may be inside a call, and nothing there must wait), not from inside a broadcast of this
+        thread (a finalizer run mid-beat), and with the Engine's lock, so that no step of another
+        thread is running whose collectives the frame would meet. Otherwise the ranks are
+        terminated at once: they hold nothing that needs a clean exit."""
         if self.closed:
             return
         self.closed = True
-        if self.leader is not None:  # (a rank is gone: the others' next collective fails, and they exit by themselves)
-            self.leader.shutdown(notify=all(p.is_alive() for p in self.procs))
-            deadline = time.monotonic() + JOIN_TIMEOUT_S
-            for proc in self.procs:
-                proc.join(timeout=max(0.1, deadline - time.monotonic()))
-        # (never started following, as when the start failed: nothing to wait for, they go now)
-        for proc in self.procs:
+        atexit.unregister(self._close_at_exit)
+        if self.leader is not None:
+            notify = not (at_exit or self.broken or self.leader.in_send()) and all(p.is_alive() for p in self.procs)
+            locked = notify and self.engine_lock.acquire(timeout=LOCK_TIMEOUT_S)
+            if notify and not locked:
+                logger.warning("tensor-parallel ranks: a call of another thread still runs after %.0f s; terminating them", LOCK_TIMEOUT_S)
+            try:
+                self.leader.shutdown(notify=locked)
+            finally:
+                if locked:
+                    self.engine_lock.release()
+            if locked:
+                deadline = time.monotonic() + JOIN_TIMEOUT_S
+                for proc in self.procs:
+                    proc.join(timeout=max(0.1, deadline - time.monotonic()))
+                    if proc.is_alive():
+                        logger.warning("tensor-parallel rank process %s did not stop; terminating it", proc.pid)
+        for proc in self.procs:  # (never started following, as when the start failed: they go now)
             if proc.is_alive():
-                if self.leader is not None:
-                    logger.warning("tensor-parallel rank process %s did not stop; terminating it", proc.pid)
                 proc.terminate()
                 proc.join(timeout=5)
                 if proc.is_alive():
@@ -199,3 +235,6 @@ class EngineTpRanks:
             import torch
 
             torch.set_num_threads(self.user_threads)
+
+    def _close_at_exit(self) -> None:
+        self.close(at_exit=True)

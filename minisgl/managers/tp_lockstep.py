@@ -39,7 +39,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Iterator, List, Optional, Sequence, Tuple
 
 from minisgl.managers.io_struct import GetLoadReqInput, ProfileReq, TpBroadcastInput, decode, encode
 
@@ -53,6 +53,10 @@ RANK0_ONLY = (ProfileReq, GetLoadReqInput)
 LOCKSTEP_FIELDS = (
     "forward_ct", "waiting", "grammar_queue", "running", "chunked", "free_kv_tokens", "evictable_tokens", "free_req_rows",
 )  # fmt: skip
+
+
+class NestedBroadcastError(RuntimeError):
+    """A broadcast started inside another one on the same thread (TpLeader._send says why)."""
 
 
 def heartbeat_interval(dist_timeout_s: float) -> float:
@@ -119,6 +123,7 @@ class TpLeader:
         self.last_broadcast = time.monotonic()
         self.closed = False
         self._lock = threading.Lock()  # one broadcast at a time: the Engine's calls and its heartbeat
+        self._sending = threading.local()  # .active: this thread is inside _send (see there)
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -129,36 +134,54 @@ class TpLeader:
         )  # fmt: skip
         self._send(encode(frame))
 
+    def in_send(self) -> bool:
+        """Whether this thread is inside a broadcast (a finalizer the garbage collector runs there)."""
+        return getattr(self._sending, "active", False)
+
     def _send(self, data: bytes) -> None:
+        # The garbage collector can run a finalizer (a dropped stream's, a forgotten Engine's) in the
+        # middle of a broadcast, on its thread: a broadcast from there would wait for the lock this
+        # thread holds, for ever. Refused instead, with a message.
+        if self.in_send():
+            raise NestedBroadcastError(
+                "a broadcast to the tensor-parallel ranks was started inside another one on the same thread (a "
+                "finalizer run by the garbage collector mid-broadcast?); it would wait for itself"
+            )
         with self._lock:
             if self.closed:
                 raise RuntimeError("the tensor-parallel ranks were shut down")
-            self.group.broadcast_bytes(data)
+            self._sending.active = True
+            try:
+                self.group.broadcast_bytes(data)
+            finally:
+                self._sending.active = False
             self.last_broadcast = time.monotonic()
 
-    def start_heartbeat(self, busy: Any) -> None:
-        """`busy`: a lock held whenever rank 0 may be inside a collective (the Engine's: its calls hold
-        it through each step). A beat is only sent with it taken: a broadcast in the middle of a
-        step's grammar all_reduce, or of the forward's collectives on the same group, would be
-        paired with the wrong operation on the other ranks."""
-        self._thread = threading.Thread(target=self._beat, args=(busy,), name="minisgl-tp-heartbeat", daemon=True)
+    def start_heartbeat(self, turn: Callable[[], ContextManager[bool]]) -> None:
+        """`turn()`: a context manager that yields whether the heartbeat may send now, held while it
+        does (the Engine's `_heartbeat_turn`: its lock, taken without waiting, which its calls hold
+        through each step). A broadcast in the middle of a step's grammar all_reduce, or of the
+        forward's collectives on the same group, would be paired with the wrong operation on the
+        other ranks."""
+        self._thread = threading.Thread(target=self._beat, args=(turn,), name="minisgl-tp-heartbeat", daemon=True)
         self._thread.start()
 
-    def _beat(self, busy: Any) -> None:
+    def _beat(self, turn: Callable[[], ContextManager[bool]]) -> None:
         # (no lockstep state: nothing runs on it, so there is nothing to check)
         beat = encode(TpBroadcastInput([], run_step=False))
         while not self._stop.wait(self.heartbeat_s / 4):
             if time.monotonic() - self.last_broadcast < self.heartbeat_s:
                 continue
-            if not busy.acquire(blocking=False):  # a call is running: it broadcasts at each step itself
-                continue
-            try:
-                self._send(beat)
-            except Exception as e:  # a rank died: the Engine's next call finds it and says so
-                logger.warning("tensor-parallel heartbeat stopped: %s", e)
-                return
-            finally:
-                busy.release()
+            with turn() as free:
+                if not free:  # a call is running: it broadcasts at each step itself
+                    continue
+                if self._stop.is_set():  # (shut down while this thread waited for its turn)
+                    return
+                try:
+                    self._send(beat)
+                except Exception as e:  # a rank died: the Engine's next call finds it and says so
+                    logger.warning("tensor-parallel heartbeat stopped: %s", e)
+                    return
 
     def shutdown(self, notify: bool = True) -> None:
         """Stop the heartbeat and, with `notify`, tell the other ranks to leave their loop (best
