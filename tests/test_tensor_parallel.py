@@ -223,6 +223,59 @@ def _turn_of(lock: Any) -> Any:
     return turn
 
 
+def _follower_that_samples_otherwise(*args: Any) -> None:
+    """An Engine's rank > 0 whose sampler always draws the last token of the vocabulary (a rank whose
+    logits or generator differ), before the ranks' token sync when a step has one."""
+    from minisgl.layers.sampler import Sampler
+    from minisgl.managers.tp_lockstep import run_tp_follower_process
+
+    forward = Sampler.forward
+
+    def forward_otherwise(self: Any, logits: torch.Tensor, info: Any, generator: Any = None, sync_token_ids: Any = None) -> Any:
+        def bend_then_sync(ids: torch.Tensor) -> None:
+            ids.fill_(logits.shape[-1] - 1)
+            if sync_token_ids is not None:
+                sync_token_ids(ids)
+
+        return forward(self, logits, info, generator, bend_then_sync)
+
+    Sampler.forward = forward_otherwise  # type: ignore[method-assign]
+    run_tp_follower_process(*args)
+
+
+def test_a_rank_that_samples_other_tokens_is_caught_or_synced(oracle: Engine, tiny_model: str, monkeypatch: pytest.MonkeyPatch, capfd: Any) -> None:
+    """A grammar step syncs the ranks' tokens (an all_reduce MIN, SGLang's): rank 1's last-token
+    draws lose to rank 0's, and both stay in step. A plain step does not sync: the token checksum
+    in the lockstep state stops rank 1 at the next broadcast, and the Engine names its exit."""
+    from minisgl.entrypoints import engine_tp
+
+    monkeypatch.setattr(engine_tp, "run_tp_follower_process", _follower_that_samples_otherwise)
+    engine = Engine(tiny_model, tp_size=2, **ENGINE_ARGS)
+    if importlib.util.find_spec("xgrammar") is not None:
+        params = {**GREEDY, "max_new_tokens": 12, "json_schema": SCHEMA}
+        want = oracle.generate(input_ids=[20, 21], sampling_params=params)
+        assert engine.generate(input_ids=[20, 21], sampling_params=params)["output_ids"] == want["output_ids"]
+    with pytest.raises(RankDiedError, match=r"tensor-parallel rank 1 of this Engine exited \(exit code 1\)"):
+        engine.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)
+    assert re.search(r"rank 1 fell out of lockstep with rank 0 \(token_checksum \d+ here, \d+ on rank 0\)", capfd.readouterr().err)
+    engine.shutdown()
+
+
+def test_sync_token_ids_across_tp_keeps_such_a_rank_in_step(oracle: Engine, tiny_model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SYNC_TOKEN_IDS_ACROSS_TP=1 (SGLang's variable): every step's tokens are synced."""
+    from minisgl.entrypoints import engine_tp
+
+    monkeypatch.setattr(engine_tp, "run_tp_follower_process", _follower_that_samples_otherwise)
+    monkeypatch.setenv("SYNC_TOKEN_IDS_ACROSS_TP", "1")
+    engine = Engine(tiny_model, tp_size=2, **ENGINE_ARGS)
+    procs = list(engine._tp.procs)
+    prompts = [[5, 6, 7], LONG]
+    want = [o["output_ids"] for o in oracle.generate(input_ids=prompts, sampling_params=GREEDY)]
+    assert [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=GREEDY)] == want
+    engine.shutdown()
+    assert [p.exitcode for p in procs] == [0]
+
+
 def test_the_engine_heartbeat_never_falls_inside_a_call() -> None:
     """A beat sent while rank 0 is in a step would pair with that step's collectives (the grammar
     all_reduce, the forward's) on the other ranks: it waits for the Engine's lock to be free."""

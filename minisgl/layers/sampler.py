@@ -29,7 +29,7 @@ token_ids_logprobs those of the ids the request names (`token_ids_logprob`, SGLa
 
 from __future__ import annotations
 
-from typing import Dict, List, NamedTuple, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -51,9 +51,13 @@ class SampleOutput(NamedTuple):
 
 class Sampler(nn.Module):
     def forward(
-        self, logits: torch.Tensor, sampling_info: SamplingBatchInfo, generator: Optional[torch.Generator] = None
-    ) -> SampleOutput:
-        """logits [bs, V] float32, already penalised; `generator` draws unseeded rows (torch's global RNG if None)."""
+        self, logits: torch.Tensor, sampling_info: SamplingBatchInfo, generator: Optional[torch.Generator] = None,
+        sync_token_ids: Optional[Callable[[torch.Tensor], None]] = None,
+    ) -> SampleOutput:  # fmt: skip
+        """logits [bs, V] float32, already penalised; `generator` draws unseeded rows (torch's global RNG if None).
+
+        `sync_token_ids` (--tp-size N, when ModelRunner.sample asks): makes the sampled ids [bs] the
+        same on every rank, in place, before the logprobs read them (SGLang's _sync_token_ids_across_tp)."""
         if sampling_info.is_all_greedy:
             next_token_ids = torch.argmax(logits, dim=-1)  # [bs]
             logprobs = torch.log_softmax(logits, dim=-1) if sampling_info.return_logprob else None
@@ -64,6 +68,8 @@ class Sampler(nn.Module):
             if sampling_info.need_top_k_sampling or sampling_info.need_top_p_sampling or sampling_info.need_min_p_sampling:
                 probs = top_k_top_p_min_p_filter(probs, sampling_info)
             next_token_ids = sample_from_probs(probs, sampling_info, generator)
+        if sync_token_ids is not None:
+            sync_token_ids(next_token_ids)
         return _with_logprobs(next_token_ids, logprobs, sampling_info)
 
 

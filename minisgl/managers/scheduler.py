@@ -60,7 +60,7 @@ from minisgl.managers.scheduler_output_processor_mixin import (
 from minisgl.managers.scheduler_profiler_mixin import SchedulerProfilerMixin
 from minisgl.lora.lora_registry import LORA_NOT_ENABLED, LoRARef, lora_name_of, lora_not_loaded
 from minisgl.managers.tokenization import RETURN_HIDDEN_STATES_DISABLED
-from minisgl.managers.tp_lockstep import TpLeader, agree_on_ready_grammars, heartbeat_interval, threads_per_rank
+from minisgl.managers.tp_lockstep import TpLeader, agree_on_ready_grammars, fold_token_checksum, heartbeat_interval, threads_per_rank
 from minisgl.mem_cache.allocator import ceil_paged_tokens, new_page_slots
 from minisgl.mem_cache.radix_cache import RadixCache
 from minisgl.sampling.custom_logit_processor import CustomLogitProcessor, client_error_text
@@ -160,6 +160,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
         self.chunked_req: Optional[Req] = None
         self.forward_ct = 0
         self.forward_ct_decode = 0
+        self.token_checksum = 0  # --tp-size N: every token sampled so far, folded (tp_lockstep.fold_token_checksum)
 
         self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * server_args.schedule_conservativeness, 1.0)
         self.min_new_token_ratio = min(self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
@@ -1031,6 +1032,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
                 self.model_config.vocab_size, self.model_runner.device, self.eos_token_ids
             )
             sampled = self.model_runner.sample(logits_output, sampling_info)
+        if self.tp_group.world_size > 1:  # (the ranks compare it at each broadcast: a token sampled otherwise shows)
+            self.token_checksum = fold_token_checksum(self.token_checksum, sampled.next_token_ids.tolist())
         row_reqs = batch.row_reqs()
         for row, message in (sampled.custom_logit_processor_errors or {}).items():
             # its processor failed: this request ends with the 400 (its token this step is dropped),

@@ -52,7 +52,9 @@ HEARTBEAT_S = 5.0
 RANK0_ONLY = (ProfileReq, GetLoadReqInput)
 LOCKSTEP_FIELDS = (
     "forward_ct", "waiting", "grammar_queue", "running", "chunked", "free_kv_tokens", "evictable_tokens", "free_req_rows",
+    "token_checksum",
 )  # fmt: skip
+_CHECKSUM_MOD = (1 << 61) - 1  # (a Mersenne prime: the checksum stays a small int on the wire)
 
 
 class NestedBroadcastError(RuntimeError):
@@ -82,7 +84,20 @@ def lockstep_state(scheduler: Any) -> List[int]:
         scheduler.token_to_kv_pool_allocator.available_size(),
         scheduler.tree_cache.evictable_size(),
         scheduler.req_to_token_pool.available_size(),
+        scheduler.token_checksum,
     ]
+
+
+def fold_token_checksum(checksum: int, token_ids: Sequence[int]) -> int:
+    """`checksum` with one step's sampled tokens (every row, in order) folded in.
+
+    The ranks sample from bit-identical logits with identically seeded generators, so they draw
+    the same tokens and never send them to each other; a rank that drew another one (a kernel that
+    is not deterministic, a generator out of step) would feed it to the next forward and insert it
+    into its radix tree, while its queues and pools still look the same. This sum, compared at
+    every broadcast (LOCKSTEP_FIELDS), says so at the next step."""
+    step = sum((i + 1) * t for i, t in enumerate(token_ids))  # (position-weighted: two tokens swapped show too)
+    return (checksum * 1_000_003 + step) % _CHECKSUM_MOD
 
 
 def agree_on_ready_grammars(group: Any, done: Sequence[bool], over_time: Sequence[bool]) -> Tuple[List[bool], List[bool]]:

@@ -31,6 +31,7 @@ stay in step. On CUDA, rank r runs on cuda:r. LoRA is refused with N > 1 (Server
 from __future__ import annotations
 
 import logging
+import os
 from typing import List, Optional, Union
 
 import torch
@@ -102,6 +103,9 @@ class ModelRunner:
             n = self.model.pack_linear_weights_for_cpu()  # oneDNN layout: ~2x matmul rate at decode sizes
             logger.info("packed %d linear weights for oneDNN", n)
         self.sampler = Sampler()
+        # --tp-size N: agree on every step's sampled ids (an all_reduce MIN), not only on grammar steps
+        # (SGLang's environment variable, read the same way: "1" or "true")
+        self.sync_token_ids_always = os.environ.get("SYNC_TOKEN_IDS_ACROSS_TP", "").strip().lower() in ("1", "true")
         # --lora-paths / --enable-lora: every adapter's weights, on the model's device and dtype (None: LoRA off)
         self.lora_manager = LoRAManager.from_server_args(server_args, self.model_config, self.device, self.dtype)
 
@@ -257,5 +261,19 @@ class ModelRunner:
             if sampling_info.needs_logits_bias:
                 sampling_info.apply_logits_bias(logits)
             errors = apply_custom_logit_processors(logits, processors) if processors is not None else None
-            sampled = self.sampler(logits, sampling_info, self.generator)
+            sync = self._sync_token_ids if self._needs_token_sync(sampling_info) else None
+            sampled = self.sampler(logits, sampling_info, self.generator, sync)
             return sampled._replace(custom_logit_processor_errors=errors) if errors else sampled
+
+    def _needs_token_sync(self, sampling_info: SamplingBatchInfo) -> bool:
+        """--tp-size N: whether this step's sampled ids go through _sync_token_ids (SGLang's rule).
+
+        The ranks draw the same tokens from bit-identical logits without it (docs/parallelism.md);
+        a grammar step syncs anyway, because a grammar's mask and matcher make a disagreement
+        costlier (a token one rank's grammar refuses ends the request on that rank alone), and
+        SYNC_TOKEN_IDS_ACROSS_TP=1 syncs every step, for kernels that are not deterministic."""
+        return self.tp_size > 1 and (self.sync_token_ids_always or sampling_info.vocab_mask is not None)
+
+    def _sync_token_ids(self, next_token_ids: torch.Tensor) -> None:
+        """Every rank keeps the smallest of the ranks' ids, per row (SGLang's _sync_token_ids_across_tp)."""
+        self.tp_group.all_reduce(next_token_ids, op="min")
