@@ -77,8 +77,9 @@ def _workload(engine: Engine, stop: Optional[str]) -> List[Dict[str, Any]]:
     stream = engine.generate(input_ids=[12, 13], sampling_params={**GREEDY, "max_new_tokens": 40, "ignore_eos": True}, stream=True)
     next(stream)
     stream.close()
-    if stop is not None:  # stop strings (the scheduler finds them in the decoded tail on every rank)
+    if stop is not None:  # stop strings and regexes (the scheduler finds them in the decoded tail on every rank)
         outs.append(engine.generate("The quick brown fox", {**GREEDY, "max_new_tokens": 16, "stop": [stop]}))
+        outs.append(engine.generate("The quick brown fox", {**GREEDY, "max_new_tokens": 16, "stop_regex": [re.escape(stop[:2]) + "."]}))
     # a grammar compiles on each rank's threads; the ranks agree when it is ready (without the grammar
     # extra installed, structured output is a 400 on every rank alike)
     if importlib.util.find_spec("xgrammar") is not None:
@@ -111,6 +112,7 @@ def test_tp2_engine_answers_as_tp1_and_its_rank_follows_every_step(oracle: Engin
     assert want[4]["meta_info"]["finish_reason"]["type"] == "abort" and 0 < len(want[4]["output_ids"]) < 50
     if stop is not None:
         assert want[5]["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        assert want[6]["meta_info"]["finish_reason"] == {"type": "stop", "matched": re.escape(stop[:2]) + "."}
     # (rank 1 checked its scheduler against rank 0's at each broadcast; at shutdown too, whose test
     # reads its exit code)
 
@@ -124,10 +126,36 @@ def test_an_idle_engine_keeps_its_ranks_past_the_collectives_timeout(oracle: Eng
     assert tp2.generate(input_ids=[30, 31, 32], sampling_params=GREEDY)["output_ids"] == want["output_ids"]
 
 
-def test_stop_regex_is_a_400_on_every_rank(tp2: Engine) -> None:
-    """Its search has a time budget: ranks whose budgets ran out differently would fall out of step."""
-    with pytest.raises(ValueError, match="stop_regex is not supported with --tp-size > 1"):
-        tp2.generate(input_ids=[5, 6], sampling_params={**GREEDY, "stop_regex": "a+"})
+def _follower_whose_stop_regex_times_out(*args: Any) -> None:
+    """An Engine's rank > 0 whose stop_regex searches all run past their time budget (a rank that
+    is slower, or busier, at that moment than rank 0)."""
+    from minisgl.managers.tp_lockstep import run_tp_follower_process
+    from minisgl.sampling import stop_regex
+
+    def first_match(patterns: Any, text: str, budget_s: Any = None) -> Any:
+        if patterns:
+            raise stop_regex.StopRegexTimeout(stop_regex.timeout_message())
+        return []
+
+    stop_regex.first_match = first_match
+    run_tp_follower_process(*args)
+
+
+def test_a_stop_regex_timeout_on_one_rank_ends_the_request_on_every_rank(tiny_model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its search budget is time, which each rank measures on its own: one rank's timeout is every
+    rank's (an all_reduce MAX per search of a request with stop_regex), so all end it with the
+    400 one rank gives; the other requests, and the ranks, go on."""
+    from minisgl.entrypoints import engine_tp
+    from minisgl.sampling.stop_regex import timeout_message
+
+    monkeypatch.setattr(engine_tp, "run_tp_follower_process", _follower_whose_stop_regex_times_out)
+    engine = Engine(tiny_model, tp_size=2, **ENGINE_ARGS)
+    procs = list(engine._tp.procs)
+    with pytest.raises(ValueError, match=re.escape(timeout_message())):
+        engine.generate(input_ids=[5, 6, 7], sampling_params={**GREEDY, "stop_regex": "never matches [0-9]{9}"})
+    assert engine.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)["meta_info"]["finish_reason"]["type"] == "length"
+    engine.shutdown()
+    assert [p.exitcode for p in procs] == [0]
 
 
 def test_shutdown_stops_and_joins_the_ranks_which_ended_in_step(tp2: Engine) -> None:

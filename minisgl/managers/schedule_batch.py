@@ -23,7 +23,7 @@ from abc import ABC, abstractmethod
 import sys
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -200,6 +200,9 @@ class Req:
         # the model thinks before it answers: a grammar holds only after the thinking (ReasonerGrammar)
         self.require_reasoning = require_reasoning
         self._special_stops: Optional[List[str]] = None  # (_stops_spelling_special_tokens, once)
+        # --tp-size N, a request with stop_regex (set by the scheduler): timed_out_here -> whether the
+        # search timed out on any rank (tp_lockstep.any_rank): its budget is time, which ranks measure apart
+        self.stop_regex_timed_out_anywhere: Optional[Callable[[bool], bool]] = None
         # structured output: where the output stands in its grammar (constrained/xgrammar_backend.py),
         # advanced by the output processor with every token; None without json_schema/regex/ebnf
         self.grammar: Any = None
@@ -443,10 +446,15 @@ class Req:
             tail = self.tail_str()
             # (start, -length, stop, is a regex) of every stop in the tail
             found: List[Tuple[int, int, str, bool]] = [(tail.find(s), -len(s), s, False) for s in params.stop_strs if s in tail]
+            timed_out = False
             try:
                 found += [(start, start - end, pattern, True) for start, end, pattern in stop_regex.first_match(params.stop_regex_strs, tail)]
-            except stop_regex.StopRegexTimeout as e:  # its own request pays, once; nobody else waits again
-                self.finished_reason = FINISH_ABORT(str(e), 400, "BadRequestError")
+            except stop_regex.StopRegexTimeout:
+                timed_out = True
+            if params.stop_regex_strs and self.stop_regex_timed_out_anywhere is not None:
+                timed_out = self.stop_regex_timed_out_anywhere(timed_out)  # (every rank ends it alike)
+            if timed_out:  # its own request pays, once; nobody else waits again
+                self.finished_reason = FINISH_ABORT(stop_regex.timeout_message(), 400, "BadRequestError")
                 self.finished_len = len(self.output_ids)
                 return
             special_stops = self._stops_spelling_special_tokens()

@@ -24,6 +24,7 @@ runs one Scheduler; rank 0's shell broadcasts what it received, and the other ra
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -60,7 +61,7 @@ from minisgl.managers.scheduler_output_processor_mixin import (
 from minisgl.managers.scheduler_profiler_mixin import SchedulerProfilerMixin
 from minisgl.lora.lora_registry import LORA_NOT_ENABLED, LoRARef, lora_name_of, lora_not_loaded
 from minisgl.managers.tokenization import RETURN_HIDDEN_STATES_DISABLED
-from minisgl.managers.tp_lockstep import TpLeader, agree_on_ready_grammars, fold_token_checksum, heartbeat_interval, threads_per_rank
+from minisgl.managers.tp_lockstep import TpLeader, agree_on_ready_grammars, any_rank, fold_token_checksum, heartbeat_interval, threads_per_rank
 from minisgl.mem_cache.allocator import ceil_paged_tokens, new_page_slots
 from minisgl.mem_cache.radix_cache import RadixCache
 from minisgl.sampling.custom_logit_processor import CustomLogitProcessor, client_error_text
@@ -79,12 +80,6 @@ GRAMMAR_POLL_INTERVAL = 0.005
 # first, with their own message): it ends with this 400, through the normal output path
 EMBEDDING_SCHEDULER_REFUSES_GENERATION = "This server runs an embedding model (--is-embedding): it computes embeddings, not text"
 EMBEDDING_NEEDS_EMBEDDING_SERVER = "An embedding request needs a server started with --is-embedding"
-# stop_regex's search has a time budget per token (sampling/stop_regex.py): ranks whose budgets ran out
-# differently would end the request differently, and schedulers that disagree run different batches
-STOP_REGEX_NEEDS_ONE_RANK = (
-    "stop_regex is not supported with --tp-size > 1: each search has a time budget, and tensor-parallel ranks "
-    "whose budgets ran out differently would fall out of step; use stop strings, or a server with --tp-size 1"
-)
 
 # new_token_ratio defaults (SGLANG_INIT_NEW_TOKEN_RATIO, ..._MIN_..._FACTOR, ..._DECAY_STEPS)
 INIT_NEW_TOKEN_RATIO = 0.7
@@ -286,8 +281,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
             error_msg = lora_error
         if error_msg is None and recv_req.custom_logit_processor is not None:
             error_msg = self.load_custom_logit_processor(req, recv_req.custom_logit_processor)
-        if error_msg is None and req.sampling_params.stop_regex_strs and self.server_args.tp_size > 1:
-            error_msg = STOP_REGEX_NEEDS_ONE_RANK  # (the same on every rank: its 400 keeps them in step)
+        if req.sampling_params.stop_regex_strs and self.tp_group.world_size > 1:  # (its search budget is each rank's time)
+            req.stop_regex_timed_out_anywhere = functools.partial(any_rank, self.tp_group)
         if error_msg is not None:
             req.set_finish_with_abort(error_msg)
             self._add_request_to_queue(req)

@@ -21,8 +21,12 @@ identical logits), or agreed on here:
 - a grammar compiles on each rank's own threads: it counts as ready once it is ready on
   every rank, and it times out by rank 0's clock alone (agree_on_ready_grammars; SGLang
   all_gathers the ready and failed sets in get_ready_grammar_requests);
-- each broadcast carries rank 0's `lockstep_state` from before it; a rank whose own differs
-  stops with an error naming both, instead of running a different batch into a collective.
+- a stop_regex search runs out of its time budget on one rank and not another: one rank's
+  timeout is every rank's (any_rank, from Req.check_finished);
+- each broadcast carries rank 0's `lockstep_state` from before it, a checksum of every sampled
+  token among it (fold_token_checksum); a rank whose own differs stops with an error naming
+  both, instead of running a different batch into a collective. (Grammar steps, or every step
+  with SYNC_TOKEN_IDS_ACROSS_TP=1, also sync the sampled ids: ModelRunner.sample.)
 
 Idle: rank 0 blocks on its socket and the other ranks in the broadcast. So that an idle
 server never reaches the collectives' timeout (--dist-timeout), rank 0 wakes every
@@ -111,15 +115,32 @@ def agree_on_ready_grammars(group: Any, done: Sequence[bool], over_time: Sequenc
     if group is None or group.world_size == 1 or not done:
         return list(done), [o and not d for d, o in zip(done, over_time)]
     import torch
-    import torch.distributed as dist
 
     rank0 = group.is_first_rank
     flags = torch.tensor([[int(d) for d in done], [-int(o) if rank0 else 0 for o in over_time]], dtype=torch.int64)  # [2, n]
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.MIN
-    group.cpu_group.allreduce([flags], opts).wait()  # (the CPU group: these are host flags, even on CUDA)
+    _cpu_all_reduce(group, flags, "min")
     ready = [bool(x) for x in flags[0].tolist()]
     return ready, [not r and x < 0 for r, x in zip(ready, flags[1].tolist())]
+
+
+def any_rank(group: Any, flag: bool) -> bool:
+    """Whether `flag` is true on any rank: one all_reduce(MAX) on the CPU group, which every rank
+    calls at the same point. For a decision one rank's clock makes: a stop_regex search that ran
+    past its time budget (Req.check_finished) ends the request on every rank, or on none."""
+    import torch
+
+    return bool(_cpu_all_reduce(group, torch.tensor([int(flag)], dtype=torch.int64), "max").item())
+
+
+def _cpu_all_reduce(group: Any, x: Any, op: str) -> Any:
+    """all_reduce (min / max) of host integers on the group's CPU (gloo) group, in place: flags
+    the schedulers agree on, even on CUDA, where the device group would copy them to the GPU."""
+    import torch.distributed as dist
+
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
+    group.cpu_group.allreduce([x], opts).wait()
+    return x
 
 
 class TpLeader:

@@ -61,6 +61,15 @@ _ANCHOR_OPS = (_sre_constants.AT,)
 _LOOK_OPS = tuple(getattr(_sre_constants, n) for n in ("ASSERT", "ASSERT_NOT", "GROUPREF", "GROUPREF_EXISTS") if hasattr(_sre_constants, n))
 
 
+def timeout_message() -> str:
+    """The 400 of a request whose search ran past the budget (with --tp-size N: any rank's search)."""
+    return (
+        f"stop_regex took more than {SEARCH_BUDGET_S * 1e3:g} ms to search the output at one token (all of this "
+        "request's patterns together): simplify them; alternatives that overlap under a repeat, like "
+        "'(?:\\D|\\D){1,12}', backtrack exponentially"
+    )
+
+
 class StopRegexTimeout(Exception):
     """A request's stop regexes ran past SEARCH_BUDGET_S at one token."""
 
@@ -148,11 +157,7 @@ def first_match(patterns: Sequence[str], text: str, budget_s: Optional[float] = 
         except TimeoutError:
             m, budget = None, -1.0
         if time.thread_time() - t0 > budget:
-            raise StopRegexTimeout(
-                f"stop_regex took more than {SEARCH_BUDGET_S * 1e3:g} ms to search the output at one token "
-                f"(all of this request's patterns together): simplify them; alternatives that overlap under a "
-                f"repeat, like '(?:\\D|\\D){{1,12}}', backtrack exponentially"
-            )
+            raise StopRegexTimeout(timeout_message())
         if m is not None:
             found.append((m.start(), m.end(), pattern))
     return found
