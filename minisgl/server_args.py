@@ -532,6 +532,12 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def _cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def _auto_cpu_backend(dtype: str) -> str:
     """The C decode kernel when it builds here (float32 only), else the plain torch backend."""
     if dtype != "float32":
@@ -568,6 +574,11 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
     the ModelRunner, which owns the model; they stay None here.
     """
     device = _resolve_device(args.device)
+    if device == "cuda" and args.tp_size > _cuda_device_count():  # (rank r runs on cuda:r)
+        raise ValueError(
+            f"--tp-size {args.tp_size} runs one rank per GPU, and torch sees {_cuda_device_count()} "
+            "(CUDA_VISIBLE_DEVICES chooses them): use a --tp-size no larger than that"
+        )
     dtype = _resolve_dtype(args.dtype, device)
     backend = _resolve_attention_backend(args.attention_backend, device, dtype)
     kv_dtype = _resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, backend)

@@ -225,6 +225,52 @@ def test_an_engine_that_fails_to_start_leaves_no_rank_and_gives_the_threads_back
         torch.set_num_threads(1)
 
 
+def _follower_that_fails_at_start(server_args: Any, rank: int, store_path: str, pipe_writer: Any, *rest: Any) -> None:
+    """An Engine's rank > 0 that refuses to start before it joins the group (what only it refuses)."""
+    pipe_writer.send({"status": "error", "message": "ValueError: only rank 1 refuses this"})
+    sys.exit(1)
+
+
+def test_a_rank_that_fails_before_joining_is_the_error_and_leaves_no_thread_waiting(tiny_model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its own message, at once; and rank 0's rendezvous, in a helper thread, stops waiting for it
+    (it waited up to --dist-timeout, 30 minutes by default)."""
+    from minisgl.entrypoints import engine_tp
+
+    monkeypatch.setattr(engine_tp, "run_tp_follower_process", _follower_that_fails_at_start)
+    with pytest.raises(RankDiedError, match="tensor-parallel rank 1 failed to start: ValueError: only rank 1 refuses this"):
+        Engine(tiny_model, tp_size=2, **ENGINE_ARGS)
+    deadline = time.monotonic() + 2
+    while any(t.name == "minisgl-tp-join" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not any(t.name == "minisgl-tp-join" for t in threading.enumerate())
+    assert not mp.active_children()
+
+
+def test_a_rank_that_dies_while_rank_0_waits_in_a_start_up_collective_is_said_at_once(tiny_model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA, NCCL sees a dead peer only at --dist-timeout: rank 0 builds its ModelRunner while
+    the Engine watches the ranks. (A collective that does not return stands in for NCCL's here.)"""
+    from minisgl.model_executor.model_runner import ModelRunner
+
+    released = threading.Event()
+
+    def min_over_ranks(self: Any, value: int) -> int:  # (rank 0's first collective after loading)
+        for child in mp.active_children():
+            if child.name == "minisgl-engine-tp1":
+                os.kill(child.pid, signal.SIGKILL)
+        released.wait(45)
+        raise RuntimeError("the collective gave up")
+
+    monkeypatch.setattr(ModelRunner, "_min_over_ranks", min_over_ranks)
+    start = time.monotonic()
+    try:
+        with pytest.raises(RankDiedError, match=r"tensor-parallel rank 1 of this Engine exited \(exit code -9\)"):
+            Engine(tiny_model, tp_size=2, **ENGINE_ARGS)
+        assert time.monotonic() - start < 30
+    finally:
+        released.set()
+    assert not mp.active_children()
+
+
 def test_a_rank_out_of_step_stops_with_both_states_named(oracle: Engine) -> None:
     scheduler = oracle.scheduler
     state = lockstep_state(scheduler)
@@ -440,11 +486,19 @@ def test_ranks_agree_on_ready_grammars_and_rank_0_times_them_out(tmp_path: Any) 
     assert agree_on_ready_grammars(None, [True, False], [True, True]) == ([True, False], [False, True])  # one rank
 
 
-def test_what_cannot_stay_in_step_is_refused(tiny_model: str) -> None:
+def test_what_cannot_stay_in_step_is_refused(tiny_model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from minisgl import server_args
+
     with pytest.raises(ValueError, match="--enable-custom-logit-processor .* use --tp-size 1"):
         ServerArgs(tp_size=2, enable_custom_logit_processor=True)
     with pytest.raises(ValueError, match="--dist-timeout must be a whole number of seconds >= 1"):
         ServerArgs(tp_size=2, dist_timeout=0)
+    # one rank per GPU: more ranks than GPUs is refused before any process starts
+    monkeypatch.setattr(server_args, "_cuda_available", lambda: True)
+    monkeypatch.setattr(server_args, "_cuda_device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"--tp-size 2 runs one rank per GPU, and torch sees 1 \(CUDA_VISIBLE_DEVICES"):
+        server_args.resolve_server_args(ServerArgs(model_path=tiny_model, device="cuda", tp_size=2))
+    assert server_args.resolve_server_args(ServerArgs(model_path=tiny_model, device="cuda")).device == "cuda"
 
 
 # --------------------------------------------------------------------------- the server, --tp-size 2

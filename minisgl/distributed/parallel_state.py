@@ -16,11 +16,17 @@ default group.
 Rendezvous goes through a `FileStore` in the server's private temp dir (DESIGN.md:
 nothing listens on TCP but the HTTP server); gloo's own transport then connects the
 ranks over loopback only. On CUDA, tensors go through NCCL and Python bytes through a
-second, gloo group, as SGLang's `device_group` / `cpu_group` pair.
+second, gloo group, as SGLang's `device_group` / `cpu_group` pair; NCCL's bootstrap is
+kept on loopback too (NCCL_SOCKET_IFNAME=lo, unless set), and its communicator is made
+here, by a first all_reduce, so that its GPU buffers exist before the ModelRunner reads the
+free memory it sizes the KV pool from.
 """
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from datetime import timedelta
 from typing import List, Optional
 
@@ -90,10 +96,6 @@ class GroupCoordinator:
             self.cpu_group.broadcast([buf], opts).wait()  # type: ignore[union-attr]
         return bytes(buf.numpy()) if not mine else (data or b"")
 
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            self.cpu_group.barrier().wait()  # type: ignore[union-attr]
-
 
 def _gloo_group(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> object:
     opts = dist.ProcessGroupGloo._Options()
@@ -103,13 +105,16 @@ def _gloo_group(store: dist.Store, rank: int, world_size: int, timeout: timedelt
 
 
 def init_tensor_parallel_group(
-    rank: int, world_size: int, store_path: str, device: str = "cpu", timeout_s: float = 1800.0
-) -> GroupCoordinator:
+    rank: int, world_size: int, store_path: str, device: str = "cpu", timeout_s: float = 1800.0,
+    cancelled: Optional[threading.Event] = None,
+) -> GroupCoordinator:  # fmt: skip
     """Join the group of `world_size` ranks that rendezvous at the file `store_path`.
 
     Every rank calls this with the same path; it returns once all have joined. `timeout_s`
-    bounds every later collective: a rank that waits longer for the others raises instead
-    of hanging forever (the schedulers keep talking while idle, docs/parallelism.md).
+    bounds the wait for them and every later collective: a rank that waits longer for the
+    others raises instead of hanging forever (the schedulers keep talking while idle,
+    docs/parallelism.md). `cancelled`: set by whoever started the ranks when one of them
+    failed, so that the wait for it ends now (RuntimeError), not at the timeout.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"tensor-parallel rank {rank} is outside 0..{world_size - 1}")
@@ -119,11 +124,38 @@ def init_tensor_parallel_group(
         raise RuntimeError("this torch build has no torch.distributed: --tp-size must be 1")
     timeout = timedelta(seconds=timeout_s)
     store = dist.FileStore(store_path, world_size)
+    _wait_for_every_rank(store, rank, world_size, timeout_s, cancelled)
     cpu_group = _gloo_group(dist.PrefixStore("cpu", store), rank, world_size, timeout)
     if device == "cuda":
+        torch.cuda.set_device(rank)  # rank r runs on cuda:r (the ModelRunner's choice, SGLang's gpu_id)
+        # the ranks share this machine: NCCL's bootstrap and socket fallback stay on loopback, as gloo's
+        # do (its explicit 127.0.0.1 device above); a user's own choice wins
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         device_group: object = dist.ProcessGroupNCCL(dist.PrefixStore("device", store), rank, world_size, opts)
+        # NCCL builds its communicator, and allocates its buffers on the GPU, at the first collective:
+        # this one, so that the ModelRunner's free-memory reading (the KV pool's size) already counts them
+        warm_up = torch.zeros(1, device=torch.device("cuda", rank))
+        device_group.allreduce([warm_up], dist.AllreduceOptions()).wait()  # type: ignore[attr-defined]
+        torch.cuda.synchronize(rank)
     else:
         device_group = cpu_group
     return GroupCoordinator(rank, world_size, device, device_group, cpu_group)
+
+
+def _wait_for_every_rank(store: dist.Store, rank: int, world_size: int, timeout_s: float, cancelled: Optional[threading.Event]) -> None:
+    """Check in, then poll until every rank has (gloo's own rendezvous blocks in C++ until the
+    timeout, with no way to stop it: a launcher that saw a rank fail would leave it there)."""
+    store.set(f"joined/{rank}", b"1")
+    keys = [f"joined/{r}" for r in range(world_size)]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if cancelled is not None and cancelled.is_set():  # (first: the store's file may be gone next)
+            raise RuntimeError("the tensor-parallel rendezvous was cancelled: another rank failed to start")
+        if store.check(keys):
+            return
+        if time.monotonic() > deadline:
+            missing = [r for r in range(world_size) if not store.check([f"joined/{r}"])]
+            raise RuntimeError(f"tensor-parallel rank(s) {missing} did not join within {timeout_s:.0f} s (--dist-timeout)")
+        time.sleep(0.02)

@@ -160,10 +160,15 @@ class Engine:
         # tp_size > 1: this process is rank 0, the other ranks are child processes that follow it
         # (entrypoints/engine_tp.py); every change of the scheduler goes to them first (_handover)
         self._tp: Optional[EngineTpRanks] = EngineTpRanks(self.server_args, self._lock) if self.server_args.tp_size > 1 else None
+        def build() -> Any:
+            model_runner = ModelRunner(self.server_args, tp_group=self._tp.group if self._tp is not None else None)
+            tokenizer = get_tokenizer(self.server_args.tokenizer_path, self.server_args.trust_remote_code)
+            return model_runner, tokenizer, Scheduler(self.server_args, model_runner, tokenizer)
+
         try:
-            self.model_runner = ModelRunner(self.server_args, tp_group=self._tp.group if self._tp is not None else None)
-            self.tokenizer = get_tokenizer(self.server_args.tokenizer_path, self.server_args.trust_remote_code)
-            self.scheduler = Scheduler(self.server_args, self.model_runner, self.tokenizer)
+            # tp_size > 1: built while this thread watches the other ranks (its collectives wait on them)
+            built = build() if self._tp is None else self._tp.while_watching(build, "minisgl-tp-build")
+            self.model_runner, self.tokenizer, self.scheduler = built
             if self._tp is not None:
                 turn = weakref.WeakMethod(self._heartbeat_turn)  # (the heartbeat thread must not keep a forgotten Engine alive)
                 self._tp.wait_ready(self.scheduler, lambda: (turn() or _no_turn)())

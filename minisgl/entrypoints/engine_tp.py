@@ -26,11 +26,12 @@ import shutil
 import tempfile
 import threading
 import time
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Set, TypeVar
 
 from minisgl.managers.tp_lockstep import NestedBroadcastError, TpLeader, heartbeat_interval, run_tp_follower_process, threads_per_rank
 
 logger = logging.getLogger("minisgl")
+T = TypeVar("T")
 
 READY_TIMEOUT_S = 600.0  # loading a real model on the CPU can take minutes (the server's limit)
 JOIN_TIMEOUT_S = 10.0  # how long close() waits for a rank to leave its loop before it terminates it
@@ -54,6 +55,8 @@ class EngineTpRanks:
         self.user_threads: Optional[int] = None  # the caller's torch thread count, put back by close()
         self.closed = False
         self.broken = False  # a call failed half-way (Engine._guarded): the ranks may sit in its collectives
+        self.cancelled = threading.Event()  # set by close(): rank 0's rendezvous stops waiting for the others
+        self.helpers: List[threading.Thread] = []  # while_watching's threads (close() lets the rendezvous end)
         num_threads = None
         if server_args.device == "cpu":
             self.user_threads = torch.get_num_threads()
@@ -91,27 +94,44 @@ class EngineTpRanks:
         atexit.register(self._close_at_exit)  # (not the Engine's finalizer: this one knows it is the exit)
 
     def _join(self, server_args: Any, store_path: str) -> Any:
-        """Rank 0's place in the group. The rendezvous waits for every rank up to --dist-timeout;
-        it runs in a thread while this one watches the ranks, so that one which fails before it
-        joins is reported at once (its own message), not after the timeout."""
+        """Rank 0's place in the group. The rendezvous waits for every rank up to --dist-timeout."""
         from minisgl.distributed import init_tensor_parallel_group
 
+        args = (0, self.tp_size, store_path, server_args.device, server_args.dist_timeout, self.cancelled)
+        return self.while_watching(lambda: init_tensor_parallel_group(*args), "minisgl-tp-join")
+
+    def while_watching(self, fn: Callable[[], T], name: str) -> T:
+        """fn() run in a helper thread while this one watches the other ranks: one that fails or
+        exits meanwhile is RankDiedError at once (its own message), not after rank 0's collective
+        times out. What rank 0 does at start waits in collectives on them: the rendezvous, the
+        KV pool's min over ranks (on CUDA, NCCL notices a dead peer only at --dist-timeout).
+        After a failure the helper thread ends when its collective fails (the ranks are
+        terminated then), or at that timeout; it is a daemon and holds nothing of the caller's."""
         result: Dict[str, Any] = {}
 
-        def join() -> None:
+        def run() -> None:
             try:
-                result["group"] = init_tensor_parallel_group(0, self.tp_size, store_path, server_args.device, server_args.dist_timeout)
+                result["value"] = fn()
             except BaseException as e:  # (re-raised in the caller's thread)
                 result["error"] = e
 
-        joiner = threading.Thread(target=join, name="minisgl-tp-join", daemon=True)
-        joiner.start()
-        while joiner.is_alive():
-            joiner.join(timeout=0.05)
-            self._poll_ranks()  # (a rank that failed: RankDiedError; the join thread ends at its timeout)
+        helper = threading.Thread(target=run, name=name, daemon=True)
+        self.helpers.append(helper)
+        helper.start()
+        while helper.is_alive():
+            helper.join(timeout=0.05)
+            try:
+                self._poll_ranks()
+            except RankDiedError:
+                # a setting every rank refuses: rank 0's own ValueError, a moment later, says it as
+                # with one rank (the Engine's rule at start); anything else is the rank's failure
+                helper.join(timeout=1.0)
+                if isinstance(result.get("error"), ValueError):
+                    raise result["error"] from None
+                raise
         if "error" in result:
             raise result["error"]
-        return result["group"]
+        return result["value"]
 
     def _poll_ranks(self) -> None:
         """Read the ranks' start-up messages that came; RankDiedError for a failure or an exit."""
@@ -204,6 +224,7 @@ class EngineTpRanks:
         if self.closed:
             return
         self.closed = True
+        self.cancelled.set()
         atexit.unregister(self._close_at_exit)
         if self.leader is not None:
             notify = not (at_exit or self.broken or self.leader.in_send()) and all(p.is_alive() for p in self.procs)
@@ -230,6 +251,8 @@ class EngineTpRanks:
                     proc.join(timeout=5)
         for reader in self.readers:
             reader.close()
+        for helper in self.helpers:  # (a cancelled rendezvous ends within its poll; then its store file can go)
+            helper.join(timeout=1.0)
         shutil.rmtree(self.dir, ignore_errors=True)
         if self.user_threads is not None:
             import torch
