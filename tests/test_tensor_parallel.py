@@ -41,7 +41,7 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": 8}
 ENGINE_ARGS = dict(device="cpu", max_total_tokens=1024, chunked_prefill_size=32)
 LONG = list(range(10, 80))  # 70 tokens: chunked
 SCHEMA = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
-IDLE_DIST_TIMEOUT = 6  # s: the tp engine's and the idle server's --dist-timeout (heartbeat 1.5 s)
+IDLE_DIST_TIMEOUT = 6  # s: the idle test's Engine's and the server's --dist-timeout (heartbeat 1.5 s)
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +53,17 @@ def oracle(tiny_model: str) -> Iterator[Engine]:
 
 @pytest.fixture(scope="module")
 def tp2(tiny_model: str) -> Iterator[Engine]:
-    engine = Engine(tiny_model, tp_size=2, dist_timeout=IDLE_DIST_TIMEOUT, **ENGINE_ARGS)
+    engine = Engine(tiny_model, tp_size=2, **ENGINE_ARGS)
+    procs = list(engine._tp.procs)
     yield engine
     engine.shutdown()
+    # rank 1 followed every test on it: it checks its scheduler against rank 0's at shutdown too, and exits 1 if they differ
+    assert [p.exitcode for p in procs] == [0]
+
+
+def _children_since(before: List[Any]) -> List[Any]:
+    """Child processes started since `before` (the module's fixtures keep theirs running)."""
+    return [p for p in mp.active_children() if p not in before]
 
 
 def _workload(engine: Engine, stop: Optional[str]) -> List[Dict[str, Any]]:
@@ -117,13 +125,38 @@ def test_tp2_engine_answers_as_tp1_and_its_rank_follows_every_step(oracle: Engin
     # reads its exit code)
 
 
-def test_an_idle_engine_keeps_its_ranks_past_the_collectives_timeout(oracle: Engine, tp2: Engine) -> None:
+def test_an_idle_engine_keeps_its_ranks_past_the_collectives_timeout(oracle: Engine, tiny_model: str) -> None:
     """Rank 1 waits in a broadcast whose timeout is --dist-timeout; the Engine's heartbeat thread
-    wakes it while the caller does nothing for longer than that."""
-    assert tp2.server_args.dist_timeout == IDLE_DIST_TIMEOUT and heartbeat_interval(IDLE_DIST_TIMEOUT) == 1.5
+    wakes it while the caller does nothing for longer than that. (Its own Engine: a timeout this
+    short bounds every collective, the start-up's included.)"""
+    engine = Engine(tiny_model, tp_size=2, dist_timeout=IDLE_DIST_TIMEOUT, **ENGINE_ARGS)
+    procs = list(engine._tp.procs)
+    assert heartbeat_interval(IDLE_DIST_TIMEOUT) == 1.5
     time.sleep(IDLE_DIST_TIMEOUT + 1.5)
     want = oracle.generate(input_ids=[30, 31, 32], sampling_params=GREEDY)
-    assert tp2.generate(input_ids=[30, 31, 32], sampling_params=GREEDY)["output_ids"] == want["output_ids"]
+    assert engine.generate(input_ids=[30, 31, 32], sampling_params=GREEDY)["output_ids"] == want["output_ids"]
+    engine.shutdown()  # (stops and joins the ranks, which ended in step)
+    assert [p.exitcode for p in procs] == [0] and not any(p.is_alive() for p in procs)
+
+
+def test_unseeded_sampling_with_retractions_draws_what_one_rank_draws(tiny_model: str, capfd: Any) -> None:
+    """Temperature 1 and top_p 0.9 without a seed (the runner's generator, seeded from --random-seed,
+    on every rank), in a KV pool small enough to retract: two ranks draw the tokens one rank draws,
+    and only rank 0 says it retracted (rank 1 keeps the warnings that are its own)."""
+    prompts = [[5 + i, 6, 7, 8, 9, 10 + i] * 3 for i in range(12)]
+    params = {"temperature": 1.0, "top_p": 0.9, "max_new_tokens": 40, "ignore_eos": True}
+    small = dict(device="cpu", max_total_tokens=256, chunked_prefill_size=32, random_seed=7)
+    outs, retracted = [], []
+    for tp_size in (1, 2):
+        engine = Engine(tiny_model, tp_size=tp_size, **small)
+        procs = list(engine._tp.procs) if engine._tp is not None else []
+        outs.append([o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)])
+        retracted.append(engine.scheduler.num_retracted_reqs_total)
+        engine.shutdown()
+        assert [p.exitcode for p in procs] == [0] * (tp_size - 1)
+    assert retracted[0] > 0 and retracted[1] == retracted[0]
+    assert outs[1] == outs[0]
+    assert "Scheduler TP1] KV cache pool is full" not in capfd.readouterr().err
 
 
 def _follower_whose_stop_regex_times_out(*args: Any) -> None:
@@ -158,17 +191,10 @@ def test_a_stop_regex_timeout_on_one_rank_ends_the_request_on_every_rank(tiny_mo
     assert [p.exitcode for p in procs] == [0]
 
 
-def test_shutdown_stops_and_joins_the_ranks_which_ended_in_step(tp2: Engine) -> None:
-    procs = list(tp2._tp.procs)
-    tp2.generate(input_ids=[5, 6], sampling_params=GREEDY)
-    tp2.shutdown()
-    assert [p.exitcode for p in procs] == [0]  # (a rank out of step with rank 0 exits 1 at shutdown)
-    assert not mp.active_children()
-
-
 def test_a_forgotten_engine_stops_its_ranks_and_gives_the_threads_back(tiny_model: str) -> None:
     """A second tp Engine in the same process works; dropped without shutdown(), its ranks stop
     (a finalizer) and this process gets back the thread count it had."""
+    before = mp.active_children()
     torch.set_num_threads(2)
     try:
         engine = Engine(tiny_model, tp_size=2, **ENGINE_ARGS)
@@ -177,13 +203,14 @@ def test_a_forgotten_engine_stops_its_ranks_and_gives_the_threads_back(tiny_mode
         procs = list(engine._tp.procs)
         del engine
         gc.collect()
-        assert [p.exitcode for p in procs] == [0] and not mp.active_children()
+        assert [p.exitcode for p in procs] == [0] and not _children_since(before)
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(1)
 
 
 def test_a_rank_that_dies_makes_the_engine_raise_not_hang(tiny_model: str) -> None:
+    before = mp.active_children()
     engine = Engine(tiny_model, tp_size=2, **ENGINE_ARGS)
     rank1 = engine._tp.procs[0]
     os.kill(rank1.pid, signal.SIGKILL)
@@ -195,11 +222,12 @@ def test_a_rank_that_dies_makes_the_engine_raise_not_hang(tiny_model: str) -> No
     with pytest.raises(RuntimeError, match="rank 1 of this Engine exited"):  # (and every later call says so)
         engine.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)
     engine.shutdown()
-    assert not mp.active_children()
+    assert not _children_since(before)
 
 
 def test_a_rank_that_dies_in_the_middle_of_a_step_is_named(tiny_model: str) -> None:
     """Rank 0's collective breaks ("Connection closed by peer"): the error is the rank's death."""
+    before = mp.active_children()
     engine = Engine(tiny_model, tp_size=2, **ENGINE_ARGS)
     rank1, forward = engine._tp.procs[0], engine.model_runner.forward
 
@@ -212,15 +240,16 @@ def test_a_rank_that_dies_in_the_middle_of_a_step_is_named(tiny_model: str) -> N
     with pytest.raises(RankDiedError, match=r"tensor-parallel rank 1 of this Engine exited \(exit code -9\)"):
         engine.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)
     engine.shutdown()
-    assert not mp.active_children()
+    assert not _children_since(before)
 
 
 def test_an_engine_that_fails_to_start_leaves_no_rank_and_gives_the_threads_back(tiny_model: str) -> None:
+    before = mp.active_children()
     torch.set_num_threads(2)
     try:
         with pytest.raises(ValueError, match="leave no room for a prompt"):  # (every rank refuses it; rank 0 says it)
             Engine(tiny_model, device="cpu", tp_size=2, max_total_tokens=4)
-        assert not mp.active_children() and torch.get_num_threads() == 2
+        assert not _children_since(before) and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(1)
 
@@ -234,6 +263,7 @@ def _follower_that_fails_at_start(server_args: Any, rank: int, store_path: str, 
 def test_a_rank_that_fails_before_joining_is_the_error_and_leaves_no_thread_waiting(tiny_model: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Its own message, at once; and rank 0's rendezvous, in a helper thread, stops waiting for it
     (it waited up to --dist-timeout, 30 minutes by default)."""
+    before = mp.active_children()
     from minisgl.entrypoints import engine_tp
 
     monkeypatch.setattr(engine_tp, "run_tp_follower_process", _follower_that_fails_at_start)
@@ -243,18 +273,19 @@ def test_a_rank_that_fails_before_joining_is_the_error_and_leaves_no_thread_wait
     while any(t.name == "minisgl-tp-join" for t in threading.enumerate()) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not any(t.name == "minisgl-tp-join" for t in threading.enumerate())
-    assert not mp.active_children()
+    assert not _children_since(before)
 
 
 def test_a_rank_that_dies_while_rank_0_waits_in_a_start_up_collective_is_said_at_once(tiny_model: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA, NCCL sees a dead peer only at --dist-timeout: rank 0 builds its ModelRunner while
     the Engine watches the ranks. (A collective that does not return stands in for NCCL's here.)"""
+    before = mp.active_children()
     from minisgl.model_executor.model_runner import ModelRunner
 
     released = threading.Event()
 
     def min_over_ranks(self: Any, value: int) -> int:  # (rank 0's first collective after loading)
-        for child in mp.active_children():
+        for child in _children_since(before):
             if child.name == "minisgl-engine-tp1":
                 os.kill(child.pid, signal.SIGKILL)
         released.wait(45)
@@ -268,7 +299,70 @@ def test_a_rank_that_dies_while_rank_0_waits_in_a_start_up_collective_is_said_at
         assert time.monotonic() - start < 30
     finally:
         released.set()
-    assert not mp.active_children()
+    assert not _children_since(before)
+
+
+def test_the_engine_s_ranks_run_with_the_caller_s_float32_matmul_settings(oracle: Engine, tiny_model: str) -> None:
+    """Rank 0 is the caller's process, with its torch.set_float32_matmul_precision (on the CPU,
+    "medium" runs oneDNN's float32 matmuls in bfloat16); the spawned ranks started with torch's
+    defaults. They take rank 0's, and say so in their ready message (checked: a difference is a
+    RankDiedError at start)."""
+    from minisgl.managers.tp_lockstep import torch_math_settings
+
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")
+    try:
+        engine = Engine(tiny_model, tp_size=2, **ENGINE_ARGS)
+        assert torch_math_settings()["float32_matmul_precision"] == "medium"
+        assert engine.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)["meta_info"]["finish_reason"]["type"] == "length"
+        engine.shutdown()
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+class _StartingChild:
+    """A child process as _wait_ready sees it (a name, alive until it failed)."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.exitcode = name, None
+
+    def is_alive(self) -> bool:
+        return True
+
+
+def _server_start_up_error(messages: Dict[int, Any]) -> str:
+    """_wait_ready's error for a --tp-size 2 server whose children send these {index: (delay_s, message)}."""
+    from minisgl.entrypoints.http_server import _wait_ready
+
+    children = [_StartingChild(n) for n in ("minisgl-scheduler", "minisgl-scheduler_tp1", "minisgl-detokenizer")]
+    pipes = [mp.Pipe(duplex=False) for _ in children]
+
+    def send(i: int, delay: float, message: Any) -> None:
+        time.sleep(delay)
+        pipes[i][1].send(message)
+
+    senders = [threading.Thread(target=send, args=(i, *m), daemon=True) for i, m in messages.items()]
+    for t in senders:
+        t.start()
+    with pytest.raises(RuntimeError) as failed:
+        _wait_ready(children, [reader for reader, _ in pipes], timeout=20)  # type: ignore[arg-type]
+    for t in senders:
+        t.join(5)
+    return str(failed.value)
+
+
+def test_the_server_reports_the_rank_that_failed_first_not_rank_0_s_echo() -> None:
+    now = time.time()
+    cause = {"status": "error", "message": "RuntimeError: rank 1's own failure", "failed_at": now}
+    echo = {"status": "error", "message": "RuntimeError: Connection closed by peer", "failed_at": now + 0.05}
+    # rank 0's echo is read first; rank 1's failure came before it and arrives within the second
+    assert _server_start_up_error({0: (0.0, echo), 1: (0.3, cause)}) == "minisgl-scheduler_tp1 failed to start: RuntimeError: rank 1's own failure"
+    # rank 0 failed first: rank 1's error, read first, is the echo
+    own = {**cause, "message": "RuntimeError: rank 0's own failure"}
+    assert _server_start_up_error({1: (0.0, echo), 0: (0.3, own)}) == "minisgl-scheduler failed to start: RuntimeError: rank 0's own failure"
+    # a setting every rank refuses: rank 0's ValueError, at once
+    refused = {"status": "error", "message": "ValueError: every rank refuses this", "failed_at": now + 0.05}
+    assert _server_start_up_error({0: (0.0, refused), 1: (0.3, cause)}) == "minisgl-scheduler failed to start: ValueError: every rank refuses this"
 
 
 def test_a_rank_out_of_step_stops_with_both_states_named(oracle: Engine) -> None:
@@ -557,6 +651,13 @@ def test_server_tp2_answers_as_tp1(server: Server, oracle: Engine, tiny_model: s
     want = oracle.generate("The quick brown fox", GREEDY)
     r = httpx.post(server.url + "/generate", json={"text": "The quick brown fox", "sampling_params": GREEDY}, timeout=60)
     assert r.status_code == 200 and r.json()["output_ids"] == want["output_ids"]
+    # stop_regex: the ranks agree on its search timing out (here it does not), and stop alike
+    regex = {**GREEDY, "max_new_tokens": 16, "stop_regex": re.escape(want["text"][2:4]) + "."}
+    want_regex = oracle.generate("The quick brown fox", regex)
+    r = httpx.post(server.url + "/generate", json={"text": "The quick brown fox", "sampling_params": regex}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert (r.json()["text"], r.json()["meta_info"]["finish_reason"]) == (want_regex["text"], want_regex["meta_info"]["finish_reason"])
+    assert want_regex["meta_info"]["finish_reason"]["type"] == "stop"
     chat = [{"role": "user", "content": "def main():"}]
     prompt = oracle.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     want_chat = oracle.generate(prompt, GREEDY)

@@ -175,9 +175,10 @@ class Engine:
         except BaseException as e:
             if self._tp is None:
                 raise
+            failed_at = time.time()
             try:
                 if not isinstance(e, ValueError):  # (a setting refused: every rank refuses it alike, rank 0 says it)
-                    self._tp.raise_rank_failure()  # a rank that failed first is the error to see (rank 0's is its echo)
+                    self._tp.raise_rank_failure(failed_at)  # a rank that failed first is the error to see (rank 0's is its echo)
             except RankDiedError as failed:
                 raise failed from e
             finally:

@@ -28,7 +28,10 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Set, TypeVar
 
-from minisgl.managers.tp_lockstep import NestedBroadcastError, TpLeader, heartbeat_interval, run_tp_follower_process, threads_per_rank
+from minisgl.managers.tp_lockstep import (
+    NestedBroadcastError, TpLeader, heartbeat_interval, run_tp_follower_process, set_threads_per_rank, threads_per_rank,
+    torch_math_settings,
+)  # fmt: skip
 
 logger = logging.getLogger("minisgl")
 T = TypeVar("T")
@@ -39,7 +42,14 @@ LOCK_TIMEOUT_S = 5.0  # how long close() waits for a call of another thread to e
 
 
 class RankDiedError(RuntimeError):
-    """A tensor-parallel rank of an Engine exited; the Engine cannot step without it."""
+    """A tensor-parallel rank of an Engine exited; the Engine cannot step without it.
+
+    `failed_at`: when the rank's own start-up failure happened (time.time(), from its message);
+    None for a rank that died without one."""
+
+    def __init__(self, message: str, failed_at: Optional[float] = None) -> None:
+        super().__init__(message)
+        self.failed_at = failed_at
 
 
 class EngineTpRanks:
@@ -60,12 +70,10 @@ class EngineTpRanks:
         num_threads = None
         if server_args.device == "cpu":
             self.user_threads = torch.get_num_threads()
-            num_threads = threads_per_rank(self.user_threads, self.tp_size)
-            torch.set_num_threads(num_threads)
-            logger.info(
-                "tp_size=%d: %d CPU thread(s) per rank, this process's included, until shutdown() (it had %d)",
-                self.tp_size, num_threads, self.user_threads,
-            )  # fmt: skip
+            note = f", this process's included, until shutdown() (it had {self.user_threads})"
+            num_threads = set_threads_per_rank(self.tp_size, threads_per_rank(self.user_threads, self.tp_size), note)
+        # the caller's float32 matmul switches are rank 0's (this process): the other ranks take them
+        self.torch_math = torch_math_settings()
         self.dir = tempfile.mkdtemp(prefix="minisgl-tp-")  # (the rendezvous file: private to this Engine)
         store_path = os.path.join(self.dir, "tp-store")
         ctx = mp.get_context("spawn")  # (fork would copy the caller's threads and CUDA state)
@@ -79,7 +87,7 @@ class EngineTpRanks:
                 reader, writer = ctx.Pipe(duplex=False)
                 proc = ctx.Process(
                     target=run_tp_follower_process,
-                    args=(server_args, rank, store_path, writer, num_threads, os.getpid(), log_level),
+                    args=(server_args, rank, store_path, writer, num_threads, os.getpid(), log_level, self.torch_math),
                     name=f"minisgl-engine-tp{rank}", daemon=True,
                 )  # fmt: skip
                 proc.start()
@@ -144,7 +152,9 @@ class EngineTpRanks:
                 except EOFError:
                     raise RankDiedError(self._exit_text(rank)) from None
                 if info.get("status") != "ready":
-                    raise RankDiedError(f"tensor-parallel rank {rank} failed to start: {info.get('message', info)}")
+                    raise RankDiedError(f"tensor-parallel rank {rank} failed to start: {info.get('message', info)}", info.get("failed_at"))
+                if info.get("torch_math") != self.torch_math:  # (it set them first thing: a difference is a bug to see)
+                    raise RankDiedError(f"tensor-parallel rank {rank} runs with {info.get('torch_math')}, rank 0 with {self.torch_math}")
                 self.ready.add(rank)
             elif not self.procs[rank - 1].is_alive():
                 raise RankDiedError(self._exit_text(rank))
@@ -170,14 +180,20 @@ class EngineTpRanks:
         proc.join(timeout=1)  # (its exit code)
         return f"tensor-parallel rank {rank} of this Engine exited (exit code {proc.exitcode}); its log is above"
 
-    def raise_rank_failure(self, wait_s: float = 1.0) -> None:
-        """After rank 0 failed to start: RankDiedError with a rank's own message (or exit) if one
-        failed too, waiting up to `wait_s` for it (its failure often comes a moment later than
-        the broken collective it caused on rank 0); nothing when every rank is still up."""
+    def raise_rank_failure(self, rank0_failed_at: float, wait_s: float = 1.0) -> None:
+        """After rank 0 failed to start (at `rank0_failed_at`, time.time()): RankDiedError with a
+        rank's own message when that rank failed first, or died: rank 0's error is then its echo
+        (gloo's "Connection closed by peer"). Waits up to `wait_s` for it (its message may come a
+        moment after the broken collective it caused on rank 0). Nothing when every rank is up,
+        or when rank 0 failed first (a rank's error is then the echo)."""
         deadline = time.monotonic() + wait_s
         for proc in self.procs:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
-        self._poll_ranks()
+        try:
+            self._poll_ranks()
+        except RankDiedError as e:
+            if e.failed_at is None or e.failed_at <= rank0_failed_at:
+                raise
 
     def check_alive(self) -> None:
         """RankDiedError naming the first rank that is gone (a cheap waitpid per rank)."""

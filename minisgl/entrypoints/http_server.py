@@ -33,7 +33,7 @@ import signal
 import socket
 import sys
 import time
-from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, AsyncIterator, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -89,6 +89,8 @@ def _installed_version() -> str:
 MINISGL_VERSION = _installed_version()
 
 READY_TIMEOUT_S = 600.0  # loading a real model on CPU can take minutes
+# --tp-size N: how long a scheduler rank's start-up failure waits for another rank's earlier one (_first_failure)
+FOLLOWER_FAILURE_WAIT_S = 1.0
 GRACEFUL_SHUTDOWN_S = 2  # uvicorn cancels the handlers still running after this
 SHUTDOWN_ABORT_WAIT_S = 1.5  # within that: how long the scheduler gets to end aborted requests
 SHUTDOWN_PROFILE_WAIT_S = 60  # how long a shutdown waits for a running profile's trace to be written
@@ -510,30 +512,69 @@ def _spawn_children(server_args: ServerArgs, port_args: PortArgs) -> Tuple[List[
 
 
 def _wait_ready(procs: List[mp.Process], readers: List[Any], timeout: float = READY_TIMEOUT_S) -> List[Dict[str, Any]]:
-    """Each child's ready message, in the children's order; raise RuntimeError with the first
-    failure's own message. All are watched at once: with --tp-size N, a rank that fails makes the
-    others fail after it (their rendezvous or collective breaks), and its message is the one to see."""
+    """Each child's ready message, in the children's order; raise RuntimeError with a failure's
+    own message. All are watched at once: with --tp-size N, a rank that fails makes the others
+    fail after it (their rendezvous or collective breaks), and its message is the one to see
+    (_first_failure)."""
     infos: Dict[int, Dict[str, Any]] = {}
     deadline = time.monotonic() + timeout
     while len(infos) < len(procs):
         for i, (proc, reader) in enumerate(zip(procs, readers)):
-            if i in infos or not reader.poll():
-                if i not in infos and not proc.is_alive() and not reader.poll():
-                    raise RuntimeError(f"{proc.name} exited with code {proc.exitcode} before it was ready")
+            if i in infos:
                 continue
-            try:
-                info = reader.recv()
-            except EOFError:
-                raise RuntimeError(f"{proc.name} closed its pipe before it was ready (exit code {proc.exitcode})")
-            if info.get("status") != "ready":
-                raise RuntimeError(f"{proc.name} failed to start: {info.get('message', info)}")
-            infos[i] = info
+            info, failure = _start_up_status(proc, reader)
+            if failure is not None:
+                raise RuntimeError(_first_failure(procs, readers, infos, i, failure))
+            if info is not None:
+                infos[i] = info
         if len(infos) < len(procs):
             if time.monotonic() > deadline:
                 waiting = ", ".join(p.name for i, p in enumerate(procs) if i not in infos)
                 raise RuntimeError(f"{waiting} not ready after {timeout:.0f} s")
             time.sleep(0.05)
     return [infos[i] for i in range(len(procs))]
+
+
+class _StartFailure(NamedTuple):
+    text: str  # what the server says
+    failed_at: Optional[float]  # the child's time.time() at its failure (tp_lockstep.start_up_reported); None: it died
+    refused: bool  # a ValueError: a setting or a model minisgl refuses (every rank alike)
+
+
+def _start_up_status(proc: mp.Process, reader: Any) -> Tuple[Optional[Dict[str, Any]], Optional[_StartFailure]]:
+    """(its ready message, None), (None, how it failed), or (None, None) while it is starting."""
+    if reader.poll():
+        try:
+            info = reader.recv()
+        except EOFError:
+            return None, _StartFailure(f"{proc.name} closed its pipe before it was ready (exit code {proc.exitcode})", None, False)
+        if info.get("status") != "ready":
+            message = str(info.get("message", info))
+            return None, _StartFailure(f"{proc.name} failed to start: {message}", info.get("failed_at"), message.startswith("ValueError:"))
+        return info, None
+    if not proc.is_alive() and not reader.poll():
+        return None, _StartFailure(f"{proc.name} exited with code {proc.exitcode} before it was ready", None, False)
+    return None, None
+
+
+def _first_failure(procs: List[mp.Process], readers: List[Any], ready: Dict[int, Any], i: int, failure: _StartFailure) -> str:
+    """What to report when child i failed to start: with --tp-size N, another scheduler rank's own
+    failure when it came first (or that rank died), waited for up to FOLLOWER_FAILURE_WAIT_S: the
+    errors a rank's failure causes on the others (gloo's "Connection closed by peer") come after
+    it, but may be read first. A setting every rank refuses (a ValueError) is said at once."""
+    others = [j for j, p in enumerate(procs) if p.name.startswith("minisgl-scheduler") and j != i and j not in ready]
+    if not procs[i].name.startswith("minisgl-scheduler") or failure.refused or failure.failed_at is None:
+        return failure.text
+    deadline = time.monotonic() + FOLLOWER_FAILURE_WAIT_S
+    while others and time.monotonic() < deadline:
+        for j in list(others):
+            _, theirs = _start_up_status(procs[j], readers[j])
+            if theirs is not None:
+                if theirs.failed_at is None or theirs.failed_at < failure.failed_at:
+                    return theirs.text
+                others.remove(j)  # (it failed after: an echo)
+        time.sleep(0.05)
+    return failure.text
 
 
 def server_url(host: str, port: int) -> str:

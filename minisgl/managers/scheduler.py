@@ -61,7 +61,9 @@ from minisgl.managers.scheduler_output_processor_mixin import (
 from minisgl.managers.scheduler_profiler_mixin import SchedulerProfilerMixin
 from minisgl.lora.lora_registry import LORA_NOT_ENABLED, LoRARef, lora_name_of, lora_not_loaded
 from minisgl.managers.tokenization import RETURN_HIDDEN_STATES_DISABLED
-from minisgl.managers.tp_lockstep import TpLeader, agree_on_ready_grammars, any_rank, fold_token_checksum, heartbeat_interval, threads_per_rank
+from minisgl.managers.tp_lockstep import (
+    TpLeader, agree_on_ready_grammars, any_rank, fold_token_checksum, heartbeat_interval, set_threads_per_rank, start_up_reported,
+)  # fmt: skip
 from minisgl.mem_cache.allocator import ceil_paged_tokens, new_page_slots
 from minisgl.mem_cache.radix_cache import RadixCache
 from minisgl.sampling.custom_logit_processor import CustomLogitProcessor, client_error_text
@@ -1193,7 +1195,6 @@ def run_scheduler_process(server_args: ServerArgs, port_args: Any, pipe_writer: 
     tp_lockstep.run_tp_follower_process and follow its broadcasts."""
     import sys
 
-    import torch
     import zmq
 
     from minisgl.distributed import init_tensor_parallel_group
@@ -1211,13 +1212,11 @@ def run_scheduler_process(server_args: ServerArgs, port_args: Any, pipe_writer: 
     import tqdm
 
     tqdm.tqdm.set_lock(threading.RLock())
-    try:
+    with start_up_reported(pipe_writer, "Scheduler" if tp_size == 1 else "Scheduler TP0"):
         tp_group, tp_leader = None, None
         if tp_size > 1:
             if server_args.device == "cpu":
-                threads = threads_per_rank(torch.get_num_threads(), tp_size)
-                torch.set_num_threads(threads)
-                logging.getLogger("minisgl").info("%d CPU thread(s) per rank: the %d ranks share the cores", threads, tp_size)
+                set_threads_per_rank(tp_size)
             tp_group = init_tensor_parallel_group(0, tp_size, port_args.tp_store_path, server_args.device, server_args.dist_timeout)
         model_runner = ModelRunner(server_args, tp_group=tp_group)
         tokenizer = get_tokenizer(server_args.tokenizer_path, server_args.trust_remote_code)
@@ -1248,16 +1247,6 @@ def run_scheduler_process(server_args: ServerArgs, port_args: Any, pipe_writer: 
                 "matryoshka_dimensions": scheduler.model_config.matryoshka_dimensions,
             }
         )
-    except Exception as e:  # start-up failed: say why on the pipe, exit non-zero
-        if isinstance(e, ValueError):  # a setting or a model minisgl refuses: the message says what to change
-            logger.error("Scheduler failed to start: %s", e)
-        else:
-            logger.exception("Scheduler failed to start")
-        try:
-            pipe_writer.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
-        except OSError:  # the parent is gone (BrokenPipeError): nobody to tell
-            pass
-        sys.exit(1)
     try:
         event_loop_normal(scheduler, recv_from_tokenizer, send_to_detokenizer, send_to_tokenizer, publish, tp_leader)
     except Exception:

@@ -28,7 +28,7 @@ import traceback
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional
 
-logger = logging.getLogger("minisgl")
+logger = logging.getLogger("minisgl.watchdog")  # (its own name: a tensor-parallel rank > 0 keeps its warnings)
 
 # How many innermost frames of the stuck thread go into the log line.
 _STACK_FRAMES = 6
