@@ -61,9 +61,8 @@ from minisgl.managers.scheduler_output_processor_mixin import (
 from minisgl.managers.scheduler_profiler_mixin import SchedulerProfilerMixin
 from minisgl.lora.lora_registry import LORA_NOT_ENABLED, LoRARef, lora_name_of, lora_not_loaded
 from minisgl.managers.tokenization import RETURN_HIDDEN_STATES_DISABLED
-from minisgl.managers.tp_lockstep import (
-    TpLeader, agree_on_ready_grammars, any_rank, fold_token_checksum, heartbeat_interval, set_threads_per_rank, start_up_reported,
-)  # fmt: skip
+from minisgl.managers.tp_lockstep import TpLeader, agree_on_ready_grammars, any_rank, fold_token_checksum, heartbeat_interval
+from minisgl.managers.tp_process import set_threads_per_rank, start_up_reported
 from minisgl.mem_cache.allocator import ceil_paged_tokens, new_page_slots
 from minisgl.mem_cache.radix_cache import RadixCache
 from minisgl.sampling.custom_logit_processor import CustomLogitProcessor, client_error_text
@@ -1192,7 +1191,7 @@ def run_scheduler_process(server_args: ServerArgs, port_args: Any, pipe_writer: 
     """Child process entry: build ModelRunner + Scheduler, report ready, loop forever.
 
     With --tp-size N this is rank 0, the one with the sockets; ranks 1..N-1 run
-    tp_lockstep.run_tp_follower_process and follow its broadcasts."""
+    tp_process.run_tp_follower_process and follow its broadcasts."""
     import sys
 
     import zmq
