@@ -112,7 +112,7 @@ class EngineTpRanks:
         times out. What rank 0 does at start waits in collectives on them: the rendezvous, the
         KV pool's min over ranks (on CUDA, NCCL notices a dead peer only at --dist-timeout).
         After a failure the helper thread ends when its collective fails (the ranks are
-        terminated then), or at that timeout; it is a daemon and holds nothing of the caller's."""
+        terminated then), or at that timeout (a daemon thread)."""
         result: Dict[str, Any] = {}
 
         def run() -> None:
