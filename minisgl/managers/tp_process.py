@@ -54,7 +54,7 @@ def set_threads_per_rank(tp_size: int, threads: Optional[int] = None, note: str 
 
     n = threads if threads is not None else threads_per_rank(torch.get_num_threads(), tp_size)
     torch.set_num_threads(n)
-    logging.getLogger("minisgl").info("%d CPU thread(s) per rank: the %d ranks share the cores%s", n, tp_size, note)
+    logging.getLogger("minisgl").info("tp_size=%d: %d CPU thread(s) per rank%s", tp_size, n, note)
     return n
 
 
