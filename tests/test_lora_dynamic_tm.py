@@ -362,4 +362,4 @@ def test_a_refused_warm_up_aborts_its_sibling_and_the_unload_waits_for_that_one(
         finally:
             tm.close()
 
-    asyncio.run(main())
+    asyncio.run(asyncio.wait_for(main(), 60))  # (a regression fails here instead of hanging the suite)
