@@ -5,10 +5,11 @@ A real TokenizerManager is wired to an in-process Scheduler and DetokenizerManag
 the server's three processes in one event loop, one scheduler iteration per turn, in
 event_loop_normal's order), so each race plays out deterministically: an n > 1 and a batch request
 across an unload, a request still tokenizing when the unload comes, an /abort_request while an
-unload waits, loads racing loads and unloads, a client that leaves mid-way, a scheduler that
-refuses an unload. `_Pipeline.unloads_deferred` counts the unloads that reached the scheduler while
-a request of theirs was still there: the TokenizerManager's own wait should leave none (the
-scheduler would hold such an unload, its safety net, tested in test_lora_dynamic.py).
+unload waits, requests refused before they are sent, loads racing loads and unloads, a client
+that leaves mid-way, a scheduler that refuses an unload. `_Pipeline.unloads_deferred` counts the
+unloads that reached the scheduler while a request of theirs was still there: the
+TokenizerManager's own wait should leave none (the scheduler would hold such an unload, its
+safety net, tested in test_lora_dynamic.py).
 A scripted scheduler plays the one race a real one rarely shows: a prefix warm-up refused.
 The oracle is PEFT (tests/test_lora.py's helpers).
 """
@@ -226,6 +227,25 @@ def test_an_abort_of_the_adapter_s_request_ends_the_unload_s_wait(tiny_model: st
         assert out["meta_info"]["finish_reason"]["type"] == "abort" and len(out["output_ids"]) < 2000
         done = await unload
         assert done.success and pipe.scheduler.model_runner.lora_manager.adapters == {} and pipe.unloads_deferred == 0
+
+    _play(tiny_model, tmp_path, scenario)
+
+
+def test_requests_refused_before_they_are_sent_leave_the_adapter_free_to_unload(tiny_model: str, adapters: Dict[str, str], tmp_path: Any) -> None:
+    """Two requests naming the adapter, refused after they were registered (and counted as its) but
+    before anything was sent: an id outside the vocabulary, a prompt past the context. Neither stays
+    counted, so the adapter's unload goes through at once (a count left at 1 would make it, and
+    every later load and unload behind lora_update_lock, wait forever)."""
+
+    async def scenario(pipe: _Pipeline) -> None:
+        tm = pipe.tm
+        assert (await _load(tm, "a", adapters["A"])).success
+        for prompt, message in (([10**9], "outside the vocabulary"), ([1] * (pipe.engine.context_len + 1), "longer than the model's context length")):
+            with pytest.raises(ValueError, match=message):
+                await _generate(tm, _greedy(prompt, "a", 2))
+        assert tm.lora_in_flight.count("a") == 0 and not tm.rid_to_state and not pipe.sent_of(TokenizedGenerateReqInput)
+        assert (await asyncio.wait_for(_unload(tm, "a"), 5)).success
+        assert pipe.scheduler.model_runner.lora_manager.adapters == {}
 
     _play(tiny_model, tmp_path, scenario)
 
