@@ -121,6 +121,48 @@ def test_an_unload_reaching_the_scheduler_while_the_adapter_runs_is_answered_aft
         assert not e.scheduler.pending_lora_unloads
 
 
+def test_the_server_loop_sends_a_held_unload_s_reply_before_it_waits_idle(tiny_model: str, adapters: Dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """event_loop_normal itself, on stand-in sockets: an unload that arrives while a request of its
+    adapter runs is held; the step that finishes the request sends the request's end, then the
+    unload's reply, and only then does the idle loop block on recv. (A reply popped before the step
+    would wait unsent in that blocked recv, with the TokenizerManager's lora_update_lock held,
+    until some other message came.)"""
+    import minisgl.managers.scheduler as scheduler_module
+    from minisgl.managers.io_struct import decode
+
+    class Blocked(Exception):
+        pass
+
+    inbox = [[_tokenized("r", "one")], [UnloadLoRAAdapterReqInput("one", "one")]]  # (r: 2 tokens; the unload comes after its first)
+    seen: List[Any] = []
+
+    def recv_requests(socket: Any, block: bool, timeout_s: Optional[float] = None) -> List[Any]:
+        if inbox:
+            return inbox.pop(0)
+        if block or len(seen) > 100:  # (the loop ends here; a loop that never idles ends too)
+            seen.append("recv blocks" if block else "never idle")
+            raise Blocked
+        return []
+
+    class Socket:
+        def send(self, data: bytes) -> None:
+            msg = decode(data)
+            if isinstance(msg, LoRAUpdateOutput):
+                seen.append(("unload reply", msg.success, msg.loaded_adapters))
+            elif any(getattr(msg, "finished_reasons", None) or []):
+                seen.append(("finished", msg.rids))
+
+    with _engine(tiny_model) as e:
+        e.load_lora_adapter("one", adapters["one"])
+        monkeypatch.setattr(scheduler_module, "recv_requests", recv_requests)
+        # (no watchdogs: a hard one's thread would outlive this loop and end the test process)
+        monkeypatch.setattr(e.scheduler, "server_args", dataclasses.replace(e.scheduler.server_args, watchdog_timeout=None))
+        with pytest.raises(Blocked):
+            scheduler_module.event_loop_normal(e.scheduler, None, Socket(), Socket())
+        assert seen == [("finished", ["r"]), ("unload reply", True, {}), "recv blocks"]
+        assert e.model_runner.lora_manager.adapters == {}
+
+
 def _tokenized(rid: str, lora_id: str) -> TokenizedGenerateReqInput:
     """A request as the scheduler receives it, naming adapter load `lora_id` (none was resolved here)."""
     return TokenizedGenerateReqInput(rid=rid, input_text=None, input_ids=PROMPTS[1], sampling_params=SamplingParams(max_new_tokens=2), lora_id=lora_id)

@@ -72,7 +72,8 @@ class _Pipeline:
         self.sent.append(msg)
 
     def iteration(self) -> None:
-        """event_loop_normal's body: receive, process (replies out), step, outputs and late replies out."""
+        """event_loop_normal's body: receive, process (replies out), step, outputs and late replies out
+        (a copy that never blocks: test_lora_dynamic.py runs the real loop to check that order)."""
         msgs, self.inbox = self.inbox, []
         for msg in msgs:
             if isinstance(msg, UnloadLoRAAdapterReqInput) and self.scheduler.reqs_of_lora(msg.lora_id):
