@@ -908,9 +908,14 @@ class Engine:
             while self.scheduler.reqs_of_lora(lora_id):
                 self.step(snapshot=False)
             with _signals_held_until_the_end():
-                # (nothing uses it now, so the scheduler answers at once: it holds only an unload
-                # whose adapter still runs, the server's safety net)
-                [update.out] = self._guarded(self._handover, [update.msg])
+                replies = self._guarded(self._handover, [update.msg])
+            # The scheduler holds an unload (the server's safety net) only while a request of its
+            # adapter is there; the wait above left none, so it answered at once.
+            assert len(replies) == 1, (
+                f"the scheduler held the unload of {lora_name!r} (replies: {replies}), yet it holds one only while "
+                f"a request of its adapter is there, and reqs_of_lora({lora_id!r}) was empty just before"
+            )
+            update.out = replies[0]
         if not update.out.success:
             raise ValueError(update.out.error_message)
         return update.out

@@ -252,6 +252,7 @@ def apply_broadcast(scheduler: Any, frame: TpBroadcastInput, rank: int) -> None:
         scheduler.run_step()
         scheduler.self_check_during_idle()
     scheduler.pop_outputs()
+    scheduler.pop_control_replies()  # (a held unload's, answered by its step: rank 0's to send too)
 
 
 def follower_loop(scheduler: Any, group: Any, watchdog_timeout: Optional[float] = None) -> None:
