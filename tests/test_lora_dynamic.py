@@ -291,6 +291,11 @@ def test_refused_loads_say_what_to_change_and_change_nothing(tiny_model: str, ad
             e.load_lora_adapter("p", 3)  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="LoRA adapter 'zz' is not loaded; the loaded adapters are: qv"):
             e.unload_lora_adapter("zz")
+        for bad in (["qv"], None, ""):  # (checked as a load's name is: a list is no unhashable-key TypeError)
+            with pytest.raises(ValueError) as info:
+                e.unload_lora_adapter(bad)  # type: ignore[arg-type]
+            assert str(info.value) == f"lora_name must be a non-empty string (the adapter's name), got {bad!r}"
+        assert _state(e) == before
         # --max-loaded-loras 2: a second adapter loads, a third is refused until one is unloaded
         e.load_lora_adapter("qv2", adapters["qv"])
         with pytest.raises(ValueError, match=r"the maximum number of loaded LoRA adapters is 2 \(--max-loaded-loras\), loaded: qv, qv2"):

@@ -164,9 +164,10 @@ class LoRARegistry:
     def unloading(self, name: str) -> Iterator[LoRAUpdate]:
         """`with registry.unloading(name) as update: <wait for its requests>; update.out = <the
         scheduler's answer to update.msg>`. The name is unregistered on entry (ValueError when it
-        is not loaded). On exit, an unload that failed with the weights still loaded, or that got
+        is not a name, or not loaded). On exit, an unload that failed with the weights still loaded, or that got
         no answer (an exception, a Ctrl-C, before the scheduler saw it), registers the name again
         in its place, so the adapter stays usable and can be unloaded later."""
+        check_lora_name(name)  # (a list is a ValueError saying so, not an unhashable key)
         ref = self._registry.get(name)
         if ref is None:
             raise ValueError(lora_not_loaded(name, self._registry))
