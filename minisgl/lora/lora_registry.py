@@ -164,9 +164,15 @@ class LoRARegistry:
     def unloading(self, name: str) -> Iterator[LoRAUpdate]:
         """`with registry.unloading(name) as update: <wait for its requests>; update.out = <the
         scheduler's answer to update.msg>`. The name is unregistered on entry (ValueError when it
-        is not a name, or not loaded). On exit, an unload that failed with the weights still loaded, or that got
-        no answer (an exception, a Ctrl-C, before the scheduler saw it), registers the name again
-        in its place, so the adapter stays usable and can be unloaded later."""
+        is not a name, or not loaded). On exit, an unload that failed with the weights still
+        loaded, or that got no answer (update.out still None: an exception or a Ctrl-C ended the
+        wait), registers the name again in its place, so the adapter stays usable and can be
+        unloaded later. With no answer the weights may still be loaded, and are assumed to be:
+        true for the Engine (signals are held from the handover to the answer, so an interruption
+        comes before the scheduler sees the unload) and for the TokenizerManager's wait for the
+        adapter's requests. The one case where it may be wrong: the TokenizerManager's event loop
+        shut down after the unload was sent (asyncio.shield keeps clients out), when the scheduler
+        may drop the weights of a name registered again, in a server that is going away."""
         check_lora_name(name)  # (a list is a ValueError saying so, not an unhashable key)
         ref = self._registry.get(name)
         if ref is None:
