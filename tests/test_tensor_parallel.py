@@ -162,7 +162,7 @@ def test_unseeded_sampling_with_retractions_draws_what_one_rank_draws(tiny_model
 def _follower_whose_stop_regex_times_out(*args: Any) -> None:
     """An Engine's rank > 0 whose stop_regex searches all run past their time budget (a rank that
     is slower, or busier, at that moment than rank 0)."""
-    from minisgl.managers.tp_process import run_tp_follower_process
+    from minisgl.managers.scheduler import run_tp_follower_process
     from minisgl.sampling import stop_regex
 
     def first_match(patterns: Any, text: str, budget_s: Any = None) -> Any:
@@ -395,7 +395,7 @@ def _follower_that_samples_otherwise(*args: Any) -> None:
     """An Engine's rank > 0 whose sampler always draws the last token of the vocabulary (a rank whose
     logits or generator differ), before the ranks' token sync when a step has one."""
     from minisgl.layers.sampler import Sampler
-    from minisgl.managers.tp_process import run_tp_follower_process
+    from minisgl.managers.scheduler import run_tp_follower_process
 
     forward = Sampler.forward
 

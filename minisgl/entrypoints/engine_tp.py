@@ -2,7 +2,7 @@
 
 Where it sits: beside the Engine, which stays rank 0 in the caller's process (its scheduler
 steps in the caller's thread, as with one rank). Each other rank is a spawned process running
-tp_process.run_tp_follower_process: its own ModelRunner (1/N of the model) and Scheduler,
+scheduler.run_tp_follower_process: its own ModelRunner (1/N of the model) and Scheduler,
 following rank 0's broadcasts. The Engine hands every change of its scheduler to `broadcast`
 first (requests, aborts, flushes, each step), so the followers step with it; shutdown() (or
 the garbage collector, when the caller forgets it) tells them to stop and joins them. A
@@ -28,8 +28,9 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Set, TypeVar
 
+from minisgl.managers.scheduler import run_tp_follower_process
 from minisgl.managers.tp_lockstep import NestedBroadcastError, TpLeader, heartbeat_interval, threads_per_rank
-from minisgl.managers.tp_process import run_tp_follower_process, set_threads_per_rank, torch_math_settings
+from minisgl.managers.tp_process import set_threads_per_rank, torch_math_settings
 
 logger = logging.getLogger("minisgl")
 T = TypeVar("T")

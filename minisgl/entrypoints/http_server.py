@@ -492,7 +492,7 @@ def _spawn_children(server_args: ServerArgs, port_args: PortArgs) -> Tuple[List[
     port_args.tp_store_path; only rank 0 opens the sockets."""
     from minisgl.managers.detokenizer_manager import run_detokenizer_process
     from minisgl.managers.scheduler import run_scheduler_process
-    from minisgl.managers.tp_process import run_tp_follower_process
+    from minisgl.managers.scheduler import run_tp_follower_process
 
     ctx = mp.get_context("spawn")
     children: List[Tuple[str, Any, Tuple[Any, ...]]] = [("scheduler", run_scheduler_process, (server_args, port_args))]

@@ -27,6 +27,8 @@ import contextlib
 import functools
 import json
 import logging
+import sys
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Set, Union
@@ -61,8 +63,10 @@ from minisgl.managers.scheduler_output_processor_mixin import (
 from minisgl.managers.scheduler_profiler_mixin import SchedulerProfilerMixin
 from minisgl.lora.lora_registry import LORA_NOT_ENABLED, LoRARef, lora_name_of, lora_not_loaded
 from minisgl.managers.tokenization import RETURN_HIDDEN_STATES_DISABLED
-from minisgl.managers.tp_lockstep import TpLeader, agree_on_ready_grammars, any_rank, fold_token_checksum, heartbeat_interval
-from minisgl.managers.tp_process import set_threads_per_rank, start_up_reported
+from minisgl.managers.tp_lockstep import TpLeader, agree_on_ready_grammars, any_rank, fold_token_checksum, follower_loop, heartbeat_interval
+from minisgl.managers.tp_process import (
+    RankOwnWarningsOnly, apply_torch_math_settings, exit_when_parent_exits, set_threads_per_rank, start_up_reported, torch_math_settings,
+)  # fmt: skip
 from minisgl.mem_cache.allocator import ceil_paged_tokens, new_page_slots
 from minisgl.mem_cache.radix_cache import RadixCache
 from minisgl.sampling.custom_logit_processor import CustomLogitProcessor, client_error_text
@@ -1191,9 +1195,7 @@ def run_scheduler_process(server_args: ServerArgs, port_args: Any, pipe_writer: 
     """Child process entry: build ModelRunner + Scheduler, report ready, loop forever.
 
     With --tp-size N this is rank 0, the one with the sockets; ranks 1..N-1 run
-    tp_process.run_tp_follower_process and follow its broadcasts."""
-    import sys
-
+    run_tp_follower_process (below) and follow its broadcasts."""
     import zmq
 
     from minisgl.distributed import init_tensor_parallel_group
@@ -1206,8 +1208,6 @@ def run_scheduler_process(server_args: ServerArgs, port_args: Any, pipe_writer: 
     configure_logging(server_args.log_level, prefix="Scheduler" if tp_size == 1 else "Scheduler TP0")  # (SGLang's " TP0")
     # tqdm (the weight-loading bar) would otherwise create a multiprocessing lock, a
     # semaphore the parent's resource tracker reports as leaked when this child is stopped.
-    import threading
-
     import tqdm
 
     tqdm.tqdm.set_lock(threading.RLock())
@@ -1250,4 +1250,53 @@ def run_scheduler_process(server_args: ServerArgs, port_args: Any, pipe_writer: 
         event_loop_normal(scheduler, recv_from_tokenizer, send_to_detokenizer, send_to_tokenizer, publish, tp_leader)
     except Exception:
         logger.exception("Scheduler hit an exception")
+        sys.exit(1)
+
+
+def run_tp_follower_process(
+    server_args: Any, tp_rank: int, store_path: str, pipe_writer: Any, num_threads: Optional[int] = None,
+    engine_pid: Optional[int] = None, log_level: Optional[str] = None, torch_math: Optional[Dict[str, Any]] = None,
+) -> None:  # fmt: skip
+    """Entry of rank `tp_rank` > 0 (server or Engine): join the group, build ModelRunner and
+    Scheduler, report ready on the pipe, then follow rank 0 until it says shutdown.
+
+    `num_threads`: the Engine's per-rank count (its rank 0 is the user's process); the server's
+    ranks each take threads_per_rank(torch's default). `engine_pid`: the Engine's process, which
+    this rank must not outlive; None in the server, whose ranks die with the launcher.
+    `log_level`: the Engine's (its "minisgl" logger's level); the server's ranks take --log-level.
+    `torch_math`: the Engine's torch_math_settings(); the server's ranks all keep torch's defaults.
+    The ready message carries the settings this rank runs with (the Engine compares them).
+    """
+    from minisgl.distributed import init_tensor_parallel_group
+    from minisgl.model_executor.model_runner import ModelRunner
+    from minisgl.utils import configure_logging, get_tokenizer, kill_itself_when_parent_died, leave_ctrl_c_to_the_parent
+
+    if engine_pid is not None:
+        exit_when_parent_exits(engine_pid)
+    else:
+        kill_itself_when_parent_died()
+    leave_ctrl_c_to_the_parent()
+    # (as run_scheduler_process: tqdm's default multiprocessing lock is a semaphore the parent's
+    # resource tracker reports as leaked when this process is stopped)
+    import tqdm
+
+    tqdm.tqdm.set_lock(threading.RLock())
+    configure_logging(log_level or server_args.log_level, prefix=f"Scheduler TP{tp_rank}")
+    # rank 0 logs each step's line, and the warnings every rank has alike; the others would only repeat them
+    logging.getLogger("minisgl.scheduler").setLevel(max(logging.WARNING, logging.getLogger().level))
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RankOwnWarningsOnly())
+    with start_up_reported(pipe_writer, f"Scheduler TP{tp_rank}"):
+        if torch_math is not None:
+            apply_torch_math_settings(torch_math)
+        if server_args.device == "cpu":
+            set_threads_per_rank(server_args.tp_size, num_threads)
+        group = init_tensor_parallel_group(tp_rank, server_args.tp_size, store_path, server_args.device, server_args.dist_timeout)
+        model_runner = ModelRunner(server_args, show_progress=False, tp_group=group)
+        scheduler = Scheduler(server_args, model_runner, get_tokenizer(server_args.tokenizer_path, server_args.trust_remote_code))
+        pipe_writer.send({"status": "ready", "tp_rank": tp_rank, "torch_math": torch_math_settings()})
+    try:
+        follower_loop(scheduler, group, None if engine_pid is not None else server_args.watchdog_timeout)
+    except Exception:
+        logger.exception("Scheduler TP%d hit an exception", tp_rank)
         sys.exit(1)

@@ -3,7 +3,7 @@ schedules, on rank 0 and on the others alike.
 
 Where it sits: the entry of each scheduler process. In: ServerArgs, the rank, the rendezvous
 store's path, the pipe to the launcher (the server's http_server, or an Engine's EngineTpRanks).
-Out: a rank ready to follow rank 0 (run_tp_follower_process, then tp_lockstep.follower_loop),
+Out: a rank ready to follow rank 0 (scheduler.run_tp_follower_process, then tp_lockstep.follower_loop),
 or one message on the pipe saying why it could not start. Owns nothing after start-up.
 
 What is the same on every rank is set the same way here: its share of the CPU threads
@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Any, Dict, Iterator, Optional
 
-from minisgl.managers.tp_lockstep import follower_loop, threads_per_rank
+from minisgl.managers.tp_lockstep import threads_per_rank
 
 logger = logging.getLogger("minisgl.scheduler")
 
@@ -77,7 +77,7 @@ def _backend(path: str) -> Any:
 def torch_math_settings() -> Dict[str, Any]:
     """The process-wide switches of torch's float32 matmuls (TF32 on CUDA; at "medium", bfloat16 in
     oneDNN on the CPU). An Engine's rank 0 is the caller's process, with the caller's; its other
-    ranks start with torch's defaults and take these (run_tp_follower_process)."""
+    ranks start with torch's defaults and take these (scheduler.run_tp_follower_process)."""
     import torch
 
     settings: Dict[str, Any] = {}
@@ -92,7 +92,7 @@ def torch_math_settings() -> Dict[str, Any]:
     return settings
 
 
-def _apply_torch_math_settings(settings: Dict[str, Any]) -> None:
+def apply_torch_math_settings(settings: Dict[str, Any]) -> None:
     """Reach `settings` from torch's defaults. The legacy setters first, each only where it changes
     something (they also move the new API's values, not always back), then the new API's."""
     import torch
@@ -112,7 +112,7 @@ def _apply_torch_math_settings(settings: Dict[str, Any]) -> None:
 RANK_OWN_WARNING_LOGGERS = ("minisgl.watchdog",)
 
 
-class _RankOwnWarningsOnly(logging.Filter):
+class RankOwnWarningsOnly(logging.Filter):
     """Rank > 0: the warnings every rank would log alike (a retraction, a full queue, a context
     capped at start) are rank 0's to say; its own and every error stay."""
 
@@ -120,7 +120,7 @@ class _RankOwnWarningsOnly(logging.Filter):
         return record.levelno != logging.WARNING or record.name in RANK_OWN_WARNING_LOGGERS
 
 
-def _exit_when_parent_exits(parent_pid: int) -> None:
+def exit_when_parent_exits(parent_pid: int) -> None:
     """An Engine's rank may outlive the thread that started it (prctl's parent-death signal
     follows that thread, not the process): watch the parent process instead."""
 
@@ -130,53 +130,3 @@ def _exit_when_parent_exits(parent_pid: int) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="minisgl-parent-watch", daemon=True).start()
-
-
-def run_tp_follower_process(
-    server_args: Any, tp_rank: int, store_path: str, pipe_writer: Any, num_threads: Optional[int] = None,
-    engine_pid: Optional[int] = None, log_level: Optional[str] = None, torch_math: Optional[Dict[str, Any]] = None,
-) -> None:  # fmt: skip
-    """Entry of rank `tp_rank` > 0 (server or Engine): join the group, build ModelRunner and
-    Scheduler, report ready on the pipe, then follow rank 0 until it says shutdown.
-
-    `num_threads`: the Engine's per-rank count (its rank 0 is the user's process); the server's
-    ranks each take threads_per_rank(torch's default). `engine_pid`: the Engine's process, which
-    this rank must not outlive; None in the server, whose ranks die with the launcher.
-    `log_level`: the Engine's (its "minisgl" logger's level); the server's ranks take --log-level.
-    `torch_math`: the Engine's torch_math_settings(); the server's ranks all keep torch's defaults.
-    The ready message carries the settings this rank runs with (the Engine compares them).
-    """
-    from minisgl.distributed import init_tensor_parallel_group
-    from minisgl.managers.scheduler import Scheduler
-    from minisgl.model_executor.model_runner import ModelRunner
-    from minisgl.utils import configure_logging, get_tokenizer, kill_itself_when_parent_died, leave_ctrl_c_to_the_parent
-
-    if engine_pid is not None:
-        _exit_when_parent_exits(engine_pid)
-    else:
-        kill_itself_when_parent_died()
-    leave_ctrl_c_to_the_parent()
-    # (as run_scheduler_process: tqdm's default multiprocessing lock is a semaphore the parent's
-    # resource tracker reports as leaked when this process is stopped)
-    import tqdm
-
-    tqdm.tqdm.set_lock(threading.RLock())
-    configure_logging(log_level or server_args.log_level, prefix=f"Scheduler TP{tp_rank}")
-    # rank 0 logs each step's line, and the warnings every rank has alike; the others would only repeat them
-    logging.getLogger("minisgl.scheduler").setLevel(max(logging.WARNING, logging.getLogger().level))
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(_RankOwnWarningsOnly())
-    with start_up_reported(pipe_writer, f"Scheduler TP{tp_rank}"):
-        if torch_math is not None:
-            _apply_torch_math_settings(torch_math)
-        if server_args.device == "cpu":
-            set_threads_per_rank(server_args.tp_size, num_threads)
-        group = init_tensor_parallel_group(tp_rank, server_args.tp_size, store_path, server_args.device, server_args.dist_timeout)
-        model_runner = ModelRunner(server_args, show_progress=False, tp_group=group)
-        scheduler = Scheduler(server_args, model_runner, get_tokenizer(server_args.tokenizer_path, server_args.trust_remote_code))
-        pipe_writer.send({"status": "ready", "tp_rank": tp_rank, "torch_math": torch_math_settings()})
-    try:
-        follower_loop(scheduler, group, None if engine_pid is not None else server_args.watchdog_timeout)
-    except Exception:
-        logger.exception("Scheduler TP%d hit an exception", tp_rank)
-        sys.exit(1)
