@@ -32,7 +32,11 @@ PROMPTS = ["The quick brown fox", "def main():", "Python lists are", "In the beg
 
 
 class Server:
-    def __init__(self, model: str, log_path: str, *flags: str) -> None:
+    """A `minisgl serve` child on a free port (the e2e tests' server): its log, its ready URL, the
+    pids its processes print (`minisgl NAME pid=N`). `flags` come last, so they override the
+    defaults here (argparse keeps the last value)."""
+
+    def __init__(self, model: str, log_path: str, *flags: str, timeout: float = 180) -> None:
         env = dict(os.environ, MINISGL_REQUEST_STATE_WAIT_TIMEOUT="0.5", HF_HUB_OFFLINE="1")
         cmd = [sys.executable, "-m", "minisgl", "serve", "--model", model, "--port", "0", "--device", "cpu",
                "--max-total-tokens", "8192", "--log-level", "warning", *flags]  # fmt: skip
@@ -40,25 +44,24 @@ class Server:
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.model = model
-        self.url = self._wait_ready(timeout=180)
-        self.pids = {name: int(pid) for name, pid in re.findall(r"minisgl (\w+) pid=(\d+)", self._read_log())}
+        self.url = self._wait_ready(timeout)
+        self.pids = {name: int(pid) for name, pid in re.findall(r"minisgl (\w+) pid=(\d+)", self.read_log())}
 
-    def _read_log(self) -> str:
+    def read_log(self) -> str:
         with open(self.log_path) as f:
             return f.read()
 
     def _wait_ready(self, timeout: float) -> str:
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            m = re.search(r"ready at (http://[\d.]+:\d+)", self._read_log())
-            if m:
-                return m.group(1)
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self._read_log()}")
+        while not (m := re.search(r"ready at (http://[\d.]+:\d+)", self.read_log())):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()  # (a server that never got ready is not left running)
+                raise RuntimeError(f"server not ready (exit code {self.proc.returncode}):\n{self.read_log()}")
             time.sleep(0.2)
-        raise RuntimeError(f"server not ready after {timeout}s:\n{self._read_log()}")
+        return m.group(1)
 
-    def stop(self) -> None:
+    def stop(self) -> int:
+        """SIGTERM (SIGKILL after 15 s); the exit code."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -67,6 +70,7 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+        return self.proc.returncode
 
 
 @pytest.fixture(scope="module")
@@ -747,7 +751,7 @@ def test_killing_the_scheduler_exits_the_server_nonzero(server_dyn: Server) -> N
     code = server_dyn.proc.wait(timeout=15)
     assert code != 0
     assert time.monotonic() - start < 10
-    assert "Exception in ASGI application" not in server_dyn._read_log()
+    assert "Exception in ASGI application" not in server_dyn.read_log()
 
 
 # --------------------------------------------------------------------------- the visualizer, live

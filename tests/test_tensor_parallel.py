@@ -17,7 +17,6 @@ import multiprocessing as mp
 import os
 import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -33,6 +32,7 @@ from minisgl.entrypoints.engine_tp import RankDiedError
 from minisgl.managers.io_struct import AbortReq, TpBroadcastInput, decode
 from minisgl.managers.tp_lockstep import TpLeader, agree_on_ready_grammars, apply_broadcast, heartbeat_interval, lockstep_state
 from minisgl.server_args import ServerArgs
+from test_server_e2e import Server  # (the e2e tests' server process, its log and readiness wait)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -604,41 +604,14 @@ def _alive(pid: int) -> bool:
         return False
 
 
-class Server:
-    def __init__(self, model: str, log_path: str, *flags: str) -> None:
-        cmd = [sys.executable, "-m", "minisgl", "serve", "--model", model, "--port", "0", "--device", "cpu",
-               "--max-total-tokens", "1024", "--tp-size", "2", "--log-level", "warning", *flags]  # fmt: skip
-        self.log_path = log_path
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ, HF_HUB_OFFLINE="1"))
-        deadline = time.monotonic() + 180
-        while not (m := re.search(r"ready at (http://[\d.]+:\d+)", self.read_log())):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"server not ready (exit code {self.proc.returncode}):\n{self.read_log()}")
-            time.sleep(0.2)
-        self.url = m.group(1)
-        self.pids = {name: int(pid) for name, pid in re.findall(r"minisgl (\w+) pid=(\d+)", self.read_log())}
-
-    def read_log(self) -> str:
-        with open(self.log_path) as f:
-            return f.read()
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        return self.proc.returncode
+def tp2_server(model: str, log_path: str, *flags: str) -> Server:
+    """The e2e tests' server with two ranks and a small pool."""
+    return Server(model, log_path, "--tp-size", "2", "--max-total-tokens", "1024", *flags)
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = Server(tiny_model, str(tmp_path_factory.mktemp("srv") / "tp2.log"), "--dist-timeout", str(IDLE_DIST_TIMEOUT), "--visualize")
+    s = tp2_server(tiny_model, str(tmp_path_factory.mktemp("srv") / "tp2.log"), "--dist-timeout", str(IDLE_DIST_TIMEOUT), "--visualize")
     yield s
     s.stop()
 
@@ -703,7 +676,7 @@ def test_server_tp2_stops_cleanly_with_no_process_left(server: Server) -> None:
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_killing_a_follower_rank_exits_the_server_nonzero(tiny_model: str, tmp_path: Any) -> None:
-    s = Server(tiny_model, str(tmp_path / "tp2-kill.log"))
+    s = tp2_server(tiny_model, str(tmp_path / "tp2-kill.log"))
     try:
         body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}, "stream": True}
         with httpx.stream("POST", s.url + "/generate", json=body, timeout=60) as r:
