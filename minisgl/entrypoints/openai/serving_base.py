@@ -269,7 +269,15 @@ class OpenAIServingBase(ABC):
 
     # --- the shared path
     async def handle_request(self, request: Any, raw_request: Request) -> Response:
-        received_time = time.time()
+        refused = self.precheck(request)
+        if refused is not None:
+            return refused
+        return await self._generate(request, raw_request)
+
+    def precheck(self, request: Any) -> Optional[JSONResponse]:
+        """The error response for a request this server cannot run (an unknown model, an adapter
+        without LoRA, generation on an embedding server, a field the subclass refuses), else None.
+        (Also what the Responses route runs on the chat request it translates to.)"""
         unknown = unknown_model_response(self._base_model(request), self.tokenizer_manager.model_name)
         if unknown is not None:
             return unknown
@@ -290,6 +298,11 @@ class OpenAIServingBase(ABC):
         error = self._validate_request(request)
         if error is not None:
             return create_error_response(error)
+        return None
+
+    async def _generate(self, request: Any, raw_request: Request) -> Response:
+        """Convert, then answer as a stream or as one response; what it raises becomes its error response."""
+        received_time = time.time()
         try:
             adapted = self._convert_to_internal_request(request)
             logger.debug("Request converted at %.3f: rid=%s", received_time, adapted.rid)
@@ -315,13 +328,17 @@ class OpenAIServingBase(ABC):
             async for event in self._stream_events(first, gen, adapted, request):
                 yield event
         except ReqAbortedError as e:
-            yield sse_data(error_body(e.message, e.status_code))
-            yield sse_data("[DONE]")
+            for event in self._stream_error_events(e.message, e.status_code):
+                yield event
         except ValueError as e:
-            yield sse_data(error_body(str(e)))
-            yield sse_data("[DONE]")
+            for event in self._stream_error_events(str(e), 400):
+                yield event
         finally:
             await gen.aclose()  # a disconnect cancels us here: the TokenizerManager aborts the rid
+
+    def _stream_error_events(self, message: str, status_code: int) -> List[str]:
+        """How a stream ends on an error after its headers: OpenAI's error body, then [DONE]."""
+        return [sse_data(error_body(message, status_code)), sse_data("[DONE]")]
 
     async def _collect(self, adapted: GenerateReqInput, raw_request: Request) -> List[Dict[str, Any]]:
         """All final outputs of a non-streaming request, ordered by choice index."""

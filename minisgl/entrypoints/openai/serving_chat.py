@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
+from typing import Any, AsyncIterator, Dict, List, NamedTuple, Optional, Tuple
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -109,6 +109,18 @@ def _choice_name(request: ChatCompletionRequest) -> str:
     if choice is None or isinstance(choice, str):
         return repr(choice or "auto")  # (unset with tools: OpenAI's default)
     return f"function {choice.function.name!r}"
+
+
+class ChatDelta(NamedTuple):
+    """One piece of a streamed choice before it is framed: the chat route sends each as one chunk,
+    the Responses route turns each into its events (serving_responses.py)."""
+
+    index: int  # the choice's
+    delta: DeltaMessage  # what it adds: role, reasoning_content, content or one tool-call delta; {} at the finish
+    logprobs: Optional[ChatChoiceLogprobs] = None  # the tokens of this piece (with logprobs requested)
+    finish_reason: Optional[str] = None  # set on the choice's last delta
+    matched_stop: Optional[Any] = None
+    refused: Optional[Dict[str, Any]] = None  # an abort with a status (its finish_reason dict): the stream ends here
 
 
 class _StreamedCalls:
@@ -337,7 +349,11 @@ class OpenAIServingChat(OpenAIServingBase):
 
     # ------------------------------------------------------------------ non-streaming
     async def _handle_non_streaming_request(self, adapted: GenerateReqInput, request: ChatCompletionRequest, raw_request: Request) -> Response:
-        outs = await self._collect(adapted, raw_request)
+        response = self.chat_response(await self._collect(adapted, raw_request), request)
+        return JSONResponse(response.model_dump(exclude_none=False))
+
+    def chat_response(self, outs: List[Dict[str, Any]], request: ChatCompletionRequest) -> ChatCompletionResponse:
+        """The final outputs of a request as its chat.completion (what the Responses route translates too)."""
         usage = UsageCounter(request.n)
         choices = []
         for out in outs:
@@ -369,34 +385,55 @@ class OpenAIServingChat(OpenAIServingBase):
                     hidden_states=last_hidden_state(meta, request),
                 )
             )
-        response = ChatCompletionResponse(id=response_id(outs[0], request.n), model=request.model, choices=choices, usage=usage.usage())
-        return JSONResponse(response.model_dump(exclude_none=False))
+        return ChatCompletionResponse(id=response_id(outs[0], request.n), model=request.model, choices=choices, usage=usage.usage())
 
     # ------------------------------------------------------------------ streaming
     async def _stream_events(
         self, first: Dict[str, Any], rest: AsyncIterator[Dict[str, Any]], adapted: GenerateReqInput, request: ChatCompletionRequest
     ) -> AsyncIterator[str]:
+        """The chat route's SSE writer: one chunk per ChatDelta, then hidden states, usage, [DONE]."""
         rid = response_id(first, request.n)
         created = int(time.time())  # one timestamp for every chunk of the stream, as OpenAI's
         usage = UsageCounter(request.n)
-        role_sent: set = set()
         hidden_states = StreamedHiddenStates()
-
         continuous = request.stream_options is not None and request.stream_options.continuous_usage_stats
 
-        def chunk(index: int, delta: DeltaMessage, **kw: Any) -> str:
-            choice = ChatCompletionResponseStreamChoice(index=index, delta=delta, **kw)
-            so_far = usage.choice_usage(index) if continuous else None
-            body = ChatCompletionStreamResponse(id=rid, created=created, model=request.model, choices=[choice], usage=so_far)
-            return sse_data(body)
+        async for d in self.stream_deltas(first, rest, request, usage, hidden_states):
+            if d.refused is not None:  # (a refused request: the error event, then [DONE])
+                for event in abort_events(d.refused):
+                    yield event
+                return
+            choice = ChatCompletionResponseStreamChoice(
+                index=d.index, delta=d.delta, logprobs=d.logprobs, finish_reason=d.finish_reason, matched_stop=d.matched_stop
+            )
+            so_far = usage.choice_usage(d.index) if continuous else None
+            yield sse_data(ChatCompletionStreamResponse(id=rid, created=created, model=request.model, choices=[choice], usage=so_far))
+        if request.return_hidden_states:  # (SGLang's: after every finish chunk, before the usage)
+            for index, last in hidden_states.final():
+                choice = ChatCompletionResponseStreamChoice(index=index, delta=DeltaMessage(hidden_states=last))
+                yield sse_data(ChatCompletionStreamResponse(id=rid, created=created, model=request.model, choices=[choice]))
+        if request.stream_options is not None and request.stream_options.include_usage:
+            body = ChatCompletionStreamResponse(id=rid, created=created, model=request.model, choices=[], usage=usage.usage())
+            yield sse_data(body)
+        yield sse_data("[DONE]")
 
+    async def stream_deltas(
+        self, first: Dict[str, Any], rest: AsyncIterator[Dict[str, Any]], request: ChatCompletionRequest,
+        usage: UsageCounter, hidden_states: StreamedHiddenStates,
+    ) -> AsyncIterator[ChatDelta]:  # fmt: skip
+        """A stream's output dicts as ChatDeltas, in the order they are to be sent: per choice a role
+        delta, reasoning deltas, content deltas (with their tokens' logprobs), tool-call deltas, a
+        finish delta; or a refused one (an abort with a status) that ends it. `usage` and
+        `hidden_states` are kept up to date as each output arrives, before its deltas: a writer
+        that reads them while it renders a delta sees the counts so far."""
+        role_sent: set = set()
         calls_of: Dict[int, _StreamedCalls] = {}  # per choice: its text, held back where it may be a call
         thinking_of: Dict[int, Optional[ReasoningSplitter]] = {}  # per choice: its reasoning, apart
         # stream_reasoning false: per choice, the reasoning (and its tokens' logprobs) not sent yet
         thought: Dict[int, Tuple[str, List[ChatTokenLogprob]]] = {}
 
-        def reasoning_chunk(index: int, reasoning: str, tokens: List[ChatTokenLogprob], done: bool) -> Optional[str]:
-            """The chunk that sends `reasoning` now, or None while stream_reasoning false holds it."""
+        def reasoning_delta(index: int, reasoning: str, tokens: List[ChatTokenLogprob], done: bool) -> Optional[ChatDelta]:
+            """The delta that sends `reasoning` now, or None while stream_reasoning false holds it."""
             if not request.stream_reasoning:
                 held, held_tokens = thought.get(index, ("", []))
                 reasoning, tokens = held + reasoning, held_tokens + tokens
@@ -409,7 +446,8 @@ class OpenAIServingChat(OpenAIServingBase):
             # (held tokens of no reasoning at all, e.g. blanks before an answer that does not think,
             # go out in their order as an empty content delta, as a stream sends such tokens anyway)
             delta = DeltaMessage(reasoning_content=reasoning) if reasoning else DeltaMessage(content="")
-            return chunk(index, delta, logprobs=ChatChoiceLogprobs(content=tokens) if tokens else None)
+            return ChatDelta(index, delta, logprobs=ChatChoiceLogprobs(content=tokens) if tokens else None)
+
         async for out in prepend(first, rest):
             index = out.get("index", 0)
             meta = out["meta_info"]
@@ -418,7 +456,7 @@ class OpenAIServingChat(OpenAIServingBase):
             reason = meta["finish_reason"]
             if index not in role_sent and abort_status(reason) is None:  # (a refused request: the error event alone, as SGLang)
                 role_sent.add(index)
-                yield chunk(index, DeltaMessage(role="assistant", content=""))
+                yield ChatDelta(index, DeltaMessage(role="assistant", content=""))
             logprobs = self._logprobs(meta, request)
             calls = calls_of.setdefault(index, self._streamed_calls(request))
             thinking = thinking_of.setdefault(index, self._reasoning_splitter(request))
@@ -432,47 +470,37 @@ class OpenAIServingChat(OpenAIServingBase):
                 # back (stream_reasoning false), so do those of text the splitter holds (blanks, a
                 # piece of a tag): sent now, they would overtake the reasoning's
                 with_reasoning = not answer and (bool(reasoning) or (not request.stream_reasoning and thinking_before))
-                sent = reasoning_chunk(index, reasoning, tokens_in if with_reasoning else [], done=ended)
+                sent = reasoning_delta(index, reasoning, tokens_in if with_reasoning else [], done=ended)
                 if sent is not None:
                     yield sent
                 tokens_in = [] if with_reasoning else tokens_in
             text, tokens, deltas = calls.feed(answer, tokens_in)
             if text or tokens:
-                yield chunk(index, DeltaMessage(content=text), logprobs=ChatChoiceLogprobs(content=tokens) if logprobs else None)
+                yield ChatDelta(index, DeltaMessage(content=text), logprobs=ChatChoiceLogprobs(content=tokens) if logprobs else None)
             for delta in deltas:  # (one a chunk: the openai SDK merges a chunk's tool_calls by index)
-                yield chunk(index, DeltaMessage(tool_calls=[delta]))
+                yield ChatDelta(index, DeltaMessage(tool_calls=[delta]))
             if reason is None:
                 continue
-            refused = abort_events(reason)
-            if refused:
-                for event in refused:
-                    yield event
+            if abort_status(reason) is not None:
+                yield ChatDelta(index, DeltaMessage(), refused=reason)
                 return
             finish_reason, matched = openai_finish_reason(reason)
             thinking = thinking_of.pop(index)
             if thinking is not None:  # what it held: the end of the reasoning, or of an answer's first blanks
                 reasoning, answer = thinking.finish()
-                sent = reasoning_chunk(index, reasoning, [], done=True)
+                sent = reasoning_delta(index, reasoning, [], done=True)
                 if sent is not None:
                     yield sent
                 text, _, deltas = calls_of[index].feed(answer, [])
                 if text:
-                    yield chunk(index, DeltaMessage(content=text))
+                    yield ChatDelta(index, DeltaMessage(content=text))
                 for delta in deltas:
-                    yield chunk(index, DeltaMessage(tool_calls=[delta]))
+                    yield ChatDelta(index, DeltaMessage(tool_calls=[delta]))
             text, deltas, called = calls_of.pop(index).finish(stopped=finish_reason == "stop")
             if text:
-                yield chunk(index, DeltaMessage(content=text))
+                yield ChatDelta(index, DeltaMessage(content=text))
             for delta in deltas:  # (what the calls still owe: the end of the last one's arguments, ...)
-                yield chunk(index, DeltaMessage(tool_calls=[delta]))
+                yield ChatDelta(index, DeltaMessage(tool_calls=[delta]))
             if called:
                 finish_reason, matched = "tool_calls", None  # (SGLang's)
-            yield chunk(index, DeltaMessage(), finish_reason=finish_reason, matched_stop=matched)
-        if request.return_hidden_states:  # (SGLang's: after every finish chunk, before the usage)
-            for index, last in hidden_states.final():
-                choice = ChatCompletionResponseStreamChoice(index=index, delta=DeltaMessage(hidden_states=last))
-                yield sse_data(ChatCompletionStreamResponse(id=rid, created=created, model=request.model, choices=[choice]))
-        if request.stream_options is not None and request.stream_options.include_usage:
-            body = ChatCompletionStreamResponse(id=rid, created=created, model=request.model, choices=[], usage=usage.usage())
-            yield sse_data(body)
-        yield sse_data("[DONE]")
+            yield ChatDelta(index, DeltaMessage(), finish_reason=finish_reason, matched_stop=matched)
