@@ -60,7 +60,9 @@ from minisgl.entrypoints.openai.protocol import (
 from minisgl.entrypoints.openai.serving_base import (
     create_error_response, error_body, handler_error_response, prepend, sse_data, sse_response, unknown_model_response,
 )  # fmt: skip
+from minisgl.entrypoints.openai.responses_protocol import ResponsesRequest
 from minisgl.entrypoints.openai.serving_chat import OpenAIServingChat
+from minisgl.entrypoints.openai.serving_responses import OpenAIServingResponses
 from minisgl.entrypoints.openai import serving_tokenize
 from minisgl.entrypoints.openai.serving_completions import OpenAIServingCompletions
 from minisgl.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, json_list_in_pieces
@@ -214,6 +216,29 @@ def _add_generate_routes(app: FastAPI, tm: TokenizerManager) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return await serving_chat.handle_request(request, raw_request)
+
+    # OpenAI's Responses API, over the chat path (docs/server.md, "Responses API")
+    serving_responses = OpenAIServingResponses(serving_chat)
+
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+        return await serving_responses.handle_request(request, raw_request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, raw_request: Request) -> Response:
+        return serving_responses.retrieve(response_id, raw_request)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        return serving_responses.delete(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> Response:
+        return serving_responses.cancel(response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, raw_request: Request) -> Response:
+        return serving_responses.input_items(response_id, raw_request)
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:

@@ -328,16 +328,17 @@ class OpenAIServingBase(ABC):
             async for event in self._stream_events(first, gen, adapted, request):
                 yield event
         except ReqAbortedError as e:
-            for event in self._stream_error_events(e.message, e.status_code):
+            for event in self._stream_error_events(e.message, e.status_code, request):
                 yield event
         except ValueError as e:
-            for event in self._stream_error_events(str(e), 400):
+            for event in self._stream_error_events(str(e), 400, request):
                 yield event
         finally:
             await gen.aclose()  # a disconnect cancels us here: the TokenizerManager aborts the rid
 
-    def _stream_error_events(self, message: str, status_code: int) -> List[str]:
-        """How a stream ends on an error after its headers: OpenAI's error body, then [DONE]."""
+    def _stream_error_events(self, message: str, status_code: int, request: Any) -> List[str]:
+        """How a stream ends on an error after its headers: OpenAI's error body, then [DONE]
+        (the Responses route sends its `error` event instead)."""
         return [sse_data(error_body(message, status_code)), sse_data("[DONE]")]
 
     async def _collect(self, adapted: GenerateReqInput, raw_request: Request) -> List[Dict[str, Any]]:
