@@ -54,11 +54,6 @@ class MessageItem(BaseModel):
     id: Optional[str] = None
     status: _ITEM_STATUS = None
 
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)  # (OpenAI's parts are one text, unjoined)
-
 
 class FunctionCallItem(BaseModel):
     """A call the model made (a function_call output item, sent back with the conversation)."""
