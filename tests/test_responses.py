@@ -260,9 +260,11 @@ def test_input_items_pages_newest_first_by_default(tiny_model: str, tmp_path: An
         rest = client.get(f"/v1/responses/{rid}/input_items?limit=2&after={page['last_id']}").json()
         asc = client.get(f"/v1/responses/{rid}/input_items?order=asc").json()
         bad = client.get(f"/v1/responses/{rid}/input_items?limit=0")
+        replay = client.get(f"/v1/responses/{rid}?stream=true")  # (OpenAI's replay of a stored stream: not built)
     text = lambda p: [i["content"][0]["text"] for i in p["data"]]  # noqa: E731
     assert (text(page), page["has_more"], text(rest), rest["has_more"], text(asc)) == (["c", "b"], True, ["a"], False, ["a", "b", "c"])
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
+    assert replay.status_code == 400 and replay.json()["error"]["param"] == "stream"
 
 
 def test_the_store_forgets_the_oldest_beyond_its_capacity() -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from typing import Any, AsyncIterator, Dict, Iterator, List, Optional
+from typing import Any, AsyncIterator, Dict, Iterator, List, Optional, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -90,7 +90,7 @@ class OpenAIServingResponses(OpenAIServingBase):
         return await self._generate(ResponsesTurn(request, chat, response_id, conversation, input_items), raw_request)
 
     def _convert_to_internal_request(self, turn: ResponsesTurn) -> GenerateReqInput:
-        adapted = self.chat._convert_to_internal_request(turn.chat)
+        adapted = self.chat._convert_to_internal_request(turn.chat)  # (chat's own: the template, tools' grammar, ...)
         turn.sampling = dict(adapted.sampling_params or {})
         return adapted
 
@@ -188,7 +188,7 @@ class OpenAIServingResponses(OpenAIServingBase):
         }
 
     # --- the stored responses
-    def _stored(self, response_id: str, param: str) -> Any:
+    def _stored(self, response_id: str, param: str) -> Union[StoredResponse, JSONResponse]:
         """The stored response, or the error response that says why there is none."""
         if not response_id.startswith("resp_"):
             return create_error_response(f"Invalid {param} {response_id!r}: a response id begins with 'resp_'", param=param)
@@ -210,7 +210,10 @@ class OpenAIServingResponses(OpenAIServingBase):
 
     def retrieve(self, response_id: str, raw_request: Request) -> Response:
         """GET /v1/responses/{id} (its stream replay, ?stream=true, is not built: refused with the other query parameters)."""
-        entry = self._no_query(raw_request) or self._stored(response_id, "response_id")
+        refused = self._no_query(raw_request)
+        if refused is not None:
+            return refused
+        entry = self._stored(response_id, "response_id")
         return entry if isinstance(entry, JSONResponse) else JSONResponse(entry.response)
 
     def delete(self, response_id: str) -> Response:
