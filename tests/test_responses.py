@@ -219,6 +219,10 @@ def test_a_stream_cut_by_max_output_tokens_ends_incomplete_and_a_refused_one_wit
     with client:
         events = _events(_create(client, stream=True, max_output_tokens=2))
     assert events[-1][0] == "response.incomplete" and events[-1][1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    client, _ = _client(tiny_model, tmp_path, [_out("r", "Hel", 1), _out("r", "", 1, {"type": "abort"})])
+    with client:
+        events = _events(_create(client, stream=True))  # (aborted without a status: /abort_request)
+    assert events[-1][0] == "response.failed" and events[-1][1]["response"]["error"]["code"] == "server_error"
     refused = {"type": "abort", "status_code": 503, "message": "The queue is full"}
     client, _ = _client(tiny_model, tmp_path, [_out("r", "", 0, refused)])
     with client:

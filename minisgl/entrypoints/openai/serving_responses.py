@@ -112,7 +112,7 @@ class OpenAIServingResponses(OpenAIServingBase):
             for kind, fields in output.feed(d):
                 yield self._event(turn, kind, **fields)
         response = self._finished(turn, output.items, output.finish_reason, usage.usage())
-        yield self._event(turn, "response.incomplete" if response["status"] == "incomplete" else "response.completed", response=response)
+        yield self._event(turn, f"response.{response['status']}", response=response)  # (completed, incomplete or failed)
 
     def _stream_error_events(self, message: str, status_code: int, turn: ResponsesTurn) -> List[str]:
         return [self._event(turn, "error", code=str(status_code), message=message, param=None)]
