@@ -10,11 +10,13 @@ from typing import Any, Dict, List, Optional, Tuple
 import pytest
 from fastapi.testclient import TestClient
 
-from test_openai_protocol import _out, _scripted_client
+from test_openai_protocol import _make_tm, _out, _scripted_client
 
-from minisgl.entrypoints.openai.response_store import ResponseStore, StoredResponse
+from minisgl.entrypoints.openai.responses_store import ResponseStore, StoredResponse
 from minisgl.entrypoints.openai.responses_convert import BadResponsesRequest, to_chat_request
 from minisgl.entrypoints.openai.responses_protocol import ResponsesRequest
+from minisgl.entrypoints.openai.serving_responses import OpenAIServingResponses
+from minisgl.entrypoints.http_server import create_app
 from minisgl.utils import get_tokenizer
 
 STOP = {"type": "stop", "matched": 2}
@@ -299,8 +301,20 @@ def test_the_store_forgets_the_oldest_beyond_its_capacity() -> None:
         ({"frobnicate": 1}, "frobnicate"),
         ({"metadata": {"k" * 65: "v"}}, "metadata"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
-        ({"reasoning": {"effort": "high"}}, None),  # (the tiny model's template reads no reasoning_effort: chat's 400)
-        ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "other"}}, None),
+        # the chat path's errors, by the Responses' names
+        ({"reasoning": {"effort": "high"}}, "reasoning.effort"),  # (the tiny model's template reads no reasoning_effort)
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "other"}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tools"),
+        ({"max_output_tokens": 100000}, "max_output_tokens"),
+        ({"input": 3}, "input"),  # (not pydantic's union branches, input.str / input.list[any])
+        ({"text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text.format.name"),
+        ({"input": [{"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{bad"},
+                    {"type": "function_call_output", "call_id": "c1", "output": "x"}], "tools": [WEATHER]}, "input[0].arguments"),
+        ({"input": [{"role": "user", "content": "q"}, {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+                    {"role": "user", "content": "q2"}], "tools": [WEATHER]}, "input"),
+        ({"input": [{"type": "reasoning", "summary": [{"junk": 1}]}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]}, "input"),
+        ({"input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": "s"}]}, {"role": "assistant", "content": "a"},
+                    {"role": "user", "content": "b"}]}, "input"),
     ],
 )
 def test_what_is_not_built_is_a_400_that_names_the_field(tiny_model: str, tmp_path: Any, body: Dict[str, Any], param: Optional[str]) -> None:
@@ -311,7 +325,46 @@ def test_what_is_not_built_is_a_400_that_names_the_field(tiny_model: str, tmp_pa
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["type"] == "BadRequestError" and error["param"] == param and error["message"]
+    # (the message speaks of what the client sent, never of chat's fields)
+    assert not any(word in error["message"] for word in ("max_completion_tokens", "reasoning_effort", "response_format", "input.str"))
     assert ok.status_code == 200 and len(seen) == 1
+
+
+def test_the_messages_of_what_the_chat_path_refuses_name_the_responses_fields(tiny_model: str, tmp_path: Any) -> None:
+    client, _ = _client(tiny_model, tmp_path, [_out("r", "x", 1, STOP)])
+    with client:
+        messages = {name: _create(client, **body).json()["error"] for name, body in [
+            ("too many", {"max_output_tokens": 100000}), ("effort", {"reasoning": {"effort": "high"}}),
+            ("call without output", {"input": [{"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+                                               {"role": "user", "content": "q"}], "tools": [WEATHER]}),
+        ]}  # fmt: skip
+    assert messages["too many"]["message"].startswith("max_output_tokens is too large: 100000")
+    assert messages["effort"]["message"].startswith("reasoning.effort is not used by this model's chat template")
+    assert messages["call without output"]["message"].startswith("No tool output found for function call c1")
+
+
+@pytest.mark.parametrize(
+    "message, body, param",
+    [  # what the TokenizerManager and the scheduler say, after the chat path's own checks
+        ("top_k must be -1 (all) or >= 1, got 0", {"top_k": 0}, "top_k"),
+        ("The input (99 characters, so at least 9 tokens) is longer than the model's context length (8 tokens).", {}, "input"),
+        ("Invalid json_schema: bad type", {"text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": "object"}}}}, "text.format"),
+        ("Invalid json_schema: bad type", {"tools": [WEATHER], "tool_choice": "required"}, "tools"),  # (a forced call's schema)
+    ],
+)
+def test_errors_found_after_the_translation_name_the_responses_field(tiny_model: str, tmp_path: Any, message: str, body: Dict[str, Any], param: str) -> None:
+    tm = _make_tm(tiny_model, tmp_path)
+
+    async def refuse(obj: Any, request: Any = None) -> Any:
+        raise ValueError(message)
+        yield  # (a generator, as generate_request)
+
+    tm.generate_request = refuse  # type: ignore[method-assign]
+    with TestClient(create_app(tm.server_args, tm, is_healthy=lambda: True)) as client:
+        client.model = tm.model_name  # type: ignore[attr-defined]
+        plain, streamed = _create(client, **body), _create(client, stream=True, **body)
+    assert plain.status_code == 400 and plain.json()["error"]["param"] == param
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == param
 
 
 def test_reasoning_effort_reaches_a_template_that_reads_it(tiny_model: str, tmp_path: Any) -> None:
@@ -326,3 +379,110 @@ def test_an_unknown_model_is_a_404(tiny_model: str, tmp_path: Any) -> None:
     with client:
         r = client.post("/v1/responses", json={"model": "gpt-nope", "input": "hi"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+# --------------------------------------------------------------------------- review fixes: logprobs, statuses, store bytes, usage
+def _tokens_out(tokenizer: Any, pieces: List[str], finish: Any) -> List[Dict[str, Any]]:
+    """One output per piece, each with the real ids of its text and a logprob per token (the k-th token: -k)."""
+    outs, k = [], 0
+    for i, piece in enumerate(pieces):
+        ids = tokenizer.encode(piece, add_special_tokens=False)
+        out = _out("r", piece, k + len(ids), finish if i == len(pieces) - 1 else None)
+        out["meta_info"]["output_token_logprobs"] = [(-float(k + j), tid, None) for j, tid in enumerate(ids)]
+        out["meta_info"]["output_top_logprobs"] = [[(-float(k + j), tid, None)] for j, tid in enumerate(ids)]
+        outs.append(out)
+        k += len(ids)
+    return outs
+
+
+def _whole(outs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The outputs of a stream as the one output of the same request not streamed."""
+    whole = json.loads(json.dumps(outs[-1]))
+    whole["text"] = "".join(o["text"] for o in outs)
+    for key in ("output_token_logprobs", "output_top_logprobs"):
+        whole["meta_info"][key] = [t for o in outs for t in o["meta_info"][key]]
+    return whole
+
+
+def test_reasoning_with_logprobs_gives_one_reasoning_and_one_message_of_the_answers_tokens_streamed_or_not(tiny_model: str, tmp_path: Any) -> None:
+    tokenizer = get_tokenizer(tiny_model)
+    pieces = ["<think>\n", "I think", " hard", "\n</think>\n\n", "Hello", " there"]
+    outs = _tokens_out(tokenizer, pieces, STOP)
+    first_answer = sum(len(tokenizer.encode(p, add_special_tokens=False)) for p in pieces[:4])
+    answer = [-float(k) for k in range(first_answer, outs[-1]["meta_info"]["completion_tokens"])]  # the tokens of "Hello there"
+    body = {"include": ["message.output_text.logprobs"], "top_logprobs": 1}
+    client, _ = _client(tiny_model, tmp_path, outs, reasoning_parser="qwen3")
+    with client:
+        final = _events(_create(client, stream=True, **body))[-1][1]["response"]
+    client, _ = _client(tiny_model, tmp_path, [_whole(outs)], reasoning_parser="qwen3")
+    with client:
+        whole = _create(client, **body).json()
+    for response in (final, whole):
+        assert [(i["type"], i["status"]) for i in response["output"]] == [("reasoning", "completed"), ("message", "completed")]
+        reasoning, message = response["output"]
+        assert reasoning["content"][0]["text"] == "I think hard" and message["content"][0]["text"] == "Hello there"
+        assert [t["logprob"] for t in message["content"][0]["logprobs"]] == answer
+        assert "".join(t["token"] for t in message["content"][0]["logprobs"]) == "Hello there"
+
+
+def test_a_cut_streamed_call_is_incomplete_and_its_response_can_be_continued(tiny_model: str, tmp_path: Any) -> None:
+    pieces = ['<tool_call>\n{"name": "get_weather", ', '"arguments": {"city": "Zü']
+    outs = [_out("r", p, i + 1, LENGTH if i == 1 else None) for i, p in enumerate(pieces)]
+    client, seen = _client(tiny_model, tmp_path, outs, template=TOOLS_TEMPLATE, tool_call_parser="qwen25")
+    with client:
+        events = _events(_create(client, stream=True, input="w?", tools=[WEATHER]))
+        final = events[-1][1]["response"]
+        assert events[-1][0] == "response.incomplete"
+        calls = [i for i in final["output"] if i["type"] == "function_call"]
+        assert calls and all(c["status"] == "incomplete" for c in calls)
+        done = [d["item"] for name, d in events if name == "response.output_item.done" and d["item"]["type"] == "function_call"]
+        assert done[-1]["status"] == "incomplete"
+        assert client.get(f"/v1/responses/{final['id']}").json()["output"] == final["output"]
+        again = _create(client, input="go on", previous_response_id=final["id"])
+    assert again.status_code == 200, again.text
+    prompt = seen[-1].text  # (the cut answer's text, as the chat path answers it, and no call)
+    assert '"city": "Zü' in prompt and "<call>" not in prompt
+
+
+def test_an_aborted_response_has_no_completed_item(tiny_model: str, tmp_path: Any) -> None:
+    aborted = [_out("r", "Hel", 1), _out("r", "lo", 2, {"type": "abort"})]
+    client, _ = _client(tiny_model, tmp_path, aborted)
+    with client:
+        streamed = _events(_create(client, stream=True))[-1][1]["response"]
+    client, _ = _client(tiny_model, tmp_path, [{**aborted[-1], "text": "Hello"}])
+    with client:
+        whole = _create(client).json()
+    for response in (streamed, whole):
+        assert response["status"] == "failed" and [i["status"] for i in response["output"]] == ["incomplete"]
+
+
+def test_the_store_is_bounded_by_bytes_too() -> None:
+    def entry(i: int, size: int) -> StoredResponse:
+        return StoredResponse({"id": f"resp_{i}", "text": "x" * size}, [], [])
+
+    store = ResponseStore(capacity=100, max_bytes=2500)
+    for i in range(3):
+        assert store.put(entry(i, 1000))
+    assert store.get("resp_0") is None and store.get("resp_1") is not None and store.bytes <= 2500  # (the oldest went)
+    assert store.get("resp_2").response["text"] == "x" * 1000
+    assert not store.put(entry(9, 5000))  # (alone over the bound: not stored, the others kept)
+    assert store.get("resp_9") is None and store.too_large("resp_9") > 5000 and len(store) == 2
+
+
+def test_a_response_too_large_to_store_is_a_404_that_says_why() -> None:
+    serving = OpenAIServingResponses.__new__(OpenAIServingResponses)  # (its lookup alone: no chat path needed)
+    serving.store = ResponseStore(max_bytes=100)
+    serving.store.put(StoredResponse({"id": "resp_big", "text": "x" * 200}, [], []))
+    r = serving._stored("resp_big", "response_id")
+    assert r.status_code == 404 and "more than the 100 bytes" in json.loads(r.body)["error"]["message"]
+
+
+def test_cache_write_tokens_are_the_uncached_prompt_tokens_and_none_without_the_radix_cache(tiny_model: str, tmp_path: Any) -> None:
+    out = _out("r", "Hi", 1, STOP)
+    out["meta_info"].update(prompt_tokens=10, cached_tokens=4)
+    written = []
+    for disable in (False, True):
+        client, _ = _client(tiny_model, tmp_path, [out], disable_radix_cache=disable)
+        with client:
+            written.append(_create(client).json()["usage"]["input_tokens_details"])
+    assert written == [{"cached_tokens": 4, "cache_write_tokens": 6}, {"cached_tokens": 4, "cache_write_tokens": 0}]

@@ -60,7 +60,7 @@ from minisgl.entrypoints.openai.protocol import (
 from minisgl.entrypoints.openai.serving_base import (
     create_error_response, error_body, handler_error_response, prepend, sse_data, sse_response, unknown_model_response,
 )  # fmt: skip
-from minisgl.entrypoints.openai.responses_protocol import ResponsesRequest
+from minisgl.entrypoints.openai.responses_protocol import ResponsesRequest, field_path
 from minisgl.entrypoints.openai.serving_chat import OpenAIServingChat
 from minisgl.entrypoints.openai.serving_responses import OpenAIServingResponses
 from minisgl.entrypoints.openai import serving_tokenize
@@ -99,13 +99,16 @@ SHUTDOWN_PROFILE_WAIT_S = 60  # how long a shutdown waits for a running profile'
 
 
 # --------------------------------------------------------------------------- the app
-def _validation_message(exc: RequestValidationError) -> Tuple[str, Optional[str]]:
-    """Pydantic errors -> one readable message naming the field(s), and the first field as `param`."""
+def _validation_message(exc: RequestValidationError, union_tags: bool = True) -> Tuple[str, Optional[str]]:
+    """Pydantic errors -> one readable message naming the field(s), and the first field as `param`.
+    `union_tags` false: the fields as the Responses API names them (`input[0].role`), without
+    pydantic's union branch tags (`input.str`, `input.list[any]`)."""
     parts: List[str] = []
     params: List[str] = []
     for err in exc.errors():
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        field = ".".join(loc)
+        loc = [x for x in err.get("loc", ()) if x != "body"]
+        field = ".".join(str(x) for x in loc) if union_tags else field_path(loc)
+        loc = [str(x) for x in loc]
         if err.get("type") == "json_invalid":
             parts.append(f"The request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}")
         elif err.get("type") == "extra_forbidden":
@@ -116,7 +119,7 @@ def _validation_message(exc: RequestValidationError) -> Tuple[str, Optional[str]
             parts.append(f"Invalid parameter '{field}': {err.get('msg')}" if field else str(err.get("msg")))
         if field and err.get("type") != "json_invalid":  # (its loc is a character offset, not a field)
             params.append(field)
-    return "; ".join(parts) or "Invalid request", (params[0] if params else None)
+    return "; ".join(dict.fromkeys(parts)) or "Invalid request", (params[0] if params else None)
 
 
 def bearer_matches(sent: bytes, api_key: str) -> bool:
@@ -166,7 +169,7 @@ def _add_error_handlers(app: FastAPI) -> None:
             # type, and pydantic's "Input should be a valid dictionary" said nothing useful
             message = f"Send the request body as JSON with Content-Type: application/json (got {content_type or 'no Content-Type'!r})"
             return create_error_response(message, 400)
-        message, param = _validation_message(exc)
+        message, param = _validation_message(exc, union_tags=not request.url.path.startswith("/v1/responses"))
         return create_error_response(message, 400, param=param)  # 400, never FastAPI's 422
 
     @app.exception_handler(StarletteHTTPException)

@@ -12,6 +12,8 @@ the tools, a grammar) it checks here too, with the same messages.
 
 from __future__ import annotations
 
+import json
+import re
 import uuid
 from typing import Any, Dict, List, NamedTuple, Optional, Set, Tuple
 
@@ -20,7 +22,9 @@ from pydantic import ValidationError
 from minisgl.entrypoints.openai.protocol import ChatChoiceLogprobs, ChatCompletionRequest, ChatCompletionResponseChoice, ChatTokenLogprob
 from minisgl.entrypoints.openai.responses_protocol import (
     FunctionCallItem, FunctionCallOutputItem, FunctionTool, InputItem, MessageItem, ReasoningItem, ResponsesRequest, parse_item,
+    validation_message,
 )  # fmt: skip
+from minisgl.entrypoints.openai.tool_parsers import NOT_JSON
 
 
 class BadResponsesRequest(ValueError):
@@ -36,10 +40,49 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-# chat's field -> the Responses field it came from (so that chat's errors name what the client sent)
+# chat's field -> the Responses field it came from (so that chat's errors name what the client sent;
+# a field of the same name in both is not listed)
 _CHAT_TO_RESPONSES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
-                      "reasoning_effort": "reasoning.effort", "top_logprobs": "top_logprobs"}  # fmt: skip
+                      "reasoning_effort": "reasoning.effort"}  # fmt: skip
 _SAMPLING_KNOBS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "stop", "seed")
+
+
+# what chat's errors (precheck's, the conversion's, the TokenizerManager's) are about, by their text:
+# (a pattern of the message, the Responses field it names); the first that matches gives the param
+_ERROR_PARAMS = [
+    (re.compile(r"\bmax_completion_tokens\b"), "max_output_tokens"),
+    (re.compile(r"\breasoning_effort\b"), "reasoning.effort"),
+    (re.compile(r"^Tools cannot be empty"), "tools"),
+    (re.compile(r"^Tool '.*' not found in tools list|\btool_choice\b"), "tool_choice"),
+    (re.compile(r"\btop_k\b"), "top_k"),
+    (re.compile(r"\bresponse_format\b|\bjson_schema\b"), "text.format"),  # (or a forced call's schema: see responses_error)
+    (re.compile(r"is longer than the model's context length|chat template to these messages|an assistant message's tool_calls"), "input"),
+]
+# chat's words for the fields -> the Responses', in a message's text
+_ERROR_WORDS = [
+    (re.compile(r"\bmax_completion_tokens\b"), "max_output_tokens"),
+    (re.compile(r"\breasoning_effort\b"), "reasoning.effort"),
+    (re.compile(r"\bresponse_format\b"), "text.format"),
+    (re.compile(r"an assistant message's tool_calls is"), "function_call items (an assistant message's tool_calls) are"),
+]
+
+
+def responses_error(message: str, param: Optional[str], request: ResponsesRequest) -> Tuple[str, Optional[str]]:
+    """An error of the chat path (its message, its param: chat's field or None) as the Responses
+    route says it: the fields by the Responses' names, in the param and in the text."""
+    if param is not None:
+        head = re.split(r"[.\[]", param, maxsplit=1)[0]
+        param = _CHAT_TO_RESPONSES.get(head, head) + param[len(head) :]
+        if param.startswith("text.format.json_schema"):  # (chat nests what text.format holds flat)
+            param = "text.format" + param[len("text.format.json_schema") :]
+    else:
+        param = next((field for pattern, field in _ERROR_PARAMS if pattern.search(message)), None)
+        if param == "text.format" and (request.text is None or request.text.format is None):
+            param = "tools"  # (the schema was a forced call's: its function's parameters)
+    for pattern, words in _ERROR_WORDS:
+        message = pattern.sub(words, message)
+    message = message.replace("response_format.json_schema", "text.format").replace("text.format.json_schema", "text.format")
+    return message, param
 
 
 class Translated(NamedTuple):
@@ -52,7 +95,7 @@ def to_chat_request(request: ResponsesRequest, rid: str, earlier: List[Dict[str,
     """`request` as the chat request that runs it; `earlier`: the conversation of the response it
     continues (previous_response_id), else []. BadResponsesRequest for what cannot be translated."""
     items = _input_items(request)
-    conversation = list(earlier) + _messages(items, _call_ids(earlier))
+    conversation = list(earlier) + _messages(items, earlier)
     messages = ([{"role": "system", "content": request.instructions}] if request.instructions is not None else []) + conversation
     body: Dict[str, Any] = {"model": request.model, "messages": messages, "stream": bool(request.stream), "rid": rid}
     body.update({k: getattr(request, k) for k in _SAMPLING_KNOBS if getattr(request, k) is not None})
@@ -73,11 +116,8 @@ def to_chat_request(request: ResponsesRequest, rid: str, earlier: List[Dict[str,
     try:
         chat = ChatCompletionRequest.model_validate(body)
     except ValidationError as e:
-        first = e.errors()[0]
-        loc = [str(x) for x in first.get("loc", ())]
-        param = _CHAT_TO_RESPONSES.get(loc[0], loc[0]) if loc else None
-        where = ".".join([param or ""] + loc[1:]) if loc else "the request"
-        raise BadResponsesRequest(f"{where}: {first.get('msg')}", param) from None
+        message, field = validation_message(e)
+        raise BadResponsesRequest(*responses_error(message, field or None, request)) from None
     return Translated(chat, conversation, [_listed(item) for item in items])
 
 
@@ -96,30 +136,41 @@ def _call_ids(messages: List[Dict[str, Any]]) -> Set[str]:
     return {call["id"] for m in messages for call in m.get("tool_calls") or []}
 
 
-def _messages(items: List[InputItem], calls: Set[str]) -> List[Dict[str, Any]]:
-    """Input items as chat messages. A function_call joins the assistant message right before it
-    (the calls of one turn are one message); a reasoning item's text goes with the assistant turn
-    after it; a function_call_output must answer a call made earlier (here or in the stored turns)."""
+def _messages(items: List[InputItem], earlier: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Input items as chat messages, after the `earlier` turns. A function_call joins the assistant
+    message right before it (the calls of one turn are one message); a reasoning item's text goes
+    with the assistant turn after it; a function_call_output must answer a call made earlier (here
+    or in the stored turns), and every call must have its output before the next message."""
     messages: List[Dict[str, Any]] = []
     reasoning: Optional[Tuple[int, str]] = None  # (its item's index, its text), until its turn comes
     joinable = False  # whether the last message is an assistant turn the next function_call joins
-    calls = set(calls)
+    calls = _call_ids(earlier)
+    answered = {m.get("tool_call_id") for m in earlier if m.get("role") == "tool"}
+    unanswered = [call["id"] for m in earlier for call in m.get("tool_calls") or [] if call["id"] not in answered]
     for i, item in enumerate(items):
         if reasoning is not None and not (isinstance(item, FunctionCallItem) or (isinstance(item, MessageItem) and item.role == "assistant")):
-            raise BadResponsesRequest(f"input[{reasoning[0]}]: a reasoning item goes right before the assistant message or function_call it led to", "input")
+            raise _misplaced_reasoning(reasoning[0])
         if isinstance(item, ReasoningItem):
             reasoning = (i, item.text())
             continue
         if isinstance(item, MessageItem):
+            if unanswered:
+                raise _no_output(unanswered)
             content: Any = item.content if isinstance(item.content, str) else [{"type": "text", "text": p.text} for p in item.content]
             messages.append({"role": item.role, "content": content})
             joinable = item.role == "assistant"
         elif isinstance(item, FunctionCallItem):
+            try:
+                json.loads(item.arguments)
+            except NOT_JSON:
+                raise BadResponsesRequest(f"input[{i}].arguments must be JSON text (the call's arguments object), got {item.arguments!r}",
+                                          f"input[{i}].arguments") from None  # fmt: skip
             call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
             if not joinable:
                 messages.append({"role": "assistant", "content": None})
             messages[-1].setdefault("tool_calls", []).append(call)
             calls.add(item.call_id)
+            unanswered.append(item.call_id)
             joinable = True
         elif isinstance(item, FunctionCallOutputItem):
             if item.call_id not in calls:
@@ -129,13 +180,29 @@ def _messages(items: List[InputItem], calls: Set[str]) -> List[Dict[str, Any]]:
                     "input",
                 )
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+            unanswered = [c for c in unanswered if c != item.call_id]
             joinable = False
         if reasoning is not None:  # (this item is the assistant turn it led to)
             messages[-1]["reasoning_content"] = reasoning[1]
             reasoning = None
     if reasoning is not None:
-        raise BadResponsesRequest(f"input[{reasoning[0]}]: a reasoning item goes right before the assistant message or function_call it led to", "input")
+        raise _misplaced_reasoning(reasoning[0])
+    if unanswered:
+        raise _no_output(unanswered)
     return messages
+
+
+def _misplaced_reasoning(index: int) -> BadResponsesRequest:
+    return BadResponsesRequest(f"input[{index}]: a reasoning item goes right before the assistant message or function_call it led to", "input")
+
+
+def _no_output(unanswered: List[str]) -> BadResponsesRequest:
+    """OpenAI's error for a call whose result never came (a chat template would show a call without its result)."""
+    return BadResponsesRequest(
+        f"No tool output found for function call {unanswered[0]}: send a function_call_output item with call_id "
+        f"{unanswered[0]!r} right after the call(s), before any message",
+        "input",
+    )
 
 
 def _listed(item: InputItem) -> Dict[str, Any]:
@@ -161,8 +228,7 @@ def _chat_tool(tool: Dict[str, Any], where: str) -> Dict[str, Any]:
     try:
         function = FunctionTool.model_validate(tool)
     except ValidationError as e:
-        first = e.errors()[0]
-        raise BadResponsesRequest(f"{where}.{'.'.join(str(x) for x in first.get('loc', ()))}: {first.get('msg')}", "tools") from None
+        raise BadResponsesRequest(validation_message(e, where)[0], "tools") from None
     return {"type": "function", "function": function.model_dump(exclude={"type"}, exclude_none=True)}
 
 
@@ -184,6 +250,9 @@ def _chat_response_format(fmt: Dict[str, Any]) -> Dict[str, Any]:
     if kind in ("text", "json_object") and set(fmt) == {"type"}:
         return {"type": kind}
     if kind == "json_schema" and set(fmt) <= {"type", "name", "schema", "description", "strict"}:
+        for field in ("name", "schema"):  # (both required, as OpenAI's)
+            if field not in fmt:
+                raise BadResponsesRequest(f"text.format.{field}: Field required (a json_schema format has a name and a schema)", f"text.format.{field}")
         return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
     raise BadResponsesRequest(
         f"text.format {fmt!r} is not supported: send {{\"type\": \"text\"}}, {{\"type\": \"json_object\"}} or "
@@ -223,28 +292,57 @@ def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str
     return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments, "status": status}
 
 
-def output_items(choice: ChatCompletionResponseChoice, with_logprobs: bool) -> List[Dict[str, Any]]:
+def cut(finish_reason: Optional[str]) -> bool:
+    """Whether a finish cut the answer short: max_output_tokens reached ("length") or an abort. Its
+    last item is then "incomplete", and so is every call (the chat path takes a cut answer's calls
+    back: their text is the message's); the items before it were completed."""
+    return finish_reason in ("length", "abort")
+
+
+def output_items(choice: ChatCompletionResponseChoice, answer_tokens: Optional[List[ChatTokenLogprob]]) -> List[Dict[str, Any]]:
     """A chat choice as output items: its reasoning, its message, its calls. A message is there
-    whenever there is text, or nothing else (an empty answer is an empty message, as a stream ends)."""
-    status = "incomplete" if choice.finish_reason == "length" else "completed"
+    whenever there is text, or nothing else (an empty answer is an empty message, as a stream ends).
+    `answer_tokens`: the logprobs of the answer's tokens (not the reasoning's), None when not asked."""
+    status = "incomplete" if cut(choice.finish_reason) else "completed"
     message = choice.message
     items: List[Dict[str, Any]] = []
     if message.reasoning_content:
-        items.append(reasoning_item(new_id("rs"), [{"type": "reasoning_text", "text": message.reasoning_content}], status))
+        # (cut while it thought: no answer came after it)
+        thought = "completed" if message.content or message.tool_calls else status
+        items.append(reasoning_item(new_id("rs"), [{"type": "reasoning_text", "text": message.reasoning_content}], thought))
     if message.content or not message.tool_calls:
-        logprobs = output_logprobs(choice.logprobs) if with_logprobs else None
+        logprobs = [_logprob(t) for t in answer_tokens] if answer_tokens is not None else None
         items.append(message_item(new_id("msg"), [text_part(message.content or "", logprobs)], status))
     for call in message.tool_calls or []:
-        items.append(call_item(new_id("fc"), call.id, call.function.name, call.function.arguments, "completed"))
+        items.append(call_item(new_id("fc"), call.id, call.function.name, call.function.arguments, status))
     return items
 
 
+def reasoning_text(output: List[Dict[str, Any]]) -> str:
+    """The text of a response's reasoning items."""
+    return "".join(p["text"] for item in output if item["type"] == "reasoning" for p in item["content"])
+
+
+def _continuable(item: Dict[str, Any]) -> bool:
+    """Whether a function_call item can go into a next turn: a whole call, its arguments JSON (a
+    chat template reads them as an object). A cut one cannot: its text is in the message already."""
+    if item["status"] == "incomplete":
+        return False
+    try:
+        json.loads(item["arguments"])
+    except NOT_JSON:
+        return False
+    return True
+
+
 def output_as_message(output: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """A response's output as the assistant turn of a chat conversation (what a next turn continues)."""
-    reasoning = "".join(p["text"] for item in output if item["type"] == "reasoning" for p in item["content"])
+    """A response's output as the assistant turn of a chat conversation (what a next turn continues):
+    its text, its reasoning and its whole calls (a cut call's text is the message's, as the chat path
+    answers a cut answer with its text and no calls)."""
+    reasoning = reasoning_text(output)
     text = "".join(p["text"] for item in output if item["type"] == "message" for p in item["content"])
     calls = [{"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
-             for item in output if item["type"] == "function_call"]  # fmt: skip
+             for item in output if item["type"] == "function_call" and _continuable(item)]  # fmt: skip
     message: Dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
     if calls:
         message["tool_calls"] = calls

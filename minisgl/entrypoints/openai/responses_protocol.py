@@ -12,7 +12,8 @@ names the item (`input[2]`) and says what to send instead.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Literal, Optional, Tuple, Union
+import re
+from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -87,14 +88,22 @@ class ReasoningTextPart(BaseModel):
     text: str
 
 
+class SummaryTextPart(BaseModel):
+    model_config = _STRICT
+    type: Literal["summary_text"]
+    text: str
+
+
 class ReasoningItem(BaseModel):
     """A reasoning output item sent back: its text goes with the assistant turn after it
-    (the chat message's reasoning_content; the chat template decides whether the model sees it)."""
+    (the chat message's reasoning_content; the chat template decides whether the model sees it).
+    Its summary must be empty, as minisgl's own are (parse_item refuses another: it would be
+    dropped, as no chat message field carries it)."""
 
     model_config = _STRICT
     type: Literal["reasoning"]
     id: Optional[str] = None
-    summary: List[Any] = Field(default_factory=list)  # (minisgl writes no summaries: always [])
+    summary: List[SummaryTextPart] = Field(default_factory=list)
     content: Optional[List[ReasoningTextPart]] = None
     status: _ITEM_STATUS = None
 
@@ -124,11 +133,36 @@ def parse_item(item: Any, where: str) -> InputItem:
         built = ", ".join(sorted(_ITEM_TYPES))
         raise ValueError(f"{where}: input items of type {kind!r} are not supported by minisgl; it takes {built} (and messages without a type)")
     try:
-        return model.model_validate(item)
+        parsed = model.model_validate(item)
     except ValidationError as e:
-        first = e.errors()[0]
-        field = ".".join(str(x) for x in first.get("loc", ()))
-        raise ValueError(f"{where}.{field}: {first.get('msg')}" if field else f"{where}: {first.get('msg')}") from None
+        raise ValueError(validation_message(e, where)[0]) from None
+    if isinstance(parsed, ReasoningItem) and parsed.summary:
+        raise ValueError(f"{where}.summary: reasoning summaries are not built (minisgl writes none, and no chat message carries one); "
+                         "send the reasoning as content (reasoning_text parts) and summary []")  # fmt: skip
+    return parsed
+
+
+# pydantic's name for the branch of a union a value was tried against (`input.str`, `input.list[any]`,
+# `content.list[union[InputTextPart,OutputTextPart]]`): no field of the request, so no part of a param
+_UNION_BRANCH = re.compile(r"^(?:str|int|float|bool|none|[A-Z]\w*|[a-z][\w-]*\[.*\])$")
+
+
+def field_path(loc: Sequence[Any], prefix: str = "") -> str:
+    """A pydantic error's loc as the field it names, `prefix` first: `a.b[2].c`, union branch tags left out."""
+    path = prefix
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif not _UNION_BRANCH.match(str(part)):
+            path += f".{part}" if path else str(part)
+    return path
+
+
+def validation_message(e: ValidationError, prefix: str = "") -> Tuple[str, str]:
+    """(a message naming the field, the field) of a ValidationError's first error; `prefix`: where the validated object sits."""
+    first = e.errors()[0]
+    field = field_path(first.get("loc", ()), prefix)
+    return (f"{field}: {first.get('msg')}" if field else str(first.get("msg"))), field
 
 
 class FunctionTool(BaseModel):

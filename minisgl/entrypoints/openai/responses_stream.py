@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Tuple
 
 from minisgl.entrypoints.openai.responses_convert import (
-    call_item, message_item, new_id, output_logprobs, reasoning_item, text_part,
+    call_item, cut, message_item, new_id, output_logprobs, reasoning_item, text_part,
 )  # fmt: skip
 from minisgl.entrypoints.openai.serving_chat import ChatDelta
 
@@ -35,7 +35,14 @@ def _short(tokens: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 
 
 class StreamedOutput:
-    """One choice's output items as its deltas come (`feed`), closed by `finish`."""
+    """One choice's output items as its deltas come (`feed`), closed by `finish`.
+
+    Logprobs: a message's are its answer's tokens, as the non-streamed response's (serving_responses.py
+    answer_tokens). A reasoning delta's tokens go nowhere (the items of reasoning carry none). The
+    chat path sends the tokens of text it holds back (a `<think>` tag, the blanks after `</think>`,
+    blanks that may start a tag) as an empty content delta; they are held here, and go to the
+    message when it opens if no reasoning came before it, else are dropped: they were the
+    reasoning's tags."""
 
     def __init__(self, with_logprobs: bool) -> None:
         self.with_logprobs = with_logprobs
@@ -43,22 +50,45 @@ class StreamedOutput:
         self.kind: Optional[str] = None  # the open item's: "reasoning", "message", "function_call"
         self.text: List[str] = []  # the open item's text (or arguments) so far
         self.logprobs: List[Dict[str, Any]] = []  # the open message's tokens so far
+        self.held: List[Dict[str, Any]] = []  # tokens of empty content deltas, until a message opens
+        self.after_call: List[ChatDelta] = []  # text deltas right after a call, until the next says whether the call was cut
         self.finish_reason: Optional[str] = None
 
     def feed(self, d: ChatDelta) -> List[Event]:
+        """The events of one ChatDelta. Text right after a call is held for one delta: the chat path
+        sends a cut answer's text (its calls' too) as content just before the finish, and the call's
+        output_item.done must then say "incomplete"."""
+        if self.kind == "function_call" and (d.delta.content or d.delta.reasoning_content) and d.finish_reason is None:
+            self.after_call.append(d)
+            return []
+        events: List[Event] = []
+        if self.after_call:
+            events += self._close("incomplete" if cut(d.finish_reason) else "completed")
+            for held in self.after_call:
+                events += self._feed(held)
+            self.after_call = []
+        return events + self._feed(d)
+
+    def _feed(self, d: ChatDelta) -> List[Event]:
         delta, events = d.delta, []
         if delta.role is not None:  # (the role delta: an item opens with its first text instead)
             return events
+        tokens = output_logprobs(d.logprobs) if self.with_logprobs else []
         if delta.reasoning_content:
             events += self._open("reasoning")
+            self.held = []  # (the start tag's)
             self.text.append(delta.reasoning_content)
             events.append(("response.reasoning_text.delta", {**self._where(), "content_index": 0, "delta": delta.reasoning_content}))
-        tokens = output_logprobs(d.logprobs) if self.with_logprobs else []
-        if delta.content or tokens:
+        elif delta.content or (tokens and self.kind == "message"):
+            if self.kind != "message":
+                tokens = ([] if self._reasoned() else self.held) + tokens
+                self.held = []
             events += self._open("message")
             self.text.append(delta.content or "")
             self.logprobs += tokens
             events.append(("response.output_text.delta", {**self._where(), "content_index": 0, "delta": delta.content or "", "logprobs": _short(tokens)}))
+        elif tokens:
+            self.held += tokens
         for call in delta.tool_calls or []:
             if call.id is not None:  # a new call: its id and name come first
                 events += self._close("completed")
@@ -73,23 +103,35 @@ class StreamedOutput:
         return events
 
     def finish(self, finish_reason: str) -> List[Event]:
-        """Close what is open; an answer with no text and no call still gets its (empty) message."""
+        """Close what is open (incomplete when the finish cut it, and so every call: responses_convert.cut);
+        an answer with no text and no call still gets its (empty) message."""
         self.finish_reason = finish_reason
-        status = "incomplete" if finish_reason == "length" else "completed"
+        status = "incomplete" if cut(finish_reason) else "completed"
         events = self._close(status)
         if not any(item["type"] in ("message", "function_call") for item in self.items):
-            events += self._open("message") + self._close(status)
+            if not self._reasoned():
+                self.logprobs = self.held
+            events += self._open("message", keep_logprobs=True) + self._close(status)
+        if status == "incomplete":  # (the calls' done events went out as they closed: the final response says it)
+            for item in self.items:
+                if item["type"] == "function_call":
+                    item["status"] = status
         return events
 
     # --- items
+    def _reasoned(self) -> bool:
+        return any(item["type"] == "reasoning" for item in self.items)
+
     def _where(self) -> Dict[str, Any]:
         return {"item_id": self.items[-1]["id"], "output_index": len(self.items) - 1}
 
-    def _open(self, kind: str) -> List[Event]:
+    def _open(self, kind: str, keep_logprobs: bool = False) -> List[Event]:
         if self.kind == kind:
             return []
         events = self._close("completed")
-        self.kind, self.text, self.logprobs = kind, [], []
+        self.kind, self.text = kind, []
+        if not keep_logprobs:
+            self.logprobs = []
         if kind == "reasoning":
             self.items.append(reasoning_item(new_id("rs"), [], "in_progress"))
             part: Dict[str, Any] = {"type": "reasoning_text", "text": ""}
@@ -106,8 +148,7 @@ class StreamedOutput:
             return []
         item, text, where = self.items[-1], "".join(self.text), self._where()
         if self.kind == "function_call":
-            # (chat's stream cannot take back a call it began: one cut short by the finish stays, as sent)
-            item.update(arguments=text, status="completed")
+            item.update(arguments=text, status=status)
             events = [("response.function_call_arguments.done", {**where, "arguments": text})]
         elif self.kind == "reasoning":
             part = {"type": "reasoning_text", "text": text}

@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 import logging
 import time
 from http import HTTPStatus
-from typing import Any, AsyncIterator, Dict, List, Optional, Tuple, Union
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Tuple, Union
 
 from fastapi import HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -224,6 +224,41 @@ class StreamedHiddenStates:
         return [(index, entry_as_list(self.last[index]) if count > 1 else []) for index, count in self.count.items() if count > 0]
 
 
+async def collect_outputs(tm: TokenizerManager, adapted: GenerateReqInput, raw_request: Request) -> List[Dict[str, Any]]:
+    """All final outputs of a non-streaming request, ordered by choice index."""
+    outs = [out async for out in tm.generate_request(adapted, raw_request)]
+    return sorted(outs, key=lambda out: out.get("index", 0))
+
+
+async def start_stream(tm: TokenizerManager, adapted: GenerateReqInput, raw_request: Request) -> Tuple[Dict[str, Any], AsyncIterator[Dict[str, Any]]]:
+    """(the first output, the generator of the rest) of a streamed request. The first is awaited
+    before the headers are sent, so that tokenization and context-length errors are a real HTTP
+    400, not an error event after a 200."""
+    gen = tm.generate_request(adapted, raw_request)
+    try:
+        first = await gen.__anext__()
+    except StopAsyncIteration:
+        raise ValueError("The request produced no output")
+    return first, gen
+
+
+async def guarded_stream(events: AsyncIterator[str], gen: Any, error_events: Callable[[str, int], List[str]]) -> AsyncIterator[str]:
+    """`events` (a writer's SSE events over `gen`), where an error after the headers becomes the
+    route's `error_events(message, status)` (chat: an error body + [DONE]; Responses: an `error`
+    event); `gen` is always closed: a disconnect cancels us here and the TokenizerManager aborts the rid."""
+    try:
+        async for event in events:
+            yield event
+    except ReqAbortedError as e:
+        for event in error_events(e.message, e.status_code):
+            yield event
+    except ValueError as e:
+        for event in error_events(str(e), 400):
+            yield event
+    finally:
+        await gen.aclose()
+
+
 class OpenAIServingBase(ABC):
     """handle_request: validate -> convert -> stream or not, with SGLang's error mapping."""
 
@@ -313,38 +348,12 @@ class OpenAIServingBase(ABC):
             return handler_error_response(e)
 
     async def _handle_streaming_request(self, adapted: GenerateReqInput, request: Any, raw_request: Request) -> Response:
-        gen = self.tokenizer_manager.generate_request(adapted, raw_request)
-        # Kick-start the generator before sending headers, so that tokenization and
-        # context-length errors are a real HTTP 400, not an error event after a 200.
-        try:
-            first = await gen.__anext__()
-        except StopAsyncIteration:
-            raise ValueError("The request produced no output")
-        return sse_response(self._guarded_stream(first, gen, adapted, request))
-
-    async def _guarded_stream(self, first: Dict[str, Any], gen: Any, adapted: GenerateReqInput, request: Any) -> AsyncIterator[str]:
-        """Errors after the headers become an error event + [DONE]; the generator is always closed."""
-        try:
-            async for event in self._stream_events(first, gen, adapted, request):
-                yield event
-        except ReqAbortedError as e:
-            for event in self._stream_error_events(e.message, e.status_code, request):
-                yield event
-        except ValueError as e:
-            for event in self._stream_error_events(str(e), 400, request):
-                yield event
-        finally:
-            await gen.aclose()  # a disconnect cancels us here: the TokenizerManager aborts the rid
-
-    def _stream_error_events(self, message: str, status_code: int, request: Any) -> List[str]:
-        """How a stream ends on an error after its headers: OpenAI's error body, then [DONE]
-        (the Responses route sends its `error` event instead)."""
-        return [sse_data(error_body(message, status_code)), sse_data("[DONE]")]
+        first, gen = await start_stream(self.tokenizer_manager, adapted, raw_request)
+        events = self._stream_events(first, gen, adapted, request)
+        return sse_response(guarded_stream(events, gen, lambda message, status: [sse_data(error_body(message, status)), sse_data("[DONE]")]))
 
     async def _collect(self, adapted: GenerateReqInput, raw_request: Request) -> List[Dict[str, Any]]:
-        """All final outputs of a non-streaming request, ordered by choice index."""
-        outs = [out async for out in self.tokenizer_manager.generate_request(adapted, raw_request)]
-        return sorted(outs, key=lambda out: out.get("index", 0))
+        return await collect_outputs(self.tokenizer_manager, adapted, raw_request)
 
     # --- helpers for logprobs
     def token_str(self, token_id: int) -> str:

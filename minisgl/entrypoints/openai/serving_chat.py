@@ -293,6 +293,12 @@ class OpenAIServingChat(OpenAIServingBase):
             raise ValueError(f"Cannot apply the chat template to these messages: {e}") from e
 
     def _convert_to_internal_request(self, request: ChatCompletionRequest) -> GenerateReqInput:
+        return self.to_generate_request(request)
+
+    def to_generate_request(self, request: ChatCompletionRequest) -> GenerateReqInput:
+        """The GenerateReqInput that runs a checked chat request (`precheck` passed): its prompt from the
+        chat template, its sampling params, a tool call's grammar (the Responses route runs its
+        translated requests through it too). ValueError for what only this step finds."""
         sampling_params = request.to_sampling_params(self.tokenizer_manager.default_sampling_params)
         # a forced call's JSON array, or the structural tag that holds "auto" calls of strict tools
         key, constraint = "json_schema", tool_call_constraint(request)

@@ -19,23 +19,24 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from typing import Any, AsyncIterator, Dict, Iterator, List, Optional, Union
+from typing import Any, AsyncIterator, Dict, Iterator, List, Optional, Sequence, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from minisgl.entrypoints.openai.protocol import ChatCompletionRequest, UsageInfo
-from minisgl.entrypoints.openai.response_store import ResponseStore, StoredResponse
+from minisgl.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponseChoice, ChatTokenLogprob, UsageInfo
+from minisgl.entrypoints.openai.reasoning import split_reasoning
 from minisgl.entrypoints.openai.responses_convert import (
-    BadResponsesRequest, new_id, output_as_message, output_items, to_chat_request,
+    BadResponsesRequest, new_id, output_as_message, output_items, reasoning_text, responses_error, to_chat_request,
 )  # fmt: skip
 from minisgl.entrypoints.openai.responses_protocol import ResponsesRequest, refusal
+from minisgl.entrypoints.openai.responses_store import ResponseStore, StoredResponse
 from minisgl.entrypoints.openai.responses_stream import StreamedOutput
 from minisgl.entrypoints.openai.serving_base import (
-    OpenAIServingBase, StreamedHiddenStates, UsageCounter, create_error_response,
+    StreamedHiddenStates, UsageCounter, collect_outputs, create_error_response, guarded_stream, handler_error_response, sse_response,
+    start_stream,
 )  # fmt: skip
 from minisgl.entrypoints.openai.serving_chat import OpenAIServingChat
-from minisgl.managers.io_struct import GenerateReqInput
 
 INPUT_ITEMS_MAX_LIMIT = 100  # OpenAI's bounds of GET .../input_items?limit= (default 20)
 
@@ -55,17 +56,14 @@ class ResponsesTurn:
         self.sampling: Dict[str, Any] = {}  # the sampling params it ran with (the echoed temperature, top_p)
         self.sequence: Iterator[int] = itertools.count()  # its stream's sequence_number
 
-    @property
-    def stream(self) -> bool:  # (what OpenAIServingBase._generate asks)
-        return bool(self.request.stream)
 
-
-class OpenAIServingResponses(OpenAIServingBase):
-    """POST /v1/responses over the chat path, and the stored responses' routes."""
+class OpenAIServingResponses:
+    """POST /v1/responses over the chat path (its checks, its conversion, its answer or its
+    ChatDeltas: `serving_chat`'s public methods), and the stored responses' routes."""
 
     def __init__(self, serving_chat: OpenAIServingChat, store: Optional[ResponseStore] = None) -> None:
-        super().__init__(serving_chat.tokenizer_manager)
         self.chat = serving_chat
+        self.tokenizer_manager = serving_chat.tokenizer_manager
         self.store = store if store is not None else ResponseStore()
 
     # --- POST /v1/responses
@@ -84,29 +82,51 @@ class OpenAIServingResponses(OpenAIServingBase):
             chat, conversation, input_items = to_chat_request(request, response_id, earlier)
         except BadResponsesRequest as e:
             return create_error_response(str(e), param=e.param)
+        turn = ResponsesTurn(request, chat, response_id, conversation, input_items)
         refused_chat = self.chat.precheck(chat)  # (the chat route's checks: the model, LoRA, tools, ...)
         if refused_chat is not None:
-            return refused_chat
-        return await self._generate(ResponsesTurn(request, chat, response_id, conversation, input_items), raw_request)
-
-    def _convert_to_internal_request(self, turn: ResponsesTurn) -> GenerateReqInput:
-        adapted = self.chat._convert_to_internal_request(turn.chat)  # (chat's own: the template, tools' grammar, ...)
-        turn.sampling = dict(adapted.sampling_params or {})
-        return adapted
-
-    async def _handle_non_streaming_request(self, adapted: GenerateReqInput, turn: ResponsesTurn, raw_request: Request) -> Response:
-        answer = self.chat.chat_response(await self._collect(adapted, raw_request), turn.chat)
+            return self._as_responses_error(refused_chat, turn)
+        try:
+            adapted = self.chat.to_generate_request(chat)  # (chat's own: the template, tools' grammar, ...)
+            turn.sampling = dict(adapted.sampling_params or {})
+            if request.stream:
+                first, gen = await start_stream(self.tokenizer_manager, adapted, raw_request)
+                return sse_response(guarded_stream(self._stream_events(first, gen, turn), gen, lambda message, status: self._error_event(turn, message, status)))
+            outs = await collect_outputs(self.tokenizer_manager, adapted, raw_request)
+        except Exception as e:
+            return self._as_responses_error(handler_error_response(e), turn)
+        answer = self.chat.chat_response(outs, chat)
         choice = answer.choices[0]
-        response = self._finished(turn, output_items(choice, turn.request.logprobs), choice.finish_reason, answer.usage)
-        return JSONResponse(response)
+        tokens = self._answer_tokens(choice, outs[0]) if request.logprobs else None
+        return JSONResponse(self._finished(turn, output_items(choice, tokens), choice.finish_reason, answer.usage))
 
-    async def _stream_events(self, first: Dict[str, Any], rest: AsyncIterator[Dict[str, Any]], adapted: GenerateReqInput, turn: ResponsesTurn) -> AsyncIterator[str]:
+    @staticmethod
+    def _as_responses_error(response: JSONResponse, turn: ResponsesTurn) -> JSONResponse:
+        """A chat-path error response as the Responses route says it (responses_error: its fields by their names here)."""
+        error = json.loads(response.body)["error"]
+        message, param = responses_error(error["message"], error.get("param"), turn.request)
+        return create_error_response(message, response.status_code, err_type=error.get("type"), param=param)
+
+    def _answer_tokens(self, choice: ChatCompletionResponseChoice, out: Dict[str, Any]) -> List[ChatTokenLogprob]:
+        """The logprobs of the answer's tokens, without the reasoning's (and its tags'), as a stream
+        gives its message: a token is the answer's when its text reaches into the answer."""
+        tokens = (choice.logprobs.content or []) if choice.logprobs is not None else []
+        parser = self.tokenizer_manager.server_args.reasoning_parser
+        if parser is None:
+            return tokens
+        text = out["text"]
+        answer_start = len(text) - len(split_reasoning(parser, text)[1])  # (the answer is the text's end)
+        ids = [token_id for _, token_id, _ in out["meta_info"].get("output_token_logprobs") or []]
+        ends = self.chat.text_offsets(ids, text, continues=True)[1:] + [len(text)]
+        return [token for token, end in zip(tokens, ends) if end > answer_start]
+
+    async def _stream_events(self, first: Dict[str, Any], rest: AsyncIterator[Dict[str, Any]], turn: ResponsesTurn) -> AsyncIterator[str]:
         yield self._event(turn, "response.created", response=self._response(turn, "in_progress", [], None))
         yield self._event(turn, "response.in_progress", response=self._response(turn, "in_progress", [], None))
         usage, output = UsageCounter(1), StreamedOutput(turn.request.logprobs)
         async for d in self.chat.stream_deltas(first, rest, turn.chat, usage, StreamedHiddenStates()):
             if d.refused is not None:  # (an abort with a status, e.g. the queue is full)
-                for event in self._stream_error_events(d.refused.get("message") or "Aborted", int(d.refused["status_code"]), turn):
+                for event in self._error_event(turn, d.refused.get("message") or "Aborted", int(d.refused["status_code"])):
                     yield event
                 return
             for kind, fields in output.feed(d):
@@ -114,8 +134,10 @@ class OpenAIServingResponses(OpenAIServingBase):
         response = self._finished(turn, output.items, output.finish_reason, usage.usage())
         yield self._event(turn, f"response.{response['status']}", response=response)  # (completed, incomplete or failed)
 
-    def _stream_error_events(self, message: str, status_code: int, turn: ResponsesTurn) -> List[str]:
-        return [self._event(turn, "error", code=str(status_code), message=message, param=None)]
+    def _error_event(self, turn: ResponsesTurn, message: str, status_code: int) -> List[str]:
+        """How a stream ends on an error after its headers: the Responses `error` event."""
+        message, param = responses_error(message, None, turn.request)
+        return [self._event(turn, "error", code=str(status_code), message=message, param=param)]
 
     @staticmethod
     def _event(turn: ResponsesTurn, kind: str, **fields: Any) -> str:
@@ -139,13 +161,16 @@ class OpenAIServingResponses(OpenAIServingBase):
 
     def _usage(self, usage: UsageInfo, output: List[Dict[str, Any]]) -> Dict[str, Any]:
         cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-        reasoning = "".join(p["text"] for item in output if item["type"] == "reasoning" for p in item["content"])
+        reasoning = reasoning_text(output)
         # (the reasoning's tokens, counted again from its text: the tags around it are not counted)
-        reasoning_tokens = len(self.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+        reasoning_tokens = len(self.tokenizer_manager.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+        # cache_write_tokens (required by the SDK's type: "input tokens that were written to the cache"):
+        # the prefill inserts every prompt token the radix tree did not hold; with --disable-radix-cache
+        # nothing is cached, so none
+        written = 0 if self.tokenizer_manager.server_args.disable_radix_cache else usage.prompt_tokens - cached
         return {
             "input_tokens": usage.prompt_tokens,
-            # every prompt token not found in the radix tree is written to it (cache_write_tokens)
-            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": usage.prompt_tokens - cached},
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": written},
             "output_tokens": usage.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, usage.completion_tokens)},
             "total_tokens": usage.total_tokens,
@@ -193,24 +218,28 @@ class OpenAIServingResponses(OpenAIServingBase):
         if not response_id.startswith("resp_"):
             return create_error_response(f"Invalid {param} {response_id!r}: a response id begins with 'resp_'", param=param)
         entry = self.store.get(response_id)
-        if entry is None:
-            return create_error_response(
-                f"Response with id {response_id!r} not found: it was never stored (store: false), was deleted, or is older "
-                f"than the last {self.store.capacity} stored responses this server keeps (or the server restarted)",
-                status_code=404, err_type="NotFoundError", param=param,
-            )  # fmt: skip
-        return entry
+        if entry is not None:
+            return entry
+        size = self.store.too_large(response_id)
+        if size is not None:
+            why = (f"it was not stored: its {size} bytes of JSON are more than the {self.store.max_bytes} bytes this server keeps of "
+                   "stored responses (a long output with top_logprobs); send store: false, or fewer top_logprobs")  # fmt: skip
+        else:
+            why = (f"it was never stored (store: false), was deleted, or is older than what this server keeps (the last "
+                   f"{self.store.capacity} stored responses, {self.store.max_bytes} bytes of them), or the server restarted")  # fmt: skip
+        return create_error_response(f"Response with id {response_id!r} not found: {why}", status_code=404, err_type="NotFoundError", param=param)
 
     @staticmethod
-    def _no_query(raw_request: Request) -> Optional[JSONResponse]:
-        extra = sorted(raw_request.query_params)
+    def _refused_query(raw_request: Request, built: Sequence[str] = ()) -> Optional[JSONResponse]:
+        """The 400 for query parameters a route does not build (all but `built`), else None."""
+        extra = sorted(set(raw_request.query_params) - set(built))
         if extra:
             return create_error_response(f"Query parameters {extra} are not supported by minisgl on this route", param=extra[0])
         return None
 
     def retrieve(self, response_id: str, raw_request: Request) -> Response:
         """GET /v1/responses/{id} (its stream replay, ?stream=true, is not built: refused with the other query parameters)."""
-        refused = self._no_query(raw_request)
+        refused = self._refused_query(raw_request)
         if refused is not None:
             return refused
         entry = self._stored(response_id, "response_id")
@@ -236,10 +265,10 @@ class OpenAIServingResponses(OpenAIServingBase):
     def input_items(self, response_id: str, raw_request: Request) -> Response:
         """GET /v1/responses/{id}/input_items: the request's own input (not the earlier turns'), OpenAI's
         list page: ?limit= (1-100, 20), ?order= (desc, the default: newest first; or asc), ?after= (an item id)."""
+        refused = self._refused_query(raw_request, ("limit", "order", "after"))
+        if refused is not None:
+            return refused
         query = dict(raw_request.query_params)
-        extra = sorted(set(query) - {"limit", "order", "after"})
-        if extra:
-            return create_error_response(f"Query parameters {extra} are not supported by minisgl on this route", param=extra[0])
         entry = self._stored(response_id, "response_id")
         if isinstance(entry, JSONResponse):
             return entry
