@@ -75,6 +75,12 @@ class ServerArgs:
         metadata=_opt("Model directory or Hugging Face hub id. Default: the built-in model.", "--model"),
     )
     tokenizer_path: Optional[str] = field(default=None, metadata=_opt("Tokenizer path. Default: the model path.", "--tokenizer"))
+    weight_version: str = field(
+        default="default", metadata=_opt(
+            "The served weights' version name (SGLang's): meta_info['weight_version'], /get_weight_version; a weight "
+            "update may give the new weights another."
+        )
+    )
     served_model_name: Optional[str] = field(
         default=None, metadata=_opt("Model name reported by /v1/models. Default: the model path (minisgl-builtin for the built-in model).")
     )

@@ -44,13 +44,14 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from minisgl.entrypoints.engine_tp import EngineTpRanks, RankDiedError
 from minisgl.lora.lora_registry import LORA_NOT_ENABLED, LoRARegistry
 from minisgl.managers.io_struct import (
     LOGPROB_META_KEYS, AbortReq, BatchEmbeddingOutput, BatchStrOutput, EmbeddingReqInput, FlushCacheReqInput, GenerateReqInput,
-    LoRAUpdateOutput, ProfileReq, ProfileReqType, TokenizedEmbeddingReqInput, TokenizedGenerateReqInput,
+    GetWeightsByNameReqInput, LoRAUpdateOutput, ProfileReq, ProfileReqType, TokenizedEmbeddingReqInput, TokenizedGenerateReqInput,
+    UpdateWeightFromDiskReqInput, UpdateWeightsFromTensorReqInput,
     check_logprob_args, expand_samples, hidden_states_of, logprobs_of, new_rid, prefix_warmups, spec_meta_info,
 )  # fmt: skip
 from minisgl.managers.tokenization import (
@@ -191,6 +192,8 @@ class Engine:
         self.context_len: int = self.model_runner.model_config.context_len
         # the adapters a request may name (lora_paths, then load_lora_adapter); None: LoRA off
         self.lora_registry = LoRARegistry(self.server_args.lora_adapters or ()) if self.server_args.enable_lora else None
+        # the served weights' name (SGLang's weight_version): every result's meta_info; a weight update may change it
+        self.weight_version: str = self.server_args.weight_version
         # the rid a caller gave an n > 1 prompt -> its samples' rids (`<rid>-<j>`), for abort(rid)
         self._samples_of: Dict[str, List[str]] = {}
 
@@ -796,6 +799,7 @@ class Engine:
                 "finish_reason": out.finished_reasons[i],
                 "prompt_tokens": out.prompt_tokens[i],
                 "cached_tokens": out.cached_tokens[i],
+                "weight_version": self.weight_version,
                 **(out.time_stats[i] if i < len(out.time_stats) else {}),
                 "e2e_latency": now - state.created_time,
             }
@@ -817,6 +821,7 @@ class Engine:
             state.meta_info = {
                 "id": rid,
                 "prompt_tokens": out.prompt_tokens[i],
+                "weight_version": self.weight_version,
                 "completion_tokens": out.completion_tokens[i],
                 "cached_tokens": out.cached_tokens[i],
                 **spec_meta_info(out, i),
@@ -929,6 +934,91 @@ class Engine:
     def flush_cache(self) -> bool:
         self._check_open()
         return self._guarded(self._handover, [FlushCacheReqInput()])[0].success
+
+    # ------------------------------------------------------------------ weights while serving
+    @_locked
+    def update_weights_from_disk(
+        self, model_path: Union[str, "os.PathLike[str]"], load_format: Optional[str] = None, abort_all_requests: bool = False,
+        weight_version: Optional[str] = None,
+    ) -> Tuple[bool, str, int]:  # fmt: skip
+        """Load new weights of the served model from a checkpoint directory (SGLang's
+        Engine.update_weights_from_disk): the same config.json (architecture, shapes), every tensor.
+        The requests in flight finish first with the old weights (this steps the scheduler until
+        none is left; their results stay to collect), or are aborted with `abort_all_requests`;
+        then the radix cache is flushed. Returns SGLang's (success, message, num_paused_requests);
+        on a failure (a missing directory, a bad file, another model) the old weights are kept
+        and `message` says why. `weight_version` names the new weights (meta_info["weight_version"])."""
+        self._check_open()
+        if isinstance(model_path, os.PathLike):
+            model_path = os.fspath(model_path)
+        if not isinstance(model_path, str) or not model_path:
+            raise ValueError(f"model_path must be a checkpoint directory (a str), got {_describe(model_path)}")
+        _check_update_args(load_format, abort_all_requests, weight_version)
+        out = self._update_weights(UpdateWeightFromDiskReqInput(model_path, load_format, abort_all_requests, weight_version))
+        return out.success, out.message, out.num_paused_requests
+
+    @_locked
+    def update_weights_from_tensor(
+        self, named_tensors: Any, load_format: Optional[str] = None, flush_cache: bool = True,
+        abort_all_requests: bool = False, weight_version: Optional[str] = None,
+    ) -> Tuple[bool, str]:  # fmt: skip
+        """Load (name, tensor) pairs into the served model (SGLang's Engine.update_weights_from_tensor):
+        names are the checkpoint's (Hugging Face) ones, through the start-up loader's mapping (q/k/v
+        into qkv_proj, gate/up into gate_up_proj, each rank's slice); any subset of the model's
+        tensors (one bucket of several). Requests in flight are handled as in update_weights_from_disk.
+        `flush_cache=False` keeps the radix cache's K/V of the previous weights: for every bucket but
+        the last, which flushes. Returns (success, message); on a failure nothing changed."""
+        import torch
+
+        from minisgl.models.weight_update import serialize_named_tensors
+
+        self._check_open()
+        if isinstance(named_tensors, dict):
+            named_tensors = list(named_tensors.items())
+        if not isinstance(named_tensors, (list, tuple)) or not all(
+            isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], torch.Tensor)
+            for p in named_tensors
+        ):
+            raise ValueError("named_tensors must be a list of (name, torch.Tensor) pairs, e.g. list(model.state_dict().items())")
+        if not isinstance(flush_cache, bool):
+            raise ValueError(f"flush_cache must be True or False, got {_describe(flush_cache)}")
+        _check_update_args(load_format, abort_all_requests, weight_version)
+        serialized = [serialize_named_tensors(named_tensors)] if named_tensors else []
+        msg = UpdateWeightsFromTensorReqInput(serialized, load_format, flush_cache, abort_all_requests, weight_version)
+        out = self._update_weights(msg)
+        return out.success, out.message
+
+    def _update_weights(self, msg: Union[UpdateWeightFromDiskReqInput, UpdateWeightsFromTensorReqInput]) -> Any:
+        """SGLang's model_update_lock, in one thread: the requests in flight end first (aborted with
+        abort_all_requests), then the scheduler (every rank's) updates and flushes."""
+        if msg.abort_all_requests and not self.scheduler.is_idle():
+            self._guarded(self._handover, [AbortReq(abort_all=True)], False, self._abort_locally)
+            self._drain_outputs()
+        while not self.scheduler.is_idle():
+            self.step(snapshot=False)
+        with _signals_held_until_the_end():  # (a Ctrl-C lands once the weights and weight_version agree)
+            replies = self._guarded(self._handover, [msg])
+            # the scheduler holds an update only while a request is in flight; the wait above left none
+            assert len(replies) == 1, f"the scheduler held a weight update with nothing in flight (replies: {replies})"
+            out = replies[0]
+            if out.success and msg.weight_version is not None:
+                self.weight_version = msg.weight_version
+                out.message += f" Weight version updated to {msg.weight_version}."
+        return out
+
+    @_locked
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> List[Any]:
+        """SGLang's Engine.get_weights_by_name: the parameter of checkpoint tensor `name` (e.g.
+        'model.layers.0.mlp.down_proj.weight'), its first `truncate_size` rows (a vector's values) as
+        floats. With tp_size > 1, SGLang's answer: o_proj / down_proj gathered whole, any other
+        tensor rank 0's slice. ValueError: a name the model has no parameter for (SGLang: None)."""
+        self._check_open()
+        if not isinstance(name, str):
+            raise ValueError(f"name must be a str, got {_describe(name)}")
+        [out] = self._guarded(self._handover, [GetWeightsByNameReqInput(name, truncate_size)])
+        if out.parameter is None:
+            raise ValueError(out.message)
+        return out.parameter
 
     @_locked
     def get_load(self) -> Any:
@@ -1097,6 +1187,16 @@ def _check_prompt(prompt: Prompt, input_ids: InputIds) -> bool:
     if input_ids and isinstance(input_ids[0], list) and not all(isinstance(ids, list) for ids in input_ids):
         raise ValueError("`input_ids` mixes lists and ints: pass one list of ints, or a list of such lists")
     return not (input_ids and isinstance(input_ids[0], list))
+
+
+def _check_update_args(load_format: Any, abort_all_requests: Any, weight_version: Any) -> None:
+    """A weight update's common arguments (the scheduler refuses a load_format it cannot read)."""
+    if load_format is not None and not isinstance(load_format, str):
+        raise ValueError(f"load_format must be a str or None, got {_describe(load_format)}")
+    if not isinstance(abort_all_requests, bool):
+        raise ValueError(f"abort_all_requests must be True or False, got {_describe(abort_all_requests)}")
+    if weight_version is not None and not isinstance(weight_version, str):
+        raise ValueError(f"weight_version must be a str or None, got {_describe(weight_version)}")
 
 
 def _describe(value: Any) -> str:

@@ -7,7 +7,8 @@
     EmbeddingReqInput -> TokenizedEmbeddingReqInput -> BatchEmbeddingOutput: the same chain for an
         embedding model (--is-embedding); the detokenizer passes the output through
     AbortReq, FlushCache*, GetLoad*, ProfileReq*, LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput,
-        LoRAUpdateOutput, ClearDecodeStatusReq, FreezeGCReq, SchedulerSnapshotOut: control
+        LoRAUpdateOutput, UpdateWeightFromDisk*, UpdateWeightsFromTensor*, GetWeightsByName*,
+        ClearDecodeStatusReq, FreezeGCReq, SchedulerSnapshotOut: control
     TpBroadcastInput            Scheduler rank 0 -> ranks 1..N-1     (--tp-size N: gloo broadcast, managers/tp_lockstep.py)
 
 Everything that crosses a process boundary is one of the dataclasses registered in
@@ -512,6 +513,64 @@ LoadLoRAAdapterReqOutput = UnloadLoRAAdapterReqOutput = LoRAUpdateOutput  # (SGL
 
 
 @dataclass
+class UpdateWeightFromDiskReqInput:
+    """Load new weights of the served model from a checkpoint directory (SGLang's
+    /update_weights_from_disk, Engine.update_weights_from_disk): TokenizerManager -> Scheduler
+    (every rank), once no request of the old weights is in flight (docs/model_execution.md)."""
+
+    model_path: str
+    load_format: Optional[str] = None  # None, "auto" or "safetensors" (what minisgl reads)
+    abort_all_requests: bool = False  # abort the requests in flight instead of letting them finish first
+    weight_version: Optional[str] = None  # the new weights' name, reported from then on (the TokenizerManager's)
+
+
+@dataclass
+class UpdateWeightFromDiskReqOutput:
+    """The scheduler's answer (SGLang's): `message` says why when `success` is false, and the old
+    weights are still served then. num_paused_requests: SGLang's field; always 0 here (nothing pauses)."""
+
+    success: bool
+    message: str
+    num_paused_requests: int = 0
+
+
+@dataclass
+class UpdateWeightsFromTensorReqInput:
+    """Load (name, tensor) pairs into the served model (SGLang's Engine.update_weights_from_tensor and
+    /update_weights_from_tensor). `serialized_named_tensors`: base64 text of safetensors files
+    (models/weight_update.serialize_named_tensors), never SGLang's pickles. `flush_cache` false keeps
+    the radix cache's K/V of the previous weights (one bucket of several: flush with the last)."""
+
+    serialized_named_tensors: List[str]
+    load_format: Optional[str] = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: Optional[str] = None
+
+
+@dataclass
+class UpdateWeightsFromTensorReqOutput:
+    success: bool
+    message: str
+
+
+@dataclass
+class GetWeightsByNameReqInput:
+    """The first `truncate_size` rows of a parameter, by its checkpoint name (SGLang's /get_weights_by_name)."""
+
+    name: str
+    truncate_size: int = 100
+
+
+@dataclass
+class GetWeightsByNameReqOutput:
+    """`parameter`: the values (None when `message` says why not: SGLang answers None alone)."""
+
+    parameter: Optional[List[Any]]
+    message: str = ""
+
+
+@dataclass
 class FreezeGCReq:
     """Freeze the garbage collector (SGLang's /freeze_gc): TokenizerManager -> Scheduler ->
     Detokenizer, each process calling `utils.freeze_gc`. After start-up almost every object
@@ -774,6 +833,12 @@ _MESSAGE_TYPES: Dict[str, type] = {
         LoadLoRAAdapterReqInput,
         UnloadLoRAAdapterReqInput,
         LoRAUpdateOutput,
+        UpdateWeightFromDiskReqInput,
+        UpdateWeightFromDiskReqOutput,
+        UpdateWeightsFromTensorReqInput,
+        UpdateWeightsFromTensorReqOutput,
+        GetWeightsByNameReqInput,
+        GetWeightsByNameReqOutput,
         ClearDecodeStatusReq,
         FreezeGCReq,
         SchedulerSnapshotOut,

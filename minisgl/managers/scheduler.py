@@ -43,6 +43,7 @@ from minisgl.managers.io_struct import (
     FlushCacheReqOutput,
     FreezeGCReq,
     GetLoadReqInput,
+    GetWeightsByNameReqInput,
     GetLoadReqOutput,
     LoadLoRAAdapterReqInput,
     LoRAUpdateOutput,
@@ -51,6 +52,8 @@ from minisgl.managers.io_struct import (
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
     UnloadLoRAAdapterReqInput,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightsFromTensorReqInput,
     decode,
     encode,
 )
@@ -61,6 +64,7 @@ from minisgl.managers.scheduler_output_processor_mixin import (
     EmbeddingBatchResult, GenerationBatchResult, SchedulerOutputProcessorMixin,
 )  # fmt: skip
 from minisgl.managers.scheduler_profiler_mixin import SchedulerProfilerMixin
+from minisgl.managers.scheduler_update_weights_mixin import SchedulerUpdateWeightsMixin
 from minisgl.lora.lora_registry import LORA_NOT_ENABLED, LoRARef, lora_name_of, lora_not_loaded
 from minisgl.managers.tokenization import RETURN_HIDDEN_STATES_DISABLED
 from minisgl.managers.tp_lockstep import TpLeader, agree_on_ready_grammars, any_rank, fold_token_checksum, follower_loop, heartbeat_interval
@@ -90,7 +94,7 @@ EMBEDDING_NEEDS_EMBEDDING_SERVER = "An embedding request needs a server started 
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
-class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerProfilerMixin):
+class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerProfilerMixin, SchedulerUpdateWeightsMixin):
     def __init__(self, server_args: ServerArgs, model_runner: Any, tokenizer: Any = None) -> None:
 
         self.server_args = server_args
@@ -111,6 +115,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
         # unloads waiting for their adapter's last request here (finish_lora_unloads, each step)
         self.pending_lora_unloads: List[UnloadLoRAAdapterReqInput] = []
         self._control_replies: List[Any] = []  # replies answered after their step (pop_control_replies)
+        # weight updates waiting for the requests in flight to finish (finish_weight_updates, each step)
+        self.pending_weight_updates: List[Any] = []
         # the process shell (event_loop_normal) pauses its watchdogs with this around work that is
         # slow but not hung: writing a profile's trace, reading a LoRA adapter from disk
         self.watchdogs_paused: Callable[[], ContextManager[Any]] = contextlib.nullcontext
@@ -238,6 +244,13 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
                 reply = self.unload_lora_adapter(msg)
                 if reply is not None:  # (else answered once its adapter's requests finished: pop_control_replies)
                     replies.append(reply)
+            elif isinstance(msg, (UpdateWeightFromDiskReqInput, UpdateWeightsFromTensorReqInput)):
+                with self.watchdogs_paused():  # (reading a checkpoint takes what it takes: not a hung step)
+                    reply = self.update_weights(msg)
+                if reply is not None:  # (else held until the requests in flight finish: pop_control_replies)
+                    replies.append(reply)
+            elif isinstance(msg, GetWeightsByNameReqInput):
+                replies.append(self.get_weights_by_name(msg))
             elif isinstance(msg, FreezeGCReq):
                 freeze_gc("Scheduler")
                 self._outputs.append(msg)  # on to the detokenizer, after the outputs already queued
@@ -642,6 +655,9 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
         self.last_batch = batch
         if self.pending_lora_unloads:
             self.finish_lora_unloads()
+        if self.pending_weight_updates:
+            with self.watchdogs_paused():
+                self.finish_weight_updates()
         self._step_record_end = (len(self.events), len(self.finished_records))
         if batch is not None:
             self._idle_checked = False  # busy again: check once more when it next goes idle
@@ -1180,7 +1196,9 @@ def event_loop_normal(scheduler: Scheduler, recv_from_tokenizer: Any, send_to_de
         # Publish when something changed: a batch ran, requests arrived or were aborted
         # (their events), or the cache was flushed. A control request alone (/get_load and
         # /metrics polling while idle) changes nothing: it would republish the same step.
-        flushed = any(isinstance(m, FlushCacheReqInput) for m in recv_reqs)
+        # (a weight update flushes too, and a held one runs at the end of a step)
+        flushed = any(isinstance(m, (FlushCacheReqInput, UpdateWeightFromDiskReqInput, UpdateWeightsFromTensorReqInput))
+                      for m in recv_reqs)  # fmt: skip
         changed = batch is not None or bool(scheduler.events) or flushed
         if publish_snapshot is not None and changed:
             with scheduler.trace_range("publish_snapshot"):

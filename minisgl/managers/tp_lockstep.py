@@ -264,6 +264,7 @@ def follower_loop(scheduler: Any, group: Any, watchdog_timeout: Optional[float] 
 
     rank = group.rank_in_group
     watchdog = HardWatchdog(f"Scheduler TP{rank}", watchdog_timeout, lambda: f"forward_ct {scheduler.forward_ct}")
+    scheduler.watchdogs_paused = watchdog.disable  # (reading a weight update's checkpoint: not a hung step)
     while True:
         with watchdog.disable():
             frame = decode(group.broadcast_bytes(None))

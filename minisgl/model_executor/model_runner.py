@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import List, Optional, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 
@@ -46,8 +46,11 @@ from minisgl.mem_cache.allocator import make_allocator
 from minisgl.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from minisgl.model_executor.cuda_graph_runner import DEFAULT_CUDA_GRAPH_MAX_BS, CudaGraphRunner, cuda_graph_disabled_reason
 from minisgl.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-from minisgl.models.loader import load_model, resolve_model_path
+from minisgl.models.loader import iterate_weights, load_model, resolve_model_path
 from minisgl.models.model_config import ModelConfig
+from minisgl.models.weight_update import (
+    StagedWeights, check_same_model, commit_weights, deserialize_named_tensors, get_weights_by_name, stage_weights,
+)  # fmt: skip
 from minisgl.sampling.custom_logit_processor import apply_custom_logit_processors
 from minisgl.sampling.sampling_batch_info import SamplingBatchInfo
 from minisgl.server_args import ServerArgs
@@ -56,6 +59,8 @@ from minisgl.utils import keep_freed_memory_in_heap
 logger = logging.getLogger("minisgl")
 
 CPU_POOL_CONTEXTS = 8
+# update_weights_from_disk's load_format values (SGLang's names for what minisgl reads: safetensors)
+DISK_LOAD_FORMATS = (None, "auto", "safetensors")
 CPU_MAX_RUNNING_REQUESTS = 256
 
 
@@ -90,6 +95,7 @@ class ModelRunner:
             logger.info("malloc tuning unavailable (not glibc): large activations will page-fault each step")
 
         assert server_args.model_path is not None
+        self.model_path: str = server_args.model_path  # where the served weights came from (update_weights_from_disk moves it)
         model_dir = resolve_model_path(server_args.model_path)
         self.model_config = ModelConfig.from_pretrained(model_dir, server_args.context_length)
         self.model_config.check_tensor_parallel(self.tp_size)  # (refused before any weight is read)
@@ -277,3 +283,60 @@ class ModelRunner:
     def _sync_token_ids(self, next_token_ids: torch.Tensor) -> None:
         """Every rank keeps the smallest of the ranks' ids, per row (SGLang's _sync_token_ids_across_tp)."""
         self.tp_group.all_reduce(next_token_ids, op="min")
+
+    # ------------------------------------------------------------------ weights while serving
+    def update_weights_from_disk(self, model_path: str, load_format: Optional[str] = None) -> Tuple[bool, str]:
+        """SGLang's: load the checkpoint at `model_path` (a directory or hub id of the served model:
+        same config.json, every tensor) into the live parameters. Returns (success, message); on a
+        failure, on any rank, every rank keeps the weights it had (models/weight_update.py)."""
+
+        def stage() -> StagedWeights:
+            if load_format not in DISK_LOAD_FORMATS:
+                raise ValueError(f"load_format {load_format!r} is not supported: minisgl reads safetensors (auto, safetensors)")
+            model_dir = resolve_model_path(model_path)
+            check_same_model(self.model_config, ModelConfig.from_pretrained(model_dir, self.server_args.context_length))
+            return stage_weights(self.model, iterate_weights(model_dir, show_progress=False), require_all=True)
+
+        success, message = self._update_weights(stage)
+        if success:
+            self.model_path = model_path
+        return success, message
+
+    def update_weights_from_tensor(self, serialized_named_tensors: List[str], load_format: Optional[str] = None) -> Tuple[bool, str]:
+        """SGLang's: (name, tensor) pairs in the checkpoint's names, any subset of the model's (one
+        bucket of many), through the start-up loader's mapping; serialized as safetensors
+        (weight_update.serialize_named_tensors). Returns (success, message), as above."""
+
+        def stage() -> StagedWeights:
+            if load_format is not None:  # (SGLang's "direct" and "flattened_bucket" carry CUDA IPC handles and pickles)
+                raise ValueError(f"load_format {load_format!r} is not supported: leave it out (None), minisgl takes safetensors")
+            return stage_weights(self.model, deserialize_named_tensors(serialized_named_tensors), require_all=False)
+
+        return self._update_weights(stage)
+
+    def _update_weights(self, stage: Callable[[], StagedWeights]) -> Tuple[bool, str]:
+        """Stage this rank's new values, agree with the other ranks that every one staged, then commit.
+
+        The agreement (an all_reduce MIN of "staged" over the ranks) comes before anything changes:
+        ranks never serve different weights. A commit that fails half-way (it copies tensors that
+        already fit) leaves this rank's model unknown: raised, which stops the scheduler process."""
+        try:
+            staged, error = stage(), None
+        except Exception as e:  # anything reading or fitting the new weights: the old ones stay
+            staged, error = {}, str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+            logger.warning("Weight update refused on tp_rank %d: %s", self.tp_rank, error)
+        if self.tp_size > 1:
+            staged_here = torch.tensor([int(error is None)], dtype=torch.int64, device=self.device)
+            if not self.tp_group.all_reduce(staged_here, op="min").item() and error is None:
+                error = "another tensor-parallel rank could not load its slice of the weights (its log says why)"
+        if error is not None:
+            return False, f"Failed to update weights: {error}. The served weights are unchanged."
+        commit_weights(self.model, staged)
+        logger.info("Weights updated on tp_rank %d (%d parameters)", self.tp_rank, len(staged))
+        return True, "Succeeded to update model weights."
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> List[object]:
+        """SGLang's: the first `truncate_size` rows (values) of the parameter of checkpoint tensor
+        `name`, as floats (weight_update.get_weights_by_name; with --tp-size N every rank calls it)."""
+        with torch.no_grad():
+            return get_weights_by_name(self.model, name, truncate_size)

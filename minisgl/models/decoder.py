@@ -29,7 +29,7 @@ Parameter names match the Hugging Face checkpoint, except the fused `qkv_proj` a
 from __future__ import annotations
 
 import re
-from typing import Iterable, Optional, Set, Tuple, Union
+from typing import Iterable, List, Optional, Set, Tuple, Union
 
 import torch
 from torch import nn
@@ -189,6 +189,8 @@ STACKED_PARAMS = (
 EXPERT_TENSOR = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight")
 # Buffers some checkpoints carry that the model recomputes.
 IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
+# checkpoint_target's answer for a tied model's lm_head.weight: the embedding table (or a copy of it)
+TIED_HEAD = ("model.embed_tokens.weight", "tied")
 
 
 class DecoderForCausalLM(nn.Module):
@@ -212,6 +214,8 @@ class DecoderForCausalLM(nn.Module):
         self.pooler = Pooler(normalize=True)
         # Tied and packed: the embedding lookup keeps the dense table; the head multiplies a packed copy.
         self.tied_lm_head_packed: Optional[torch.Tensor] = None
+        # every parameter's name (checkpoint_target looks each checkpoint tensor's target up here)
+        self.param_names = frozenset(n for n, _ in self.named_parameters())
 
     def pack_linear_weights_for_cpu(self) -> int:
         """Pack every matmul weight for oneDNN (CPU float32, linear.py); returns how many were packed."""
@@ -242,38 +246,62 @@ class DecoderForCausalLM(nn.Module):
         loaded: Set[Tuple[str, object]] = set()  # (parameter, shard id) pairs filled so far
         tied_head: Optional[torch.Tensor] = None
         for name, tensor in weights:
-            if name.endswith(IGNORED_WEIGHT_SUFFIXES):
+            where = self.checkpoint_target(name)
+            if where is None:
                 continue
-            if name == "lm_head.weight" and self.is_embedding:
-                continue  # (the pooler reads the hidden states; a causal LM's head is not used)
-            if name == "lm_head.weight" and self.lm_head is None:
+            if where == TIED_HEAD:
                 tied_head = tensor  # tied checkpoints may store a copy of the embedding (checked below)
                 continue
-            if not name.startswith(("model.", "lm_head.")):
-                # a checkpoint of the bare decoder (Qwen3Model: Qwen3-Embedding's, saved without
-                # the causal LM's "model." prefix) holds the same tensors (SGLang prefixes them too)
-                name = "model." + name
-            target, shard_id = _param_of(name, self.config.moe)
-            if target not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {self.config.architecture}")
-            param = params[target]
-            # the layer that owns the parameter narrows the full tensor to this rank's slice
-            owner = self.get_submodule(target.rsplit(".", 1)[0])
-            try:
-                if hasattr(owner, "weight_loader"):
-                    owner.weight_loader(param, tensor, shard_id)
-                else:  # (norms: whole on every rank)
-                    default_weight_loader(param, tensor)
-            except ValueError as e:  # name the tensor: a config that disagrees with its weights
-                raise ValueError(f"checkpoint tensor {name!r} does not fit {target!r}: {e}") from None
-            # a tensor stored fused (qkv_proj, gate_up_proj, stacked experts) fills every shard of its parameter
-            loaded.update((target, s) for s in (self._shards_of(target) if shard_id is None else (shard_id,)))
+            target, shard_id = where
+            self.load_tensor(name, target, params[target], tensor, shard_id)
+            loaded.update(self.shards_filled(target, shard_id))
         if tied_head is not None:
             self._load_tied_head(tied_head, loaded)
-        expected = {(n, s) for n in params for s in self._shards_of(n)}
-        missing = sorted(_checkpoint_name(target, shard, self.config.moe) for target, shard in expected - loaded)
+        missing = self.missing_tensors(loaded)
         if missing:
             raise ValueError(f"checkpoint is missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+    def checkpoint_target(self, name: str) -> Optional[Tuple[str, object]]:
+        """Where the checkpoint tensor `name` goes: (parameter name, shard id), shard id None when it
+        fills the parameter; TIED_HEAD for a tied model's lm_head.weight (the embedding, or a copy
+        of it); None for a tensor the model does not use. ValueError: a name with no place here.
+        (The start-up load, the weight updates and get_weights_by_name share this mapping.)"""
+        if name.endswith(IGNORED_WEIGHT_SUFFIXES):
+            return None
+        if name == "lm_head.weight" and self.is_embedding:
+            return None  # (the pooler reads the hidden states; a causal LM's head is not used)
+        if name == "lm_head.weight" and self.lm_head is None:
+            return TIED_HEAD
+        if not name.startswith(("model.", "lm_head.")):
+            # a checkpoint of the bare decoder (Qwen3Model: Qwen3-Embedding's, saved without
+            # the causal LM's "model." prefix) holds the same tensors (SGLang prefixes them too)
+            name = "model." + name
+        target, shard_id = _param_of(name, self.config.moe)
+        if target not in self.param_names:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {self.config.architecture}")
+        return target, shard_id
+
+    def load_tensor(self, name: str, target: str, param: torch.Tensor, tensor: torch.Tensor, shard_id: object) -> None:
+        """Copy checkpoint tensor `name` (this rank's slice of it) into `param`, the parameter `target`."""
+        # the layer that owns the parameter narrows the full tensor to this rank's slice
+        owner = self.get_submodule(target.rsplit(".", 1)[0])
+        try:
+            if hasattr(owner, "weight_loader"):
+                owner.weight_loader(param, tensor, shard_id)
+            else:  # (norms: whole on every rank)
+                default_weight_loader(param, tensor)
+        except ValueError as e:  # name the tensor: a config that disagrees with its weights
+            raise ValueError(f"checkpoint tensor {name!r} does not fit {target!r}: {e}") from None
+
+    def shards_filled(self, target: str, shard_id: object) -> Set[Tuple[str, object]]:
+        """The (parameter, shard id) pairs one tensor fills: a tensor stored fused (qkv_proj,
+        gate_up_proj, stacked experts) fills every shard of its parameter."""
+        return {(target, s) for s in (self._shards_of(target) if shard_id is None else (shard_id,))}
+
+    def missing_tensors(self, loaded: Set[Tuple[str, object]]) -> List[str]:
+        """The checkpoint names (the Hub's layout) of every parameter shard not in `loaded`."""
+        expected = {(n, s) for n, _ in self.named_parameters() for s in self._shards_of(n)}
+        return sorted(_checkpoint_name(target, shard, self.config.moe) for target, shard in expected - loaded)
 
     def _shards_of(self, param_name: str) -> Tuple[object, ...]:
         """The shard ids that together fill a parameter ((None,): it loads whole)."""

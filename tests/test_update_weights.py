@@ -1,0 +1,236 @@
+"""Updating the weights while serving (SGLang's update_weights_from_disk / _from_tensor,
+get_weights_by_name, weight_version): the in-process Engine, tp_size 1 and 2.
+
+Two tiny models of one shape, A and B (different seeds): an Engine on A, updated to B, must
+answer as a fresh Engine on B does; a refused update must leave A's answers."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any, Callable, Dict, Iterator, List, Tuple
+
+import pytest
+import torch
+
+from minisgl import Engine
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPTS = ["The quick brown fox", "Hello there, my friend", "1 2 3 4 5 6 7 8"]
+GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
+ENGINE_ARGS: Dict[str, Any] = dict(device="cpu", max_total_tokens=2048)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_factory: Callable[..., str]) -> Tuple[str, str]:
+    """A and B: the same untied Llama shape (the LM head packed on its own), different weights."""
+    return tiny_model_factory("llama", seed=1), tiny_model_factory("llama", seed=2)
+
+
+def greedy_ids(engine: Engine) -> List[List[int]]:
+    return [out["output_ids"] for out in engine.generate(PROMPTS, GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def reference(models: Tuple[str, str]) -> Dict[Tuple[str, str], List[List[int]]]:
+    """(model, dtype) -> a fresh Engine's greedy answers."""
+    refs = {}
+    for dtype in ("float32", "bfloat16"):
+        for path in models:
+            with Engine(path, dtype=dtype, **ENGINE_ARGS) as e:
+                refs[(path, dtype)] = greedy_ids(e)
+    a, b = models
+    assert refs[(a, "float32")] != refs[(b, "float32")], "A and B must answer differently for the tests to mean anything"
+    return refs
+
+
+def state_dict_of(path: str) -> Dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+# "float32": the CPU path with oneDNN-packed linear weights (rebuilt by an update); "bfloat16": plain parameters
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_update_from_disk_answers_as_a_fresh_engine_on_the_new_weights(models: Tuple[str, str], reference: Any, dtype: str) -> None:
+    a, b = models
+    with Engine(a, dtype=dtype, **ENGINE_ARGS) as e:
+        assert greedy_ids(e) == reference[(a, dtype)]
+        if dtype == "float32":
+            assert e.model_runner.model.lm_head.packed_weight is not None  # (the packed path is the one tested)
+        ok, message, paused = e.update_weights_from_disk(b, weight_version="step-1")
+        assert ok and paused == 0, message
+        assert message == "Succeeded to update model weights. Weight version updated to step-1."
+        assert greedy_ids(e) == reference[(b, dtype)]
+        assert e.generate(PROMPTS[0], GREEDY)["meta_info"]["weight_version"] == "step-1"
+        ok, message, _ = e.update_weights_from_disk(a)  # and back: nothing of B's is left
+        assert ok, message
+        assert greedy_ids(e) == reference[(a, dtype)]
+
+
+def test_a_prompt_cached_before_the_update_is_not_reused(models: Tuple[str, str]) -> None:
+    a, b = models
+    prompt = "A long shared prefix that the radix cache keeps " * 3
+    with Engine(a, **ENGINE_ARGS) as e:
+        e.generate(prompt, GREEDY)
+        assert e.generate(prompt, GREEDY)["meta_info"]["cached_tokens"] > 0  # cached with A's weights
+        assert e.snapshot()["memory"]["evictable"] > 0
+        assert e.update_weights_from_disk(b)[0]
+        assert e.snapshot()["memory"]["evictable"] == 0  # the flushed tree shows as empty (visualizer, widget)
+        first = e.generate(prompt, GREEDY)
+        assert first["meta_info"]["cached_tokens"] == 0  # K/V of A's weights is gone
+        assert e.generate(prompt, GREEDY)["meta_info"]["cached_tokens"] > 0  # B's own K/V is cached again
+
+
+def test_requests_in_flight_finish_with_the_old_weights_first(models: Tuple[str, str], reference: Any) -> None:
+    """SGLang's model_update_lock: the update waits for the requests in flight; they end with A's
+    answer (no mix of A's and B's K/V), and the next ones get B's."""
+    a, b = models
+    with Engine(a, **ENGINE_ARGS) as e:
+        rids = [e.add_request(p, GREEDY) for p in PROMPTS]
+        e.step()
+        e.step()  # prefilled and decoding with A's weights
+        assert e.update_weights_from_disk(b)[0]
+        assert [e.get_result(r)["output_ids"] for r in rids] == reference[(a, "float32")]
+        assert greedy_ids(e) == reference[(b, "float32")]
+
+
+def test_abort_all_requests_ends_the_requests_in_flight(models: Tuple[str, str]) -> None:
+    a, b = models
+    with Engine(a, **ENGINE_ARGS) as e:
+        rid = e.add_request(PROMPTS[0], {"max_new_tokens": 64, "ignore_eos": True})
+        e.step()
+        assert e.update_weights_from_disk(b, abort_all_requests=True)[0]
+        out = e.get_result(rid)
+        assert out["meta_info"]["finish_reason"]["type"] == "abort"
+        assert len(out["output_ids"]) < 64
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_update_from_tensor_with_the_new_state_dict(models: Tuple[str, str], reference: Any, dtype: str) -> None:
+    a, b = models
+    new = state_dict_of(b)
+    with Engine(a, dtype=dtype, **ENGINE_ARGS) as e:
+        ok, message = e.update_weights_from_tensor(list(new.items()))
+        assert ok, message
+        assert greedy_ids(e) == reference[(b, dtype)]
+
+
+def test_update_from_tensor_in_buckets_and_a_partial_fused_tensor(models: Tuple[str, str], reference: Any) -> None:
+    """Buckets (flush only with the last), and q_proj alone: the rest of qkv_proj stays as it was."""
+    a, b = models
+    new = list(state_dict_of(b).items())
+    with Engine(a, **ENGINE_ARGS) as e:
+        q_name = "model.layers.0.self_attn.q_proj.weight"
+        k_before = e.get_weights_by_name("model.layers.0.self_attn.k_proj.weight")
+        assert e.update_weights_from_tensor([(q_name, dict(new)[q_name])])[0]
+        assert e.get_weights_by_name(q_name, 2) == dict(new)[q_name][:2].tolist()
+        assert e.get_weights_by_name("model.layers.0.self_attn.k_proj.weight") == k_before
+        half = len(new) // 2
+        assert e.update_weights_from_tensor(new[:half], flush_cache=False)[0]
+        assert e.update_weights_from_tensor(new[half:], weight_version="bucketed")[0]
+        assert greedy_ids(e) == reference[(b, "float32")]
+        assert e.weight_version == "bucketed"
+
+
+def test_get_weights_by_name(models: Tuple[str, str]) -> None:
+    a, b = models
+    new = state_dict_of(b)
+    with Engine(a, **ENGINE_ARGS) as e:
+        assert e.update_weights_from_disk(b)[0]
+        for name in ("model.layers.1.self_attn.v_proj.weight", "model.layers.0.mlp.up_proj.weight",
+                     "model.layers.1.mlp.down_proj.weight", "lm_head.weight", "model.norm.weight"):  # fmt: skip
+            got = e.get_weights_by_name(name, truncate_size=3)
+            assert got == new[name][:3].tolist(), name  # (lm_head: a packed weight, read back dense)
+        assert len(e.get_weights_by_name("model.embed_tokens.weight")) == 100  # SGLang's default: 100 rows
+        with pytest.raises(ValueError, match="names no parameter"):
+            e.get_weights_by_name("model.layers.9.mlp.up_proj.weight")
+        with pytest.raises(ValueError, match="truncate_size"):
+            e.get_weights_by_name("model.norm.weight", truncate_size=-1)
+
+
+def _copy_model(src: str, dst: str) -> str:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_config(path: str, **changes: Any) -> None:
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(changes)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+
+
+@pytest.fixture(scope="module")
+def bad_checkpoints(models: Tuple[str, str], tiny_model_factory: Callable[..., str],
+                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dict[str, Tuple[str, str]]]:  # fmt: skip
+    """name -> (checkpoint directory, a phrase the refusal must hold)."""
+    from safetensors.torch import save_file
+
+    a, b = models
+    root = tmp_path_factory.mktemp("bad")
+    wider = tiny_model_factory("llama", seed=3, intermediate_size=192)
+    # shapes that disagree with a config.json that claims the served shape
+    lying = _copy_model(wider, str(root / "lying"))
+    _edit_config(lying, intermediate_size=128)
+    truncated = _copy_model(b, str(root / "truncated"))
+    with open(os.path.join(truncated, "model.safetensors"), "r+b") as f:
+        f.truncate(1000)
+    missing_tensor = _copy_model(b, str(root / "missing_tensor"))
+    tensors = state_dict_of(b)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, os.path.join(missing_tensor, "model.safetensors"), metadata={"format": "pt"})
+    yield {
+        "other shape": (wider, "intermediate_size 192 (served: 128)"),
+        "other architecture": (tiny_model_factory("qwen2", seed=2), "architecture"),
+        "shapes unlike its config": (lying, "shape mismatch"),
+        "missing directory": (str(root / "nowhere"), "does not exist"),
+        "bad file": (truncated, "Failed to update weights"),
+        "missing tensor": (missing_tensor, "model.layers.1.mlp.up_proj.weight"),
+    }
+
+
+def test_refused_updates_keep_the_old_weights(models: Tuple[str, str], reference: Any, bad_checkpoints: Any) -> None:
+    a, b = models
+    with Engine(a, **ENGINE_ARGS) as e:
+        for what, (path, phrase) in bad_checkpoints.items():
+            ok, message, _ = e.update_weights_from_disk(path, weight_version="bad")
+            assert not ok, what
+            assert phrase in message and "The served weights are unchanged" in message, (what, message)
+            assert greedy_ids(e) == reference[(a, "float32")], what
+        assert e.weight_version == "default"
+        ok, message, _ = e.update_weights_from_disk(b, load_format="pt")
+        assert not ok and "load_format 'pt' is not supported" in message
+        new = state_dict_of(b)
+        ok, message = e.update_weights_from_tensor([("model.layers.0.mlp.up_proj.weight", new["model.norm.weight"])])
+        assert not ok and "does not fit" in message
+        ok, message = e.update_weights_from_tensor([("model.layers.7.mlp.up_proj.weight", new["model.norm.weight"])])
+        assert not ok and "has no place" in message
+        assert greedy_ids(e) == reference[(a, "float32")]
+        with pytest.raises(ValueError, match="list of \\(name, torch.Tensor\\) pairs"):
+            e.update_weights_from_tensor([("model.norm.weight", [1.0, 2.0])])
+
+
+def test_update_reaches_every_tensor_parallel_rank(models: Tuple[str, str]) -> None:
+    """tp_size 2: each rank loads its slice; the answers equal a fresh tp=2 Engine's on B, and a
+    refusal on the ranks leaves both on A."""
+    a, b = models
+    args = dict(ENGINE_ARGS, tp_size=2)
+    with Engine(b, **args) as fresh:
+        expected_b = greedy_ids(fresh)
+    with Engine(a, **args) as e:
+        expected_a = greedy_ids(e)
+        assert expected_a != expected_b
+        ok, message, _ = e.update_weights_from_disk(os.path.join(b, "nowhere"))
+        assert not ok and greedy_ids(e) == expected_a, message
+        ok, message, _ = e.update_weights_from_disk(b)
+        assert ok, message
+        assert greedy_ids(e) == expected_b
+        # o_proj is row-parallel: gathered whole from both ranks (SGLang's answer)
+        name = "model.layers.0.self_attn.o_proj.weight"
+        assert e.get_weights_by_name(name, 4) == state_dict_of(b)[name][:4].tolist()
+        assert e.update_weights_from_tensor(list(state_dict_of(a).items()))[0]
+        assert greedy_ids(e) == expected_a
