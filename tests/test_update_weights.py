@@ -6,9 +6,11 @@ answer as a fresh Engine on B does; a refused update must leave A's answers."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
+import threading
 from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import pytest
@@ -234,3 +236,133 @@ def test_update_reaches_every_tensor_parallel_rank(models: Tuple[str, str]) -> N
         assert e.get_weights_by_name(name, 4) == state_dict_of(b)[name][:4].tolist()
         assert e.update_weights_from_tensor(list(state_dict_of(a).items()))[0]
         assert greedy_ids(e) == expected_a
+
+
+def test_model_update_lock_writer_waits_for_readers_and_new_readers_wait_for_it() -> None:
+    """The TokenizerManager's model_update_lock (SGLang's RWLock): an update waits for the requests
+    in flight, and a request that comes while it waits runs after it."""
+    from minisgl.aio_rwlock import RWLock
+
+    async def scenario() -> List[str]:
+        lock, order = RWLock(), []
+
+        async def request(name: str, hold: float) -> None:
+            async with lock.reader_lock():
+                order.append(f"{name} start")
+                await asyncio.sleep(hold)
+                order.append(f"{name} end")
+
+        async def update() -> None:
+            async with lock.writer_lock():
+                order.append("update")
+
+        first = asyncio.create_task(request("old", 0.05))
+        await asyncio.sleep(0.01)
+        writer = asyncio.create_task(update())
+        await asyncio.sleep(0.01)
+        late = asyncio.create_task(request("new", 0))
+        await asyncio.gather(first, writer, late)
+        return order
+
+    assert asyncio.run(scenario()) == ["old start", "old end", "update", "new start", "new end"]
+
+
+# --------------------------------------------------------------------------- over HTTP, one server
+@pytest.fixture(scope="module")
+def server(models: Tuple[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from test_server_e2e import Server  # (the e2e tests' server process, its log and readiness wait)
+
+    s = Server(models[0], str(tmp_path_factory.mktemp("srv") / "server.log"), "--weight-version", "A")
+    yield s
+    s.stop()
+
+
+def http_greedy_ids(url: str, prompts: List[str] = PROMPTS, params: Dict[str, Any] = GREEDY) -> List[List[int]]:
+    import httpx
+
+    r = httpx.post(f"{url}/generate", json={"text": prompts, "sampling_params": params}, timeout=60)
+    assert r.status_code == 200, r.text
+    return [out["output_ids"] for out in r.json()]
+
+
+def test_http_update_from_disk_get_weights_and_refusals(server: Any, models: Tuple[str, str], reference: Any) -> None:
+    import httpx
+
+    a, b = models
+    url = server.url
+    assert http_greedy_ids(url) == reference[(a, "float32")]
+    assert httpx.get(f"{url}/get_weight_version").json() == {"weight_version": "A"}
+    r = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": b, "weight_version": "B"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"success": True, "message": "Succeeded to update model weights. Weight version updated to B.",
+                        "num_paused_requests": 0}  # fmt: skip
+    assert http_greedy_ids(url) == reference[(b, "float32")]
+    out = httpx.post(f"{url}/generate", json={"text": PROMPTS[0], "sampling_params": GREEDY}, timeout=60).json()
+    assert out["meta_info"]["weight_version"] == "B"
+    info = httpx.get(f"{url}/get_model_info").json()
+    assert info["model_path"] == b and info["weight_version"] == "B"
+    # the completions route serves B too, under the name it had (the served name stays)
+    text_b = httpx.post(f"{url}/v1/completions", json={"model": a, "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0},
+                        timeout=60).json()["choices"][0]["text"]  # fmt: skip
+    assert text_b == httpx.post(f"{url}/generate", json={"text": PROMPTS[1], "sampling_params": dict(GREEDY, ignore_eos=False)},
+                                timeout=60).json()["text"]  # fmt: skip
+
+    r = httpx.post(f"{url}/get_weights_by_name", json={"name": "model.norm.weight", "truncate_size": 4}, timeout=60)
+    assert r.status_code == 200 and r.json() == state_dict_of(b)["model.norm.weight"][:4].tolist()
+    r = httpx.post(f"{url}/get_weights_by_name", json={"name": "model.layers.0.nope.weight"}, timeout=60)
+    assert r.status_code == 400 and "names no parameter" in r.json()["error"]["message"]
+
+    # refused: 400 with SGLang's body, and B is still served
+    r = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": os.path.join(b, "nowhere")}, timeout=60)
+    assert r.status_code == 400 and r.json()["success"] is False
+    assert "does not exist" in r.json()["message"]
+    r = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": a, "keep_pause": True}, timeout=60)
+    assert r.status_code == 400 and "keep_pause" in r.json()["error"]["message"]  # (an SGLang option minisgl lacks)
+    r = httpx.post(f"{url}/update_weights_from_tensor", json={"serialized_named_tensors": ["not base64!"]}, timeout=60)
+    assert r.status_code == 400 and "not base64" in r.json()["message"]
+    assert http_greedy_ids(url) == reference[(b, "float32")]
+    assert httpx.get(f"{url}/get_weight_version").json() == {"weight_version": "B"}
+
+    # from tensors: A's state dict, as safetensors in base64 (never a pickle)
+    from minisgl.models.weight_update import serialize_named_tensors
+
+    body = {"serialized_named_tensors": [serialize_named_tensors(list(state_dict_of(a).items()))], "weight_version": "A2"}
+    r = httpx.post(f"{url}/update_weights_from_tensor", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["success"], r.text
+    assert http_greedy_ids(url) == reference[(a, "float32")]
+
+
+def test_http_update_waits_for_the_requests_in_flight(server: Any, models: Tuple[str, str]) -> None:
+    """A stream running when the update comes ends with the old weights' answer, whole; the
+    update answers after it (SGLang's model_update_lock)."""
+    import httpx
+
+    a, b = models
+    long = {"temperature": 0.0, "max_new_tokens": 48, "ignore_eos": True}
+    with Engine(b, **ENGINE_ARGS) as e:
+        expected_b = e.generate(PROMPTS[0], long)["output_ids"]
+    url = server.url
+    assert httpx.post(f"{url}/update_weights_from_disk", json={"model_path": b}, timeout=60).json()["success"]
+    results: Dict[str, Any] = {}
+
+    def update() -> None:
+        results["update"] = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": a}, timeout=120)
+
+    with httpx.stream("POST", f"{url}/generate", json={"text": PROMPTS[0], "sampling_params": long, "stream": True},
+                      timeout=120) as r:  # fmt: skip
+        chunks: List[Dict[str, Any]] = []
+        results["chunks"] = chunks
+        thread = None
+        for line in r.iter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            chunks.append(json.loads(line[len("data:"):]))
+            if thread is None:  # the stream runs: now the update comes
+                thread = threading.Thread(target=update)
+                thread.start()
+    assert thread is not None
+    thread.join(timeout=120)
+    assert results["update"].status_code == 200, results["update"].text
+    assert chunks[-1]["output_ids"] == expected_b  # all of it B's: no step ran on A's weights
+    with Engine(a, **ENGINE_ARGS) as e:
+        assert http_greedy_ids(url) == greedy_ids(e)

@@ -56,6 +56,9 @@ from minisgl.entrypoints.openai.protocol import (
     ProfileReqInput,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromTensorRequest,
+    GetWeightsByNameRequest,
 )
 from minisgl.entrypoints.openai.serving_base import (
     create_error_response, error_body, handler_error_response, prepend, sse_data, sse_response, unknown_model_response,
@@ -67,8 +70,8 @@ from minisgl.entrypoints.openai import serving_tokenize
 from minisgl.entrypoints.openai.serving_completions import OpenAIServingCompletions
 from minisgl.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, json_list_in_pieces
 from minisgl.managers.io_struct import (
-    LOGPROB_META_KEYS, EmbeddingReqInput, GenerateReqInput, LoadLoRAAdapterReqInput, LoRAUpdateOutput, ProfileReq, ProfileReqType,
-    UnloadLoRAAdapterReqInput,
+    LOGPROB_META_KEYS, EmbeddingReqInput, GenerateReqInput, GetWeightsByNameReqInput, LoadLoRAAdapterReqInput, LoRAUpdateOutput,
+    ProfileReq, ProfileReqType, UnloadLoRAAdapterReqInput, UpdateWeightFromDiskReqInput, UpdateWeightsFromTensorReqInput,
 )  # fmt: skip
 from minisgl.managers.scheduler_profiler_mixin import refuse_unsupported_profile_args
 from minisgl.managers.tokenizer_manager import ReqAbortedError, TokenizerManager
@@ -326,9 +329,9 @@ def _add_ops_routes(app: FastAPI, tm: TokenizerManager, is_healthy: Callable[[],
     async def get_model_info() -> Response:
         """SGLang's: what is served (its frontend's RuntimeEndpoint reads model_path at connect)."""
         args = tm.server_args
-        return JSONResponse({"model_path": args.model_path, "tokenizer_path": args.tokenizer_path,
+        return JSONResponse({"model_path": tm.model_path, "tokenizer_path": args.tokenizer_path,
                              "is_generation": not args.is_embedding, "preferred_sampling_params": None,
-                             "weight_version": "default"})  # fmt: skip
+                             "weight_version": tm.weight_version})  # fmt: skip
 
     @app.get("/get_server_info")
     @app.get("/server_info")
@@ -380,6 +383,37 @@ def _add_ops_routes(app: FastAPI, tm: TokenizerManager, is_healthy: Callable[[],
         """SGLang's: refuse new requests naming the adapter now; answer once its requests finished
         and its weights are gone."""
         return _lora_update_response(await tm.unload_lora_adapter(UnloadLoRAAdapterReqInput(lora_name=request.lora_name)))
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: UpdateWeightsFromDiskRequest) -> Response:
+        """SGLang's: load the served model's new weights from a checkpoint directory, once the
+        requests in flight finished (or were aborted: abort_all_requests); 400 when refused, with
+        the old weights still served. Body {success, message, num_paused_requests}, SGLang's."""
+        obj = UpdateWeightFromDiskReqInput(request.model_path, request.load_format, request.abort_all_requests, request.weight_version)
+        out = await tm.update_weights_from_disk(obj)
+        return JSONResponse(dataclasses.asdict(out), status_code=200 if out.success else 400)
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: UpdateWeightsFromTensorRequest) -> Response:
+        """SGLang's route, with safetensors (base64) in place of its pickles: named tensors in the
+        checkpoint's names, any subset of the model's. Body {success, message}; 400 when refused."""
+        obj = UpdateWeightsFromTensorReqInput(request.serialized_named_tensors, request.load_format, request.flush_cache,
+                                              request.abort_all_requests, request.weight_version)  # fmt: skip
+        out = await tm.update_weights_from_tensor(obj)
+        return JSONResponse(dataclasses.asdict(out), status_code=200 if out.success else 400)
+
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])  # (SGLang's methods)
+    async def get_weights_by_name(request: GetWeightsByNameRequest) -> Response:
+        """SGLang's: the parameter's first truncate_size rows (a vector's values) as a JSON list."""
+        out = await tm.get_weights_by_name(GetWeightsByNameReqInput(request.name, request.truncate_size))
+        if out.parameter is None:
+            return create_error_response(out.message or "Get parameter by name failed", param="name")
+        return JSONResponse(out.parameter)
+
+    @app.get("/get_weight_version")
+    async def get_weight_version() -> Response:
+        """SGLang's: the served weights' version (--weight-version, or the last update's weight_version)."""
+        return JSONResponse({"weight_version": tm.weight_version})
 
     @app.post("/abort_request")
     async def abort_request(raw_request: Request) -> Response:

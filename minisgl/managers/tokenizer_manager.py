@@ -47,6 +47,7 @@ import zmq
 import zmq.asyncio
 
 from minisgl.managers import tokenization
+from minisgl.aio_rwlock import RWLock
 from minisgl.managers.io_struct import (
     LOGPROB_META_KEYS,
     AbortReq,
@@ -59,6 +60,8 @@ from minisgl.managers.io_struct import (
     GenerateReqInput,
     GetLoadReqInput,
     GetLoadReqOutput,
+    GetWeightsByNameReqInput,
+    GetWeightsByNameReqOutput,
     LoadLoRAAdapterReqInput,
     LoRAUpdateOutput,
     ProfileReq,
@@ -68,6 +71,10 @@ from minisgl.managers.io_struct import (
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
     UnloadLoRAAdapterReqInput,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightFromDiskReqOutput,
+    UpdateWeightsFromTensorReqInput,
+    UpdateWeightsFromTensorReqOutput,
     check_logprob_args,
     decode,
     encode,
@@ -326,6 +333,11 @@ class TokenizerManager:
         self.max_req_input_len = max_req_input_len  # the scheduler's prompt limit (None: the context)
         self.vocab_size = vocab_size
         self.model_name = server_args.served_model_name or server_args.model_path or "minisgl"
+        # SGLang's model_update_lock: requests hold its reader side while in flight, a weight update its
+        # writer side (aio_rwlock.py); the served weights' source and name, which an update moves on
+        self.model_update_lock = RWLock()
+        self.model_path = server_args.model_path
+        self.weight_version = server_args.weight_version
         self.rid_to_state: Dict[str, ReqState] = {}
         # n > 1: the client's rid -> {sample rid: that sample's request}; the request object tells a
         # sample still in flight from another client's later request that reuses a finished one's rid
@@ -381,12 +393,13 @@ class TokenizerManager:
         tokenization.resolve_lora_ids(obj, self.lora_registry)
         tokenization.check_extra_key(obj)
         n = params[0].n if obj.is_single else 1
-        if obj.is_single and n == 1:
-            async for out in self._generate_one(obj, request):
-                yield out
-        else:
-            async for out in self._handle_batch_request(obj, request):
-                yield out
+        async with self.model_update_lock.reader_lock():  # (a weight update waits for it, and it for one)
+            if obj.is_single and n == 1:
+                async for out in self._generate_one(obj, request):
+                    yield out
+            else:
+                async for out in self._handle_batch_request(obj, request):
+                    yield out
 
     async def _embedding_request(self, obj: EmbeddingReqInput, request: Any) -> AsyncIterator[Dict[str, Any]]:
         """An embedding request: its checks, then the generation path (a batch fans out into
@@ -401,8 +414,9 @@ class TokenizerManager:
             obj.dimensions, self.is_matryoshka, self.matryoshka_dimensions, self.hidden_size or 0, self.model_name
         )
         outs = self._generate_one(obj, request) if obj.is_single else self._handle_batch_request(obj, request)
-        async for out in outs:
-            yield out
+        async with self.model_update_lock.reader_lock():
+            async for out in outs:
+                yield out
 
     @staticmethod
     def _validate_request_shape(obj: GenerateReqInput) -> List[SamplingParams]:
@@ -842,6 +856,36 @@ class TokenizerManager:
             update.out = await self._control_request(update.msg, LoRAUpdateOutput, timeout=None)
         return update.out
 
+    # ------------------------------------------------------------------ weights while serving
+    async def update_weights_from_disk(self, obj: UpdateWeightFromDiskReqInput) -> UpdateWeightFromDiskReqOutput:
+        """SGLang's: (abort_all_requests: abort every request first), wait for the requests in
+        flight (model_update_lock's writer side; new ones wait behind it), let the scheduler load
+        and flush, then record the new model_path and weight_version. Shielded, as LoRA updates:
+        a client that leaves does not stop it half done (weights loaded, version not recorded)."""
+        out = await asyncio.shield(self._update_weights(obj, UpdateWeightFromDiskReqOutput))
+        if out.success:
+            self.model_path = obj.model_path
+        return out
+
+    async def update_weights_from_tensor(self, obj: UpdateWeightsFromTensorReqInput) -> UpdateWeightsFromTensorReqOutput:
+        """SGLang's, as update_weights_from_disk (the tensors: base64 safetensors, read by the scheduler)."""
+        return await asyncio.shield(self._update_weights(obj, UpdateWeightsFromTensorReqOutput))
+
+    async def _update_weights(self, obj: Any, reply_type: type) -> Any:
+        if obj.abort_all_requests:
+            self.abort_request(abort_all=True)
+        async with self.model_update_lock.writer_lock():
+            logger.info("Start update weights (%s)", type(obj).__name__)
+            # (no timeout: reading a big checkpoint takes what it takes; a scheduler that dies ends the server)
+            out = await self._control_request(obj, reply_type, timeout=None)
+            if out.success and obj.weight_version is not None:
+                self.weight_version = obj.weight_version
+                out.message += f" Weight version updated to {obj.weight_version}."
+        return out
+
+    async def get_weights_by_name(self, obj: GetWeightsByNameReqInput) -> GetWeightsByNameReqOutput:
+        return await self._control_request(obj, GetWeightsByNameReqOutput, timeout=None)
+
     async def _control_request(self, msg: Any, reply_type: type, timeout: Optional[float] = 10.0) -> Any:
         lock = self._control_locks.setdefault(reply_type, asyncio.Lock())
         async with lock:
@@ -911,6 +955,7 @@ class TokenizerManager:
                 "id": rid,
                 "finish_reason": finish_reason,
                 "prompt_tokens": recv.prompt_tokens[i],
+                "weight_version": self.weight_version,
                 "completion_tokens": recv.completion_tokens[i],
                 "cached_tokens": recv.cached_tokens[i],
                 **spec_meta_info(recv, i),
@@ -958,6 +1003,7 @@ class TokenizerManager:
                 "finish_reason": finish_reason,
                 "prompt_tokens": recv.prompt_tokens[i],
                 "cached_tokens": recv.cached_tokens[i],
+                "weight_version": self.weight_version,
                 "e2e_latency": now - state.created_time,
             }
             state.out_list.append({"embedding": recv.embeddings[i], "meta_info": meta_info})

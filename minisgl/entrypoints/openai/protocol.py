@@ -723,3 +723,36 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
     model_config = _STRICT
     lora_name: str
+
+
+# --------------------------------------------------------------------------- weight updates while serving
+class UpdateWeightsFromDiskRequest(BaseModel):
+    """SGLang's /update_weights_from_disk body (UpdateWeightFromDiskReqInput's client fields; its
+    is_async, keep_pause, ... options are unknown fields here: a 400 naming them)."""
+
+    model_config = _STRICT
+    model_path: str
+    load_format: Optional[str] = None
+    abort_all_requests: bool = False
+    weight_version: Optional[str] = None
+
+
+class UpdateWeightsFromTensorRequest(BaseModel):
+    """SGLang's /update_weights_from_tensor body. Each serialized_named_tensors entry is base64 text
+    of a safetensors file (minisgl.models.weight_update.serialize_named_tensors), not SGLang's
+    pickle: the server never unpickles a request (docs/server.md)."""
+
+    model_config = _STRICT
+    serialized_named_tensors: List[str]
+    load_format: Optional[str] = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: Optional[str] = None
+
+
+class GetWeightsByNameRequest(BaseModel):
+    """SGLang's /get_weights_by_name body: a checkpoint tensor name, and how many rows to return."""
+
+    model_config = _STRICT
+    name: str
+    truncate_size: int = Field(default=100, ge=0)
