@@ -29,6 +29,7 @@ from minisgl.managers.io_struct import (
     UpdateWeightsFromTensorReqInput,
     UpdateWeightsFromTensorReqOutput,
 )
+from minisgl.models.weight_update import deserialize_named_tensors
 
 logger = logging.getLogger("minisgl.scheduler")
 
@@ -74,7 +75,11 @@ class SchedulerUpdateWeightsMixin:
 
     def update_weights_from_tensor(self, recv_req: UpdateWeightsFromTensorReqInput) -> UpdateWeightsFromTensorReqOutput:
         """SGLang's: the worker's update, then the flush unless the caller keeps the cache (flush_cache false)."""
-        success, message = self.model_runner.update_weights_from_tensor(recv_req.serialized_named_tensors, recv_req.load_format)
+        # the Engine's own tensors (in its process), else the files' bytes, read as staging goes
+        named_tensors = recv_req.named_tensors
+        if named_tensors is None:
+            named_tensors = deserialize_named_tensors(recv_req.serialized_named_tensors)
+        success, message = self.model_runner.update_weights_from_tensor(named_tensors, recv_req.load_format)
         if success and recv_req.flush_cache:
             self._flush_after_update()
         elif not success:
@@ -95,3 +100,6 @@ class SchedulerUpdateWeightsMixin:
             return GetWeightsByNameReqOutput(self.model_runner.get_weights_by_name(recv_req.name, truncate_size))
         except ValueError as e:
             return GetWeightsByNameReqOutput(None, str(e))
+        except Exception as e:  # a read changes nothing: a bug here answers this request, never ends the server
+            logger.exception("get_weights_by_name(%r) failed", recv_req.name)
+            return GetWeightsByNameReqOutput(None, f"get_weights_by_name({recv_req.name!r}) failed: {type(e).__name__}: {e}")

@@ -272,13 +272,17 @@ class DecoderForCausalLM(nn.Module):
             return None  # (the pooler reads the hidden states; a causal LM's head is not used)
         if name == "lm_head.weight" and self.lm_head is None:
             return TIED_HEAD
-        if not name.startswith(("model.", "lm_head.")):
-            # a checkpoint of the bare decoder (Qwen3Model: Qwen3-Embedding's, saved without
-            # the causal LM's "model." prefix) holds the same tensors (SGLang prefixes them too)
-            name = "model." + name
+        name = _with_model_prefix(name)
         target, shard_id = _param_of(name, self.config.moe)
         if target not in self.param_names:
             raise ValueError(f"checkpoint tensor {name!r} has no place in {self.config.architecture}")
+        if isinstance(shard_id, tuple):  # one expert's tensor: the stacked parameter has num_experts rows
+            num_experts = self.config.moe.num_experts  # type: ignore[union-attr]  (an expert shard: a MoE model)
+            if shard_id[0] >= num_experts:  # (checked here, before any layer indexes the stacked tensor)
+                raise ValueError(
+                    f"checkpoint tensor {name!r} names expert {shard_id[0]}, but the config has "
+                    f"num_experts={num_experts} (experts 0..{num_experts - 1})"
+                )
         return target, shard_id
 
     def load_tensor(self, name: str, target: str, param: torch.Tensor, tensor: torch.Tensor, shard_id: object) -> None:
@@ -290,8 +294,8 @@ class DecoderForCausalLM(nn.Module):
                 owner.weight_loader(param, tensor, shard_id)
             else:  # (norms: whole on every rank)
                 default_weight_loader(param, tensor)
-        except ValueError as e:  # name the tensor: a config that disagrees with its weights
-            raise ValueError(f"checkpoint tensor {name!r} does not fit {target!r}: {e}") from None
+        except ValueError as e:  # name the tensor (as the model knows it): a config that disagrees with its weights
+            raise ValueError(f"checkpoint tensor {_with_model_prefix(name)!r} does not fit {target!r}: {e}") from None
 
     def shards_filled(self, target: str, shard_id: object) -> Set[Tuple[str, object]]:
         """The (parameter, shard id) pairs one tensor fills: a tensor stored fused (qkv_proj,
@@ -342,6 +346,12 @@ class DecoderForCausalLM(nn.Module):
                 "tie_word_embeddings is true, but the checkpoint's lm_head.weight differs from "
                 "model.embed_tokens.weight; set tie_word_embeddings to false in config.json to use the stored head"
             )
+
+
+def _with_model_prefix(name: str) -> str:
+    """A checkpoint of the bare decoder (Qwen3Model: Qwen3-Embedding's, saved without the causal
+    LM's "model." prefix) holds the same tensors: prefixed, as SGLang prefixes them."""
+    return name if name.startswith(("model.", "lm_head.")) else "model." + name
 
 
 def _param_of(name: str, moe: Optional[MoeConfig]) -> Tuple[str, object]:

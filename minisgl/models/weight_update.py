@@ -25,7 +25,6 @@ whole-model update holds one more copy of this rank's weights in RAM while it ru
 from __future__ import annotations
 
 import base64
-import binascii
 import contextlib
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
@@ -61,6 +60,10 @@ def stage_weights(
             where = model.checkpoint_target(name)
             if where is None:
                 continue
+            if not tensor.is_floating_point():  # (copy_ would cast an int or bool tensor without a word)
+                raise ValueError(
+                    f"tensor {name!r} has dtype {tensor.dtype}: weights must be floating point (float32, bfloat16, float16)"
+                )
             if where == TIED_HEAD:
                 tied_head = tensor
                 continue
@@ -165,15 +168,13 @@ def get_weights_by_name(model: DecoderForCausalLM, name: str, truncate_size: int
     whole from every rank (an all_gather every rank must call); any other is this rank's slice
     (rank 0 answers: its heads, its intermediate rows, its vocabulary rows, which are the tensor's
     first rows). ValueError: a name the model has no parameter for."""
+    hint = "use the checkpoint's (Hugging Face) names, e.g. 'model.layers.0.self_attn.q_proj.weight' or 'model.norm.weight'"
     try:
         where = model.checkpoint_target(name)
-    except ValueError:
-        where = None
+    except ValueError as e:  # (no such parameter, or no such expert: its own words, then the hint)
+        raise ValueError(f"{name!r} names no parameter of this {model.config.architecture} model ({e}); {hint}") from None
     if where is None:
-        raise ValueError(
-            f"{name!r} names no parameter of this {model.config.architecture} model; use the checkpoint's "
-            "(Hugging Face) names, e.g. 'model.layers.0.self_attn.q_proj.weight' or 'model.norm.weight'"
-        )
+        raise ValueError(f"{name!r} names no parameter of this {model.config.architecture} model (it is not used); {hint}")
     target, shard_id = (EMBEDDING, None) if where == TIED_HEAD else where
     owner, param = _owner(model, target), dict(model.named_parameters())[target]
     assert isinstance(owner, torch.nn.Module)
@@ -218,11 +219,9 @@ def check_same_model(served: ModelConfig, new: ModelConfig) -> None:
         )
 
 
-def serialize_named_tensors(named_tensors: Sequence[Tuple[str, torch.Tensor]]) -> str:
-    """update_weights_from_tensor's wire format: the tensors as one safetensors file, base64 text.
-
-    SGLang sends pickles (MultiprocessingSerializer, CUDA IPC handles); minisgl never unpickles
-    what it receives (STYLE.md habit 4), and safetensors reads back nothing but named tensors."""
+def named_tensors_to_bytes(named_tensors: Sequence[Tuple[str, torch.Tensor]]) -> bytes:
+    """(name, tensor) pairs -> one safetensors file, in memory: what crosses a process boundary
+    (the HTTP process -> the scheduler, rank 0 -> the other ranks) as raw bytes (io_struct)."""
     from safetensors.torch import save
 
     tensors: Dict[str, torch.Tensor] = {}
@@ -234,23 +233,26 @@ def serialize_named_tensors(named_tensors: Sequence[Tuple[str, torch.Tensor]]) -
             t = t.clone()
         storages.add(t.untyped_storage().data_ptr())
         tensors[name] = t
-    return base64.b64encode(save(tensors)).decode("ascii")
+    return save(tensors)
 
 
-def deserialize_named_tensors(serialized: Sequence[str]) -> Iterator[Tuple[str, torch.Tensor]]:
-    """(name, tensor) of every entry of serialize_named_tensors' format, in order. ValueError: an
-    entry that is not base64 text of a safetensors file."""
+def serialize_named_tensors(named_tensors: Sequence[Tuple[str, torch.Tensor]]) -> str:
+    """/update_weights_from_tensor's wire format, for a client: the tensors as one safetensors
+    file, base64 text (JSON carries no bytes). One entry of serialized_named_tensors.
+
+    SGLang sends pickles (MultiprocessingSerializer, CUDA IPC handles); minisgl never unpickles
+    what it receives (STYLE.md habit 4), and safetensors reads back nothing but named tensors."""
+    return base64.b64encode(named_tensors_to_bytes(named_tensors)).decode("ascii")
+
+
+def deserialize_named_tensors(files: Sequence[bytes]) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor of these safetensors files, in order. ValueError: an entry
+    that is not a safetensors file."""
     from safetensors.torch import load
 
-    for i, text in enumerate(serialized):
-        if not isinstance(text, str):
-            raise ValueError(f"serialized_named_tensors[{i}] is a {type(text).__name__}, not base64 text")
+    for i, data in enumerate(files):
         try:
-            data = base64.b64decode(text, validate=True)
-        except binascii.Error as e:
-            raise ValueError(f"serialized_named_tensors[{i}] is not base64 text ({e})") from None
-        try:
-            tensors = load(data)
+            tensors = load(bytes(data))
         except Exception as e:  # (safetensors' own error type: a header that is not its JSON, a short file)
             raise ValueError(f"serialized_named_tensors[{i}] is not a safetensors file ({type(e).__name__}: {e})") from None
         yield from tensors.items()
