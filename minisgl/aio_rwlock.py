@@ -60,8 +60,3 @@ class RWLock:
         async with self._cond:
             self._writer_active = False
             self._cond.notify_all()
-
-    @property
-    def readers(self) -> int:
-        """Readers holding the lock now (the requests an update waits for)."""
-        return self._readers

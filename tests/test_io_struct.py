@@ -104,7 +104,7 @@ SAMPLES: Dict[str, Any] = {
     "UpdateWeightFromDiskReqInput": UpdateWeightFromDiskReqInput(model_path="/ckpt/é step 3", load_format="auto",
                                                                  abort_all_requests=True, weight_version="step-3"),
     "UpdateWeightFromDiskReqOutput": UpdateWeightFromDiskReqOutput(success=False, message="shape mismatch", num_paused_requests=0),
-    "UpdateWeightsFromTensorReqInput": UpdateWeightsFromTensorReqInput(serialized_named_tensors=["AAAA", "QUJD"], flush_cache=False,
+    "UpdateWeightsFromTensorReqInput": UpdateWeightsFromTensorReqInput(serialized_named_tensors=[b"\x00\n{", b"", b"ABC"], flush_cache=False,
                                                                        weight_version="v2"),
     "UpdateWeightsFromTensorReqOutput": UpdateWeightsFromTensorReqOutput(success=True, message="Succeeded to update model weights."),
     "GetWeightsByNameReqInput": GetWeightsByNameReqInput(name="model.norm.weight", truncate_size=3),
@@ -289,3 +289,24 @@ def test_hidden_states_travel_as_raw_float32_bytes_not_json_numbers() -> None:
     assert len(entries) == 2 and len(entries[0]) == 299 and len(entries[1]) == 256
     assert entries[0][0][:4] == [None, None, None, -0.0] and math.copysign(1.0, entries[0][0][3]) == -1.0
     assert entries[0][1][0] is None and entries[0][2] == rows[2].tolist()
+
+
+def test_a_weight_update_carries_its_safetensors_files_as_raw_bytes() -> None:
+    """The HTTP process -> the scheduler, and rank 0 -> the other ranks: the files' bytes follow the
+    JSON as they are (base64 is the HTTP body's only), beside hidden-state rows in the same frame."""
+    files = [bytes(range(256)) * 40, b"", b"\n\n"]  # (newlines: the JSON head's end mark, inside the raw part)
+    msg = TpBroadcastInput(recv_reqs=[UpdateWeightsFromTensorReqInput(files, weight_version="v3")], run_step=False,
+                           shutdown=False, lockstep_state=[0] * 8)  # fmt: skip
+    data = encode(msg)
+    head = data.split(b"\n", 1)[0]
+    assert len(head) < 1_000 and len(data) < sum(map(len, files)) + 1_100  # (not as base64 or JSON numbers)
+    back = decode(data).recv_reqs[0]
+    assert back.serialized_named_tensors == files and back.weight_version == "v3"
+    rows = np.arange(12, dtype=np.float32).reshape(3, 4)
+    both = dataclasses.replace(SAMPLES["BatchTokenIDOutput"], output_hidden_states=[HiddenStateRows(rows, 1), None])
+    assert decode(encode(TpBroadcastInput(recv_reqs=[both, UpdateWeightsFromTensorReqInput(files)], run_step=True, shutdown=False,
+                                          lockstep_state=[0] * 8))).recv_reqs == [both, UpdateWeightsFromTensorReqInput(files)]  # fmt: skip
+    with pytest.raises(TypeError, match="Tensor"):  # (the Engine's in-process tensors never cross a process boundary)
+        import torch
+
+        encode(UpdateWeightsFromTensorReqInput([], named_tensors=[("model.norm.weight", torch.ones(2))]))

@@ -967,10 +967,12 @@ class Engine:
         into qkv_proj, gate/up into gate_up_proj, each rank's slice); any subset of the model's
         tensors (one bucket of several). Requests in flight are handled as in update_weights_from_disk.
         `flush_cache=False` keeps the radix cache's K/V of the previous weights: for every bucket but
-        the last, which flushes. Returns (success, message); on a failure nothing changed."""
+        the last, which flushes. Returns (success, message); on a failure nothing changed.
+        Memory: with tp_size 1 the scheduler reads these tensors themselves (one staged copy of the
+        parameters they touch); with tp_size N they go to the ranks as one safetensors file."""
         import torch
 
-        from minisgl.models.weight_update import serialize_named_tensors
+        from minisgl.models.weight_update import named_tensors_to_bytes
 
         self._check_open()
         if isinstance(named_tensors, dict):
@@ -983,8 +985,12 @@ class Engine:
         if not isinstance(flush_cache, bool):
             raise ValueError(f"flush_cache must be True or False, got {_describe(flush_cache)}")
         _check_update_args(load_format, abort_all_requests, weight_version)
-        serialized = [serialize_named_tensors(named_tensors)] if named_tensors else []
-        msg = UpdateWeightsFromTensorReqInput(serialized, load_format, flush_cache, abort_all_requests, weight_version)
+        if self._tp is None:  # the scheduler is in this process: it reads the caller's tensors, no copy, no bytes
+            msg = UpdateWeightsFromTensorReqInput([], load_format, flush_cache, abort_all_requests, weight_version,
+                                                  named_tensors=list(named_tensors))  # fmt: skip
+        else:  # the other ranks' schedulers are processes: the tensors cross as safetensors bytes (io_struct)
+            files = [named_tensors_to_bytes(named_tensors)] if named_tensors else []
+            msg = UpdateWeightsFromTensorReqInput(files, load_format, flush_cache, abort_all_requests, weight_version)
         out = self._update_weights(msg)
         return out.success, out.message
 

@@ -22,6 +22,8 @@ terminated (and die with us anyway: `kill_itself_when_parent_died`).
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import dataclasses
 import errno
 import logging
@@ -50,6 +52,7 @@ from minisgl.entrypoints.openai.protocol import (
     EmbeddingRequest,
     EncodeRequest,
     GenerateRequest,
+    GetWeightsByNameRequest,
     LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
@@ -58,7 +61,6 @@ from minisgl.entrypoints.openai.protocol import (
     UnloadLoRAAdapterRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromTensorRequest,
-    GetWeightsByNameRequest,
 )
 from minisgl.entrypoints.openai.serving_base import (
     create_error_response, error_body, handler_error_response, prepend, sse_data, sse_response, unknown_model_response,
@@ -99,6 +101,11 @@ FOLLOWER_FAILURE_WAIT_S = 1.0
 GRACEFUL_SHUTDOWN_S = 2  # uvicorn cancels the handlers still running after this
 SHUTDOWN_ABORT_WAIT_S = 1.5  # within that: how long the scheduler gets to end aborted requests
 SHUTDOWN_PROFILE_WAIT_S = 60  # how long a shutdown waits for a running profile's trace to be written
+# /update_weights_from_tensor's body at most (its JSON, base64 text: ~768 MiB of tensors). The HTTP
+# process holds a body several times over (the text, the parsed str, the decoded bytes, the frame
+# to the scheduler): a client sends a model as buckets of this size or less (SGLang's flush_cache
+# false on all but the last). SGLang has no such limit (nor a flag for one); a constant, as other caps.
+MAX_UPDATE_WEIGHTS_BODY_BYTES = 1 << 30
 
 
 # --------------------------------------------------------------------------- the app
@@ -147,6 +154,7 @@ def create_app(
     """The FastAPI app: OpenAI routes, SGLang's native /generate, and the ops routes."""
     app = FastAPI(title="minisgl")
     _add_error_handlers(app)
+    _add_body_caps(app)  # (added before the key check: the key is checked first, the size next)
     if server_args.api_key:
         _add_api_key_check(app, server_args.api_key)
     # SGLang's CORS: a browser page on another origin may call the server (the key still guards it).
@@ -183,6 +191,31 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("Internal server error on %s", request.url.path)
         return create_error_response(f"Internal server error: {exc}", 500, err_type="InternalServerError")
+
+
+def _add_body_caps(app: FastAPI) -> None:
+    """/update_weights_from_tensor: a body over MAX_UPDATE_WEIGHTS_BODY_BYTES is refused from its
+    Content-Length, before any of it is read (the route's model would read and parse it whole)."""
+
+    @app.middleware("http")
+    async def _cap_update_weights_body(request: Request, call_next: Any) -> Response:
+        if request.url.path == "/update_weights_from_tensor" and request.method == "POST":
+            refusal = update_weights_body_refusal(request.headers.get("content-length"))
+            if refusal is not None:
+                return create_error_response(refusal, 400, param="serialized_named_tensors")
+        return await call_next(request)
+
+
+def update_weights_body_refusal(content_length: Optional[str], limit: int = MAX_UPDATE_WEIGHTS_BODY_BYTES) -> Optional[str]:
+    """Why an /update_weights_from_tensor body of this Content-Length is refused, or None."""
+    if content_length is None:  # (a chunked body: its size is known only once it is read whole)
+        return "Send /update_weights_from_tensor's body with a Content-Length (not chunked): its size is checked first"
+    if not content_length.isdigit():
+        return f"Content-Length {content_length!r} is not a byte count"
+    if int(content_length) > limit:
+        return (f"This /update_weights_from_tensor body is {int(content_length)} bytes; at most {limit} are taken: send "
+                "the tensors as several smaller buckets (several requests, flush_cache false on all but the last)")  # fmt: skip
+    return None
 
 
 def _add_api_key_check(app: FastAPI, api_key: str) -> None:
@@ -339,6 +372,9 @@ def _add_ops_routes(app: FastAPI, tm: TokenizerManager, is_healthy: Callable[[],
         """SGLang's: the server's arguments (the API key left out) and the scheduler's limits."""
         load = await tm.get_load()
         info = {k: v for k, v in dataclasses.asdict(tm.server_args).items() if k != "api_key"}
+        # where the served weights came from: /update_weights_from_disk moves it (SGLang rewrites its
+        # server_args.model_path; minisgl's are frozen), so it agrees with /get_model_info's
+        info["model_path"] = tm.model_path
         info.update(max_total_num_tokens=load.max_total_num_tokens, context_len=tm.context_len,
                     max_req_input_len=tm.max_req_input_len, version=MINISGL_VERSION,
                     internal_states=[{"last_gen_throughput": load.gen_throughput}])  # fmt: skip
@@ -396,9 +432,16 @@ def _add_ops_routes(app: FastAPI, tm: TokenizerManager, is_healthy: Callable[[],
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: UpdateWeightsFromTensorRequest) -> Response:
         """SGLang's route, with safetensors (base64) in place of its pickles: named tensors in the
-        checkpoint's names, any subset of the model's. Body {success, message}; 400 when refused."""
-        obj = UpdateWeightsFromTensorReqInput(request.serialized_named_tensors, request.load_format, request.flush_cache,
-                                              request.abort_all_requests, request.weight_version)  # fmt: skip
+        checkpoint's names, any subset of the model's. Body {success, message}; 400 when refused.
+        The base64 ends here: the scheduler gets the files' bytes (io_struct carries them raw)."""
+        try:
+            files = _base64_entries(request.serialized_named_tensors)
+        except ValueError as e:
+            return JSONResponse({"success": False, "message": f"Failed to update weights: {e}"}, status_code=400)
+        request.serialized_named_tensors = []  # (the text is no longer needed while the update waits its turn)
+        obj = UpdateWeightsFromTensorReqInput(files, request.load_format, request.flush_cache, request.abort_all_requests,
+                                              request.weight_version)  # fmt: skip
+        del files
         out = await tm.update_weights_from_tensor(obj)
         return JSONResponse(dataclasses.asdict(out), status_code=200 if out.success else 400)
 
@@ -427,6 +470,18 @@ def _add_ops_routes(app: FastAPI, tm: TokenizerManager, is_healthy: Callable[[],
             return create_error_response("`abort_all` must be true or false", param="abort_all")
         tm.abort_request(rid=body.get("rid", ""), abort_all=body.get("abort_all", False))
         return Response(status_code=200)
+
+
+def _base64_entries(serialized: List[str]) -> List[bytes]:
+    """/update_weights_from_tensor's entries (weight_update.serialize_named_tensors' base64 text) ->
+    the safetensors files' bytes. ValueError names the entry that is not base64."""
+    files = []
+    for i, text in enumerate(serialized):
+        try:
+            files.append(base64.b64decode(text, validate=True))
+        except binascii.Error as e:
+            raise ValueError(f"serialized_named_tensors[{i}] is not base64 text ({e})") from None
+    return files
 
 
 def _lora_update_response(out: LoRAUpdateOutput) -> Response:

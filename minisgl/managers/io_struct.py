@@ -14,8 +14,9 @@
 Everything that crosses a process boundary is one of the dataclasses registered in
 `_MESSAGE_TYPES` and travels as JSON through `encode` / `decode`: no pickling of
 arbitrary objects, no lookups in `globals()` (STYLE.md habit 4). Each type has a
-round-trip test (tests/test_io_struct.py). The one exception to "all JSON" is hidden states
-(`HiddenStateRows`): their float32 rows ride as raw bytes after the JSON, in the same frame.
+round-trip test (tests/test_io_struct.py). The exceptions to "all JSON" are hidden states
+(`HiddenStateRows`): their float32 rows ride as raw bytes after the JSON, in the same frame; and
+`bytes` fields (a weight update's safetensors files), which ride there too.
 """
 
 from __future__ import annotations
@@ -537,15 +538,18 @@ class UpdateWeightFromDiskReqOutput:
 @dataclass
 class UpdateWeightsFromTensorReqInput:
     """Load (name, tensor) pairs into the served model (SGLang's Engine.update_weights_from_tensor and
-    /update_weights_from_tensor). `serialized_named_tensors`: base64 text of safetensors files
-    (models/weight_update.serialize_named_tensors), never SGLang's pickles. `flush_cache` false keeps
-    the radix cache's K/V of the previous weights (one bucket of several: flush with the last)."""
+    /update_weights_from_tensor). `serialized_named_tensors`: safetensors files, raw bytes (after the
+    frame's JSON; the HTTP route decoded the body's base64), never SGLang's pickles. `named_tensors`:
+    the Engine's own (name, tensor) pairs when its scheduler is in its process (tp_size 1): never
+    copied, never encoded (encode refuses a tensor). `flush_cache` false keeps the radix cache's K/V
+    of the previous weights (one bucket of several: flush with the last)."""
 
-    serialized_named_tensors: List[str]
+    serialized_named_tensors: List[bytes]
     load_format: Optional[str] = None
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: Optional[str] = None
+    named_tensors: Optional[List[Tuple[str, Any]]] = None
 
 
 @dataclass
@@ -872,6 +876,11 @@ def _message_fields(obj: Any, tail: List[np.ndarray]) -> Dict[str, Any]:
         if rows.size:  # (an empty one has no bytes: decode makes it from its shape)
             tail.append(rows)
         return {"__type__": "HiddenStateRows", "prompt_rows": obj.prompt_rows, "shape": list(rows.shape), "offset": offset}
+    if isinstance(obj, bytes):  # (a safetensors file: raw after the JSON, as hidden states' rows)
+        offset = sum(_aligned(a.nbytes) for a in tail)
+        if obj:
+            tail.append(np.frombuffer(obj, dtype=np.uint8))  # (a view: b"".join copies it once, into the frame)
+        return {"__type__": "bytes", "size": len(obj), "offset": offset}
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         name = type(obj).__name__
         if name not in _MESSAGE_TYPES:
@@ -902,6 +911,16 @@ def _message_from_fields(obj: Dict[str, Any], data: bytes, tail_start: int) -> A
         # (frombuffer checks the bounds: a bad offset is a ValueError, never a read outside the frame)
         rows = np.frombuffer(data, dtype="<f4", count=count, offset=tail_start + offset).reshape(shape)
         return HiddenStateRows(rows, obj["prompt_rows"])
+    if name == "bytes":
+        size, offset = obj["size"], obj["offset"]
+        if not (type(size) is int and type(offset) is int and size >= 0 and offset >= 0):
+            raise TypeError(f"malformed bytes: size {size!r}, offset {offset!r}")
+        if size == 0:
+            return b""
+        start = tail_start + offset
+        if tail_start < 0 or start + size > len(data):
+            raise TypeError("bytes past the end of the frame (or a frame without a raw part)")
+        return data[start : start + size]
     cls = _MESSAGE_TYPES.get(name) if isinstance(name, str) else None
     if cls is None:
         raise TypeError(f"{name!r} is not a registered io_struct message type")

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable, List, Optional, Tuple, Union
+from typing import Callable, Iterable, List, Optional, Tuple, Union
 
 import torch
 
@@ -49,7 +49,7 @@ from minisgl.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from minisgl.models.loader import iterate_weights, load_model, resolve_model_path
 from minisgl.models.model_config import ModelConfig
 from minisgl.models.weight_update import (
-    StagedWeights, check_same_model, commit_weights, deserialize_named_tensors, get_weights_by_name, stage_weights,
+    StagedWeights, check_same_model, commit_weights, get_weights_by_name, stage_weights,
 )  # fmt: skip
 from minisgl.sampling.custom_logit_processor import apply_custom_logit_processors
 from minisgl.sampling.sampling_batch_info import SamplingBatchInfo
@@ -95,7 +95,6 @@ class ModelRunner:
             logger.info("malloc tuning unavailable (not glibc): large activations will page-fault each step")
 
         assert server_args.model_path is not None
-        self.model_path: str = server_args.model_path  # where the served weights came from (update_weights_from_disk moves it)
         model_dir = resolve_model_path(server_args.model_path)
         self.model_config = ModelConfig.from_pretrained(model_dir, server_args.context_length)
         self.model_config.check_tensor_parallel(self.tp_size)  # (refused before any weight is read)
@@ -297,20 +296,20 @@ class ModelRunner:
             check_same_model(self.model_config, ModelConfig.from_pretrained(model_dir, self.server_args.context_length))
             return stage_weights(self.model, iterate_weights(model_dir, show_progress=False), require_all=True)
 
-        success, message = self._update_weights(stage)
-        if success:
-            self.model_path = model_path
-        return success, message
+        return self._update_weights(stage)
 
-    def update_weights_from_tensor(self, serialized_named_tensors: List[str], load_format: Optional[str] = None) -> Tuple[bool, str]:
+    def update_weights_from_tensor(
+        self, named_tensors: Iterable[Tuple[str, torch.Tensor]], load_format: Optional[str] = None
+    ) -> Tuple[bool, str]:
         """SGLang's: (name, tensor) pairs in the checkpoint's names, any subset of the model's (one
-        bucket of many), through the start-up loader's mapping; serialized as safetensors
-        (weight_update.serialize_named_tensors). Returns (success, message), as above."""
+        bucket of many), through the start-up loader's mapping. `named_tensors` may be lazy (read
+        from safetensors bytes as staging goes: weight_update.deserialize_named_tensors); an error
+        reading it refuses the update as any other. Returns (success, message), as above."""
 
         def stage() -> StagedWeights:
             if load_format is not None:  # (SGLang's "direct" and "flattened_bucket" carry CUDA IPC handles and pickles)
                 raise ValueError(f"load_format {load_format!r} is not supported: leave it out (None), minisgl takes safetensors")
-            return stage_weights(self.model, deserialize_named_tensors(serialized_named_tensors), require_all=False)
+            return stage_weights(self.model, named_tensors, require_all=False)
 
         return self._update_weights(stage)
 
