@@ -46,8 +46,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Deque, Dict, Iterato
 import zmq
 import zmq.asyncio
 
-from minisgl.managers import tokenization
 from minisgl.aio_rwlock import RWLock
+from minisgl.managers import tokenization
 from minisgl.managers.io_struct import (
     LOGPROB_META_KEYS,
     AbortReq,
@@ -388,12 +388,15 @@ class TokenizerManager:
         tokenization.check_priority(obj.priority, self.server_args.enable_priority_scheduling)
         tokenization.check_custom_logit_processor(obj, self.server_args.enable_custom_logit_processor)
         tokenization.check_return_hidden_states(obj, self.server_args.enable_return_hidden_states)
-        # (no await from here to the ReqStates' registration: an unload finds each request that
-        # resolved its adapter among those it waits for, or the request finds the name gone)
-        tokenization.resolve_lora_ids(obj, self.lora_registry)
         tokenization.check_extra_key(obj)
         n = params[0].n if obj.is_single else 1
-        async with self.model_update_lock.reader_lock():  # (a weight update waits for it, and it for one)
+        # SGLang's order: the reader lock (a weight update waits for it, and it for one), then the
+        # adapters. No await from the resolution to the ReqStates' registration (_init_req_state,
+        # first thing in both paths): an unload finds each request that resolved its adapter among
+        # those it waits for, or the request finds the name gone. (Resolved before the lock, a
+        # request could wait behind an update holding an id that an unload meanwhile freed.)
+        async with self.model_update_lock.reader_lock():
+            tokenization.resolve_lora_ids(obj, self.lora_registry)
             if obj.is_single and n == 1:
                 async for out in self._generate_one(obj, request):
                     yield out
@@ -413,8 +416,8 @@ class TokenizerManager:
         tokenization.check_dimensions(
             obj.dimensions, self.is_matryoshka, self.matryoshka_dimensions, self.hidden_size or 0, self.model_name
         )
-        outs = self._generate_one(obj, request) if obj.is_single else self._handle_batch_request(obj, request)
         async with self.model_update_lock.reader_lock():
+            outs = self._generate_one(obj, request) if obj.is_single else self._handle_batch_request(obj, request)
             async for out in outs:
                 yield out
 
