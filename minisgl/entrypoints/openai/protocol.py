@@ -474,6 +474,9 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: List[ChatCompletionResponseChoice]
     usage: UsageInfo
+    # SGLang's: {"weight_version": the weights that answered}; a non-streamed answer only (its
+    # chunks have no metadata). Not the Responses API's `metadata`, the request's own, echoed.
+    metadata: Dict[str, Any] = Field(default_factory=dict)
 
 
 def _without_nulls(fields: Dict[str, Any]) -> Dict[str, Any]:
@@ -577,6 +580,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: List[CompletionResponseChoice]
     usage: UsageInfo
+    metadata: Dict[str, Any] = Field(default_factory=dict)  # SGLang's {"weight_version": ...}, as the chat's
 
 
 class CompletionStreamResponse(BaseModel):

@@ -391,7 +391,8 @@ class OpenAIServingChat(OpenAIServingBase):
                     hidden_states=last_hidden_state(meta, request),
                 )
             )
-        return ChatCompletionResponse(id=response_id(outs[0], request.n), model=request.model, choices=choices, usage=usage.usage())
+        return ChatCompletionResponse(id=response_id(outs[0], request.n), model=request.model, choices=choices, usage=usage.usage(),
+                                      metadata={"weight_version": outs[0]["meta_info"]["weight_version"]})  # fmt: skip
 
     # ------------------------------------------------------------------ streaming
     async def _stream_events(

@@ -136,7 +136,8 @@ class OpenAIServingCompletions(OpenAIServingBase):
                     hidden_states=last_hidden_state(meta, request),
                 )
             )
-        response = CompletionResponse(id=response_id(outs[0], request.n), model=request.model, choices=choices, usage=usage.usage())
+        response = CompletionResponse(id=response_id(outs[0], request.n), model=request.model, choices=choices, usage=usage.usage(),
+                                      metadata={"weight_version": outs[0]["meta_info"]["weight_version"]})  # fmt: skip
         return JSONResponse(response.model_dump())
 
     async def _stream_events(
