@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import threading
+import time
 from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import pytest
@@ -216,6 +217,42 @@ def test_refused_updates_keep_the_old_weights(models: Tuple[str, str], reference
             e.update_weights_from_tensor([("model.norm.weight", [1.0, 2.0])])
 
 
+def test_non_float_tensors_and_bare_decoder_names_are_refused_by_name(models: Tuple[str, str], reference: Any) -> None:
+    """An int or bool tensor would be cast into the weights without a word: refused, naming it. A
+    bare decoder's name (no "model.") is refused under the name the model knows it by."""
+    a, _ = models
+    with Engine(a, **ENGINE_ARGS) as e:
+        for bad in (torch.ones(64, dtype=torch.int64), torch.ones(64, dtype=torch.bool)):
+            ok, message = e.update_weights_from_tensor([("model.norm.weight", bad)])
+            assert not ok and f"tensor 'model.norm.weight' has dtype {bad.dtype}" in message, message
+        ok, message = e.update_weights_from_tensor([("layers.0.mlp.up_proj.weight", torch.zeros(3, 3))])
+        assert not ok and "checkpoint tensor 'model.layers.0.mlp.up_proj.weight' does not fit" in message, message
+        assert greedy_ids(e) == reference[(a, "float32")]
+
+
+def test_a_bad_expert_index_or_a_failing_read_never_kills_the_engine(tiny_model_factory: Callable[..., str]) -> None:
+    """A 4-expert model: expert 4 is no parameter (it was an IndexError in the scheduler, which
+    ended the Engine and the server); get_weights_by_name, an update and the start-up loader
+    share the check. Any other error of a read answers its caller only."""
+    moe = tiny_model_factory("qwen3_moe", seed=1)
+    with Engine(moe, **ENGINE_ARGS) as e:
+        before = e.generate(PROMPTS[0], GREEDY)["output_ids"]
+        name = "model.layers.0.mlp.experts.4.up_proj.weight"
+        with pytest.raises(ValueError, match=r"names expert 4, but the config has num_experts=4 \(experts 0..3\)"):
+            e.get_weights_by_name(name)
+        up = torch.tensor(e.get_weights_by_name("model.layers.0.mlp.experts.3.up_proj.weight"))  # [I, H]: expert 3's fits
+        ok, message = e.update_weights_from_tensor([(name, up)])
+        assert not ok and "num_experts=4" in message, message
+
+        def broken_read(name: str, truncate_size: int = 100) -> List[object]:
+            raise RuntimeError("a bug in the read")
+
+        e.model_runner.get_weights_by_name = broken_read  # (the scheduler's model runner: the Engine's, tp_size 1)
+        with pytest.raises(ValueError, match="RuntimeError: a bug in the read"):
+            e.get_weights_by_name("model.norm.weight")
+        assert e.generate(PROMPTS[0], GREEDY)["output_ids"] == before  # still serving, the same weights
+
+
 def test_update_reaches_every_tensor_parallel_rank(models: Tuple[str, str]) -> None:
     """tp_size 2: each rank loads its slice; the answers equal a fresh tp=2 Engine's on B, and a
     refusal on the ranks leaves both on A."""
@@ -269,10 +306,20 @@ def test_model_update_lock_writer_waits_for_readers_and_new_readers_wait_for_it(
 
 # --------------------------------------------------------------------------- over HTTP, one server
 @pytest.fixture(scope="module")
-def server(models: Tuple[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def adapters(models: Tuple[str, str], tmp_path_factory: pytest.TempPathFactory) -> Tuple[str, str]:
+    """Two LoRA adapters of A's shape (they serve on B too): different deltas."""
+    from test_lora import make_adapter
+
+    root = tmp_path_factory.mktemp("adapters")
+    return make_adapter(models[0], str(root / "one"), seed=21), make_adapter(models[0], str(root / "two"), seed=22)
+
+
+@pytest.fixture(scope="module")
+def server(models: Tuple[str, str], adapters: Tuple[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from test_server_e2e import Server  # (the e2e tests' server process, its log and readiness wait)
 
-    s = Server(models[0], str(tmp_path_factory.mktemp("srv") / "server.log"), "--weight-version", "A")
+    s = Server(models[0], str(tmp_path_factory.mktemp("srv") / "server.log"), "--weight-version", "A",
+               "--enable-lora", "--max-lora-rank", "4", "--lora-target-modules", "all", "--lora-paths", f"one={adapters[0]}")  # fmt: skip
     yield s
     s.stop()
 
@@ -301,6 +348,17 @@ def test_http_update_from_disk_get_weights_and_refusals(server: Any, models: Tup
     assert out["meta_info"]["weight_version"] == "B"
     info = httpx.get(f"{url}/get_model_info").json()
     assert info["model_path"] == b and info["weight_version"] == "B"
+    assert httpx.get(f"{url}/get_server_info").json()["model_path"] == b  # (the two agree: SGLang's server_args move)
+    # SGLang's OpenAI answers name the weights in `metadata` (not streamed chunks: SGLang's have none)
+    chat = httpx.post(f"{url}/v1/chat/completions", json={"model": a, "messages": [{"role": "user", "content": "hi"}],
+                                                          "max_tokens": 2}, timeout=60).json()  # fmt: skip
+    assert chat["metadata"] == {"weight_version": "B"}
+    completion = httpx.post(f"{url}/v1/completions", json={"model": a, "prompt": "hi", "max_tokens": 2}, timeout=60).json()
+    assert completion["metadata"] == {"weight_version": "B"}
+    # the Responses API's `metadata` is the request's own, echoed: no weight_version in it
+    response = httpx.post(f"{url}/v1/responses", json={"model": a, "input": "hi", "max_output_tokens": 2,
+                                                       "metadata": {"run": "7"}}, timeout=60).json()  # fmt: skip
+    assert response["metadata"] == {"run": "7"}
     # the completions route serves B too, under the name it had (the served name stays)
     text_b = httpx.post(f"{url}/v1/completions", json={"model": a, "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0},
                         timeout=60).json()["choices"][0]["text"]  # fmt: skip
@@ -334,35 +392,119 @@ def test_http_update_from_disk_get_weights_and_refusals(server: Any, models: Tup
 
 def test_http_update_waits_for_the_requests_in_flight(server: Any, models: Tuple[str, str]) -> None:
     """A stream running when the update comes ends with the old weights' answer, whole; the
-    update answers after it (SGLang's model_update_lock)."""
+    update answers after it; a request sent while the update waits is answered by the new
+    weights, under the new weight_version (SGLang's model_update_lock: without it, that request
+    would join the stream's batch on the old weights)."""
     import httpx
 
     a, b = models
-    long = {"temperature": 0.0, "max_new_tokens": 48, "ignore_eos": True}
+    long = {"temperature": 0.0, "max_new_tokens": 600, "ignore_eos": True}  # (runs past the late request)
     with Engine(b, **ENGINE_ARGS) as e:
         expected_b = e.generate(PROMPTS[0], long)["output_ids"]
+    with Engine(a, **ENGINE_ARGS) as e:
+        expected_a = greedy_ids(e)
     url = server.url
     assert httpx.post(f"{url}/update_weights_from_disk", json={"model_path": b}, timeout=60).json()["success"]
     results: Dict[str, Any] = {}
 
     def update() -> None:
-        results["update"] = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": a}, timeout=120)
+        results["update"] = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": a, "weight_version": "A3"}, timeout=120)
 
+    def late() -> None:
+        results["late"] = httpx.post(f"{url}/generate", json={"text": PROMPTS, "sampling_params": GREEDY}, timeout=120)
+
+    threads: List[threading.Thread] = []
     with httpx.stream("POST", f"{url}/generate", json={"text": PROMPTS[0], "sampling_params": long, "stream": True},
                       timeout=120) as r:  # fmt: skip
         chunks: List[Dict[str, Any]] = []
-        results["chunks"] = chunks
-        thread = None
         for line in r.iter_lines():
             if not line.startswith("data:") or line.strip() == "data: [DONE]":
                 continue
             chunks.append(json.loads(line[len("data:"):]))
-            if thread is None:  # the stream runs: now the update comes
-                thread = threading.Thread(target=update)
-                thread.start()
-    assert thread is not None
-    thread.join(timeout=120)
+            if not threads:  # the stream runs: now the update comes, then (while it waits) another request
+                threads.append(threading.Thread(target=update))
+                threads[0].start()
+                time.sleep(0.3)
+                threads.append(threading.Thread(target=late))
+                threads[1].start()
+                time.sleep(0.3)
+                results["late sent while the update waited"] = "update" not in results
+    for thread in threads:
+        thread.join(timeout=120)
+    assert results["late sent while the update waited"]
     assert results["update"].status_code == 200, results["update"].text
     assert chunks[-1]["output_ids"] == expected_b  # all of it B's: no step ran on A's weights
-    with Engine(a, **ENGINE_ARGS) as e:
-        assert http_greedy_ids(url) == greedy_ids(e)
+    assert results["late"].status_code == 200, results["late"].text
+    assert [out["output_ids"] for out in results["late"].json()] == expected_a  # the new weights answered it
+    assert {out["meta_info"]["weight_version"] for out in results["late"].json()} == {"A3"}
+
+
+def test_http_a_request_waiting_for_an_update_resolves_its_adapter_after_it(server: Any, models: Tuple[str, str],
+                                                                            adapters: Tuple[str, str]) -> None:  # fmt: skip
+    """SGLang's order: the reader lock, then the LoRA name. A request naming adapter "one" waits
+    behind an update; meanwhile "one" is unloaded and loaded again from another adapter. The
+    request resolves the name when it runs, and gets the adapter loaded then (resolved before
+    the wait, it held the unloaded adapter's id: a 400 "not loaded")."""
+    import httpx
+
+    a, b = models
+    url = server.url
+    long = {"temperature": 0.0, "max_new_tokens": 1000, "ignore_eos": True}  # (time for the unload and load)
+    results: Dict[str, Any] = {}
+
+    def update() -> None:
+        results["update"] = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": b}, timeout=120)
+
+    def lora_request() -> None:
+        results["lora"] = httpx.post(f"{url}/generate", json={"text": PROMPTS[0], "sampling_params": GREEDY, "lora_path": "one"},
+                                     timeout=120)  # fmt: skip
+
+    threads: List[threading.Thread] = []
+    with httpx.stream("POST", f"{url}/generate", json={"text": PROMPTS[0], "sampling_params": long, "stream": True},
+                      timeout=120) as r:  # fmt: skip
+        for line in r.iter_lines():
+            if threads or not line.startswith("data:"):
+                continue
+            for target in (update, lora_request):
+                threads.append(threading.Thread(target=target))
+                threads[-1].start()
+                time.sleep(0.3)
+            unload = httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "one"}, timeout=60)
+            assert unload.status_code == 200, unload.text
+            load = httpx.post(f"{url}/load_lora_adapter", json={"lora_name": "one", "lora_path": adapters[1]}, timeout=60)
+            assert load.status_code == 200, load.text
+            results["swapped while the stream ran"] = not results
+    for thread in threads:
+        thread.join(timeout=120)
+    assert results["swapped while the stream ran"], results
+    assert results["update"].status_code == 200, results["update"].text
+    assert results["lora"].status_code == 200, results["lora"].text
+    again = httpx.post(f"{url}/generate", json={"text": PROMPTS[0], "sampling_params": GREEDY, "lora_path": "one"}, timeout=60)
+    assert results["lora"].json()["output_ids"] == again.json()["output_ids"]  # B with the second adapter
+    assert httpx.post(f"{url}/update_weights_from_disk", json={"model_path": a}, timeout=60).json()["success"]
+
+
+def test_http_update_weights_from_tensor_refuses_a_body_over_its_cap(server: Any) -> None:
+    """A body over MAX_UPDATE_WEIGHTS_BODY_BYTES is refused from its Content-Length, before it is
+    read (a 2 GiB body is announced, a few bytes sent); a chunked one, whose size is unknown, too."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    from minisgl.entrypoints.http_server import MAX_UPDATE_WEIGHTS_BODY_BYTES
+
+    host, port = urlsplit(server.url).hostname, urlsplit(server.url).port
+    for headers in ({"Content-Length": str(2 * MAX_UPDATE_WEIGHTS_BODY_BYTES)}, {"Transfer-Encoding": "chunked"}):
+        conn = http.client.HTTPConnection(host, port, timeout=30)
+        conn.putrequest("POST", "/update_weights_from_tensor")
+        conn.putheader("Content-Type", "application/json")
+        for key, value in headers.items():
+            conn.putheader(key, value)
+        conn.endheaders()
+        start = b'{"serialized_named_tensors": ["'
+        conn.send(start if "Content-Length" in headers else b"%x\r\n%s\r\n" % (len(start), start))  # (one chunk of many)
+        response = conn.getresponse()
+        body = json.loads(response.read())
+        conn.close()
+        assert response.status == 400, body
+        message = body["error"]["message"]
+        assert ("smaller buckets" in message) if "Content-Length" in headers else ("Content-Length" in message), message
