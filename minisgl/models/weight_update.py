@@ -19,7 +19,10 @@ Two phases, so that a bad checkpoint never leaves a half-updated model:
    parameters is rebuilt: the oneDNN-packed CPU weights, the tied LM head's packed copy.
 
 The staging copies live in host memory, not on the GPU, where the KV pool left little room: a
-whole-model update holds one more copy of this rank's weights in RAM while it runs.
+whole-model update holds one more copy of this rank's weights in RAM while it runs. The tensors
+come without copies where they can (the Engine's own at tp_size 1; safetensors bytes, never base64,
+across processes): measured, ~2x the weights' bytes of peak RSS for a whole update from tensors,
+~1.6x from disk (docs/model_execution.md, "What an update costs in RAM").
 """
 
 from __future__ import annotations
