@@ -950,7 +950,8 @@ def _scripted_client(
 
 
 def _out(rid: str, text: str, completion: int, finish: Any = None, index: Any = None) -> Dict[str, Any]:
-    meta = {"id": rid, "finish_reason": finish, "prompt_tokens": 3, "completion_tokens": completion, "cached_tokens": 0}
+    meta = {"id": rid, "finish_reason": finish, "prompt_tokens": 3, "completion_tokens": completion, "cached_tokens": 0,
+            "weight_version": "default"}  # (what the TokenizerManager puts in every meta_info)
     out: Dict[str, Any] = {"text": text, "output_ids": [5] * completion, "meta_info": meta}
     if index is not None:
         out["index"] = index
