@@ -257,7 +257,7 @@ def test_expert_tensors_that_fit_nowhere_are_refused(tiny_model_factory: Callabl
     src = tiny_model_factory("qwen3_moe")  # 4 experts; layer 1 is dense (mlp_only_layers)
     extra = "model.layers.0.mlp.experts.4.gate_proj.weight"
     beyond = _rewrite_weights(src, str(tmp_path / "a"), lambda w: w.update({extra: w["model.layers.0.mlp.experts.0.gate_proj.weight"].clone()}))
-    with pytest.raises(ValueError, match=rf"checkpoint tensor '{extra}' does not fit .*there is no expert 4"):
+    with pytest.raises(ValueError, match=rf"checkpoint tensor '{extra}' names expert 4, but the config has num_experts=4 \(experts 0\.\.3\)"):
         make_runner(beyond)
     on_dense = "model.layers.1.mlp.experts.0.gate_proj.weight"
     dense = _rewrite_weights(src, str(tmp_path / "b"), lambda w: w.update({on_dense: w["model.layers.0.mlp.experts.0.gate_proj.weight"].clone()}))
