@@ -43,6 +43,8 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from minisgl.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
+from minisgl.entrypoints.anthropic.serving import AnthropicServing, anthropic_error_response
 from minisgl.entrypoints.hidden_states_json import StreamedEntries, answer_json, answer_numbers, off_loop_if_large
 from minisgl.entrypoints.openai.protocol import (
     UNSUPPORTED_FIELDS,
@@ -145,6 +147,11 @@ def bearer_matches(sent: bytes, api_key: str) -> bool:
     return any([secrets.compare_digest(sent, form) for form in forms])  # (a list: no short cut)
 
 
+def _latin1(api_key: str) -> List[bytes]:
+    """The key as a browser sends it (one Latin-1 byte per character), when it can."""
+    return [api_key.encode("latin-1")] if all(ord(c) < 256 for c in api_key) else []
+
+
 def create_app(
     server_args: ServerArgs,
     tokenizer_manager: TokenizerManager,
@@ -169,8 +176,15 @@ def create_app(
     return app
 
 
+ANTHROPIC_PREFIX = "/v1/messages"  # the Anthropic Messages API's routes: its error body, its x-api-key
+
+
+def _is_anthropic(path: str) -> bool:
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+
+
 def _add_error_handlers(app: FastAPI) -> None:
-    """Every error leaves as OpenAI's error body (docs/server.md)."""
+    """Every error leaves as OpenAI's error body (docs/server.md), or Anthropic's on its routes."""
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -179,17 +193,23 @@ def _add_error_handlers(app: FastAPI) -> None:
             # FastAPI reads a body as JSON only when it says so: `curl -d '{...}'` sends a form
             # type, and pydantic's "Input should be a valid dictionary" said nothing useful
             message = f"Send the request body as JSON with Content-Type: application/json (got {content_type or 'no Content-Type'!r})"
-            return create_error_response(message, 400)
-        message, param = _validation_message(exc, union_tags=not request.url.path.startswith("/v1/responses"))
+            return anthropic_error_response(message, 400) if _is_anthropic(request.url.path) else create_error_response(message, 400)
+        message, param = _validation_message(exc, union_tags=not request.url.path.startswith(("/v1/responses", ANTHROPIC_PREFIX)))
+        if _is_anthropic(request.url.path):
+            return anthropic_error_response(message, 400)
         return create_error_response(message, 400, param=param)  # 400, never FastAPI's 422
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if _is_anthropic(request.url.path):
+            return anthropic_error_response(str(exc.detail), exc.status_code)
         return create_error_response(str(exc.detail), exc.status_code)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("Internal server error on %s", request.url.path)
+        if _is_anthropic(request.url.path):
+            return anthropic_error_response(f"Internal server error: {exc}", 500)
         return create_error_response(f"Internal server error: {exc}", 500, err_type="InternalServerError")
 
 
@@ -219,13 +239,17 @@ def update_weights_body_refusal(content_length: Optional[str], limit: int = MAX_
 
 
 def _add_api_key_check(app: FastAPI, api_key: str) -> None:
-    """--api-key: every route but the public ones needs `Authorization: Bearer <key>`."""
+    """--api-key: every route but the public ones needs `Authorization: Bearer <key>` (the Anthropic
+    routes take Anthropic's `x-api-key: <key>` too)."""
     key_bytes = api_key.encode()
 
     def _authorized(request: Request) -> bool:
         # (starlette decodes header bytes as latin-1: encoding back gives the bytes sent)
         if bearer_matches(request.headers.get("authorization", "").encode("latin-1"), api_key):
             return True
+        if _is_anthropic(request.url.path) and "x-api-key" in request.headers:
+            sent = request.headers["x-api-key"].encode("latin-1")
+            return any([secrets.compare_digest(sent, key) for key in {key_bytes, *_latin1(api_key)}])
         # A browser's EventSource cannot send headers: the visualizer page passes the
         # key as ?api_key=KEY, accepted for the /visualizer routes only.
         key = request.query_params.get("api_key", "").encode()
@@ -242,6 +266,8 @@ def _add_api_key_check(app: FastAPI, api_key: str) -> None:
     async def _check_api_key(request: Request, call_next: Any) -> Response:
         # (a CORS preflight carries no key either: SGLang lets OPTIONS through)
         if request.method != "OPTIONS" and not _public(request.url.path) and not _authorized(request):
+            if _is_anthropic(request.url.path):
+                return anthropic_error_response("Invalid or missing API key (send x-api-key: KEY or Authorization: Bearer KEY)", 401)
             return create_error_response("Invalid or missing API key", 401, err_type="AuthenticationError")
         return await call_next(request)
 
@@ -278,6 +304,17 @@ def _add_generate_routes(app: FastAPI, tm: TokenizerManager) -> None:
     @app.get("/v1/responses/{response_id}/input_items")
     async def response_input_items(response_id: str, raw_request: Request) -> Response:
         return serving_responses.input_items(response_id, raw_request)
+
+    # Anthropic's Messages API, over the chat path (docs/server.md, "Anthropic Messages API")
+    serving_anthropic = AnthropicServing(serving_chat)
+
+    @app.post("/v1/messages")
+    async def create_message(request: MessagesRequest, raw_request: Request) -> Response:
+        return await serving_anthropic.handle_messages(request, raw_request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(request: CountTokensRequest) -> Response:
+        return serving_anthropic.count_tokens(request)
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:

@@ -1,0 +1,142 @@
+"""AnthropicServing (stage 1, the Anthropic Messages API). In: MessagesRequest, CountTokensRequest.
+Out: a `message` object, or its stream of events; {"input_tokens": N}.
+
+A translation layer over the chat path, as SGLang's AnthropicServing (entrypoints/anthropic/serving.py):
+the request becomes a ChatCompletionRequest (convert.py), which the chat route's own checks
+(`precheck`), conversion (`to_generate_request`: the template, a tool call's grammar) and
+generation run; the chat answer becomes content blocks. A stream drives the chat path's
+`stream_deltas`, whose ChatDeltas StreamedBlocks (stream.py) turns into Anthropic's events, each an
+SSE `event:` + `data:` pair:
+
+    message_start, <the blocks' events>, message_delta (stop_reason, usage), message_stop
+    (an error after the headers: an `error` event ends the stream)
+
+Errors are Anthropic's: {"type": "error", "error": {"type": "invalid_request_error", "message"}}.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator, Dict, List
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from minisgl.chat_template import template_variables
+from minisgl.entrypoints.anthropic.convert import (
+    BadMessagesRequest, anthropic_error, content_blocks, message_object, new_id, stop_reason, thinking_template_kwargs, to_chat_request,
+    usage_object,
+)  # fmt: skip
+from minisgl.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest, refusal
+from minisgl.entrypoints.anthropic.stream import StreamedBlocks
+from minisgl.entrypoints.openai.protocol import ChatCompletionRequest
+from minisgl.entrypoints.openai.serving_base import (
+    StreamedHiddenStates, UsageCounter, collect_outputs, guarded_stream, handler_error_response, sse_response, start_stream,
+)  # fmt: skip
+from minisgl.entrypoints.openai.serving_chat import OpenAIServingChat
+
+# HTTP status -> Anthropic's error type (anthropic.types.shared.ErrorType); 503 (minisgl's full queue) is overloaded_error
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error"}  # fmt: skip
+ABORTED = "The request was aborted before it finished (/abort_request, or the server shutting down)"
+
+
+def anthropic_error_body(message: str, status_code: int = 400) -> Dict[str, Any]:
+    """Anthropic's error envelope (anthropic.types.ErrorResponse)."""
+    kind = _ERROR_TYPES.get(status_code, "api_error" if status_code >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message.encode("utf-8", "backslashreplace").decode("utf-8")}}
+
+
+def anthropic_error_response(message: str, status_code: int = 400) -> JSONResponse:
+    return JSONResponse(anthropic_error_body(message, status_code), status_code=status_code)
+
+
+def from_openai_error(response: JSONResponse) -> JSONResponse:
+    """A chat-path error response (OpenAI's envelope) as the Messages API says it."""
+    return anthropic_error_response(anthropic_error(json.loads(response.body)["error"]["message"]), response.status_code)
+
+
+def _event(kind: str, **fields: Any) -> str:
+    """One SSE event as Anthropic frames them: its type as the event name, then its data."""
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _error_events(message: str, status_code: int) -> List[str]:
+    return [_event("error", **{k: v for k, v in anthropic_error_body(message, status_code).items() if k != "type"})]
+
+
+class AnthropicServing:
+    """POST /v1/messages and /v1/messages/count_tokens over the chat path (`serving_chat`'s public methods)."""
+
+    def __init__(self, serving_chat: OpenAIServingChat) -> None:
+        self.chat = serving_chat
+        self.tokenizer_manager = serving_chat.tokenizer_manager
+
+    def _translate(self, request: CountTokensRequest) -> Any:
+        """The chat request that runs `request`, or the error response that says why there is none."""
+        refused = refusal(request)
+        if refused is not None:
+            return anthropic_error_response(f"{refused[1]}: {refused[0]}")
+        read = template_variables(getattr(self.chat.tokenizer, "chat_template", None))
+        try:
+            kwargs = thinking_template_kwargs(request, self.tokenizer_manager.server_args.reasoning_parser, read)
+            chat = to_chat_request(request, new_id("msg"), kwargs)
+        except (BadMessagesRequest, ValueError) as e:  # (ValueError: a block parse_block refused)
+            return anthropic_error_response(str(e))
+        refused_chat = self.chat.precheck(chat)  # (the chat route's checks: the model, LoRA, tools, ...)
+        return from_openai_error(refused_chat) if refused_chat is not None else chat
+
+    # --- POST /v1/messages
+    async def handle_messages(self, request: MessagesRequest, raw_request: Request) -> Response:
+        chat = self._translate(request)
+        if isinstance(chat, JSONResponse):
+            return chat
+        try:
+            adapted = self.chat.to_generate_request(chat)
+            if request.stream:
+                first, gen = await start_stream(self.tokenizer_manager, adapted, raw_request)
+                return sse_response(guarded_stream(self._stream_events(first, gen, chat, request), gen, _error_events))
+            outs = await collect_outputs(self.tokenizer_manager, adapted, raw_request)
+        except Exception as e:
+            return from_openai_error(handler_error_response(e))
+        choice = self.chat.chat_response(outs, chat).choices[0]
+        if choice.finish_reason == "abort":  # (aborted without a status: no stop_reason says it)
+            return anthropic_error_response(ABORTED, 500)
+        usage = UsageCounter(1)
+        usage.update(0, outs[0]["meta_info"])
+        reason, sequence = stop_reason(choice.finish_reason, choice.matched_stop, request.stop_sequences)
+        return JSONResponse(message_object(str(chat.rid), request.model, content_blocks(choice), reason, sequence, usage_object(usage.usage())))
+
+    async def _stream_events(self, first: Dict[str, Any], rest: AsyncIterator[Dict[str, Any]], chat: ChatCompletionRequest,
+                             request: MessagesRequest) -> AsyncIterator[str]:  # fmt: skip
+        usage, blocks, started = UsageCounter(1), StreamedBlocks(), False
+        async for d in self.chat.stream_deltas(first, rest, chat, usage, StreamedHiddenStates()):
+            if d.refused is not None:  # (an abort with a status, e.g. the queue is full)
+                for event in _error_events(d.refused.get("message") or "Aborted", int(d.refused["status_code"])):
+                    yield event
+                return
+            if not started:  # (the role delta: the prompt's usage is known)
+                started = True
+                yield _event("message_start", message=message_object(str(chat.rid), request.model, [], None, None, usage_object(usage.usage())))
+            for kind, fields in blocks.feed(d):
+                yield _event(kind, **fields)
+        if blocks.finish_reason == "abort":
+            for event in _error_events(ABORTED, 500):
+                yield event
+            return
+        reason, sequence = stop_reason(blocks.finish_reason, blocks.matched, request.stop_sequences)
+        yield _event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence}, usage=usage_object(usage.usage()))
+        yield _event("message_stop")
+
+    # --- POST /v1/messages/count_tokens
+    def count_tokens(self, request: CountTokensRequest) -> Response:
+        """The tokens of the prompt the chat template renders (what a create's input tokens add up to)."""
+        chat = self._translate(request)
+        if isinstance(chat, JSONResponse):
+            return chat
+        try:
+            prompt = self.chat.to_generate_request(chat).text
+        except Exception as e:
+            return from_openai_error(handler_error_response(e))
+        assert isinstance(prompt, str)
+        return JSONResponse({"input_tokens": len(self.chat.tokenizer.encode(prompt, add_special_tokens=False))})
