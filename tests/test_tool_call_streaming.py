@@ -19,7 +19,7 @@ import pytest
 
 from test_openai_fields import _events
 from test_openai_protocol import _out
-from test_tool_parsers import EXAMPLES, STOP, TIME, TOOLS, WEATHER, _client, _coder, streamed_calls, tool_deltas
+from test_tool_parsers import EXAMPLES, STOP, TIME, TOOLS, WEATHER, _chat, _client, _coder, streamed_calls, tool_deltas
 
 from minisgl.entrypoints.openai.protocol import ToolCall
 from minisgl.entrypoints.openai.tool_calls import StreamedText, forced_call_stream, parse_tool_calls
@@ -336,4 +336,23 @@ def test_a_forced_calls_token_logprobs_go_out_with_its_chunks_in_order(tiny_mode
     assert [t["logprob"] for c in with_logprobs for t in c["logprobs"]["content"]] == [-0.5, -1.5, -2.5]
     assert all(c["delta"] == {"content": ""} for c in with_logprobs)
     assert [(c["name"], c["arguments"]) for c in streamed_calls(tool_deltas(chunks))] == [("get_weather", '{"city": "Oslo"}')]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_parallel_tool_calls_false_keeps_the_first_auto_call_streamed_or_not(tiny_model: str, tmp_path: Any) -> None:
+    """tool_choice "auto" (parsed calls) with parallel_tool_calls false: an answer of two calls
+    gives the first alone, whole and streamed alike; the second's markup is no content either."""
+    answer = ('Checking.\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n'
+              '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')  # fmt: skip
+    pieces = [answer[k : k + 9] for k in range(0, len(answer), 9)]
+    whole, _ = _client(tiny_model, tmp_path, "qwen25", [_out("r", answer, 9, STOP)])
+    streamed, _ = _client(tiny_model, tmp_path, "qwen25", [_out("r", p, k + 1, STOP if k == len(pieces) - 1 else None) for k, p in enumerate(pieces)])
+    with whole:
+        message = _chat(whole, parallel_tool_calls=False).json()["choices"][0]["message"]
+        assert len(_chat(whole).json()["choices"][0]["message"]["tool_calls"]) == 2  # (the default: both)
+    with streamed:
+        chunks = [c for c in _events(_chat(streamed, parallel_tool_calls=False, stream=True)) if c != "[DONE]" and c["choices"]]
+    assert message["content"] == "Checking." and [c["function"]["name"] for c in message["tool_calls"]] == ["get_time"]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == "Checking."
+    assert [(c["name"], c["arguments"]) for c in streamed_calls(tool_deltas(chunks))] == [("get_time", "{}")]
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"

@@ -32,6 +32,7 @@ from minisgl.entrypoints.openai.protocol import (
     ChatTokenLogprob,
     DeltaMessage,
     DeltaToolCall,
+    ToolCall,
     TopLogprob,
 )
 from minisgl.entrypoints.openai.serving_base import (
@@ -156,26 +157,43 @@ class _ForcedCalls(_StreamedCalls):
 
 class _ParsedCalls(_StreamedCalls):
     """tool_choice "auto" with --tool-call-parser: the text as it comes, up to a possible call;
-    the calls as they come."""
+    the calls as they come. `single` (parallel_tool_calls false): the first call only, as
+    `first_call_only` cuts the whole answer's."""
 
-    def __init__(self, tools: Dict[str, Dict[str, Any]], fmt: ToolCallFormat) -> None:
+    def __init__(self, tools: Dict[str, Dict[str, Any]], fmt: ToolCallFormat, single: bool = False) -> None:
         self.splitter = StreamedText(tools, fmt)
+        self.single = single
+
+    def _kept(self, deltas: List[DeltaToolCall]) -> List[DeltaToolCall]:
+        return [d for d in deltas if d.index == 0] if self.single else deltas
 
     def feed(self, text: str, tokens: List[ChatTokenLogprob]) -> Tuple[str, List[ChatTokenLogprob], List[DeltaToolCall]]:
-        return self.splitter.feed(text), tokens, self.splitter.tool_deltas()
+        return self.splitter.feed(text), tokens, self._kept(self.splitter.tool_deltas())
 
     def finish(self, stopped: bool) -> Tuple[str, List[DeltaToolCall], bool]:
         if stopped:
             text, calls = self.splitter.finish()
-            return text, self.splitter.finish_deltas(calls), bool(calls)
-        return self.splitter.unsent(), self.splitter.finish_deltas(None), False  # (cut short: all of it is content)
+            if calls and self.single:
+                calls = calls[:1]
+            return text, self._kept(self.splitter.finish_deltas(calls)), bool(calls)
+        return self.splitter.unsent(), self._kept(self.splitter.finish_deltas(None)), False  # (cut short: all of it is content)
+
+
+def first_call_only(request: ChatCompletionRequest, calls: Optional[List[ToolCall]]) -> Optional[List[ToolCall]]:
+    """`calls` as parallel_tool_calls allows: with it false, the first call alone. A forced call's
+    grammar holds it to one (maxItems 1); a parsed ("auto") answer may still write several: the
+    later ones are not sent, and their markup is no content either (the content is the text
+    before the first call, as always), so the answer reads as if the model had stopped there."""
+    return calls[:1] if calls and request.parallel_tool_calls is False else calls
 
 
 class OpenAIServingChat(OpenAIServingBase):
     def _streamed_calls(self, request: ChatCompletionRequest) -> _StreamedCalls:
         if _forces_calls(request):
             return _ForcedCalls()
-        return _ParsedCalls(_offered_tools(request), self._call_format()) if self._parses_calls(request) else _StreamedCalls()
+        if not self._parses_calls(request):
+            return _StreamedCalls()
+        return _ParsedCalls(_offered_tools(request), self._call_format(), single=request.parallel_tool_calls is False)
 
     def _reasoning_splitter(self, request: ChatCompletionRequest) -> Optional[ReasoningSplitter]:
         """A choice's splitter of <think>...</think>, with --reasoning-parser unless the request
@@ -376,6 +394,7 @@ class OpenAIServingChat(OpenAIServingBase):
             elif self._parses_calls(request):  # (the format's special tokens are never content)
                 fmt = self._call_format()
                 content, calls = fmt.parse(answer, _offered_tools(request)) if finish_reason == "stop" else (fmt.content(answer), None)
+                calls = first_call_only(request, calls)
             # (every call dropped, as undefined: the text before them, as a stream sends it)
             message = ChatCompletionMessage(content=content, reasoning_content=reasoning)
             if calls:  # SGLang's: finish_reason tool_calls, matched_stop dropped
