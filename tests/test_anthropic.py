@@ -255,6 +255,68 @@ def test_a_cut_streamed_call_is_not_followed_by_its_text_and_errors_end_a_stream
     assert events[0][0] == "message_start" and events[-1][0] == "error" and events[-1][1]["error"]["type"] == "api_error"
 
 
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}\n</tool_call>'
+
+
+def _both(tiny_model: str, tmp_path: Any, answer: str, pieces: List[str], finish: Any, **body: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """(the non-streamed message of `answer`, the message the SDK's stream helper builds from the
+    stream of `pieces`), with qwen25 calls under tool_choice auto; tool_use ids left out (fresh per answer)."""
+    from anthropic.lib.streaming._messages import accumulate_event
+
+    assert "".join(pieces) == answer
+    args = dict(template=TOOLS_TEMPLATE, tool_call_parser="qwen25")
+    whole, _ = _client(tiny_model, tmp_path, [_out("r", answer, 9, finish)], **args)
+    outs = [_out("r", p, i + 1, finish if i == len(pieces) - 1 else None) for i, p in enumerate(pieces)]
+    streamed, _ = _client(tiny_model, tmp_path, outs, **args)
+    with whole:
+        message = Message.model_validate(_create(whole, tools=[WEATHER], **body).json())
+    with streamed:
+        snapshot, buffers = None, {}  # type: ignore[var-annotated]
+        for _, d in _events(_create(streamed, tools=[WEATHER], stream=True, **body)):
+            snapshot = accumulate_event(event=EVENTS.validate_python(d), current_snapshot=snapshot, json_bufs=buffers)
+    assert snapshot is not None
+    return tuple(  # type: ignore[return-value]
+        {"content": [{k: v for k, v in b.model_dump(exclude_none=True).items() if k != "id"} for b in m.content], "stop_reason": m.stop_reason}
+        for m in (message, snapshot)
+    )
+
+
+def test_disable_parallel_tool_use_keeps_the_first_auto_call(tiny_model: str, tmp_path: Any) -> None:
+    """tool_choice auto with disable_parallel_tool_use: two calls written, the first one answered, whole and streamed."""
+    answer = "Two.\n" + CALL + "\n" + CALL.replace("Oslo", "Bergen")
+    pieces = [answer[k : k + 11] for k in range(0, len(answer), 11)]
+    whole, streamed = _both(tiny_model, tmp_path, answer, pieces, STOP, tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+    expected = [{"type": "text", "text": "Two."}, {"type": "tool_use", "name": "get_weather", "input": {"city": "Oslo", "days": 3}}]
+    assert whole == streamed == {"content": expected, "stop_reason": "tool_use"}
+    both, _ = _both(tiny_model, tmp_path, answer, [answer], STOP)
+    assert [b.get("input") for b in both["content"]] == [None, {"city": "Oslo", "days": 3}, {"city": "Bergen", "days": 3}]
+
+
+@pytest.mark.parametrize(
+    "answer, cut, finish, expected",
+    [
+        # cut by max_tokens inside the call: a tool_use block of its partial input, both ways (Anthropic's)
+        ("Sure. " + CALL, CALL.index("3}"), LENGTH, [{"type": "text", "text": "Sure."}, {"type": "tool_use", "name": "get_weather", "input": {"city": "Oslo"}}]),
+        ("Sure. " + CALL, CALL.index("Oslo"), LENGTH, [{"type": "text", "text": "Sure."}, {"type": "tool_use", "name": "get_weather", "input": {}}]),
+        (CALL + "\nmore text", None, LENGTH, [{"type": "tool_use", "name": "get_weather", "input": {"city": "Oslo", "days": 3}}]),
+        # text after the call: the parse refuses the call, so the answer is text (no tool_use block streams ahead of it)
+        (CALL + "\nDone.", None, STOP, [{"type": "text", "text": CALL + "\nDone."}]),
+        # arguments that are no object: no call (dropped, as an undefined function's), never a tool_use whose input is no object
+        ("Hm. " + CALL.replace('{"city": "Oslo", "days": 3}', '"Oslo"'), None, STOP, [{"type": "text", "text": "Hm."}]),
+        ("Hm. " + CALL.replace('{"city": "Oslo", "days": 3}', "[1]"), None, STOP, [{"type": "text", "text": "Hm."}]),
+    ],
+)
+def test_the_stream_adds_up_to_the_non_streamed_message_around_calls(
+    tiny_model: str, tmp_path: Any, answer: str, cut: Optional[int], finish: Any, expected: List[Dict[str, Any]]
+) -> None:
+    if cut is not None:
+        answer = answer[: answer.index(CALL) + cut]
+    pieces = [answer[k : k + 5] for k in range(0, len(answer), 5)]
+    whole, streamed = _both(tiny_model, tmp_path, answer, pieces, finish)
+    reason = "max_tokens" if finish is LENGTH else "end_turn"
+    assert whole == streamed == {"content": expected, "stop_reason": reason}
+
+
 # --------------------------------------------------------------------------- count_tokens
 def test_count_tokens_counts_the_rendered_prompt(tiny_model: str, tmp_path: Any) -> None:
     client, _ = _client(tiny_model, tmp_path, [])

@@ -264,6 +264,11 @@ def test_the_qwen25_parser_splits_text_and_calls() -> None:
     assert sent == "Let me check." and rest == "" and calls[0].function.name == "get_weather"
     splitter = StreamedText(names)
     assert splitter.feed("a <tool") == "a" and splitter.feed("s> b") == " <tools> b" and splitter.finish() == ("", None)
+    # arguments that are no object, of a function whose parameters are one (or unset): no call of it, dropped as a rogue one
+    for arguments in ('"Zürich"', "[1]", "3"):
+        bad = QWEN_ANSWER.replace('{"city": "Zürich"}', arguments)
+        assert bad != QWEN_ANSWER and parse_qwen25(bad, names) == ("Let me check.", None), arguments
+        assert parse_qwen25(bad, {"get_weather": {}}) == ("Let me check.", None), arguments
 
 
 def test_a_streamed_auto_answer_sends_exactly_the_content_of_the_whole_one() -> None:
@@ -320,7 +325,7 @@ def test_a_strict_tool_under_auto_has_its_calls_constrained_by_a_structural_tag(
     assert choice["finish_reason"] == "tool_calls" and plain.status_code == 200
     tag = json.loads(seen[0].sampling_params["structural_tag"])
     assert "structural_tag" not in seen[1].sampling_params
-    assert tag["triggers"] == ["<tool_call>"] and [s["schema"] for s in tag["structures"]] == [WEATHER["function"]["parameters"], {}]
+    assert tag["triggers"] == ["<tool_call>"] and [s["schema"] for s in tag["structures"]] == [WEATHER["function"]["parameters"], {"type": "object"}]
     backend = XGrammarGrammarBackend(AutoTokenizer.from_pretrained(tiny_model), 512, [0])
     try:
         future = backend.get_future(("structural_tag", seen[0].sampling_params["structural_tag"]))
@@ -331,7 +336,8 @@ def test_a_strict_tool_under_auto_has_its_calls_constrained_by_a_structural_tag(
 
         call = 'Sure. <tool_call>\n{"name":"get_weather", "arguments":{"city": "%s"}}\n</tool_call>'
         assert accepts(call % "Paris") and not accepts(call % "Rome")  # (its parameters: Paris or Oslo)
-        assert accepts('<tool_call>\n{"name":"get_time", "arguments":[1, "any JSON"]}\n</tool_call>')
+        assert accepts('<tool_call>\n{"name":"get_time", "arguments":{"any": [1, "JSON object"]}}\n</tool_call>')
+        assert not accepts('<tool_call>\n{"name":"get_time", "arguments":[1]}\n</tool_call>')  # (arguments are an object)
         assert not accepts('<tool_call>\n{"name":"rm_rf", "arguments":{}}')  # only the tools offered
     finally:
         backend.shutdown()

@@ -275,15 +275,15 @@ def test_mistral_call_ids_are_what_its_template_takes_back() -> None:
 @pytest.mark.parametrize(
     "parser, call, other",
     [
-        ("qwen25", '<tool_call>\n{"name":"get_weather", "arguments":{"city": "%s"}}\n</tool_call>', '<tool_call>\n{"name":"get_time", "arguments":[1]}\n</tool_call>'),
-        ("llama3", '<|python_tag|>{"name":"get_weather", "parameters":{"city": "%s"}}', '{"name":"get_time", "parameters":[1]}'),
-        ("mistral", '[TOOL_CALLS] [{"name":"get_weather", "arguments":{"city": "%s"}}]', '[TOOL_CALLS] [{"name":"get_time", "arguments":[1]}]'),
-        ("llama3", '{"name":"get_weather", "parameters":{"city": "%s"}}', '<|python_tag|>{"name":"get_time", "parameters":[1]}'),
+        ("qwen25", '<tool_call>\n{"name":"get_weather", "arguments":{"city": "%s"}}\n</tool_call>', '<tool_call>\n{"name":"get_time", "arguments":{"x": [1]}}\n</tool_call>'),
+        ("llama3", '<|python_tag|>{"name":"get_weather", "parameters":{"city": "%s"}}', '{"name":"get_time", "parameters":{"x": [1]}}'),
+        ("mistral", '[TOOL_CALLS] [{"name":"get_weather", "arguments":{"city": "%s"}}]', '[TOOL_CALLS] [{"name":"get_time", "arguments":{"x": [1]}}]'),
+        ("llama3", '{"name":"get_weather", "parameters":{"city": "%s"}}', '<|python_tag|>{"name":"get_time", "parameters":{"x": [1]}}'),
     ],
 )
 def test_a_strict_tools_tag_allows_only_calls_its_parser_reads(parser: str, call: str, other: str, tiny_model: str) -> None:
     """The tag compiles; what it lets through after some text is a call the parser reads, a
-    strict tool's arguments matching its parameters (a tool that is not strict takes any JSON)."""
+    strict tool's arguments matching its parameters (a tool that is not strict takes any JSON object)."""
     pytest.importorskip("xgrammar")
     from transformers import AutoTokenizer
 
@@ -304,10 +304,11 @@ def test_a_strict_tools_tag_allows_only_calls_its_parser_reads(parser: str, call
         for text in (call % "Paris", "Sure. " + call % "Oslo", other):
             assert accepts(text), text
         assert not accepts(call % "Rome") and not accepts(call.replace("get_weather", "rm_rf") % "Paris")
+        assert not accepts(other.replace('{"x": [1]}', "[1]"))  # (any JSON object: arguments are one, as the parse holds them)
         content, calls = fmt.parse("Sure. " + call % "Oslo", TOOLS)
         assert (content, _calls(calls)) == ("Sure.", [("get_weather", {"city": "Oslo"})])
         # parallel calls, as the tag lets them be written, are all read back
-        assert accepts(call % "Oslo" + other) and _calls(fmt.parse(call % "Oslo" + other, TOOLS)[1]) == [("get_weather", {"city": "Oslo"}), ("get_time", [1])]
+        assert accepts(call % "Oslo" + other) and _calls(fmt.parse(call % "Oslo" + other, TOOLS)[1]) == [("get_weather", {"city": "Oslo"}), ("get_time", {"x": [1]})]
         if parser == "llama3":  # the bare JSON Meta's template asks for is held too (minisgl's trigger)
             assert accepts('{"name":"get_weather", "parameters":{"city": "Oslo"}}')
             assert not accepts('{"name":"get_weather", "parameters":{"city": "Rome"}}')
@@ -411,7 +412,7 @@ def test_strict_tools_under_auto_reach_the_scheduler_as_the_formats_tag(tiny_mod
     with client:
         assert _chat(client, tools=[strict, TIME]).status_code == 200
     tag = json.loads(seen[0].sampling_params["structural_tag"])
-    assert tag["triggers"] == ["[TOOL_CALLS]"] and [s["schema"] for s in tag["structures"]] == [WEATHER["function"]["parameters"], {}]
+    assert tag["triggers"] == ["[TOOL_CALLS]"] and [s["schema"] for s in tag["structures"]] == [WEATHER["function"]["parameters"], {"type": "object"}]
     client, seen = _client(tiny_model, tmp_path, "pythonic", [_out("r", "Fine.", 2, STOP)])
     with client:
         r = _chat(client, tools=[strict, TIME])

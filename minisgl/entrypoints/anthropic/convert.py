@@ -305,6 +305,40 @@ def content_blocks(choice: ChatCompletionResponseChoice) -> List[Dict[str, Any]]
     return blocks
 
 
+def partial_input(text: str) -> Dict[str, Any]:
+    """A call's arguments cut short (max_tokens) as the object they hold so far, read as the SDK's
+    stream helper reads a tool_use block's input_json_delta pieces (jiter's partial mode): its
+    complete members, an unfinished string, key or literal left out; {} when none is complete.
+    The longest prefix that ends outside a string and closes into JSON (its open brackets
+    closed, a trailing comma dropped) wins."""
+    stack: List[str] = []
+    outside: List[Tuple[int, str]] = [(0, "")]  # (prefix length, its closers) where no string is open
+    in_string = escaped = False
+    for i, ch in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            stack.append("}" if ch == "{" else "]")
+        elif ch in "}]" and stack:
+            stack.pop()
+        if not in_string:
+            outside.append((i + 1, "".join(reversed(stack))))
+    for end, closers in reversed(outside):
+        try:
+            value = json.loads(text[:end].rstrip().rstrip(",") + closers)
+        except ValueError:
+            continue
+        return value if isinstance(value, dict) else {}
+    return {}
+
+
 def message_object(message_id: str, model: str, content: List[Dict[str, Any]], reason: Optional[str], sequence: Optional[str],
                    usage: Dict[str, int]) -> Dict[str, Any]:  # fmt: skip
     """The message as the SDK types it (anthropic.types.Message)."""

@@ -28,7 +28,7 @@ from minisgl.entrypoints.anthropic.convert import (
     usage_object,
 )  # fmt: skip
 from minisgl.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest, refusal
-from minisgl.entrypoints.anthropic.stream import StreamedBlocks
+from minisgl.entrypoints.anthropic.stream import StreamedBlocks, folded
 from minisgl.entrypoints.openai.protocol import ChatCompletionRequest
 from minisgl.entrypoints.openai.serving_base import (
     StreamedHiddenStates, UsageCounter, collect_outputs, guarded_stream, handler_error_response, sse_response, start_stream,
@@ -63,6 +63,12 @@ def _event(kind: str, **fields: Any) -> str:
 
 def _error_events(message: str, status_code: int) -> List[str]:
     return [_event("error", **{k: v for k, v in anthropic_error_body(message, status_code).items() if k != "type"})]
+
+
+async def _nothing() -> AsyncIterator[Dict[str, Any]]:
+    """An output stream with no more outputs (the whole answer came first)."""
+    return
+    yield
 
 
 class AnthropicServing:
@@ -105,7 +111,19 @@ class AnthropicServing:
         usage = UsageCounter(1)
         usage.update(0, outs[0]["meta_info"])
         reason, sequence = stop_reason(choice.finish_reason, choice.matched_stop, request.stop_sequences)
-        return JSONResponse(message_object(str(chat.rid), request.model, content_blocks(choice), reason, sequence, usage_object(usage.usage())))
+        content = content_blocks(choice)
+        if choice.finish_reason == "length" and chat.tools and chat.tool_choice != "none":
+            # (cut by max_tokens where a call may have begun: the chat answer holds its markup as
+            # text, a stream a tool_use block of its partial input; both give the stream's)
+            content = await self._streamed_content(outs[0], chat)
+        return JSONResponse(message_object(str(chat.rid), request.model, content, reason, sequence, usage_object(usage.usage())))
+
+    async def _streamed_content(self, out: Dict[str, Any], chat: ChatCompletionRequest) -> List[Dict[str, Any]]:
+        """The content blocks a stream of `out` (the whole answer, as one piece) adds up to."""
+        blocks, events = StreamedBlocks(), []
+        async for d in self.chat.stream_deltas(out, _nothing(), chat, UsageCounter(1), StreamedHiddenStates()):
+            events += blocks.feed(d)
+        return folded(events)
 
     async def _stream_events(self, first: Dict[str, Any], rest: AsyncIterator[Dict[str, Any]], chat: ChatCompletionRequest,
                              request: MessagesRequest) -> AsyncIterator[str]:  # fmt: skip

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
-from minisgl.entrypoints.anthropic.convert import SIGNATURE, tool_use_id
+from minisgl.entrypoints.anthropic.convert import SIGNATURE, partial_input, tool_use_id
 from minisgl.entrypoints.openai.serving_chat import ChatDelta
 
 Event = Tuple[str, Dict[str, Any]]  # (type, its fields but type)
@@ -26,28 +26,39 @@ Event = Tuple[str, Dict[str, Any]]  # (type, its fields but type)
 class StreamedBlocks:
     """One choice's content blocks as its deltas come (`feed`); `finish_reason` and `matched` once it ends.
 
-    A cut call: when max_tokens cuts an answer whose call was already streaming, the chat path
-    sends the whole answer's text as content just before the finish (a cut answer is no call).
-    That text is the call's own, already sent as input_json_delta: it is held for one delta and
-    dropped when the finish is a cut, so the tool_use block ends with the partial input it
-    streamed (Anthropic's way: stop_reason max_tokens), not followed by its text again."""
+    A tool_use block cannot be taken back once sent, and only the finish says whether the calls
+    the chat path streamed are the answer's: `tool_calls` (they are), `length` (a cut call: the
+    non-streamed answer is a tool_use block of its partial input too, Anthropic's way, with
+    stop_reason max_tokens) or `stop` (the whole answer's parse refused them: text after the
+    calls, arguments that are no object, ...; the answer is then text, the calls' markup with it).
+    So from a choice's first call on its deltas are held until the finish, then sent as the
+    finish says: the calls for tool_calls and length (the text the chat path sends with a cut
+    answer is the call's own, already in its input), the text alone otherwise. The stream is
+    then the non-streamed answer, block for block; the price: a call's input arrives whole at
+    the end, not as the model writes it."""
 
     def __init__(self) -> None:
         self.count = 0  # blocks opened so far (the open one's index is count - 1)
         self.kind: Optional[str] = None  # the open block's type
-        self.after_call: List[ChatDelta] = []  # text deltas right after a call, until the next delta says whether the call was cut
+        self.held: Optional[List[ChatDelta]] = None  # from the first call delta on, until the finish
         self.finish_reason: Optional[str] = None
         self.matched: Any = None
 
     def feed(self, d: ChatDelta) -> List[Event]:
-        if self.kind == "tool_use" and (d.delta.content or d.delta.reasoning_content) and d.finish_reason is None:
-            self.after_call.append(d)
+        if self.held is None and d.delta.tool_calls:
+            self.held = []
+        if self.held is None:
+            return self._feed(d)
+        if d.finish_reason is None:
+            self.held.append(d)
             return []
+        # which held deltas are the answer: all of them / the calls / the text
+        keep = {"tool_calls": lambda h: True, "length": lambda h: bool(h.delta.tool_calls)}.get(d.finish_reason, lambda h: not h.delta.tool_calls)
         events: List[Event] = []
-        if self.after_call and d.finish_reason not in ("length", "abort"):
-            for held in self.after_call:
+        for held in self.held:
+            if keep(held):
                 events += self._feed(held)
-        self.after_call = []
+        self.held = None
         return events + self._feed(d)
 
     def _feed(self, d: ChatDelta) -> List[Event]:
@@ -84,3 +95,24 @@ class StreamedBlocks:
             return []
         self.kind = None
         return [("content_block_stop", {"index": self.count - 1})]
+
+
+def folded(events: List[Event]) -> List[Dict[str, Any]]:
+    """The content blocks `events` add up to (what the SDK's stream helper builds): the
+    non-streamed answer built the stream's way, where only a stream's reading of the answer
+    holds (a call cut by max_tokens: its partial input)."""
+    blocks: List[Dict[str, Any]] = []
+    inputs: Dict[int, str] = {}
+    for kind, fields in events:
+        if kind == "content_block_start":
+            blocks.append(dict(fields["content_block"]))
+        elif kind == "content_block_delta":
+            block, delta = blocks[fields["index"]], fields["delta"]
+            if delta["type"] == "input_json_delta":
+                inputs[fields["index"]] = inputs.get(fields["index"], "") + delta["partial_json"]
+            else:
+                key = "text" if delta["type"] == "text_delta" else "thinking"
+                block[key] += delta[key]
+    for index, text in inputs.items():
+        blocks[index]["input"] = partial_input(text)
+    return blocks

@@ -109,14 +109,16 @@ def auto_call_constraint(request: ChatCompletionRequest, fmt: ToolCallFormat) ->
     SGLang's: the model writes free text, but from one of the format's triggers on (Qwen's
     `<tool_call>`, Mistral's `[TOOL_CALLS]`, ...), what follows is one of the tools' calls in
     that format, a strict tool's arguments matching its parameters (a tool that is not strict
-    takes any JSON). Without a strict tool nothing is constrained; validate_tools refused a
+    takes any JSON object, as the parse keeps only those). Without a strict tool nothing is constrained; validate_tools refused a
     format that has no tag (its arguments are not JSON)."""
     if not request.tools or request.tool_choice not in (None, "auto") or not any(t.function.strict for t in request.tools):
         return None
     structures: List[Dict[str, Any]] = []
     triggers: List[str] = []
     for tool in request.tools:
-        schema = (tool.function.parameters or {"type": "object", "properties": {}}) if tool.function.strict else {}
+        parameters = tool.function.parameters or {"type": "object", "properties": {}}
+        # (a tool that is not strict takes any arguments the parse keeps: any object, where its parameters are one)
+        schema = parameters if tool.function.strict else {"type": "object"} if parameters.get("type", "object") == "object" else {}
         # (the name as JSON: a `"` in it would have made the only allowed call invalid JSON)
         for begin, end, trigger in fmt.structures(json.dumps(tool.function.name, ensure_ascii=False)):
             structures.append({"begin": begin, "schema": schema, "end": end})

@@ -138,7 +138,9 @@ class ToolCallFormat(abc.ABC):
         it holds no calls. `tool_names`: the functions offered (the chat route gives each one's
         parameters schema by name, a Mapping: qwen3_coder types its values by them). A call of
         a function not in `tool_names` is dropped (SGLang's "Model attempted to call undefined
-        function"): an agent must never be handed a function it did not offer; when every call
+        function"): an agent must never be handed a function it did not offer; so is a call whose
+        arguments are not an object (a string, a list) of a function whose parameters are one (or
+        unset: a function's arguments are an object, OpenAI's and Anthropic's rule); when every call
         is dropped, the answer is its text before the first call, with no calls (SGLang's too:
         the markup of a dropped call is not content either)."""
         check_offered(tool_names)
@@ -152,6 +154,11 @@ class ToolCallFormat(abc.ABC):
                 logger.warning("Model attempted to call undefined function: %s", call["name"])
                 continue
             arguments = self.arguments(call, tool_names)
+            if not isinstance(arguments, dict) and (tool_names[call["name"]] or {}).get("type", "object") == "object":
+                # (a function's arguments are an object, OpenAI's and Anthropic's rule: `"arguments": "Oslo"`
+                # is no call of it; an agent would break on it, the anthropic SDK's ToolUseBlock does)
+                logger.warning("Model called %s with arguments that are not an object: dropped", call["name"])
+                continue
             try:  # (ensure_ascii off: "Zürich" as OpenAI and SGLang send it, not "Z\\u00fcrich")
                 arguments_json = json.dumps(arguments, ensure_ascii=False)
             except RecursionError:  # (decoded just under the limit, encoded just over it)
