@@ -78,6 +78,11 @@ def test_max_tokens_and_a_stop_sequence(server: Server, client: anthropic.Anthro
     cut = client.messages.create(model=server.model, messages=_user(PROMPT), max_tokens=12, stop_sequences=[stop], extra_body={"temperature": 0})
     assert (cut.stop_reason, cut.stop_sequence) == ("stop_sequence", stop)
     assert stop not in cut.content[0].text and longer.startswith(cut.content[0].text)
+    # max_tokens 0: Anthropic's cache warm-up, a prefill alone; the same prompt is then a radix hit
+    warm = client.messages.create(model=server.model, messages=_user("Warm this prompt up, please."), max_tokens=0)
+    assert (warm.content, warm.stop_reason, warm.usage.output_tokens) == ([], "max_tokens", 0) and warm.usage.input_tokens > 0
+    hit = client.messages.create(model=server.model, messages=_user("Warm this prompt up, please."), max_tokens=1)
+    assert hit.usage.cache_read_input_tokens > 0
 
 
 def test_a_forced_tool_use_then_its_result(server: Server, client: anthropic.Anthropic) -> None:

@@ -176,7 +176,7 @@ class MessagesRequest(CountTokensRequest):
     """POST /v1/messages (Anthropic's MessageCreateParams): what minisgl builds, plus the fields it
     refuses by name (see `refusal`)."""
 
-    max_tokens: int = Field(ge=1)
+    max_tokens: int = Field(ge=0)  # (0: a prefill alone, Anthropic's cache warm-up: the prompt enters the radix cache)
     stop_sequences: Optional[List[str]] = None
     # (not in the newest SDK's create() signature, still taken by Anthropic's API and sent by clients)
     temperature: Optional[float] = Field(default=None, ge=0.0, le=1.0)
