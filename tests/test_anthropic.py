@@ -15,8 +15,8 @@ from pydantic import TypeAdapter
 
 from test_openai_protocol import _out, _scripted_client
 
-from minisgl.entrypoints.anthropic.convert import BadMessagesRequest, thinking_template_kwargs, to_chat_request
-from minisgl.entrypoints.anthropic.protocol import MessagesRequest
+from minisgl.entrypoints.anthropic.convert import thinking_template_kwargs, to_chat_request
+from minisgl.entrypoints.anthropic.protocol import BadMessagesRequest, MessagesRequest
 from minisgl.utils import get_tokenizer
 
 STOP = {"type": "stop", "matched": 2}
@@ -110,6 +110,21 @@ def test_system_blocks_turns_tool_use_and_results_become_chat_messages() -> None
     assert prefill.continue_final_message is True
 
 
+def _USE(fields: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """A conversation whose assistant turn holds a tool_use block with `fields` added, answered."""
+    use = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}, **fields}
+    return [{"role": "user", "content": "x"}, {"role": "assistant", "content": [use]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]}]  # fmt: skip
+
+
+def test_the_sdks_own_blocks_and_tool_options_it_honours_are_taken() -> None:
+    """What the SDK's response blocks dump (caller and toolset_name null, a direct caller) and
+    the tool options minisgl does (no eager streaming, direct callers, no deferred loading)."""
+    chat = _translate(messages=_USE({"caller": {"type": "direct"}, "toolset_name": None}),
+                      tools=[{**WEATHER, "eager_input_streaming": False, "allowed_callers": ["direct"], "defer_loading": False, "input_examples": None}])  # fmt: skip
+    assert chat.messages[1].tool_calls[0].function.name == "get_weather" and chat.tools[0].function.name == "get_weather"
+
+
 @pytest.mark.parametrize(
     "body, needle",
     [
@@ -124,6 +139,12 @@ def test_system_blocks_turns_tool_use_and_results_become_chat_messages() -> None
         ({"messages": [{"role": "user", "content": "x"}], "tools": [{"name": "f", "input_schema": {"type": "string"}}]}, 'type must be "object"'),
         ({"messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "tool"}}, "names its tool"),
         ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral", "ttl": "1h"}}]}]}, "cache_control.ttl"),
+        ({"messages": _USE({"caller": {"type": "code_execution_20250825", "tool_id": "srvtoolu_1"}})}, "messages[1].content[0].caller: calls made by 'code_execution_20250825'"),
+        ({"messages": _USE({"toolset_name": "github"})}, "messages[1].content[0].toolset_name: toolsets are not supported"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [{**WEATHER, "eager_input_streaming": True}]}, "tools[0].eager_input_streaming: true is not supported"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [{**WEATHER, "allowed_callers": ["code_execution_20250825"]}]}, "tools[0].allowed_callers"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [{**WEATHER, "defer_loading": True}]}, "tools[0].defer_loading: tool search"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [{**WEATHER, "input_examples": [{"city": "Oslo"}]}]}, "tools[0].input_examples"),
     ],
 )
 def test_what_cannot_be_translated_says_what_to_send(body: Dict[str, Any], needle: str) -> None:
@@ -193,6 +214,20 @@ def test_thinking_and_a_forced_call_become_their_blocks(tiny_model: str, tmp_pat
     (call,) = Message.model_validate(body).content  # (a call and no text: no text block)
     assert (call.type, call.name, call.input) == ("tool_use", "get_weather", {"city": "Oslo"}) and call.id.startswith("toolu_")
     assert body["stop_reason"] == "tool_use" and "json_schema" in seen[0].sampling_params
+
+
+def test_the_next_turn_takes_the_sdks_blocks_as_model_dump_gives_them(tiny_model: str, tmp_path: Any) -> None:
+    """create -> [b.model_dump() for b in message.content] as the assistant turn -> the next create works."""
+    answer = "<think>Check it.</think>Let me check.\n" + CALL
+    client, seen = _client(tiny_model, tmp_path, [_out("r", answer, 9, STOP)], template=TOOLS_TEMPLATE, tool_call_parser="qwen25", reasoning_parser="qwen3")
+    with client:
+        first = Message.model_validate(_create(client, tools=[WEATHER], thinking={"type": "adaptive"}).json())
+        assert [b.type for b in first.content] == ["thinking", "text", "tool_use"]
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [b.model_dump() for b in first.content]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": first.content[2].id, "content": "sunny"}]}]  # fmt: skip
+        second = _create(client, tools=[WEATHER], thinking={"type": "adaptive"}, messages=messages)
+    assert second.status_code == 200, second.text
+    assert '<think>Check it.</think>Let me check.<call>get_weather {"city": "Oslo", "days": 3}</call>' in seen[1].text and "sunny" in seen[1].text
 
 
 # --------------------------------------------------------------------------- streaming
@@ -341,7 +376,7 @@ def test_count_tokens_counts_the_rendered_prompt(tiny_model: str, tmp_path: Any)
         ({"output_config": {"effort": "low"}}, "output_config"),
         ({"context_management": {"edits": []}}, "context_management"),
         ({"whatever": 1}, "whatever"),
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
         ({"temperature": 1.5}, "temperature"),
         ({"cache_control": {"type": "ephemeral", "ttl": "5m"}}, "cache_control.ttl"),
         ({"thinking": {"type": "adaptive"}}, "--reasoning-parser"),

@@ -22,8 +22,8 @@ from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 from pydantic import ValidationError
 
 from minisgl.entrypoints.anthropic.protocol import (
-    Block, CountTokensRequest, Message, MessagesRequest, TextBlock, ThinkingBlock, Tool, ToolResultBlock, ToolUseBlock, parse_block,
-    _check_cache_control,
+    BadMessagesRequest, Block, CountTokensRequest, Message, MessagesRequest, TextBlock, ThinkingBlock, Tool, ToolResultBlock, ToolUseBlock,
+    check_cache_control, parse_block,
 )  # fmt: skip
 from minisgl.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponseChoice, UsageInfo
 from minisgl.entrypoints.openai.responses_protocol import validation_message
@@ -34,10 +34,6 @@ BLOCK_SEPARATOR = "\n"
 TOOL_ERROR_PREFIX = "Error: "
 # what a thinking block's `signature` holds: minisgl signs nothing (nothing checks a signature sent back)
 SIGNATURE = ""
-
-
-class BadMessagesRequest(ValueError):
-    """A request the translation cannot run: a 400 (invalid_request_error)."""
 
 
 def new_id(prefix: str) -> str:
@@ -232,11 +228,29 @@ def _chat_tool(tool: Dict[str, Any], where: str) -> Dict[str, Any]:
         parsed = Tool.model_validate(tool)
     except ValidationError as e:
         raise BadMessagesRequest(validation_message(e, where)[0]) from None
-    _check_cache_control(parsed.cache_control, f"{where}.cache_control")
+    check_cache_control(parsed.cache_control, f"{where}.cache_control")
+    _check_tool_options(parsed, where)
     if parsed.input_schema.get("type") != "object":
         raise BadMessagesRequest(f'{where}.input_schema: a tool\'s input is an object: its schema\'s type must be "object" (Anthropic\'s rule)')
     function = {"name": parsed.name, "parameters": parsed.input_schema, "description": parsed.description, "strict": parsed.strict}
     return {"type": "function", "function": {k: v for k, v in function.items() if v is not None}}
+
+
+def _check_tool_options(tool: Tool, where: str) -> None:
+    """A custom tool's options: what minisgl does is accepted, the rest a 400 that says why."""
+    if tool.eager_input_streaming:
+        raise BadMessagesRequest(
+            f"{where}.eager_input_streaming: true is not supported: minisgl holds a streamed call's input until the answer's end (only the end "
+            "says whether it is a call: docs/server.md), as false asks; leave it out or send false"
+        )
+    if tool.allowed_callers is not None and "direct" not in tool.allowed_callers:
+        raise BadMessagesRequest(f"{where}.allowed_callers: minisgl's only caller is the model itself (\"direct\"): it runs no code execution "
+                                 'that could call the tool; send ["direct"] or leave it out')  # fmt: skip
+    if tool.defer_loading:
+        raise BadMessagesRequest(f"{where}.defer_loading: tool search is not supported by minisgl: every tool is in the prompt; leave it out or send false")
+    if tool.input_examples:
+        raise BadMessagesRequest(f"{where}.input_examples are not supported by minisgl (the chat template has no place for them); "
+                                 "put examples in the description")  # fmt: skip
 
 
 def _chat_tool_choice(request: CountTokensRequest) -> Dict[str, Any]:

@@ -22,10 +22,14 @@ from minisgl.entrypoints.openai.responses_protocol import validation_message
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
 
+class BadMessagesRequest(ValueError):
+    """A request the Messages API cannot run: a 400 (invalid_request_error) whose message names the field."""
+
+
 class CacheControl(BaseModel):
     """A prompt-cache breakpoint. minisgl's radix tree caches every prompt's prefix with or without
     one, so the marker asks for what happens anyway; a `ttl` is a promise of how long (5m, 1h) that
-    an LRU cache under memory pressure cannot make: refused (see `_check_cache_control`)."""
+    an LRU cache under memory pressure cannot make: refused (see `check_cache_control`)."""
 
     model_config = _STRICT
     type: Literal["ephemeral"]
@@ -49,6 +53,9 @@ class ToolUseBlock(BaseModel):
     name: str
     input: Dict[str, Any]
     cache_control: Optional[CacheControl] = None
+    # (the SDK's own ToolUseBlock, sent back with model_dump(), carries both, null)
+    caller: Optional[Dict[str, Any]] = None  # who made the call: {"type": "direct"} (the model) is the only caller here
+    toolset_name: Optional[str] = None  # (toolsets are Anthropic's server-side tool families: refused unless null)
 
 
 class ToolResultBlock(BaseModel):
@@ -85,39 +92,52 @@ _MEDIA_BLOCKS = ("image", "document", "search_result", "container_upload")
 
 
 def parse_block(block: Any, where: str, role: str) -> Block:
-    """One content block, checked; ValueError naming `where` (e.g. "messages[2].content[0]") and what to send."""
+    """One content block, checked; BadMessagesRequest naming `where` (e.g. "messages[2].content[0]") and what to send."""
     if not isinstance(block, dict):
-        raise ValueError(f"{where} must be a content block (an object with a type), got {type(block).__name__}")
+        raise BadMessagesRequest(f"{where} must be a content block (an object with a type), got {type(block).__name__}")
     kind = block.get("type")
     if kind in _MEDIA_BLOCKS:
-        raise ValueError(f"{where}: {kind} blocks are not supported by minisgl (it serves text-only models); send text blocks")
+        raise BadMessagesRequest(f"{where}: {kind} blocks are not supported by minisgl (it serves text-only models); send text blocks")
     if kind == "redacted_thinking":
-        raise ValueError(f"{where}: redacted_thinking blocks are not supported: minisgl never writes them and cannot read their encrypted data")
+        raise BadMessagesRequest(f"{where}: redacted_thinking blocks are not supported: minisgl never writes them and cannot read their encrypted data")
     model = _BLOCK_TYPES.get(kind)
     if model is None:
-        raise ValueError(f"{where}: content blocks of type {kind!r} are not supported by minisgl; it takes text, tool_use, tool_result and thinking "
+        raise BadMessagesRequest(f"{where}: content blocks of type {kind!r} are not supported by minisgl; it takes text, tool_use, tool_result and thinking "
                          "(server tools' blocks belong to tools it does not run)")  # fmt: skip
     if kind not in _ROLE_BLOCKS[role]:
         allowed = " and ".join(_ROLE_BLOCKS[role])
-        raise ValueError(f"{where}: a {kind} block cannot be in a {role} message (a {role} message holds {allowed} blocks)")
+        raise BadMessagesRequest(f"{where}: a {kind} block cannot be in a {role} message (a {role} message holds {allowed} blocks)")
     try:
         parsed = model.model_validate(block)
     except ValidationError as e:
-        raise ValueError(validation_message(e, where)[0]) from None
+        raise BadMessagesRequest(validation_message(e, where)[0]) from None
     if isinstance(parsed, TextBlock) and parsed.citations:
-        raise ValueError(f"{where}.citations: citations are not supported by minisgl (it cites no documents); leave them out")
+        raise BadMessagesRequest(f"{where}.citations: citations are not supported by minisgl (it cites no documents); leave them out")
+    if isinstance(parsed, ToolUseBlock):
+        _check_tool_use(parsed, where)
     if isinstance(parsed, ToolResultBlock) and isinstance(parsed.content, list):
         for i, inner in enumerate(parsed.content):
-            _check_cache_control(inner.cache_control, f"{where}.content[{i}].cache_control")
-    _check_cache_control(getattr(parsed, "cache_control", None), f"{where}.cache_control")
+            check_cache_control(inner.cache_control, f"{where}.content[{i}].cache_control")
+    check_cache_control(getattr(parsed, "cache_control", None), f"{where}.cache_control")
     return parsed
 
 
-def _check_cache_control(cache_control: Optional[CacheControl], field: str) -> None:
-    """ValueError for a cache_control with a ttl; `field`: where it sits (e.g. "system[0].cache_control")."""
+def check_cache_control(cache_control: Optional[CacheControl], field: str) -> None:
+    """BadMessagesRequest for a cache_control with a ttl; `field`: where it sits (e.g. "system[0].cache_control")."""
     if cache_control is not None and cache_control.ttl is not None:
-        raise ValueError(f"{field}.ttl: a cache lifetime is not supported by minisgl: its radix cache keeps every prompt's "
+        raise BadMessagesRequest(f"{field}.ttl: a cache lifetime is not supported by minisgl: its radix cache keeps every prompt's "
                          "prefix until memory runs short (least recently used first), with no promise of a time; leave ttl out")  # fmt: skip
+
+
+def _check_tool_use(block: ToolUseBlock, where: str) -> None:
+    """A tool_use block's caller and toolset_name: what the SDK's own block holds is accepted."""
+    if block.caller is not None and block.caller.get("type") != "direct":
+        raise BadMessagesRequest(f"{where}.caller: calls made by {block.caller.get('type')!r} are not supported by minisgl: it runs no server tools "
+                                 '(code execution) that call tools; the model calls them itself: send caller {"type": "direct"} or leave it out')  # fmt: skip
+    if block.caller is not None and set(block.caller) != {"type"}:
+        raise BadMessagesRequest(f'{where}.caller: a {{"type": "direct"}} caller has no other field')
+    if block.toolset_name is not None:
+        raise BadMessagesRequest(f"{where}.toolset_name: toolsets are not supported by minisgl (it runs no MCP or server toolsets); leave it null")
 
 
 class Message(BaseModel):
@@ -137,6 +157,11 @@ class Tool(BaseModel):
     type: Optional[Literal["custom"]] = None
     strict: Optional[bool] = None
     cache_control: Optional[CacheControl] = None
+    # (Anthropic's; checked in convert.py: what minisgl does is accepted, the rest refused by name)
+    eager_input_streaming: Optional[bool] = None
+    allowed_callers: Optional[List[str]] = None
+    defer_loading: Optional[bool] = None
+    input_examples: Optional[List[Any]] = None
 
 
 class ToolChoice(BaseModel):
@@ -214,7 +239,7 @@ def refusal(request: CountTokensRequest) -> Optional[Tuple[str, str]]:
         if getattr(request, name, None) is not None:
             return why, name
     try:
-        _check_cache_control(request.cache_control, "cache_control")
-    except ValueError as e:
+        check_cache_control(request.cache_control, "cache_control")
+    except BadMessagesRequest as e:
         return str(e), "cache_control.ttl"
     return None

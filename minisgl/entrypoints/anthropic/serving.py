@@ -24,10 +24,10 @@ from fastapi.responses import JSONResponse, Response
 
 from minisgl.chat_template import template_variables
 from minisgl.entrypoints.anthropic.convert import (
-    BadMessagesRequest, anthropic_error, content_blocks, message_object, new_id, stop_reason, thinking_template_kwargs, to_chat_request,
+    anthropic_error, content_blocks, message_object, new_id, stop_reason, thinking_template_kwargs, to_chat_request,
     usage_object,
 )  # fmt: skip
-from minisgl.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest, refusal
+from minisgl.entrypoints.anthropic.protocol import BadMessagesRequest, CountTokensRequest, MessagesRequest, refusal
 from minisgl.entrypoints.anthropic.stream import StreamedBlocks, folded
 from minisgl.entrypoints.openai.protocol import ChatCompletionRequest
 from minisgl.entrypoints.openai.serving_base import (
@@ -87,7 +87,7 @@ class AnthropicServing:
         try:
             kwargs = thinking_template_kwargs(request, self.tokenizer_manager.server_args.reasoning_parser, read)
             chat = to_chat_request(request, new_id("msg"), kwargs)
-        except (BadMessagesRequest, ValueError) as e:  # (ValueError: a block parse_block refused)
+        except BadMessagesRequest as e:
             return anthropic_error_response(str(e))
         refused_chat = self.chat.precheck(chat)  # (the chat route's checks: the model, LoRA, tools, ...)
         return from_openai_error(refused_chat) if refused_chat is not None else chat
