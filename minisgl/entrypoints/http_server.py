@@ -63,11 +63,12 @@ from minisgl.entrypoints.openai.protocol import (
     UnloadLoRAAdapterRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromTensorRequest,
+    field_path,
 )
 from minisgl.entrypoints.openai.serving_base import (
     create_error_response, error_body, handler_error_response, prepend, sse_data, sse_response, unknown_model_response,
 )  # fmt: skip
-from minisgl.entrypoints.openai.responses_protocol import ResponsesRequest, field_path
+from minisgl.entrypoints.openai.responses_protocol import ResponsesRequest
 from minisgl.entrypoints.openai.serving_chat import OpenAIServingChat
 from minisgl.entrypoints.openai.serving_responses import OpenAIServingResponses
 from minisgl.entrypoints.openai import serving_tokenize
@@ -134,22 +135,23 @@ def _validation_message(exc: RequestValidationError, union_tags: bool = True) ->
     return "; ".join(dict.fromkeys(parts)) or "Invalid request", (params[0] if params else None)
 
 
-def bearer_matches(sent: bytes, api_key: str) -> bool:
-    """Whether an Authorization header's raw bytes carry `Bearer <api_key>`.
+def key_matches(sent: bytes, api_key: str, prefix: str = "") -> bool:
+    """Whether a header's raw bytes are `<prefix><api_key>` (Authorization's prefix "Bearer ";
+    x-api-key's none).
 
     Compared as bytes: compare_digest refuses str with non-ASCII characters (a 500). curl
     and the openai client send a non-ASCII key as UTF-8; a browser's fetch sends characters
     up to U+00FF as one Latin-1 byte each (and refuses any above): both match.
     """
-    forms = [f"Bearer {api_key}".encode("utf-8")]
+    forms = [f"{prefix}{api_key}".encode("utf-8")]
     if all(ord(c) < 256 for c in api_key):  # a key a browser can send at all
-        forms.append(f"Bearer {api_key}".encode("latin-1"))
+        forms.append(f"{prefix}{api_key}".encode("latin-1"))
     return any([secrets.compare_digest(sent, form) for form in forms])  # (a list: no short cut)
 
 
-def _latin1(api_key: str) -> List[bytes]:
-    """The key as a browser sends it (one Latin-1 byte per character), when it can."""
-    return [api_key.encode("latin-1")] if all(ord(c) < 256 for c in api_key) else []
+def bearer_matches(sent: bytes, api_key: str) -> bool:
+    """Whether an Authorization header's raw bytes carry `Bearer <api_key>`."""
+    return key_matches(sent, api_key, "Bearer ")
 
 
 def create_app(
@@ -248,8 +250,7 @@ def _add_api_key_check(app: FastAPI, api_key: str) -> None:
         if bearer_matches(request.headers.get("authorization", "").encode("latin-1"), api_key):
             return True
         if _is_anthropic(request.url.path) and "x-api-key" in request.headers:
-            sent = request.headers["x-api-key"].encode("latin-1")
-            return any([secrets.compare_digest(sent, key) for key in {key_bytes, *_latin1(api_key)}])
+            return key_matches(request.headers["x-api-key"].encode("latin-1"), api_key)
         # A browser's EventSource cannot send headers: the visualizer page passes the
         # key as ?api_key=KEY, accepted for the /visualizer routes only.
         key = request.query_params.get("api_key", "").encode()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 
 from pydantic import ValidationError
@@ -25,8 +24,8 @@ from minisgl.entrypoints.anthropic.protocol import (
     BadMessagesRequest, Block, CountTokensRequest, Message, MessagesRequest, TextBlock, ThinkingBlock, Tool, ToolResultBlock, ToolUseBlock,
     check_cache_control, parse_block,
 )  # fmt: skip
-from minisgl.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponseChoice, UsageInfo
-from minisgl.entrypoints.openai.responses_protocol import validation_message
+from minisgl.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponseChoice, UsageInfo, validation_message
+from minisgl.entrypoints.openai.serving_base import reword
 
 # what joins a message's text blocks (SGLang joins `system` blocks so; chat would join parts with a space)
 BLOCK_SEPARATOR = "\n"
@@ -34,11 +33,6 @@ BLOCK_SEPARATOR = "\n"
 TOOL_ERROR_PREFIX = "Error: "
 # what a thinking block's `signature` holds: minisgl signs nothing (nothing checks a signature sent back)
 SIGNATURE = ""
-
-
-def new_id(prefix: str) -> str:
-    """Anthropic's id shapes: msg_..., toolu_... (a prefix and 32 hex digits)."""
-    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 def tool_use_id(call_id: str) -> str:
@@ -283,9 +277,7 @@ _ERROR_WORDS = [
 
 def anthropic_error(message: str) -> str:
     """An error message of the chat path in the Messages API's words (its fields by their names here)."""
-    for pattern, words in _ERROR_WORDS:
-        message = pattern.sub(words, message)
-    return message
+    return reword(message, _ERROR_WORDS)
 
 
 # --------------------------------------------------------------------------- the answer

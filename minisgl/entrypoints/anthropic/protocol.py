@@ -15,11 +15,10 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
-from minisgl.entrypoints.openai.responses_protocol import validation_message
+from minisgl.entrypoints.openai.protocol import STRICT, validation_message
 
-_STRICT = ConfigDict(extra="forbid", strict=True)
 
 
 class BadMessagesRequest(ValueError):
@@ -31,13 +30,13 @@ class CacheControl(BaseModel):
     one, so the marker asks for what happens anyway; a `ttl` is a promise of how long (5m, 1h) that
     an LRU cache under memory pressure cannot make: refused (see `check_cache_control`)."""
 
-    model_config = _STRICT
+    model_config = STRICT
     type: Literal["ephemeral"]
     ttl: Optional[str] = None
 
 
 class TextBlock(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     type: Literal["text"]
     text: str
     cache_control: Optional[CacheControl] = None
@@ -47,7 +46,7 @@ class TextBlock(BaseModel):
 class ToolUseBlock(BaseModel):
     """A call the model made, sent back in an assistant turn: the chat message's tool_calls."""
 
-    model_config = _STRICT
+    model_config = STRICT
     type: Literal["tool_use"]
     id: str
     name: str
@@ -61,7 +60,7 @@ class ToolUseBlock(BaseModel):
 class ToolResultBlock(BaseModel):
     """The result of a call, in a user turn: the chat route's tool message."""
 
-    model_config = _STRICT
+    model_config = STRICT
     type: Literal["tool_result"]
     tool_use_id: str
     content: Optional[Union[str, List[TextBlock]]] = None
@@ -78,7 +77,7 @@ class ThinkingBlock(BaseModel):
     """An assistant turn's thinking, sent back: the chat message's reasoning_content. Its signature
     is not checked (minisgl signs nothing: the ones it returns are empty)."""
 
-    model_config = _STRICT
+    model_config = STRICT
     type: Literal["thinking"]
     thinking: str
     signature: str
@@ -141,7 +140,7 @@ def _check_tool_use(block: ToolUseBlock, where: str) -> None:
 
 
 class Message(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     role: Literal["user", "assistant", "system"]
     content: Union[str, List[Any]]  # (blocks checked by parse_block, which names each)
 
@@ -150,7 +149,7 @@ class Tool(BaseModel):
     """A custom tool (a client tool): a chat function tool. Server tools (web_search, bash,
     text_editor, code_execution, ...) have a `type` of their own and are refused in convert.py."""
 
-    model_config = _STRICT
+    model_config = STRICT
     name: str = Field(min_length=1)
     input_schema: Dict[str, Any]
     description: Optional[str] = None
@@ -165,14 +164,14 @@ class Tool(BaseModel):
 
 
 class ToolChoice(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     type: Literal["auto", "any", "tool", "none"]
     name: Optional[str] = None
     disable_parallel_tool_use: Optional[bool] = None
 
 
 class Thinking(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
     budget_tokens: Optional[int] = Field(default=None, ge=1)
     display: Optional[Literal["summarized", "omitted"]] = None
@@ -181,7 +180,7 @@ class Thinking(BaseModel):
 class CountTokensRequest(BaseModel):
     """POST /v1/messages/count_tokens: what shapes the prompt (no max_tokens, no sampling)."""
 
-    model_config = _STRICT
+    model_config = STRICT
     model: str
     messages: List[Message]
     system: Optional[Union[str, List[Any]]] = None

@@ -24,14 +24,14 @@ from fastapi.responses import JSONResponse, Response
 
 from minisgl.chat_template import template_variables
 from minisgl.entrypoints.anthropic.convert import (
-    anthropic_error, content_blocks, message_object, new_id, stop_reason, thinking_template_kwargs, to_chat_request,
+    anthropic_error, content_blocks, message_object, stop_reason, thinking_template_kwargs, to_chat_request,
     usage_object,
 )  # fmt: skip
 from minisgl.entrypoints.anthropic.protocol import BadMessagesRequest, CountTokensRequest, MessagesRequest, refusal
 from minisgl.entrypoints.anthropic.stream import StreamedBlocks, folded
 from minisgl.entrypoints.openai.protocol import ChatCompletionRequest
 from minisgl.entrypoints.openai.serving_base import (
-    StreamedHiddenStates, UsageCounter, collect_outputs, guarded_stream, handler_error_response, sse_response, start_stream,
+    StreamedHiddenStates, UsageCounter, collect_outputs, guarded_stream, handler_error_response, new_id, sse_event, sse_response, start_stream,
 )  # fmt: skip
 from minisgl.entrypoints.openai.serving_chat import OpenAIServingChat
 
@@ -58,7 +58,7 @@ def from_openai_error(response: JSONResponse) -> JSONResponse:
 
 def _event(kind: str, **fields: Any) -> str:
     """One SSE event as Anthropic frames them: its type as the event name, then its data."""
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return sse_event(kind, {"type": kind, **fields})
 
 
 def _error_events(message: str, status_code: int) -> List[str]:

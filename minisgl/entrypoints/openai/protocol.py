@@ -14,16 +14,41 @@ coerced, as JSON has a single number type.
 from __future__ import annotations
 
 import json
+import re
 import time
-from typing import Any, ClassVar, Dict, FrozenSet, List, Literal, Optional, Union
+from typing import Any, ClassVar, Dict, FrozenSet, List, Literal, Optional, Sequence, Tuple, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 
 from minisgl.sampling.sampling_params import (
     GENERATION_CONFIG_SAMPLING_KEYS, MAX_N, MAX_TOP_LOGPROBS_NUM, SamplingParams,
 )  # fmt: skip
 
-_STRICT = ConfigDict(extra="forbid", strict=True)
+STRICT = ConfigDict(extra="forbid", strict=True)  # (every request model's: the Responses' and the Messages API's too)
+
+
+# pydantic's name for the branch of a union a value was tried against (`input.str`, `input.list[any]`,
+# `content.list[union[InputTextPart,OutputTextPart]]`): no field of the request, so no part of a param
+_UNION_BRANCH = re.compile(r"^(?:str|int|float|bool|none|[A-Z]\w*|[a-z][\w-]*\[.*\])$")
+
+
+def field_path(loc: Sequence[Any], prefix: str = "") -> str:
+    """A pydantic error's loc as the field it names, `prefix` first: `a.b[2].c`, union branch tags left out."""
+    path = prefix
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif not _UNION_BRANCH.match(str(part)):
+            path += f".{part}" if path else str(part)
+    return path
+
+
+def validation_message(e: ValidationError, prefix: str = "") -> Tuple[str, str]:
+    """(a message naming the field, the field) of a ValidationError's first error; `prefix`: where the validated object sits."""
+    first = e.errors()[0]
+    field = field_path(first.get("loc", ()), prefix)
+    return (f"{field}: {first.get('msg')}" if field else str(first.get("msg"))), field
+
 
 # Fields of the OpenAI API, and of SGLang's /generate, that minisgl does not implement. Naming
 # them lets the error say "not supported" rather than "unknown" (the 400 is the same either way).
@@ -69,7 +94,7 @@ class ErrorResponse(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     include_usage: bool = False
     # SGLang's and vLLM's: every chunk of a choice also carries that choice's usage so far
     continuous_usage_stats: bool = False
@@ -135,7 +160,7 @@ class ResponseFormat(BaseModel):
     SGLang's structural_tag: free text in which whatever follows a trigger is one of the
     structures (its `structures` + `triggers`, or xgrammar's own `format` object)."""
 
-    model_config = _STRICT
+    model_config = STRICT
     type: str
     json_schema: Optional[JsonSchemaResponseFormat] = None
     structures: Optional[List[StructureFormat]] = None
@@ -194,7 +219,7 @@ class ResponseFormat(BaseModel):
 class _SamplingFields(BaseModel):
     """Sampling fields shared by chat and completions (sglang-facts.md §10.3)."""
 
-    model_config = _STRICT
+    model_config = STRICT
     null_means_default: ClassVar[FrozenSet[str]] = NULL_MEANS_DEFAULT
 
     @model_validator(mode="before")
@@ -288,13 +313,13 @@ class _SamplingFields(BaseModel):
 
 # --------------------------------------------------------------------------- chat
 class ContentPart(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     type: Literal["text"]
     text: str
 
 
 class FunctionDefinition(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     name: str
     description: Optional[str] = None
     parameters: Optional[Dict[str, Any]] = None  # a JSON schema of the arguments object
@@ -302,26 +327,26 @@ class FunctionDefinition(BaseModel):
 
 
 class Tool(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     type: Literal["function"]
     function: FunctionDefinition
 
 
 class ToolChoiceFunction(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     name: str
 
 
 class ToolChoice(BaseModel):
     """A named function the model must call (`{"type": "function", "function": {"name": ...}}`)."""
 
-    model_config = _STRICT
+    model_config = STRICT
     type: Literal["function"]
     function: ToolChoiceFunction
 
 
 class FunctionCall(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
@@ -329,7 +354,7 @@ class FunctionCall(BaseModel):
 class ToolCall(BaseModel):
     """A call the model made (in a response), or made earlier (in an assistant message)."""
 
-    model_config = _STRICT
+    model_config = STRICT
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
@@ -358,7 +383,7 @@ _MESSAGE_NULL_FIELDS = frozenset({"refusal", "audio", "function_call", "annotati
 
 
 class ChatMessage(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     # ("function", the legacy role of functions/function_call, is not supported)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, List[ContentPart]]] = None
@@ -596,7 +621,7 @@ class CompletionStreamResponse(BaseModel):
 class TokenizeRequest(BaseModel):
     """SGLang's /v1/tokenize body (also served at /tokenize)."""
 
-    model_config = _STRICT
+    model_config = STRICT
     model: Optional[str] = None
     prompt: Union[str, List[str]]
     add_special_tokens: bool = True  # as a text prompt of /v1/completions is encoded
@@ -605,7 +630,7 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     """SGLang's /v1/detokenize body (also served at /detokenize)."""
 
-    model_config = _STRICT
+    model_config = STRICT
     model: Optional[str] = None
     tokens: Union[List[int], List[List[int]]]
     skip_special_tokens: bool = True
@@ -616,7 +641,7 @@ class GenerateRequest(BaseModel):
     """SGLang's native /generate body: text or input_ids (single or batch) + sampling_params
     (one dict for all, or a batch's list of one per prompt; the logprob fields likewise)."""
 
-    model_config = _STRICT
+    model_config = STRICT
 
     @model_validator(mode="before")
     @classmethod
@@ -652,7 +677,7 @@ class EmbeddingRequest(BaseModel):
     text, a list of texts, one token-id list or a list of them. `user` (OpenAI's end-user id) is
     written to the request log with --log-requests, and changes nothing else."""
 
-    model_config = _STRICT
+    model_config = STRICT
     input: Union[str, List[str], List[int], List[List[int]]]
     model: str
     # base64: each embedding as the base64 of its little-endian float32 bytes (what the openai
@@ -685,7 +710,7 @@ class EncodeRequest(BaseModel):
     single or a batch; the answer is the TokenizerManager's {"embedding", "meta_info"} (a list
     for a batch)."""
 
-    model_config = _STRICT
+    model_config = STRICT
     text: Optional[Union[str, List[str]]] = None
     input_ids: Optional[Union[List[int], List[List[int]]]] = None
     rid: Optional[Union[str, List[str]]] = None
@@ -698,7 +723,7 @@ class ProfileReqInput(BaseModel):
     and null asks for the default (docs/server.md). start_step, profile_by_stage, merge_profiles
     and profile_stages ask for what minisgl does not do: set, each is a 400 that says why."""
 
-    model_config = _STRICT
+    model_config = STRICT
     output_dir: Optional[str] = None  # default: $SGLANG_TORCH_PROFILER_DIR, else /tmp
     start_step: Optional[int] = None
     num_steps: Optional[int] = None  # stop by itself after this many steps that run a batch
@@ -716,7 +741,7 @@ class LoadLoRAAdapterRequest(BaseModel):
     """SGLang's /load_lora_adapter body (its LoadLoRAAdapterReqInput's client fields): the name
     requests will use, the PEFT directory, and `pinned` (docs/server.md)."""
 
-    model_config = _STRICT
+    model_config = STRICT
     lora_name: str
     lora_path: str
     pinned: bool = False
@@ -725,7 +750,7 @@ class LoadLoRAAdapterRequest(BaseModel):
 class UnloadLoRAAdapterRequest(BaseModel):
     """SGLang's /unload_lora_adapter body: the name of a loaded adapter."""
 
-    model_config = _STRICT
+    model_config = STRICT
     lora_name: str
 
 

@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from typing import Any, Dict, List, NamedTuple, Optional, Set, Tuple
 
 from pydantic import ValidationError
 
-from minisgl.entrypoints.openai.protocol import ChatChoiceLogprobs, ChatCompletionRequest, ChatCompletionResponseChoice, ChatTokenLogprob
+from minisgl.entrypoints.openai.protocol import (
+    ChatChoiceLogprobs, ChatCompletionRequest, ChatCompletionResponseChoice, ChatTokenLogprob, validation_message,
+)  # fmt: skip
 from minisgl.entrypoints.openai.responses_protocol import (
     FunctionCallItem, FunctionCallOutputItem, FunctionTool, InputItem, MessageItem, ReasoningItem, ResponsesRequest, parse_item,
-    validation_message,
 )  # fmt: skip
+from minisgl.entrypoints.openai.serving_base import new_id, reword
 from minisgl.entrypoints.openai.tool_parsers import NOT_JSON
 
 
@@ -33,11 +34,6 @@ class BadResponsesRequest(ValueError):
     def __init__(self, message: str, param: Optional[str]) -> None:
         super().__init__(message)
         self.param = param
-
-
-def new_id(prefix: str) -> str:
-    """OpenAI's id shapes: resp_..., msg_..., rs_..., fc_... (a prefix and 32 hex digits)."""
-    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 # chat's field -> the Responses field it came from (so that chat's errors name what the client sent;
@@ -79,8 +75,7 @@ def responses_error(message: str, param: Optional[str], request: ResponsesReques
         param = next((field for pattern, field in _ERROR_PARAMS if pattern.search(message)), None)
         if param == "text.format" and (request.text is None or request.text.format is None):
             param = "tools"  # (the schema was a forced call's: its function's parameters)
-    for pattern, words in _ERROR_WORDS:
-        message = pattern.sub(words, message)
+    message = reword(message, _ERROR_WORDS)
     message = message.replace("response_format.json_schema", "text.format").replace("text.format.json_schema", "text.format")
     return message, param
 

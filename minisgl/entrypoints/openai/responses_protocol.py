@@ -12,14 +12,13 @@ names the item (`input[2]`) and says what to send instead.
 
 from __future__ import annotations
 
-import re
-from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
+from minisgl.entrypoints.openai.protocol import STRICT, validation_message
 from minisgl.sampling.sampling_params import MAX_TOP_LOGPROBS_NUM
 
-_STRICT = ConfigDict(extra="forbid", strict=True)
 # an output item a client sends back as input carries the id and status it was given: they name
 # it, they ask for nothing (OpenAI takes them too)
 _ITEM_STATUS = Optional[Literal["in_progress", "completed", "incomplete"]]
@@ -30,7 +29,7 @@ METADATA_MAX_PAIRS, METADATA_MAX_KEY, METADATA_MAX_VALUE = 16, 64, 512
 
 
 class InputTextPart(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     type: Literal["input_text"]
     text: str
 
@@ -38,7 +37,7 @@ class InputTextPart(BaseModel):
 class OutputTextPart(BaseModel):
     """An assistant message's text, as a response's output has it (sent back as input)."""
 
-    model_config = _STRICT
+    model_config = STRICT
     type: Literal["output_text"]
     text: str
     annotations: Optional[List[Any]] = None  # (minisgl's are always [])
@@ -48,7 +47,7 @@ class OutputTextPart(BaseModel):
 class MessageItem(BaseModel):
     """A message: the EasyInputMessage (`{"role", "content"}`, no type needed) or a `message` item."""
 
-    model_config = _STRICT
+    model_config = STRICT
     type: Optional[Literal["message"]] = None
     role: Literal["user", "system", "developer", "assistant"]
     content: Union[str, List[Union[InputTextPart, OutputTextPart]]]
@@ -59,7 +58,7 @@ class MessageItem(BaseModel):
 class FunctionCallItem(BaseModel):
     """A call the model made (a function_call output item, sent back with the conversation)."""
 
-    model_config = _STRICT
+    model_config = STRICT
     type: Literal["function_call"]
     call_id: str
     name: str
@@ -71,7 +70,7 @@ class FunctionCallItem(BaseModel):
 class FunctionCallOutputItem(BaseModel):
     """The result of a call, from the client: the chat route's tool message."""
 
-    model_config = _STRICT
+    model_config = STRICT
     type: Literal["function_call_output"]
     call_id: str
     output: Union[str, List[InputTextPart]]
@@ -83,13 +82,13 @@ class FunctionCallOutputItem(BaseModel):
 
 
 class ReasoningTextPart(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     type: Literal["reasoning_text"]
     text: str
 
 
 class SummaryTextPart(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     type: Literal["summary_text"]
     text: str
 
@@ -100,7 +99,7 @@ class ReasoningItem(BaseModel):
     Its summary must be empty, as minisgl's own are (parse_item refuses another: it would be
     dropped, as no chat message field carries it)."""
 
-    model_config = _STRICT
+    model_config = STRICT
     type: Literal["reasoning"]
     id: Optional[str] = None
     summary: List[SummaryTextPart] = Field(default_factory=list)
@@ -142,33 +141,10 @@ def parse_item(item: Any, where: str) -> InputItem:
     return parsed
 
 
-# pydantic's name for the branch of a union a value was tried against (`input.str`, `input.list[any]`,
-# `content.list[union[InputTextPart,OutputTextPart]]`): no field of the request, so no part of a param
-_UNION_BRANCH = re.compile(r"^(?:str|int|float|bool|none|[A-Z]\w*|[a-z][\w-]*\[.*\])$")
-
-
-def field_path(loc: Sequence[Any], prefix: str = "") -> str:
-    """A pydantic error's loc as the field it names, `prefix` first: `a.b[2].c`, union branch tags left out."""
-    path = prefix
-    for part in loc:
-        if isinstance(part, int):
-            path += f"[{part}]"
-        elif not _UNION_BRANCH.match(str(part)):
-            path += f".{part}" if path else str(part)
-    return path
-
-
-def validation_message(e: ValidationError, prefix: str = "") -> Tuple[str, str]:
-    """(a message naming the field, the field) of a ValidationError's first error; `prefix`: where the validated object sits."""
-    first = e.errors()[0]
-    field = field_path(first.get("loc", ()), prefix)
-    return (f"{field}: {first.get('msg')}" if field else str(first.get("msg"))), field
-
-
 class FunctionTool(BaseModel):
     """A function tool in the Responses' flat shape (chat nests the same under "function")."""
 
-    model_config = _STRICT
+    model_config = STRICT
     type: Literal["function"]
     name: str
     description: Optional[str] = None
@@ -179,13 +155,13 @@ class FunctionTool(BaseModel):
 class TextConfig(BaseModel):
     """`text`: its `format` becomes the chat's response_format (checked there)."""
 
-    model_config = _STRICT
+    model_config = STRICT
     format: Optional[Dict[str, Any]] = None
     verbosity: Optional[Literal["low", "medium", "high"]] = None
 
 
 class ReasoningConfig(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh"]] = None
     summary: Optional[Literal["auto", "concise", "detailed"]] = None
     generate_summary: Optional[Literal["auto", "concise", "detailed"]] = None  # (the deprecated name of summary)
@@ -195,7 +171,7 @@ class ResponsesRequest(BaseModel):
     """POST /v1/responses (OpenAI's ResponseCreateParams): what minisgl builds, plus the knobs of
     chat's it takes here (docs/server.md), plus the fields it refuses by name (see `refusal`)."""
 
-    model_config = _STRICT
+    model_config = STRICT
     model: str
     input: Union[str, List[Any]]
     instructions: Optional[str] = None

@@ -21,8 +21,9 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Tuple
 
 from minisgl.entrypoints.openai.responses_convert import (
-    call_item, cut, message_item, new_id, output_logprobs, reasoning_item, text_part,
+    call_item, cut, message_item, output_logprobs, reasoning_item, text_part,
 )  # fmt: skip
+from minisgl.entrypoints.openai.serving_base import new_id
 from minisgl.entrypoints.openai.serving_chat import ChatDelta
 
 Event = Tuple[str, Dict[str, Any]]  # (type, its fields but type and sequence_number)

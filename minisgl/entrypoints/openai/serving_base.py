@@ -14,8 +14,9 @@ import json
 from abc import ABC, abstractmethod
 import logging
 import time
+import uuid
 from http import HTTPStatus
-from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Pattern, Sequence, Tuple, Union
 
 from fastapi import HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -82,6 +83,25 @@ def split_lora_model(model: str, served: str) -> Tuple[str, Optional[str]]:
         return model, None
     base, adapter = model.split(":", 1)
     return base, adapter.strip() or None
+
+
+def sse_event(kind: str, body: Dict[str, Any]) -> str:
+    """One SSE event as the Responses and Messages APIs frame theirs: `event: <kind>`, then
+    `data: <body as compact JSON>` and a blank line (`body` carries its own "type": kind)."""
+    return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def new_id(prefix: str) -> str:
+    """An id of OpenAI's and Anthropic's shape: a prefix, "_" and 32 hex digits (resp_..., msg_..., toolu_...)."""
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def reword(message: str, rules: Sequence[Tuple[Pattern[str], str]]) -> str:
+    """A chat-path error message in another API's words: each rule's pattern replaced by its words,
+    in order (the Responses and Messages APIs name chat's fields by their own)."""
+    for pattern, words in rules:
+        message = pattern.sub(words, message)
+    return message
 
 
 def sse_data(obj: Any) -> str:

@@ -27,14 +27,14 @@ from fastapi.responses import JSONResponse, Response
 from minisgl.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponseChoice, ChatTokenLogprob, UsageInfo
 from minisgl.entrypoints.openai.reasoning import split_reasoning
 from minisgl.entrypoints.openai.responses_convert import (
-    BadResponsesRequest, new_id, output_as_message, output_items, reasoning_text, responses_error, to_chat_request,
+    BadResponsesRequest, output_as_message, output_items, reasoning_text, responses_error, to_chat_request,
 )  # fmt: skip
 from minisgl.entrypoints.openai.responses_protocol import ResponsesRequest, refusal
 from minisgl.entrypoints.openai.responses_store import ResponseStore, StoredResponse
 from minisgl.entrypoints.openai.responses_stream import StreamedOutput
 from minisgl.entrypoints.openai.serving_base import (
-    StreamedHiddenStates, UsageCounter, collect_outputs, create_error_response, guarded_stream, handler_error_response, sse_response,
-    start_stream,
+    StreamedHiddenStates, UsageCounter, collect_outputs, create_error_response, guarded_stream, handler_error_response, new_id, sse_event,
+    sse_response, start_stream,
 )  # fmt: skip
 from minisgl.entrypoints.openai.serving_chat import OpenAIServingChat
 
@@ -142,8 +142,7 @@ class OpenAIServingResponses:
     @staticmethod
     def _event(turn: ResponsesTurn, kind: str, **fields: Any) -> str:
         """One SSE event as OpenAI frames them: its type as the event name, then its data."""
-        body = {"type": kind, **fields, "sequence_number": next(turn.sequence)}
-        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+        return sse_event(kind, {"type": kind, **fields, "sequence_number": next(turn.sequence)})
 
     # --- the response object
     def _finished(self, turn: ResponsesTurn, output: List[Dict[str, Any]], finish_reason: Optional[str], usage: UsageInfo) -> Dict[str, Any]:
