@@ -110,16 +110,18 @@ def test_system_blocks_turns_tool_use_and_results_become_chat_messages() -> None
     assert prefill.continue_final_message is True
 
 
-def _USE(fields: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """A conversation whose assistant turn holds a tool_use block with `fields` added, answered."""
+def _USE(fields: Dict[str, Any], result: Any = "sunny") -> List[Dict[str, Any]]:
+    """A conversation whose assistant turn holds a tool_use block with `fields` added, answered with `result`."""
     use = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}, **fields}
     return [{"role": "user", "content": "x"}, {"role": "assistant", "content": [use]},
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]}]  # fmt: skip
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": result}]}]  # fmt: skip
 
 
 def test_the_sdks_own_blocks_and_tool_options_it_honours_are_taken() -> None:
     """What the SDK's response blocks dump (caller and toolset_name null, a direct caller) and
     the tool options minisgl does (no eager streaming, direct callers, no deferred loading)."""
+    blocks = _translate(messages=_USE({}, [{"type": "text", "text": "sunny,"}, {"type": "text", "text": "12 C", "citations": None}]))
+    assert blocks.messages[2].content == "sunny,\n12 C"  # (a tool_result's text blocks joined as a message's)
     chat = _translate(messages=_USE({"caller": {"type": "direct"}, "toolset_name": None}),
                       tools=[{**WEATHER, "eager_input_streaming": False, "allowed_callers": ["direct"], "defer_loading": False, "input_examples": None}])  # fmt: skip
     assert chat.messages[1].tool_calls[0].function.name == "get_weather" and chat.tools[0].function.name == "get_weather"
@@ -145,6 +147,15 @@ def test_the_sdks_own_blocks_and_tool_options_it_honours_are_taken() -> None:
         ({"messages": [{"role": "user", "content": "x"}], "tools": [{**WEATHER, "allowed_callers": ["code_execution_20250825"]}]}, "tools[0].allowed_callers"),
         ({"messages": [{"role": "user", "content": "x"}], "tools": [{**WEATHER, "defer_loading": True}]}, "tools[0].defer_loading: tool search"),
         ({"messages": [{"role": "user", "content": "x"}], "tools": [{**WEATHER, "input_examples": [{"city": "Oslo"}]}]}, "tools[0].input_examples"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER, {**WEATHER, "description": "again"}]}, "Tool names must be unique: 'get_weather'"),
+        ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": []}]}, "messages[1].content is empty"),
+        ({"messages": [{"role": "user", "content": []}]}, "messages[0].content is empty"),
+        ({"messages": _USE({}, [{"type": "text", "text": "x", "citations": [{"type": "char_location"}]}])}, "messages[2].content[0].content[0].citations: citations are not supported"),
+        ({"messages": _USE({}, [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "xx"}}])},
+         "messages[2].content[0].content[0]: image blocks are not supported"),
+        ({"messages": _USE({}, [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral", "ttl": "1h"}}])}, "messages[2].content[0].content[0].cache_control.ttl"),
+        ({"messages": _USE({}, [{"type": "tool_use", "id": "t", "name": "f", "input": {}}])}, "a tool_use block cannot be in a tool_result's content"),
+        ({"messages": [{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]}, "a tool_result block cannot be in an assistant message"),
     ],
 )
 def test_what_cannot_be_translated_says_what_to_send(body: Dict[str, Any], needle: str) -> None:
@@ -413,3 +424,17 @@ def test_an_api_key_is_taken_as_x_api_key_or_bearer_on_these_routes_only(tiny_mo
         assert _create(client, headers={"authorization": "Bearer sekret"}).status_code == 200
         chat = client.post("/v1/chat/completions", json={"model": client.model, "messages": [{"role": "user", "content": "x"}]}, headers={"x-api-key": "sekret"})
         assert chat.status_code == 401 and chat.json()["error"]["type"] == "AuthenticationError"
+
+
+def test_error_types_are_the_sdks() -> None:
+    """Every status maps to a type of the SDK's ErrorType (a 413 too: invalid_request_error, as no
+    `request_too_large` type exists there)."""
+    from typing import get_args
+
+    from anthropic.types.shared.error_type import ErrorType
+
+    from minisgl.entrypoints.anthropic.serving import anthropic_error_body
+
+    assert all(anthropic_error_body("x", status)["error"]["type"] in get_args(ErrorType) for status in range(400, 600))
+    assert [anthropic_error_body("x", s)["error"]["type"] for s in (401, 404, 413, 503, 500)] == [
+        "authentication_error", "not_found_error", "invalid_request_error", "overloaded_error", "api_error"]  # fmt: skip

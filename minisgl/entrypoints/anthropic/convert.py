@@ -21,14 +21,12 @@ from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 from pydantic import ValidationError
 
 from minisgl.entrypoints.anthropic.protocol import (
-    BadMessagesRequest, Block, CountTokensRequest, Message, MessagesRequest, TextBlock, ThinkingBlock, Tool, ToolResultBlock, ToolUseBlock,
-    check_cache_control, parse_block,
+    BLOCK_SEPARATOR, BadMessagesRequest, Block, CountTokensRequest, Message, MessagesRequest, TextBlock, ThinkingBlock, Tool, ToolResultBlock,
+    ToolUseBlock, check_cache_control, parse_block,
 )  # fmt: skip
 from minisgl.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponseChoice, UsageInfo, validation_message
 from minisgl.entrypoints.openai.serving_base import reword
 
-# what joins a message's text blocks (SGLang joins `system` blocks so; chat would join parts with a space)
-BLOCK_SEPARATOR = "\n"
 # a tool_result with is_error: the model reads that the call failed (chat's tool message has no flag for it)
 TOOL_ERROR_PREFIX = "Error: "
 # what a thinking block's `signature` holds: minisgl signs nothing (nothing checks a signature sent back)
@@ -109,6 +107,10 @@ def to_chat_request(request: CountTokensRequest, rid: str, template_kwargs: Dict
         body["chat_template_kwargs"] = template_kwargs
     if request.tools:
         body["tools"] = [_chat_tool(tool, f"tools[{i}]") for i, tool in enumerate(request.tools)]
+        names = [tool["function"]["name"] for tool in body["tools"]]
+        if len(set(names)) < len(names):  # (Anthropic's 400: a call names its tool, which one would it be)
+            twice = next(name for name in names if names.count(name) > 1)
+            raise BadMessagesRequest(f"tools: Tool names must be unique: {twice!r} is declared more than once")
     if request.tool_choice is not None:
         body.update(_chat_tool_choice(request))
     try:
@@ -140,6 +142,8 @@ def _turns(messages: List[Message]) -> List[Tuple[str, List[Block], str]]:
         where = f"messages[{i}].content"
         if isinstance(message.content, str):
             blocks: List[Block] = [TextBlock(type="text", text=message.content)]
+        elif not message.content:  # (Anthropic's rule; an empty final assistant message, a prefill of nothing, is left out instead)
+            raise BadMessagesRequest(f"{where} is empty: a message holds at least one content block (leave out a message with nothing to say)")
         else:
             blocks = [parse_block(block, f"{where}[{j}]", message.role) for j, block in enumerate(message.content)]
         if turns and turns[-1][0] == message.role:

@@ -21,6 +21,10 @@ from minisgl.entrypoints.openai.protocol import STRICT, validation_message
 
 
 
+# what joins a message's (or a tool_result's) text blocks (SGLang joins `system` blocks so; chat would join parts with a space)
+BLOCK_SEPARATOR = "\n"
+
+
 class BadMessagesRequest(ValueError):
     """A request the Messages API cannot run: a 400 (invalid_request_error) whose message names the field."""
 
@@ -63,14 +67,15 @@ class ToolResultBlock(BaseModel):
     model_config = STRICT
     type: Literal["tool_result"]
     tool_use_id: str
-    content: Optional[Union[str, List[TextBlock]]] = None
+    content: Optional[Union[str, List[Any]]] = None  # (blocks: parse_block checks each, as a message's, and keeps them parsed)
     is_error: Optional[bool] = None
     cache_control: Optional[CacheControl] = None
 
     def text(self) -> str:
+        """The result as the tool message's text: its text blocks joined as a message's are."""
         if self.content is None:
             return ""
-        return self.content if isinstance(self.content, str) else "".join(block.text for block in self.content)
+        return self.content if isinstance(self.content, str) else BLOCK_SEPARATOR.join(block.text for block in self.content)
 
 
 class ThinkingBlock(BaseModel):
@@ -86,7 +91,7 @@ class ThinkingBlock(BaseModel):
 Block = Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock]
 _BLOCK_TYPES = {"text": TextBlock, "tool_use": ToolUseBlock, "tool_result": ToolResultBlock, "thinking": ThinkingBlock}
 # which roles may hold which blocks (Anthropic's rule: the model calls, the user answers)
-_ROLE_BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking"), "system": ("text",)}
+_ROLE_BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking"), "system": ("text",), "tool_result": ("text",)}
 _MEDIA_BLOCKS = ("image", "document", "search_result", "container_upload")
 
 
@@ -105,7 +110,8 @@ def parse_block(block: Any, where: str, role: str) -> Block:
                          "(server tools' blocks belong to tools it does not run)")  # fmt: skip
     if kind not in _ROLE_BLOCKS[role]:
         allowed = " and ".join(_ROLE_BLOCKS[role])
-        raise BadMessagesRequest(f"{where}: a {kind} block cannot be in a {role} message (a {role} message holds {allowed} blocks)")
+        holder = "a tool_result's content" if role == "tool_result" else f"{_a(role)} {role} message"
+        raise BadMessagesRequest(f"{where}: {_a(kind)} {kind} block cannot be in {holder} ({holder} holds {allowed} blocks)")
     try:
         parsed = model.model_validate(block)
     except ValidationError as e:
@@ -114,11 +120,15 @@ def parse_block(block: Any, where: str, role: str) -> Block:
         raise BadMessagesRequest(f"{where}.citations: citations are not supported by minisgl (it cites no documents); leave them out")
     if isinstance(parsed, ToolUseBlock):
         _check_tool_use(parsed, where)
-    if isinstance(parsed, ToolResultBlock) and isinstance(parsed.content, list):
-        for i, inner in enumerate(parsed.content):
-            check_cache_control(inner.cache_control, f"{where}.content[{i}].cache_control")
+    if isinstance(parsed, ToolResultBlock) and isinstance(parsed.content, list):  # (its blocks by the same rules: citations, images, a ttl)
+        parsed.content = [parse_block(inner, f"{where}.content[{i}]", "tool_result") for i, inner in enumerate(parsed.content)]
     check_cache_control(getattr(parsed, "cache_control", None), f"{where}.cache_control")
     return parsed
+
+
+def _a(word: str) -> str:
+    """The article before `word` ("an assistant", "a user")."""
+    return "an" if word[:1] in "aeio" else "a"  # (no "an user": u sounds "you")
 
 
 def check_cache_control(cache_control: Optional[CacheControl], field: str) -> None:

@@ -17,7 +17,7 @@ Errors are Anthropic's: {"type": "error", "error": {"type": "invalid_request_err
 from __future__ import annotations
 
 import json
-from typing import Any, AsyncIterator, Dict, List
+from typing import Any, AsyncIterator, Dict, List, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -36,8 +36,8 @@ from minisgl.entrypoints.openai.serving_base import (
 from minisgl.entrypoints.openai.serving_chat import OpenAIServingChat
 
 # HTTP status -> Anthropic's error type (anthropic.types.shared.ErrorType); 503 (minisgl's full queue) is overloaded_error
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-                413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error"}  # fmt: skip
+# (only the statuses these routes answer with; any other 4xx is invalid_request_error, 5xx api_error)
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 503: "overloaded_error"}
 ABORTED = "The request was aborted before it finished (/abort_request, or the server shutting down)"
 
 
@@ -78,7 +78,7 @@ class AnthropicServing:
         self.chat = serving_chat
         self.tokenizer_manager = serving_chat.tokenizer_manager
 
-    def _translate(self, request: CountTokensRequest) -> Any:
+    def _translate(self, request: CountTokensRequest) -> Union[ChatCompletionRequest, JSONResponse]:
         """The chat request that runs `request`, or the error response that says why there is none."""
         refused = refusal(request)
         if refused is not None:
