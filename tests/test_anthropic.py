@@ -170,7 +170,7 @@ def test_what_cannot_be_translated_says_what_to_send(body: Dict[str, Any], needl
         ({"type": "disabled"}, None, frozenset(), {}),  # (no parser: the server knows of no thinking to turn off)
         ({"type": "adaptive"}, "qwen3", frozenset({"enable_thinking"}), {"enable_thinking": True}),
         ({"type": "adaptive"}, "deepseek-r1", frozenset(), {}),
-        ({"type": "enabled", "budget_tokens": 8}, "qwen3", frozenset(), {}),  # (a budget of max_tokens never binds)
+        ({"type": "enabled", "budget_tokens": 8}, "qwen3", frozenset(), "cannot be enforced"),  # (even one that could not bind)
         ({"type": "disabled"}, "deepseek-r1", frozenset(), "cannot be honoured"),
         ({"type": "adaptive"}, None, frozenset(), "needs a server started with --reasoning-parser"),
         ({"type": "enabled", "budget_tokens": 4}, "qwen3", frozenset(), "cannot be enforced"),
@@ -374,6 +374,18 @@ def test_count_tokens_counts_the_rendered_prompt(tiny_model: str, tmp_path: Any)
     prompt = tokenizer.apply_chat_template([{"role": "system", "content": "Be kind."}, {"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert r.json() == {"input_tokens": len(tokenizer.encode(prompt, add_special_tokens=False))}
     assert longer.json()["input_tokens"] > 0
+
+
+def test_count_tokens_refuses_what_create_refuses(tiny_model: str, tmp_path: Any) -> None:
+    """thinking enabled with a budget (Anthropic's conforming shape: below max_tokens): a 400 on both
+    routes, the same message (a budget cannot be enforced), not counted as if it could."""
+    client, seen = _client(tiny_model, tmp_path, [], reasoning_parser="qwen3")
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    with client:
+        counted = client.post("/v1/messages/count_tokens", json={"model": client.model, "messages": [{"role": "user", "content": "hi"}], "thinking": thinking})
+        created = _create(client, max_tokens=2048, thinking=thinking)
+    _assert_error(counted, 400, "invalid_request_error", "thinking.budget_tokens 1024 cannot be enforced")
+    assert counted.json() == created.json() and seen == []
 
 
 # --------------------------------------------------------------------------- errors

@@ -48,8 +48,10 @@ def thinking_template_kwargs(request: CountTokensRequest, reasoning_parser: Opti
     - disabled: `enable_thinking: false` where the template has the switch; on a server without a
       reasoning parser there is no thinking to turn off; else refused (deepseek-r1 always thinks);
     - adaptive ("the model decides how much"): thinking on, as the model thinks;
-    - enabled: the same, but its `budget_tokens` must be >= max_tokens: minisgl has no way to stop
-      the thinking at a budget, only the whole output at max_tokens, so a smaller budget is refused."""
+    - enabled: refused, on create and count_tokens alike: its `budget_tokens` (below max_tokens,
+      Anthropic's rule) is a promise to stop the thinking there, and minisgl's engine has no
+      thinking budget (only max_tokens, which stops the whole answer); a budget silently exceeded
+      is worse than a 400 that points to "adaptive"."""
     thinking = request.thinking
     if thinking is None:
         return {}
@@ -78,15 +80,12 @@ def thinking_template_kwargs(request: CountTokensRequest, reasoning_parser: Opti
         if thinking.budget_tokens is not None:
             raise BadMessagesRequest('thinking.budget_tokens goes with thinking.type "enabled" only; "adaptive" lets the model decide')
     else:
-        max_tokens = getattr(request, "max_tokens", None)
         if thinking.budget_tokens is None:
             raise BadMessagesRequest('thinking.budget_tokens: Field required (thinking.type "enabled" takes a budget)')
-        if max_tokens is not None and thinking.budget_tokens < max_tokens:
-            raise BadMessagesRequest(
-                f"thinking.budget_tokens {thinking.budget_tokens} cannot be enforced: minisgl cannot stop the thinking at a budget, only "
-                f"the whole answer (thinking included) at max_tokens ({max_tokens}); send thinking {{\"type\": \"adaptive\"}} (the model "
-                "decides how long it thinks), or a budget_tokens of at least max_tokens"
-            )
+        raise BadMessagesRequest(
+            f"thinking.budget_tokens {thinking.budget_tokens} cannot be enforced: minisgl has no thinking budget (it can stop only the "
+            'whole answer, at max_tokens); send thinking {"type": "adaptive"} (the model decides how long it thinks, max_tokens bounds it)'
+        )
     return {"enable_thinking": True} if switch and "enable_thinking" in (read or ()) else {}
 
 
