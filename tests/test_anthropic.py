@@ -170,10 +170,10 @@ def test_what_cannot_be_translated_says_what_to_send(body: Dict[str, Any], needl
         ({"type": "disabled"}, None, frozenset(), {}),  # (no parser: the server knows of no thinking to turn off)
         ({"type": "adaptive"}, "qwen3", frozenset({"enable_thinking"}), {"enable_thinking": True}),
         ({"type": "adaptive"}, "deepseek-r1", frozenset(), {}),
-        ({"type": "enabled", "budget_tokens": 8}, "qwen3", frozenset(), "cannot be enforced"),  # (even one that could not bind)
+        ({"type": "enabled", "budget_tokens": 8}, "qwen3", frozenset(), {}),  # (the budget: thinking_budget's, below)
         ({"type": "disabled"}, "deepseek-r1", frozenset(), "cannot be honoured"),
         ({"type": "adaptive"}, None, frozenset(), "needs a server started with --reasoning-parser"),
-        ({"type": "enabled", "budget_tokens": 4}, "qwen3", frozenset(), "cannot be enforced"),
+        ({"type": "enabled", "budget_tokens": 4}, None, frozenset(), "needs a server started with --reasoning-parser"),
         ({"type": "enabled"}, "qwen3", frozenset(), "budget_tokens: Field required"),
         ({"type": "adaptive", "display": "omitted"}, "qwen3", frozenset(), "omitted"),
     ],
@@ -376,16 +376,41 @@ def test_count_tokens_counts_the_rendered_prompt(tiny_model: str, tmp_path: Any)
     assert longer.json()["input_tokens"] > 0
 
 
-def test_count_tokens_refuses_what_create_refuses(tiny_model: str, tmp_path: Any) -> None:
-    """thinking enabled with a budget (Anthropic's conforming shape: below max_tokens): a 400 on both
-    routes, the same message (a budget cannot be enforced), not counted as if it could."""
-    client, seen = _client(tiny_model, tmp_path, [], reasoning_parser="qwen3")
+def test_a_thinking_budget_runs_sglangs_budget_processor_or_is_refused(tiny_model: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """thinking enabled with budget_tokens N: the family's ThinkingBudgetLogitProcessor with
+    custom_params {"thinking_budget": N} where the server runs processors and the vocabulary has
+    the family's think ids; else a 400 on create and count_tokens alike, never a budget ignored."""
+    from minisgl.sampling import custom_logit_processor as clp
+
     thinking = {"type": "enabled", "budget_tokens": 1024}
+    count = {"messages": [{"role": "user", "content": "hi"}], "thinking": thinking}
+    client, seen = _client(tiny_model, tmp_path, [], reasoning_parser="qwen3")
     with client:
-        counted = client.post("/v1/messages/count_tokens", json={"model": client.model, "messages": [{"role": "user", "content": "hi"}], "thinking": thinking})
+        counted = client.post("/v1/messages/count_tokens", json={"model": client.model, **count})
         created = _create(client, max_tokens=2048, thinking=thinking)
-    _assert_error(counted, 400, "invalid_request_error", "thinking.budget_tokens 1024 cannot be enforced")
+    _assert_error(counted, 400, "invalid_request_error", "start the server with --enable-custom-logit-processor")
     assert counted.json() == created.json() and seen == []
+    client, seen = _client(tiny_model, tmp_path, [], reasoning_parser="qwen3", enable_custom_logit_processor=True)
+    with client:  # (the tiny vocabulary has no <think>: Qwen3's ids would force other tokens)
+        _assert_error(_create(client, max_tokens=2048, thinking=thinking), 400, "invalid_request_error", "cannot be enforced on this model")
+
+    tokenizer = get_tokenizer(tiny_model)
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
+    ids = tokenizer.convert_tokens_to_ids(["<think>", "</think>"]) + tokenizer.encode("\n", add_special_tokens=False)
+
+    class TinyBudget(clp.ThinkingBudgetLogitProcessor):
+        THINKING_START_TOKEN_ID, THINKING_END_TOKEN_ID, NEW_LINE_TOKEN_ID = ids
+
+    monkeypatch.setitem(clp.THINKING_BUDGET_PROCESSORS, "qwen3", TinyBudget)
+    outs = [_out("r", "<think>hm\n</think>\n\nHi.", 6, STOP)]
+    client, seen = _scripted_client(tiny_model, tmp_path, outs, args={"reasoning_parser": "qwen3", "enable_custom_logit_processor": True}, tokenizer=tokenizer)
+    with client:
+        body = _create(client, max_tokens=16, thinking={"type": "enabled", "budget_tokens": 8}).json()
+        counted = client.post("/v1/messages/count_tokens", json={"model": client.model, **count})
+    assert [b["type"] for b in body["content"]] == ["thinking", "text"] and counted.status_code == 200
+    assert clp.CustomLogitProcessor.from_str(seen[0].custom_logit_processor).__class__.__name__ == "TinyBudget"
+    assert seen[0].sampling_params["custom_params"] == {"thinking_budget": 8} and "thinking=True" in seen[0].text
 
 
 # --------------------------------------------------------------------------- errors

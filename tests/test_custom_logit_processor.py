@@ -347,3 +347,30 @@ def test_a_processor_that_exits_while_loading_is_its_requests_400(engine: Any) -
         with pytest.raises(ValueError, match=re.escape(needle)):
             engine.generate(PROMPT, GREEDY, custom_logit_processor=payload)
     assert engine.generate(PROMPT, GREEDY)["meta_info"]["finish_reason"]["type"] == "length"  # (still serving)
+
+
+def test_the_thinking_budget_ends_the_thinking_after_n_tokens(engine: Any, tiny_model: str) -> None:
+    """SGLang's ThinkingBudgetLogitProcessor, with the tiny vocabulary's ids: thinking begun in the
+    prompt (its last token is the start id), budget 3: three free tokens, then a newline and the
+    end id forced; a bad budget and another family's ids are the request's error."""
+    from minisgl.sampling.custom_logit_processor import Qwen3ThinkingBudgetLogitProcessor, ThinkingBudgetLogitProcessor
+
+    from minisgl.utils import get_tokenizer
+
+    prompt_ids = get_tokenizer(tiny_model).encode(PROMPT, add_special_tokens=False)
+    start = prompt_ids[-1]
+    assert prompt_ids.count(start) == 1
+    free = engine.generate(PROMPT, GREEDY)
+    end = next(t for t in range(7, 100) if t not in free["output_ids"] and t != start)
+
+    class TinyBudget(ThinkingBudgetLogitProcessor):
+        THINKING_START_TOKEN_ID = start
+        THINKING_END_TOKEN_ID = end
+        NEW_LINE_TOKEN_ID = 201
+
+    out = engine.generate(PROMPT, {**GREEDY, "custom_params": {"thinking_budget": 3}}, custom_logit_processor=TinyBudget.to_str())
+    assert out["output_ids"][:5] == free["output_ids"][:3] + [201, end]
+    with pytest.raises(ValueError, match="got thinking_budget='3'"):  # (a budget the client sent is never dropped)
+        engine.generate(PROMPT, {**GREEDY, "custom_params": {"thinking_budget": "3"}}, custom_logit_processor=TinyBudget.to_str())
+    with pytest.raises(ValueError, match="outside this model's vocabulary"):  # (Qwen3's ids on another vocabulary)
+        engine.generate(PROMPT, {**GREEDY, "custom_params": {"thinking_budget": 3}}, custom_logit_processor=Qwen3ThinkingBudgetLogitProcessor.to_str())

@@ -197,3 +197,59 @@ class DisallowedTokensLogitsProcessor(CustomLogitProcessor):
                 raise ValueError(f"token_ids {bad[:8]} are outside the vocabulary [0, {logits.shape[-1]})")
             logits[i, ids] = float("-inf")
         return logits
+
+
+class ThinkingBudgetLogitProcessor(CustomLogitProcessor):
+    """SGLang's thinking budget: custom_params {"thinking_budget": N}. Once N tokens follow the
+    think-start token (prompt and output counted together, from its first occurrence) and no
+    think-end token has come, the next token is forced: a newline, then the think-end token; the
+    answer goes on after it (max_tokens still bounds the whole). A subclass names its model
+    family's three token ids (Qwen3's, DeepSeek-R1's below).
+
+    Unlike SGLang's (which skips a row whose budget is missing, not an int or negative), such a
+    budget is the request's error: a budget the client sent is never silently dropped."""
+
+    THINKING_START_TOKEN_ID: int
+    THINKING_END_TOKEN_ID: int
+    NEW_LINE_TOKEN_ID: int
+
+    def __call__(self, logits: torch.Tensor, custom_param_list: Optional[List[Dict[str, Any]]] = None) -> torch.Tensor:
+        ids = (self.THINKING_START_TOKEN_ID, self.THINKING_END_TOKEN_ID, self.NEW_LINE_TOKEN_ID)
+        if max(ids) >= logits.shape[-1]:
+            raise ValueError(f"{type(self).__name__}'s token ids {ids} are outside this model's vocabulary [0, {logits.shape[-1]}): "
+                             "it is for another model family")  # fmt: skip
+        for i, params in enumerate(custom_param_list or []):
+            budget = params.get("thinking_budget") if params else None
+            if type(budget) is not int or budget < 0:
+                raise ValueError(f'custom_params must be {{"thinking_budget": a token count >= 0}}, got thinking_budget={budget!r}')
+            req = params["__req__"]
+            so_far = [*req.origin_input_ids, *req.output_ids]
+            if self.THINKING_START_TOKEN_ID not in so_far or self.THINKING_END_TOKEN_ID in so_far:
+                continue  # (not thinking: not begun, or over)
+            if len(so_far) - so_far.index(self.THINKING_START_TOKEN_ID) - 1 < budget:
+                continue
+            # over budget: a newline first (how the model's own thinking ends), then the end token
+            forced = self.THINKING_END_TOKEN_ID if req.output_ids and req.output_ids[-1] == self.NEW_LINE_TOKEN_ID else self.NEW_LINE_TOKEN_ID
+            logits[i, :] = float("-inf")
+            logits[i, forced] = 0.0
+        return logits
+
+
+class Qwen3ThinkingBudgetLogitProcessor(ThinkingBudgetLogitProcessor):
+    """The thinking budget for Qwen3's vocabulary (<think> 151667, </think> 151668, "\\n" 198)."""
+
+    THINKING_START_TOKEN_ID = 151667
+    THINKING_END_TOKEN_ID = 151668
+    NEW_LINE_TOKEN_ID = 198
+
+
+class DeepSeekR1ThinkingBudgetLogitProcessor(ThinkingBudgetLogitProcessor):
+    """The thinking budget for DeepSeek-R1's vocabulary (<think> 128798, </think> 128799, "\\n" 201)."""
+
+    THINKING_START_TOKEN_ID = 128798
+    THINKING_END_TOKEN_ID = 128799
+    NEW_LINE_TOKEN_ID = 201
+
+
+# --reasoning-parser -> its family's budget processor (the Messages API's thinking.budget_tokens)
+THINKING_BUDGET_PROCESSORS = {"qwen3": Qwen3ThinkingBudgetLogitProcessor, "deepseek-r1": DeepSeekR1ThinkingBudgetLogitProcessor}

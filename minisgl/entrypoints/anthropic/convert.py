@@ -48,10 +48,7 @@ def thinking_template_kwargs(request: CountTokensRequest, reasoning_parser: Opti
     - disabled: `enable_thinking: false` where the template has the switch; on a server without a
       reasoning parser there is no thinking to turn off; else refused (deepseek-r1 always thinks);
     - adaptive ("the model decides how much"): thinking on, as the model thinks;
-    - enabled: refused, on create and count_tokens alike: its `budget_tokens` (below max_tokens,
-      Anthropic's rule) is a promise to stop the thinking there, and minisgl's engine has no
-      thinking budget (only max_tokens, which stops the whole answer); a budget silently exceeded
-      is worse than a 400 that points to "adaptive"."""
+    - enabled: the same, its `budget_tokens` enforced by `thinking_budget` (below)."""
     thinking = request.thinking
     if thinking is None:
         return {}
@@ -79,22 +76,48 @@ def thinking_template_kwargs(request: CountTokensRequest, reasoning_parser: Opti
     if thinking.type == "adaptive":
         if thinking.budget_tokens is not None:
             raise BadMessagesRequest('thinking.budget_tokens goes with thinking.type "enabled" only; "adaptive" lets the model decide')
-    else:
-        if thinking.budget_tokens is None:
-            raise BadMessagesRequest('thinking.budget_tokens: Field required (thinking.type "enabled" takes a budget)')
-        raise BadMessagesRequest(
-            f"thinking.budget_tokens {thinking.budget_tokens} cannot be enforced: minisgl has no thinking budget (it can stop only the "
-            'whole answer, at max_tokens); send thinking {"type": "adaptive"} (the model decides how long it thinks, max_tokens bounds it)'
-        )
+    elif thinking.budget_tokens is None:
+        raise BadMessagesRequest('thinking.budget_tokens: Field required (thinking.type "enabled" takes a budget)')
     return {"enable_thinking": True} if switch and "enable_thinking" in (read or ()) else {}
 
 
+def thinking_budget(request: CountTokensRequest, reasoning_parser: Optional[str], processors_enabled: bool, tokenizer: Any) -> Dict[str, Any]:
+    """The chat request's fields that enforce thinking.budget_tokens (thinking "enabled"; {} otherwise):
+    SGLang's built-in budget processor of the model family (`THINKING_BUDGET_PROCESSORS`, by
+    --reasoning-parser) with custom_params {"thinking_budget": N}. BadMessagesRequest where it
+    cannot run: a server without --enable-custom-logit-processor, a vocabulary whose think tokens
+    are not the family's ids (the processor forces tokens by id). A budget is never ignored."""
+    from minisgl.sampling.custom_logit_processor import THINKING_BUDGET_PROCESSORS
+
+    thinking = request.thinking
+    if thinking is None or thinking.type != "enabled" or thinking.budget_tokens is None:
+        return {}
+    budget = f"thinking.budget_tokens {thinking.budget_tokens}"
+    if not processors_enabled:
+        raise BadMessagesRequest(
+            f"{budget} is enforced by a logit processor (SGLang's ThinkingBudgetLogitProcessor): start the server with "
+            '--enable-custom-logit-processor, or send thinking {"type": "adaptive"} (the model decides how long it thinks)'
+        )
+    processor = THINKING_BUDGET_PROCESSORS.get(reasoning_parser or "")
+    if processor is None:  # (thinking_template_kwargs refused "enabled" without a parser first)
+        raise BadMessagesRequest(f"{budget} cannot be enforced: no thinking budget processor is built for --reasoning-parser {reasoning_parser}")
+    ids = [tokenizer.convert_tokens_to_ids(token) for token in ("<think>", "</think>")] + tokenizer.encode("\n", add_special_tokens=False)
+    expected = [processor.THINKING_START_TOKEN_ID, processor.THINKING_END_TOKEN_ID, processor.NEW_LINE_TOKEN_ID]
+    if ids != expected:
+        raise BadMessagesRequest(
+            f"{budget} cannot be enforced on this model: {processor.__name__} forces <think>, </think> and a newline by their ids "
+            f'{expected}, and this tokenizer\'s are {ids}; send thinking {{"type": "adaptive"}}'
+        )
+    return {"custom_logit_processor": processor.to_str(), "custom_params": {"thinking_budget": thinking.budget_tokens}}
+
+
 # --------------------------------------------------------------------------- the request
-def to_chat_request(request: CountTokensRequest, rid: str, template_kwargs: Dict[str, Any]) -> ChatCompletionRequest:
+def to_chat_request(request: CountTokensRequest, rid: str, template_kwargs: Dict[str, Any], budget: Optional[Dict[str, Any]] = None) -> ChatCompletionRequest:
     """`request` as the chat request that runs it (count_tokens' too: its prompt is what it counts);
-    `template_kwargs`: thinking_template_kwargs'. BadMessagesRequest for what cannot be translated."""
+    `template_kwargs`: thinking_template_kwargs'; `budget`: thinking_budget's fields. BadMessagesRequest
+    for what cannot be translated."""
     messages = _system(request) + _messages(request.messages)
-    body: Dict[str, Any] = {"model": request.model, "messages": messages, "rid": rid}
+    body: Dict[str, Any] = {"model": request.model, "messages": messages, "rid": rid, **(budget or {})}
     if isinstance(request, MessagesRequest):
         body.update(max_tokens=request.max_tokens, stream=bool(request.stream))
         body.update({k: getattr(request, k) for k in ("temperature", "top_p", "top_k") if getattr(request, k) is not None})

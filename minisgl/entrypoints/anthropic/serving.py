@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 
 from minisgl.chat_template import template_variables
 from minisgl.entrypoints.anthropic.convert import (
-    anthropic_error, content_blocks, message_object, stop_reason, thinking_template_kwargs, to_chat_request,
+    anthropic_error, content_blocks, message_object, stop_reason, thinking_budget, thinking_template_kwargs, to_chat_request,
     usage_object,
 )  # fmt: skip
 from minisgl.entrypoints.anthropic.protocol import BadMessagesRequest, CountTokensRequest, MessagesRequest, refusal
@@ -85,8 +85,10 @@ class AnthropicServing:
             return anthropic_error_response(f"{refused[1]}: {refused[0]}")
         read = template_variables(getattr(self.chat.tokenizer, "chat_template", None))
         try:
-            kwargs = thinking_template_kwargs(request, self.tokenizer_manager.server_args.reasoning_parser, read)
-            chat = to_chat_request(request, new_id("msg"), kwargs)
+            args = self.tokenizer_manager.server_args
+            kwargs = thinking_template_kwargs(request, args.reasoning_parser, read)
+            budget = thinking_budget(request, args.reasoning_parser, args.enable_custom_logit_processor, self.chat.tokenizer)
+            chat = to_chat_request(request, new_id("msg"), kwargs, budget)
         except BadMessagesRequest as e:
             return anthropic_error_response(str(e))
         refused_chat = self.chat.precheck(chat)  # (the chat route's checks: the model, LoRA, tools, ...)
