@@ -759,7 +759,7 @@ class UpdateWeightsFromDiskRequest(BaseModel):
     """SGLang's /update_weights_from_disk body (UpdateWeightFromDiskReqInput's client fields; its
     is_async, keep_pause, ... options are unknown fields here: a 400 naming them)."""
 
-    model_config = _STRICT
+    model_config = STRICT
     model_path: str
     load_format: Optional[str] = None
     abort_all_requests: bool = False
@@ -771,7 +771,7 @@ class UpdateWeightsFromTensorRequest(BaseModel):
     of a safetensors file (minisgl.models.weight_update.serialize_named_tensors), not SGLang's
     pickle: the server never unpickles a request (docs/server.md)."""
 
-    model_config = _STRICT
+    model_config = STRICT
     serialized_named_tensors: List[str]
     load_format: Optional[str] = None
     flush_cache: bool = True
@@ -782,6 +782,6 @@ class UpdateWeightsFromTensorRequest(BaseModel):
 class GetWeightsByNameRequest(BaseModel):
     """SGLang's /get_weights_by_name body: a checkpoint tensor name, and how many rows to return."""
 
-    model_config = _STRICT
+    model_config = STRICT
     name: str
     truncate_size: int = Field(default=100, ge=0)
