@@ -1,4 +1,4 @@
-"""Small shared helpers: tokenizer loading, ZMQ sockets, process hygiene.
+"""Small shared helpers: tokenizer loading, ZMQ sockets, process hygiene, the field-naming ValueError.
 
 Used by every stage; holds no state of its own.
 """
@@ -15,6 +15,18 @@ import time
 from typing import Any, Optional
 
 logger = logging.getLogger("minisgl")
+
+
+class ParamError(ValueError):
+    """Bad input about one request field: a ValueError (a 400 on the HTTP routes) that names the
+    field as `param`, so that a route says which field without reading the message. Raised by the
+    TokenizerManager and SamplingParams with /generate's names (top_k, max_new_tokens, text), by
+    the chat route with chat's (tool_choice, messages); each route maps the names to its own
+    (OpenAIServingBase.route_param, responses_error)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def configure_logging(level: str = "info", prefix: str = "") -> None:

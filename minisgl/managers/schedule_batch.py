@@ -95,9 +95,13 @@ class FINISH_ABORT(BaseFinishReason):
     message: str = "Aborted"
     status_code: Optional[int] = None
     err_type: Optional[str] = None
+    param: Optional[str] = None  # the request field it is about (/generate's name), where the scheduler knows it
 
     def to_json(self) -> Dict[str, Any]:
-        return {"type": "abort", "message": self.message, "status_code": self.status_code, "err_type": self.err_type}
+        reason = {"type": "abort", "message": self.message, "status_code": self.status_code, "err_type": self.err_type}
+        if self.param is not None:  # (minisgl's: SGLang's abort has no param; the routes name the field by it)
+            reason["param"] = self.param
+        return reason
 
 
 # --------------------------------------------------------------------------- time stats
@@ -409,13 +413,14 @@ class Req:
             self.hidden_states_len = first + len(rows)
 
     # ------------------------------------------------------------------ finishing
-    def set_finish_with_abort(self, error_msg: str) -> None:
-        """Reject before running: a one-token prefill carries the abort out the normal path."""
+    def set_finish_with_abort(self, error_msg: str, param: Optional[str] = None) -> None:
+        """Reject before running: a one-token prefill carries the abort out the normal path.
+        `param`: the field the error is about (a grammar's key), when known."""
         self.origin_input_ids = [0]
         self.return_logprob = False
         self.return_hidden_states = False  # (token 0's row is nobody's hidden state)
         self.logprob_start_len = -1
-        self.to_finish = FINISH_ABORT(error_msg, 400, "BadRequestError")
+        self.to_finish = FINISH_ABORT(error_msg, 400, "BadRequestError", param)
 
     def check_finished(self) -> None:
         """Decide whether the token just appended ends the request (0.5.23 order, §6.3).

@@ -320,7 +320,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
             try:
                 req.grammar_future = self.get_grammar_backend().get_future(req.sampling_params.grammar_key)
             except ValueError as e:
-                req.set_finish_with_abort(str(e))
+                req.set_finish_with_abort(str(e), param=req.sampling_params.grammar_key[0])
             else:
                 # SGLang's grammar queue: the request waits there while its grammar compiles
                 # (a cached one is ready at once) and joins the waiting queue when it is
@@ -421,12 +421,13 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerP
                         _, end, _ = REASONING_TAGS[self.server_args.reasoning_parser or "qwen3"]
                         req.grammar = ReasonerGrammar(req.grammar, end, self.tokenizer.decode)
                 except ValueError as e:
-                    req.set_finish_with_abort(str(e))
+                    req.set_finish_with_abort(str(e), param=req.sampling_params.grammar_key[0])
             elif is_timed_out:
                 busy = "" if future.running() else " (it was still waiting for a compile thread: other grammars were compiling)"
                 req.set_finish_with_abort(
                     f"Its {req.sampling_params.grammar_key[0]} did not compile within {GRAMMAR_TIMEOUT:g} s{busy}; "
-                    f"a smaller or less nested one compiles faster"
+                    f"a smaller or less nested one compiles faster",
+                    param=req.sampling_params.grammar_key[0],
                 )
                 self.grammar_queue.remove(req)
                 self._release_grammar_future(req)

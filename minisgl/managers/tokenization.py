@@ -25,7 +25,7 @@ from minisgl.managers.io_struct import (
 )  # fmt: skip
 from minisgl.lora.lora_registry import LORA_NOT_ENABLED, LoRARegistry
 from minisgl.sampling.sampling_params import SamplingParams
-from minisgl.utils import lone_surrogate_at
+from minisgl.utils import ParamError, lone_surrogate_at
 
 
 def check_text(text: str) -> None:
@@ -260,16 +260,18 @@ def validate_context_length(
     limit = min(context_len, max_req_input_len or context_len)  # the longest prompt accepted is limit - 1
     input_len = len(tokenized.input_ids)
     params = tokenized.sampling_params
+    prompt = "text" if tokenized.input_text is not None else "input_ids"  # (the field the errors are about)
     if input_len >= limit:
         # (SGLang's margin: an embedding request generates nothing, and the scheduler keeps it all the same)
         margin = "less a margin of a few tokens" if isinstance(tokenized, TokenizedEmbeddingReqInput) else "less room to generate"
         if not allow_auto_truncate:
             if input_len >= context_len:
-                raise ValueError(f"The input ({input_len} tokens) is longer than the model's context length ({context_len} tokens).")
-            raise ValueError(
+                raise ParamError(f"The input ({input_len} tokens) is longer than the model's context length ({context_len} tokens).", prompt)
+            raise ParamError(
                 f"The input ({input_len} tokens) is longer than this server accepts ({limit - 1} tokens: the "
                 f"context length of {context_len} tokens or the KV pool, {margin}). Use a shorter input "
-                "or enable --allow-auto-truncate."
+                "or enable --allow-auto-truncate.",
+                prompt,
             )
         # limit - 1: the longest prompt the scheduler's gate accepts as it is (its own
         # truncation, SGLang's, cuts to max_req_input_len and only sees prompts that skip this gate)
@@ -278,10 +280,11 @@ def validate_context_length(
     max_new = params.max_new_tokens
     if max_new is not None and input_len + max_new > context_len:
         if not allow_auto_truncate:
-            raise ValueError(
+            raise ParamError(
                 f"Requested token count exceeds the model's maximum context length of {context_len} tokens. "
                 f"You requested a total of {input_len + max_new} tokens: {input_len} tokens from the input "
                 f"messages and {max_new} tokens for the completion. Please reduce the number of tokens in the "
-                "input messages or the completion to fit within the limit."
+                "input messages or the completion to fit within the limit.",
+                prompt,  # (OpenAI's param for it: the messages)
             )
         params.max_new_tokens = max(0, context_len - input_len)

@@ -88,7 +88,7 @@ from minisgl.managers.io_struct import (
 from minisgl.lora.lora_registry import LORA_NOT_ENABLED, LoRAInFlight, LoRARegistry, check_lora_load_args
 from minisgl.sampling.sampling_params import MAX_TOP_LOGPROBS_NUM, SamplingParams
 from minisgl.server_args import PortArgs, ServerArgs
-from minisgl.utils import freeze_gc, get_zmq_socket
+from minisgl.utils import ParamError, freeze_gc, get_zmq_socket
 
 logger = logging.getLogger("minisgl.tokenizer_manager")
 
@@ -131,10 +131,11 @@ GENERATION_ON_EMBEDDING_SERVER = (
 class ReqAbortedError(Exception):
     """A request finished with an abort that carries an HTTP status (e.g. 503 queue full)."""
 
-    def __init__(self, message: str, status_code: int) -> None:
+    def __init__(self, message: str, status_code: int, param: Optional[str] = None) -> None:
         super().__init__(message)
         self.message = message
         self.status_code = status_code
+        self.param = param  # (the field it is about, /generate's name, when the scheduler said: FINISH_ABORT.param)
 
 
 @dataclass
@@ -550,9 +551,10 @@ class TokenizerManager:
     async def _tokenize_one_request(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
         if isinstance(obj.text, str) and len(obj.text) > self.max_prompt_chars:
             if not self.server_args.allow_auto_truncate:
-                raise ValueError(
+                raise ParamError(
                     f"The input ({len(obj.text)} characters, so at least {len(obj.text) // self.longest_token_chars} "
-                    f"tokens) is longer than the model's context length ({self.context_len} tokens)."
+                    f"tokens) is longer than the model's context length ({self.context_len} tokens).",
+                    "text",
                 )
             obj.text = obj.text[: self.max_prompt_chars]  # still past the context: the gate truncates it
         if obj.input_ids is None and self.dynamic_batch_tokenizer is not None:
@@ -644,7 +646,7 @@ class TokenizerManager:
         reason = out["meta_info"].get("finish_reason")
         if isinstance(reason, dict) and reason.get("type") == "abort" and reason.get("status_code"):
             if not stream:
-                raise ReqAbortedError(reason.get("message") or "Aborted", int(reason["status_code"]))
+                raise ReqAbortedError(reason.get("message") or "Aborted", int(reason["status_code"]), reason.get("param"))
 
     # ------------------------------------------------------------------ batches and n > 1
     async def _handle_batch_request(self, obj: GenerateReqInput, request: Any) -> AsyncIterator[Dict[str, Any]]:

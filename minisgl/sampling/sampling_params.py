@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 from minisgl.sampling.stop_regex import compile_stop_regex, stop_regex_window
-from minisgl.utils import lone_surrogate_at
+from minisgl.utils import ParamError, lone_surrogate_at
 
 TOP_K_ALL = 1 << 30
 _GREEDY_EPS = 1e-6
@@ -143,46 +143,46 @@ class SamplingParams:
             self.stop_str_max_len = max(self.stop_str_max_len, encoded)
 
     def verify(self, vocab_size: Optional[int] = None) -> None:
-        """Raise ValueError naming the field and its valid range (sglang-facts.md §10.3)."""
+        """Raise ParamError (a ValueError) naming the field and its valid range (sglang-facts.md §10.3)."""
         # NaN and inf fail too, and so does a value past float32's largest: it is inf on the logits
         # (and -inf / inf is NaN in a masked row)
         if self.temperature is None or not 0 <= self.temperature <= FLOAT32_MAX:
-            raise ValueError(f"temperature must be a finite number >= 0 (at most {FLOAT32_MAX:.4g}), got {self.temperature}")
+            raise ParamError(f"temperature must be a finite number >= 0 (at most {FLOAT32_MAX:.4g}), got {self.temperature}", "temperature")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ParamError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise ParamError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
         if self.top_k < 1 and self.top_k != -1:
-            raise ValueError(f"top_k must be -1 (all) or >= 1, got {self.top_k}")
+            raise ParamError(f"top_k must be -1 (all) or >= 1, got {self.top_k}", "top_k")
         if not -2 <= self.frequency_penalty <= 2:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+            raise ParamError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}", "frequency_penalty")
         if not -2 <= self.presence_penalty <= 2:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+            raise ParamError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}", "presence_penalty")
         if not 0 < self.repetition_penalty <= 2:
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+            raise ParamError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}", "repetition_penalty")
         if self.max_new_tokens is not None and self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+            raise ParamError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}", "max_new_tokens")
         if self.min_new_tokens < 0:
-            raise ValueError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
+            raise ParamError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}", "min_new_tokens")
         if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
-            raise ValueError(f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens ({self.max_new_tokens})")
+            raise ParamError(f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens ({self.max_new_tokens})", "min_new_tokens")
         if not 1 <= self.n <= MAX_N:  # the OpenAI routes' bound, for /generate too (the Engine fans n out itself)
-            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
+            raise ParamError(f"n must be in [1, {MAX_N}], got {self.n}", "n")
         if self.stream_interval is not None and self.stream_interval < 1:
-            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
+            raise ParamError(f"stream_interval must be >= 1, got {self.stream_interval}", "stream_interval")
         if vocab_size is not None and self.stop_token_ids:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:
-                raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+                raise ParamError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})", "stop_token_ids")
         if self.logit_bias:
             # a bias past OpenAI's range would only push a logit toward float32's overflow (inf/inf is NaN)
             bad_values = {k: v for k, v in self.logit_bias.items() if not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS}
             if bad_values:
-                raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bad_values}")
+                raise ParamError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bad_values}", "logit_bias")
             if vocab_size is not None:
                 bad = sorted(int(k) for k in self.logit_bias if not 0 <= int(k) < vocab_size)
                 if bad:
-                    raise ValueError(f"logit_bias token ids {bad} are outside the vocabulary [0, {vocab_size})")
+                    raise ParamError(f"logit_bias token ids {bad} are outside the vocabulary [0, {vocab_size})", "logit_bias")
         for pattern in self.stop_regex_strs or _as_list(self.stop_regex) or []:
             compile_stop_regex(pattern)  # (ValueError: not a regex, or one that matches the empty string)
         grammars = [key for key in GRAMMAR_KEYS if getattr(self, key) is not None]
@@ -195,11 +195,11 @@ class SamplingParams:
             try:
                 value = json.loads(text)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{key} must be the JSON text of {what}: {e}") from None
+                raise ParamError(f"{key} must be the JSON text of {what}: {e}", key) from None
             except RecursionError:  # ("[" * 100000: json's parser recurses once per level)
-                raise ValueError(f"{key} is nested too deeply to parse") from None
+                raise ParamError(f"{key} is nested too deeply to parse", key) from None
             if key == "structural_tag" and not isinstance(value, dict):
-                raise ValueError(f"structural_tag must be the JSON text of an object, got {type(value).__name__}")
+                raise ParamError(f"structural_tag must be the JSON text of an object, got {type(value).__name__}", "structural_tag")
 
     @property
     def grammar_key(self) -> Optional[Tuple[str, str]]:
