@@ -20,6 +20,7 @@ from minisgl.entrypoints.http_server import create_app
 from minisgl.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from minisgl.managers.io_struct import AbortReq, BatchStrOutput, GenerateReqInput, GetLoadReqOutput, TokenizedGenerateReqInput
 from minisgl.managers.tokenizer_manager import AsyncDynamicBatchTokenizer, TokenizerManager, coalesce_streaming_chunks
+from minisgl.sampling.sampling_params import SamplingParams
 from minisgl.models.model_config import default_sampling_params
 from minisgl.server_args import PortArgs, ServerArgs, resolve_server_args
 from minisgl.utils import get_tokenizer
@@ -1454,3 +1455,50 @@ def test_tokenize_and_detokenize_round_trip_with_the_servers_tokenizer(client: T
 def test_tokenize_routes_refuse_bad_input_by_name(client: TestClient, route: str, body: Dict[str, Any], status: int, needle: str) -> None:
     r = client.post(route, content=json.dumps(body), headers={"content-type": "application/json"})
     assert r.status_code == status and needle in r.json()["error"]["message"], r.text
+
+
+# --------------------------------------------------------------------------- errors name their field
+_NAMED_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"messages": []}, "messages"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"max_completion_tokens": 10**6}, "max_completion_tokens"),
+        ({"max_tokens": 10**6}, "max_tokens"),
+        ({"tool_choice": "required"}, "tools"),
+        ({"tools": [_NAMED_TOOL], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice"),
+        ({"reasoning_effort": "high"}, "reasoning_effort"),  # (the tiny model's template reads no reasoning_effort)
+        ({"chat_template_kwargs": {"nope": 1}}, "chat_template_kwargs"),
+        ({"top_k": 0}, "top_k"),  # (SamplingParams.verify's, in the TokenizerManager)
+        ({"messages": [{"role": "user", "content": "x" * 10**6}]}, "messages"),  # (the TokenizerManager's context-length check)
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_400s_name_the_field_as_param(tiny_model: str, tmp_path: Any, body: Dict[str, Any], param: str, stream: bool) -> None:
+    """Chat's errors carry the field they are about (OpenAI's `param`), from precheck, the
+    conversion and the TokenizerManager's own checks (run here for real)."""
+    tm = _make_tm(tiny_model, tmp_path)
+
+    async def checked(obj: Any, request: Any = None) -> Any:
+        SamplingParams.from_dict(obj.sampling_params).verify()  # (as _validate_request_shape does)
+        await tm._tokenize_one_request(obj)
+        yield _out("r", "x", 1, {"type": "length", "length": 1})
+
+    tm.generate_request = checked  # type: ignore[method-assign]
+    with TestClient(create_app(tm.server_args, tm, is_healthy=lambda: True)) as client:
+        client.model = tm.model_name  # type: ignore[attr-defined]
+        r = _chat(client, stream=stream, **body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_a_chat_stream_refused_for_its_grammar_names_response_format(tiny_model: str, tmp_path: Any) -> None:
+    refused = {"type": "abort", "status_code": 400, "message": "Invalid json_schema: bad", "param": "json_schema"}
+    client, _ = _scripted_client(tiny_model, tmp_path, [_out("r", "", 0, refused)])
+    with client:
+        r = _chat(client, stream=True, response_format={"type": "json_object"})
+    first = json.loads(r.text.split("\n\n")[0][len("data: ") :])
+    assert first["error"]["param"] == "response_format" and first["error"]["message"] == "Invalid json_schema: bad"

@@ -17,7 +17,8 @@ from minisgl.entrypoints.openai.responses_convert import BadResponsesRequest, to
 from minisgl.entrypoints.openai.responses_protocol import ResponsesRequest
 from minisgl.entrypoints.openai.serving_responses import OpenAIServingResponses
 from minisgl.entrypoints.http_server import create_app
-from minisgl.utils import get_tokenizer
+from minisgl.managers.tokenizer_manager import ReqAbortedError
+from minisgl.utils import ParamError, get_tokenizer
 
 STOP = {"type": "stop", "matched": 2}
 LENGTH = {"type": "length", "length": 2}
@@ -344,19 +345,23 @@ def test_the_messages_of_what_the_chat_path_refuses_name_the_responses_fields(ti
 
 
 @pytest.mark.parametrize(
-    "message, body, param",
-    [  # what the TokenizerManager and the scheduler say, after the chat path's own checks
-        ("top_k must be -1 (all) or >= 1, got 0", {"top_k": 0}, "top_k"),
-        ("The input (99 characters, so at least 9 tokens) is longer than the model's context length (8 tokens).", {}, "input"),
-        ("Invalid json_schema: bad type", {"text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": "object"}}}}, "text.format"),
-        ("Invalid json_schema: bad type", {"tools": [WEATHER], "tool_choice": "required"}, "tools"),  # (a forced call's schema)
+    "error, body, param",
+    [  # what the TokenizerManager and the scheduler raise, after the chat path's own checks: the
+       # field by /generate's name, the message reworded (the param never comes from the text)
+        (ParamError("reworded: no field named here", "top_k"), {"top_k": 0}, "top_k"),
+        (ParamError("reworded: no field named here", "text"), {}, "input"),
+        (ReqAbortedError("reworded: no field named here", 400, "json_schema"),
+         {"text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": "object"}}}}, "text.format"),
+        (ReqAbortedError("reworded: no field named here", 400, "json_schema"), {"tools": [WEATHER], "tool_choice": "required"}, "tools"),
+        (ValueError("top_k is too large"), {"top_k": 5}, None),  # (no param given: none guessed from the words)
     ],
 )
-def test_errors_found_after_the_translation_name_the_responses_field(tiny_model: str, tmp_path: Any, message: str, body: Dict[str, Any], param: str) -> None:
+def test_errors_found_after_the_translation_name_the_responses_field(tiny_model: str, tmp_path: Any, error: Exception, body: Dict[str, Any],
+                                                                     param: Optional[str]) -> None:  # fmt: skip
     tm = _make_tm(tiny_model, tmp_path)
 
     async def refuse(obj: Any, request: Any = None) -> Any:
-        raise ValueError(message)
+        raise error
         yield  # (a generator, as generate_request)
 
     tm.generate_request = refuse  # type: ignore[method-assign]
@@ -365,6 +370,14 @@ def test_errors_found_after_the_translation_name_the_responses_field(tiny_model:
         plain, streamed = _create(client, **body), _create(client, stream=True, **body)
     assert plain.status_code == 400 and plain.json()["error"]["param"] == param
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == param
+
+
+def test_a_grammar_refused_in_a_stream_names_the_responses_field_in_its_error_event(tiny_model: str, tmp_path: Any) -> None:
+    refused = {"type": "abort", "status_code": 400, "message": "reworded: no field named here", "param": "json_schema"}
+    client, _ = _client(tiny_model, tmp_path, [_out("r", "", 0, refused)])
+    with client:
+        events = _events(_create(client, stream=True, text={"format": {"type": "json_schema", "name": "n", "schema": {"type": "object"}}}))
+    assert events[-1][0] == "error" and events[-1][1]["param"] == "text.format"
 
 
 def test_reasoning_effort_reaches_a_template_that_reads_it(tiny_model: str, tmp_path: Any) -> None:

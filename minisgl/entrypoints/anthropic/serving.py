@@ -17,7 +17,7 @@ Errors are Anthropic's: {"type": "error", "error": {"type": "invalid_request_err
 from __future__ import annotations
 
 import json
-from typing import Any, AsyncIterator, Dict, List, Union
+from typing import Any, AsyncIterator, Dict, List, Optional, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -61,7 +61,8 @@ def _event(kind: str, **fields: Any) -> str:
     return sse_event(kind, {"type": kind, **fields})
 
 
-def _error_events(message: str, status_code: int) -> List[str]:
+def _error_events(message: str, status_code: int, param: Optional[str] = None) -> List[str]:
+    # (param unused: Anthropic's error envelope names no field)
     return [_event("error", **{k: v for k, v in anthropic_error_body(message, status_code).items() if k != "type"})]
 
 

@@ -43,18 +43,8 @@ _CHAT_TO_RESPONSES = {"messages": "input", "max_completion_tokens": "max_output_
 _SAMPLING_KNOBS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "stop", "seed")
 
 
-# what chat's errors (precheck's, the conversion's, the TokenizerManager's) are about, by their text:
-# (a pattern of the message, the Responses field it names); the first that matches gives the param
-_ERROR_PARAMS = [
-    (re.compile(r"\bmax_completion_tokens\b"), "max_output_tokens"),
-    (re.compile(r"\breasoning_effort\b"), "reasoning.effort"),
-    (re.compile(r"^Tools cannot be empty"), "tools"),
-    (re.compile(r"^Tool '.*' not found in tools list|\btool_choice\b"), "tool_choice"),
-    (re.compile(r"\btop_k\b"), "top_k"),
-    (re.compile(r"\bresponse_format\b|\bjson_schema\b"), "text.format"),  # (or a forced call's schema: see responses_error)
-    (re.compile(r"is longer than the model's context length|chat template to these messages|an assistant message's tool_calls"), "input"),
-]
-# chat's words for the fields -> the Responses', in a message's text
+# chat's words for the fields -> the Responses', in a message's text (the words only: the param
+# comes from the error's own param, never from its text)
 _ERROR_WORDS = [
     (re.compile(r"\bmax_completion_tokens\b"), "max_output_tokens"),
     (re.compile(r"\breasoning_effort\b"), "reasoning.effort"),
@@ -63,18 +53,15 @@ _ERROR_WORDS = [
 ]
 
 
-def responses_error(message: str, param: Optional[str], request: ResponsesRequest) -> Tuple[str, Optional[str]]:
-    """An error of the chat path (its message, its param: chat's field or None) as the Responses
-    route says it: the fields by the Responses' names, in the param and in the text."""
+def responses_error(message: str, param: Optional[str]) -> Tuple[str, Optional[str]]:
+    """An error of the chat path (its message, its param: chat's field, as the chat route's error
+    body names it, or None) as the Responses route says it: the param by _CHAT_TO_RESPONSES, the
+    fields in the text by _ERROR_WORDS."""
     if param is not None:
         head = re.split(r"[.\[]", param, maxsplit=1)[0]
         param = _CHAT_TO_RESPONSES.get(head, head) + param[len(head) :]
         if param.startswith("text.format.json_schema"):  # (chat nests what text.format holds flat)
             param = "text.format" + param[len("text.format.json_schema") :]
-    else:
-        param = next((field for pattern, field in _ERROR_PARAMS if pattern.search(message)), None)
-        if param == "text.format" and (request.text is None or request.text.format is None):
-            param = "tools"  # (the schema was a forced call's: its function's parameters)
     message = reword(message, _ERROR_WORDS)
     message = message.replace("response_format.json_schema", "text.format").replace("text.format.json_schema", "text.format")
     return message, param
@@ -112,7 +99,7 @@ def to_chat_request(request: ResponsesRequest, rid: str, earlier: List[Dict[str,
         chat = ChatCompletionRequest.model_validate(body)
     except ValidationError as e:
         message, field = validation_message(e)
-        raise BadResponsesRequest(*responses_error(message, field or None, request)) from None
+        raise BadResponsesRequest(*responses_error(message, field or None)) from None
     return Translated(chat, conversation, [_listed(item) for item in items])
 
 

@@ -25,6 +25,7 @@ from pydantic import BaseModel
 from minisgl.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, PromptTokensDetails, UsageInfo
 from minisgl.managers.io_struct import GenerateReqInput, entry_as_list
 from minisgl.managers.tokenizer_manager import GENERATION_ON_EMBEDDING_SERVER, ReqAbortedError, TokenizerManager
+from minisgl.utils import ParamError
 
 logger = logging.getLogger("minisgl.serving")
 
@@ -45,16 +46,23 @@ def create_error_response(message: str, status_code: int = 400, err_type: Option
     return JSONResponse(error_body(message, status_code, err_type, param), status_code=status_code)
 
 
-def handler_error_response(e: Exception) -> JSONResponse:
+def error_param(e: Exception) -> Optional[str]:
+    """The field an error is about, as its raiser named it (ParamError; a scheduler's abort that
+    named one), else None. The routes read the field here, never from the message's words."""
+    return e.param if isinstance(e, (ParamError, ReqAbortedError)) else None
+
+
+def handler_error_response(e: Exception, param: Optional[str] = None) -> JSONResponse:
     """What a route's handler raised, as its OpenAI error: an HTTPException's status, an aborted
     request's (ReqAbortedError: 400, 503, ...), a ValueError's 400 (bad input found late, e.g. by
-    the tokenizer), anything else a logged 500. Call it inside the `except` block (it logs the traceback)."""
+    the tokenizer), anything else a logged 500. `param`: the field the error is about, by the
+    route's name (OpenAIServingBase.error_response). Call it inside the `except` block (it logs the traceback)."""
     if isinstance(e, HTTPException):
         return create_error_response(str(e.detail), status_code=e.status_code)
     if isinstance(e, ReqAbortedError):
-        return create_error_response(e.message, status_code=e.status_code)
+        return create_error_response(e.message, status_code=e.status_code, param=param)
     if isinstance(e, ValueError):
-        return create_error_response(str(e))
+        return create_error_response(str(e), param=param)
     logger.exception("Internal server error")
     return create_error_response(f"Internal server error: {e}", status_code=500, err_type="InternalServerError")
 
@@ -150,13 +158,14 @@ def abort_status(reason: Optional[Dict[str, Any]]) -> Optional[int]:
     return None
 
 
-def abort_events(reason: Optional[Dict[str, Any]]) -> List[str]:
+def abort_events(reason: Optional[Dict[str, Any]], param: Optional[str] = None) -> List[str]:
     """The SSE events that end a stream whose request was refused with a status (the error, then
-    [DONE]); [] for any other finish, which the stream renders itself."""
+    [DONE]); [] for any other finish, which the stream renders itself. `param`: the field the abort
+    is about (its reason's "param"), by the route's name."""
     status = abort_status(reason)
     if status is None:
         return []
-    return [sse_data(error_body(reason.get("message") or "Aborted", status)), sse_data("[DONE]")]
+    return [sse_data(error_body(reason.get("message") or "Aborted", status, param=param)), sse_data("[DONE]")]
 
 
 def response_id(out: Dict[str, Any], n: int) -> str:
@@ -262,21 +271,29 @@ async def start_stream(tm: TokenizerManager, adapted: GenerateReqInput, raw_requ
     return first, gen
 
 
-async def guarded_stream(events: AsyncIterator[str], gen: Any, error_events: Callable[[str, int], List[str]]) -> AsyncIterator[str]:
+async def guarded_stream(
+    events: AsyncIterator[str], gen: Any, error_events: Callable[[str, int, Optional[str]], List[str]]
+) -> AsyncIterator[str]:
     """`events` (a writer's SSE events over `gen`), where an error after the headers becomes the
-    route's `error_events(message, status)` (chat: an error body + [DONE]; Responses: an `error`
-    event); `gen` is always closed: a disconnect cancels us here and the TokenizerManager aborts the rid."""
+    route's `error_events(message, status, param)` (chat: an error body + [DONE]; Responses: an
+    `error` event; param: error_param's, /generate's name); `gen` is always closed: a disconnect
+    cancels us here and the TokenizerManager aborts the rid."""
     try:
         async for event in events:
             yield event
     except ReqAbortedError as e:
-        for event in error_events(e.message, e.status_code):
+        for event in error_events(e.message, e.status_code, e.param):
             yield event
     except ValueError as e:
-        for event in error_events(str(e), 400):
+        for event in error_events(str(e), 400, error_param(e)):
             yield event
     finally:
         await gen.aclose()
+
+
+# /generate's field names (what the TokenizerManager's and SamplingParams' errors name) -> the
+# OpenAI routes' (/v1/completions'; chat adds its own: OpenAIServingChat.route_param)
+_ENGINE_TO_OPENAI = {"text": "prompt", "input_ids": "prompt", "max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 
 
 class OpenAIServingBase(ABC):
@@ -290,8 +307,13 @@ class OpenAIServingBase(ABC):
         self._special: Optional[set] = None  # (text_offsets' special ids)
 
     # --- subclass hooks
-    def _validate_request(self, request: Any) -> Optional[str]:
+    def _validate_request(self, request: Any) -> Optional[Tuple[str, Optional[str]]]:
+        """(the message, the field it is about or None) of what the route refuses, else None."""
         return None
+
+    def route_param(self, param: Optional[str], request: Any) -> Optional[str]:
+        """The field an engine error names (/generate's name: error_param) by this route's name."""
+        return _ENGINE_TO_OPENAI.get(param, param) if param is not None else None
 
     @abstractmethod
     def _convert_to_internal_request(self, request: Any) -> GenerateReqInput:
@@ -352,7 +374,7 @@ class OpenAIServingBase(ABC):
             return create_error_response("stream_options is only allowed when stream is true", param="stream_options")
         error = self._validate_request(request)
         if error is not None:
-            return create_error_response(error)
+            return create_error_response(error[0], param=error[1])
         return None
 
     async def _generate(self, request: Any, raw_request: Request) -> Response:
@@ -365,12 +387,20 @@ class OpenAIServingBase(ABC):
                 return await self._handle_streaming_request(adapted, request, raw_request)
             return await self._handle_non_streaming_request(adapted, request, raw_request)
         except Exception as e:
-            return handler_error_response(e)
+            return self.error_response(e, request)
+
+    def error_response(self, e: Exception, request: Any) -> JSONResponse:
+        """handler_error_response, with the field the error is about by this route's name."""
+        return handler_error_response(e, self.route_param(error_param(e), request))
 
     async def _handle_streaming_request(self, adapted: GenerateReqInput, request: Any, raw_request: Request) -> Response:
         first, gen = await start_stream(self.tokenizer_manager, adapted, raw_request)
         events = self._stream_events(first, gen, adapted, request)
-        return sse_response(guarded_stream(events, gen, lambda message, status: [sse_data(error_body(message, status)), sse_data("[DONE]")]))
+
+        def error_events(message: str, status: int, param: Optional[str]) -> List[str]:
+            return [sse_data(error_body(message, status, param=self.route_param(param, request))), sse_data("[DONE]")]
+
+        return sse_response(guarded_stream(events, gen, error_events))
 
     async def _collect(self, adapted: GenerateReqInput, raw_request: Request) -> List[Dict[str, Any]]:
         return await collect_outputs(self.tokenizer_manager, adapted, raw_request)

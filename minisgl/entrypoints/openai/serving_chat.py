@@ -56,6 +56,7 @@ from minisgl.entrypoints.openai.tool_calls import (
 )  # fmt: skip
 from minisgl.entrypoints.openai.tool_parsers import NOT_JSON, TOOL_CALL_FORMATS, ToolCallFormat
 from minisgl.managers.io_struct import GenerateReqInput
+from minisgl.utils import ParamError
 
 # apply_chat_template's own parameters: chat_template_kwargs may not pass them (they are not template variables)
 _APPLY_CHAT_TEMPLATE_ARGS = frozenset({
@@ -87,7 +88,7 @@ def _arguments(text: str) -> Any:
     try:
         return json.loads(text)
     except NOT_JSON:  # (RecursionError too: brackets nested ~1000 deep)
-        raise ValueError(f"tool_calls[].function.arguments must be JSON text, got {text!r}") from None
+        raise ParamError(f"tool_calls[].function.arguments must be JSON text, got {text!r}", "messages") from None
 
 
 def _forces_calls(request: ChatCompletionRequest) -> bool:
@@ -231,30 +232,30 @@ class OpenAIServingChat(OpenAIServingBase):
         """tool_choice "auto" (or unset) with tools, on a server with a --tool-call-parser."""
         return bool(request.tools) and request.tool_choice in (None, "auto") and self.tokenizer_manager.server_args.tool_call_parser is not None
 
-    def _validate_request(self, request: ChatCompletionRequest) -> Optional[str]:
+    def _validate_request(self, request: ChatCompletionRequest) -> Optional[Tuple[str, Optional[str]]]:
         if not request.messages:
-            return "Messages cannot be empty."
+            return "Messages cannot be empty.", "messages"
         if request.top_logprobs and not request.logprobs:
-            return "top_logprobs requires logprobs to be true."
+            return "top_logprobs requires logprobs to be true.", "top_logprobs"
         if request.continue_final_message and request.messages[-1].role != "assistant":
-            return "continue_final_message requires the last message to be from the assistant."
+            return "continue_final_message requires the last message to be from the assistant.", "continue_final_message"
         # name the field the user sent (max_completion_tokens wins when both are given)
         field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         max_new = getattr(request, field)
         context_len = self.tokenizer_manager.context_len
         # SGLang's chat check, which holds only without auto-truncate (the gate then clamps it)
         if max_new is not None and max_new > context_len and not self.tokenizer_manager.server_args.allow_auto_truncate:
-            return f"{field} is too large: {max_new}. This model supports at most {context_len} completion tokens."
+            return f"{field} is too large: {max_new}. This model supports at most {context_len} completion tokens.", field
         if self.tokenizer_manager.server_args.reasoning_parser is None and not request.stream_reasoning:
             # (it would be dropped without a word: there is no reasoning to hold back. separate_reasoning
             # true is the default, which clients that send every field send: accepted)
-            return "stream_reasoning: false needs a server started with --reasoning-parser (qwen3 or deepseek-r1); or leave the field out"
+            return "stream_reasoning: false needs a server started with --reasoning-parser (qwen3 or deepseek-r1); or leave the field out", "stream_reasoning"
         return validate_tools(request, self.tokenizer_manager.server_args.tool_call_parser)
 
     def _apply_chat_template(self, request: ChatCompletionRequest) -> str:
         """Render the messages; each goes to the template whole (role, content and name, as in SGLang)."""
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("This model's tokenizer has no chat template; start the server with --chat-template FILE, or use /v1/completions.")
+            raise ParamError("This model's tokenizer has no chat template; start the server with --chat-template FILE, or use /v1/completions.", "messages")
         messages = [_template_message(m) for m in request.messages]
         prompt = self._render(messages, request)
         # A template that never reads `name`, or an assistant's earlier `tool_calls`, would drop
@@ -267,7 +268,7 @@ class OpenAIServingChat(OpenAIServingBase):
             if checked:
                 without = [{k: v for k, v in m.items() if k != key} if any(m is c for c in checked) else m for m in messages]
                 if self._render(without, request) == prompt:
-                    raise ValueError(f"{what} is not used by this model's chat template; remove it or put it in the content.")
+                    raise ParamError(f"{what} is not used by this model's chat template; remove it or put it in the content.", "messages")
         return prompt
 
     def _template_kwargs(self, request: ChatCompletionRequest) -> Dict[str, Any]:
@@ -277,18 +278,19 @@ class OpenAIServingChat(OpenAIServingBase):
         kwargs = dict(request.chat_template_kwargs or {})
         reserved = sorted(set(kwargs) & _APPLY_CHAT_TEMPLATE_ARGS)
         if reserved:
-            raise ValueError(f"chat_template_kwargs {reserved} are arguments of apply_chat_template itself, not template variables")
+            raise ParamError(f"chat_template_kwargs {reserved} are arguments of apply_chat_template itself, not template variables", "chat_template_kwargs")
         read = template_variables(self.tokenizer.chat_template)
         unused = sorted(set(kwargs) - read) if read is not None else []  # (unparsed here: passed on, as SGLang does)
         if unused:
-            raise ValueError(f"chat_template_kwargs {unused} are not used by this model's chat template; remove them")
+            raise ParamError(f"chat_template_kwargs {unused} are not used by this model's chat template; remove them", "chat_template_kwargs")
         if request.reasoning_effort is not None:
             if "reasoning_effort" in kwargs:
-                raise ValueError("reasoning_effort is given twice (the field and chat_template_kwargs); keep one")
+                raise ParamError("reasoning_effort is given twice (the field and chat_template_kwargs); keep one", "reasoning_effort")
             if read is not None and "reasoning_effort" not in read:
-                raise ValueError(
+                raise ParamError(
                     "reasoning_effort is not used by this model's chat template (a template variable, read by "
-                    "reasoning models' templates such as gpt-oss's); remove it"
+                    "reasoning models' templates such as gpt-oss's); remove it",
+                    "reasoning_effort",
                 )
             kwargs["reasoning_effort"] = request.reasoning_effort
         return kwargs
@@ -308,7 +310,22 @@ class OpenAIServingChat(OpenAIServingBase):
                 **kwargs,
             )
         except Exception as e:  # jinja2.TemplateError and friends: the messages do not fit the template
-            raise ValueError(f"Cannot apply the chat template to these messages: {e}") from e
+            raise ParamError(f"Cannot apply the chat template to these messages: {e}", "messages") from e
+
+    def route_param(self, param: Optional[str], request: ChatCompletionRequest) -> Optional[str]:
+        """An engine error's field (/generate's name) by chat's: the prompt is the messages, the
+        output budget the field the client sent, a grammar where it came from (response_format, or
+        the tools whose calls it holds); chat's own names (a conversion's ParamError) pass as they are."""
+        if param in ("text", "input_ids"):
+            return "messages"
+        if param in ("max_new_tokens", "min_new_tokens"):
+            return {"max_new_tokens": "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens",
+                    "min_new_tokens": "min_tokens"}[param]  # fmt: skip
+        if param in ("json_schema", "structural_tag", "regex", "ebnf") and getattr(request, param, None) is None:
+            # (not chat's own field of that name: the grammar came from response_format or the tools)
+            from_format = request.response_format is not None and param in request.response_format.grammar()
+            return "response_format" if from_format else "tools"
+        return param
 
     def _convert_to_internal_request(self, request: ChatCompletionRequest) -> GenerateReqInput:
         return self.to_generate_request(request)
@@ -329,7 +346,7 @@ class OpenAIServingChat(OpenAIServingBase):
                 other.append("response_format")
             if other:  # (SGLang 0.5.23 refuses it too: the call's schema and another grammar cannot both hold)
                 what = "a tool call" if key == "json_schema" else "strict tools' calls"
-                raise ValueError(f"tool_choice {_choice_name(request)} constrains the output to {what}; drop {', '.join(other)}")
+                raise ParamError(f"tool_choice {_choice_name(request)} constrains the output to {what}; drop {', '.join(other)}", "tool_choice")
             sampling_params[key] = constraint
         if self._parses_calls(request):
             sampling_params["skip_special_tokens"] = False  # (SGLang's: a format's markers may be special tokens)
@@ -426,7 +443,7 @@ class OpenAIServingChat(OpenAIServingBase):
 
         async for d in self.stream_deltas(first, rest, request, usage, hidden_states):
             if d.refused is not None:  # (a refused request: the error event, then [DONE])
-                for event in abort_events(d.refused):
+                for event in abort_events(d.refused, self.route_param(d.refused.get("param"), request)):
                     yield event
                 return
             choice = ChatCompletionResponseStreamChoice(

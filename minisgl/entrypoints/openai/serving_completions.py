@@ -15,7 +15,7 @@ after the others (serving_base.last_hidden_state / StreamedHiddenStates).
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator, Dict, List, Optional
+from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -42,14 +42,14 @@ from minisgl.managers.io_struct import GenerateReqInput
 
 
 class OpenAIServingCompletions(OpenAIServingBase):
-    def _validate_request(self, request: CompletionRequest) -> Optional[str]:
+    def _validate_request(self, request: CompletionRequest) -> Optional[Tuple[str, Optional[str]]]:
         prompt = request.prompt
         if isinstance(prompt, str):
-            return None if prompt else "The prompt cannot be empty."
+            return None if prompt else ("The prompt cannot be empty.", "prompt")
         if len(prompt) == 0:
-            return "The prompt cannot be an empty list."
+            return "The prompt cannot be an empty list.", "prompt"
         if isinstance(prompt[0], list) and any(len(p) == 0 for p in prompt):
-            return "A token-id prompt cannot be empty."
+            return "A token-id prompt cannot be empty.", "prompt"
         return None
 
     def _convert_to_internal_request(self, request: CompletionRequest) -> GenerateReqInput:
@@ -165,7 +165,7 @@ class OpenAIServingCompletions(OpenAIServingBase):
                 text_offsets[index] = len(echoed)
             text = echoed + out["text"]
             reason = meta["finish_reason"]
-            refused = abort_events(reason)
+            refused = abort_events(reason, self.route_param(reason.get("param"), request) if isinstance(reason, dict) else None)
             if refused:
                 for event in refused:
                     yield event

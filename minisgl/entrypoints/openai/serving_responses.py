@@ -33,7 +33,7 @@ from minisgl.entrypoints.openai.responses_protocol import ResponsesRequest, refu
 from minisgl.entrypoints.openai.responses_store import ResponseStore, StoredResponse
 from minisgl.entrypoints.openai.responses_stream import StreamedOutput
 from minisgl.entrypoints.openai.serving_base import (
-    StreamedHiddenStates, UsageCounter, collect_outputs, create_error_response, guarded_stream, handler_error_response, new_id, sse_event,
+    StreamedHiddenStates, UsageCounter, collect_outputs, create_error_response, guarded_stream, new_id, sse_event,
     sse_response, start_stream,
 )  # fmt: skip
 from minisgl.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -91,10 +91,10 @@ class OpenAIServingResponses:
             turn.sampling = dict(adapted.sampling_params or {})
             if request.stream:
                 first, gen = await start_stream(self.tokenizer_manager, adapted, raw_request)
-                return sse_response(guarded_stream(self._stream_events(first, gen, turn), gen, lambda message, status: self._error_event(turn, message, status)))
+                return sse_response(guarded_stream(self._stream_events(first, gen, turn), gen, lambda message, status, param: self._error_event(turn, message, status, param)))
             outs = await collect_outputs(self.tokenizer_manager, adapted, raw_request)
         except Exception as e:
-            return self._as_responses_error(handler_error_response(e), turn)
+            return self._as_responses_error(self.chat.error_response(e, chat), turn)
         answer = self.chat.chat_response(outs, chat)
         choice = answer.choices[0]
         tokens = self._answer_tokens(choice, outs[0]) if request.logprobs else None
@@ -104,7 +104,7 @@ class OpenAIServingResponses:
     def _as_responses_error(response: JSONResponse, turn: ResponsesTurn) -> JSONResponse:
         """A chat-path error response as the Responses route says it (responses_error: its fields by their names here)."""
         error = json.loads(response.body)["error"]
-        message, param = responses_error(error["message"], error.get("param"), turn.request)
+        message, param = responses_error(error["message"], error.get("param"))
         return create_error_response(message, response.status_code, err_type=error.get("type"), param=param)
 
     def _answer_tokens(self, choice: ChatCompletionResponseChoice, out: Dict[str, Any]) -> List[ChatTokenLogprob]:
@@ -126,7 +126,7 @@ class OpenAIServingResponses:
         usage, output = UsageCounter(1), StreamedOutput(turn.request.logprobs)
         async for d in self.chat.stream_deltas(first, rest, turn.chat, usage, StreamedHiddenStates()):
             if d.refused is not None:  # (an abort with a status, e.g. the queue is full)
-                for event in self._error_event(turn, d.refused.get("message") or "Aborted", int(d.refused["status_code"])):
+                for event in self._error_event(turn, d.refused.get("message") or "Aborted", int(d.refused["status_code"]), d.refused.get("param")):
                     yield event
                 return
             for kind, fields in output.feed(d):
@@ -134,9 +134,10 @@ class OpenAIServingResponses:
         response = self._finished(turn, output.items, output.finish_reason, usage.usage())
         yield self._event(turn, f"response.{response['status']}", response=response)  # (completed, incomplete or failed)
 
-    def _error_event(self, turn: ResponsesTurn, message: str, status_code: int) -> List[str]:
-        """How a stream ends on an error after its headers: the Responses `error` event."""
-        message, param = responses_error(message, None, turn.request)
+    def _error_event(self, turn: ResponsesTurn, message: str, status_code: int, param: Optional[str]) -> List[str]:
+        """How a stream ends on an error after its headers: the Responses `error` event. `param`:
+        the engine's name of the field it is about (error_param's, an abort's), or None."""
+        message, param = responses_error(message, self.chat.route_param(param, turn.chat))
         return [self._event(turn, "error", code=str(status_code), message=message, param=param)]
 
     @staticmethod

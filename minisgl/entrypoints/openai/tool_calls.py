@@ -23,6 +23,7 @@ import uuid
 from typing import Any, Dict, List, Optional, Tuple
 
 from minisgl.entrypoints.openai.protocol import ChatCompletionRequest, DeltaToolCall, FunctionCall, Tool, ToolCall, ToolChoice
+from minisgl.utils import ParamError
 from minisgl.entrypoints.openai.tool_call_stream import CallStream, OfferedTools, check_offered, read_forced_calls
 from minisgl.entrypoints.openai.tool_parsers import NOT_JSON, TOOL_CALL_FORMATS, ToolCallFormat
 
@@ -37,29 +38,30 @@ AUTO_NOT_BUILT = (
 )
 
 
-def validate_tools(request: ChatCompletionRequest, parser: Optional[str] = None) -> Optional[str]:
+def validate_tools(request: ChatCompletionRequest, parser: Optional[str] = None) -> Optional[Tuple[str, str]]:
     """SGLang's messages for a tool_choice the tools cannot satisfy (sglang-facts.md §10.1), and
     minisgl's for "auto" without a --tool-call-parser, or with strict tools a format cannot
-    constrain; None when the request is fine."""
+    constrain, each with the field it is about; None when the request is fine."""
     choice = request.tool_choice
     if not request.tools and choice in (None, "none", "auto"):  # (nothing to call: a plain chat)
         return None
     if choice == "required" and not request.tools:
-        return "Tools cannot be empty if tool choice is set to required."
+        return "Tools cannot be empty if tool choice is set to required.", "tools"
     if isinstance(choice, ToolChoice):
         if not request.tools:
-            return "Tools cannot be empty if tool choice is set to a specific tool."
+            return "Tools cannot be empty if tool choice is set to a specific tool.", "tools"
         if all(tool.function.name != choice.function.name for tool in request.tools):
-            return f"Tool '{choice.function.name}' not found in tools list."
+            return f"Tool '{choice.function.name}' not found in tools list.", "tool_choice"
     if choice in (None, "auto") and parser is None:
-        return AUTO_NOT_BUILT
+        return AUTO_NOT_BUILT, "tool_choice"
     if choice in (None, "auto") and any(t.function.strict for t in request.tools or []) and not TOOL_CALL_FORMATS[parser].has_structural_tag:
         # (SGLang leaves pythonic ones unconstrained: a strict tool's promise would silently not hold;
         # it holds qwen3_coder's with xgrammar's qwen_xml tag, not built here)
         return (
             'strict tools under tool_choice "auto" are constrained by a structural tag, which holds JSON arguments: '
             f"the {parser} format writes {TOOL_CALL_FORMATS[parser].argument_syntax} ones. Drop \"strict\", or use tool_choice \"required\" or a named "
-            "function (the call is then constrained to JSON)"
+            "function (the call is then constrained to JSON)",
+            "tools",
         )
     return None
 
@@ -96,7 +98,7 @@ def tool_call_constraint(request: ChatCompletionRequest) -> Optional[str]:
         for tool in tools:
             for name, definition in ((tool.function.parameters or {}).get(section) or {}).items():
                 if merged.get(name, definition) != definition:
-                    raise ValueError(f"Tool definition '{name}' has multiple schemas, which is not supported.")
+                    raise ParamError(f"Tool definition '{name}' has multiple schemas, which is not supported.", "tools")
                 merged[name] = definition
         if merged:
             schema[section] = merged
