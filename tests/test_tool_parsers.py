@@ -318,13 +318,13 @@ def test_a_strict_tools_tag_allows_only_calls_its_parser_reads(parser: str, call
 
 def test_pythonic_strict_tools_under_auto_are_refused_not_left_unconstrained() -> None:
     strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
-    message = validate_tools(_request(tools=[strict]), "pythonic")
-    assert message is not None and "pythonic format writes Python ones" in message
+    error = validate_tools(_request(tools=[strict]), "pythonic")
+    assert error is not None and "pythonic format writes Python ones" in error[0] and error[1] == "tools"
     assert validate_tools(_request(tools=[WEATHER]), "pythonic") is None
     assert validate_tools(_request(tools=[strict], tool_choice="required"), "pythonic") is None  # (forced: JSON)
     assert validate_tools(_request(tools=[strict]), "mistral") is None
-    message = validate_tools(_request(tools=[strict]), "qwen3_coder")  # (its values are not JSON either)
-    assert message is not None and "qwen3_coder format writes XML-like <parameter=...> ones" in message
+    error = validate_tools(_request(tools=[strict]), "qwen3_coder")  # (its values are not JSON either)
+    assert error is not None and "qwen3_coder format writes XML-like <parameter=...> ones" in error[0] and error[1] == "tools"
     assert validate_tools(_request(tools=[strict], tool_choice={"type": "function", "function": {"name": "get_weather"}}), "qwen3_coder") is None
 
 
