@@ -25,6 +25,7 @@ from pydantic import BaseModel
 from minisgl.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, PromptTokensDetails, UsageInfo
 from minisgl.managers.io_struct import GenerateReqInput, entry_as_list
 from minisgl.managers.tokenizer_manager import GENERATION_ON_EMBEDDING_SERVER, ReqAbortedError, TokenizerManager
+from minisgl.sampling.sampling_params import GRAMMAR_KEYS
 from minisgl.utils import ParamError
 
 logger = logging.getLogger("minisgl.serving")
@@ -296,6 +297,15 @@ async def guarded_stream(
 _ENGINE_TO_OPENAI = {"text": "prompt", "input_ids": "prompt", "max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 
 
+def _from_response_format(param: str, request: Any) -> bool:
+    """Whether `param`, a grammar's key, names a grammar the request's response_format built (a
+    json_object's or json_schema's `json_schema`), not the route's own field of that name."""
+    if param not in GRAMMAR_KEYS or getattr(request, param, None) is not None:
+        return False
+    response_format = getattr(request, "response_format", None)
+    return response_format is not None and param in response_format.grammar()
+
+
 class OpenAIServingBase(ABC):
     """handle_request: validate -> convert -> stream or not, with SGLang's error mapping."""
 
@@ -312,8 +322,13 @@ class OpenAIServingBase(ABC):
         return None
 
     def route_param(self, param: Optional[str], request: Any) -> Optional[str]:
-        """The field an engine error names (/generate's name: error_param) by this route's name."""
-        return _ENGINE_TO_OPENAI.get(param, param) if param is not None else None
+        """The field an engine error names (/generate's name: error_param) by this route's name; a
+        grammar's key (a scheduler's abort) is response_format's when the grammar came from there."""
+        if param is None:
+            return None
+        if _from_response_format(param, request):
+            return "response_format"
+        return _ENGINE_TO_OPENAI.get(param, param)
 
     @abstractmethod
     def _convert_to_internal_request(self, request: Any) -> GenerateReqInput:

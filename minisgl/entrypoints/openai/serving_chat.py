@@ -56,6 +56,7 @@ from minisgl.entrypoints.openai.tool_calls import (
 )  # fmt: skip
 from minisgl.entrypoints.openai.tool_parsers import NOT_JSON, TOOL_CALL_FORMATS, ToolCallFormat
 from minisgl.managers.io_struct import GenerateReqInput
+from minisgl.sampling.sampling_params import GRAMMAR_KEYS
 from minisgl.utils import ParamError
 
 # apply_chat_template's own parameters: chat_template_kwargs may not pass them (they are not template variables)
@@ -321,11 +322,10 @@ class OpenAIServingChat(OpenAIServingBase):
         if param in ("max_new_tokens", "min_new_tokens"):
             return {"max_new_tokens": "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens",
                     "min_new_tokens": "min_tokens"}[param]  # fmt: skip
-        if param in ("json_schema", "structural_tag", "regex", "ebnf") and getattr(request, param, None) is None:
-            # (not chat's own field of that name: the grammar came from response_format or the tools)
-            from_format = request.response_format is not None and param in request.response_format.grammar()
-            return "response_format" if from_format else "tools"
-        return param
+        named = super().route_param(param, request)  # (response_format's grammar; chat's own names pass as they are)
+        if param in GRAMMAR_KEYS and getattr(request, param, None) is None and named != "response_format":
+            return "tools"  # (neither chat's own field of that name nor response_format's: a tool call's schema)
+        return named
 
     def _convert_to_internal_request(self, request: ChatCompletionRequest) -> GenerateReqInput:
         return self.to_generate_request(request)
