@@ -285,6 +285,8 @@ def validate_context_length(
                 f"You requested a total of {input_len + max_new} tokens: {input_len} tokens from the input "
                 f"messages and {max_new} tokens for the completion. Please reduce the number of tokens in the "
                 "input messages or the completion to fit within the limit.",
-                prompt,  # (OpenAI's param for it: the messages)
+                # (OpenAI's param for it: the messages; but a budget that fills the context alone, beside
+                # which no prompt fits, is the budget's fault: as OpenAI's "max_tokens is too large")
+                "max_new_tokens" if max_new >= context_len else prompt,
             )
         params.max_new_tokens = max(0, context_len - input_len)
