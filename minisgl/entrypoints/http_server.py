@@ -66,7 +66,7 @@ from minisgl.entrypoints.openai.protocol import (
     field_path,
 )
 from minisgl.entrypoints.openai.serving_base import (
-    create_error_response, error_body, handler_error_response, prepend, sse_data, sse_response, unknown_model_response,
+    create_error_response, error_body, error_param, handler_error_response, prepend, sse_data, sse_response, unknown_model_response,
 )  # fmt: skip
 from minisgl.entrypoints.openai.responses_protocol import ResponsesRequest
 from minisgl.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -579,10 +579,10 @@ async def _native_generate(tm: TokenizerManager, request: GenerateRequest, raw_r
             body = await off_loop_if_large(lambda: answer_json(content), answer_numbers(content))
             return Response(content=body, media_type="application/json")
         first = await gen.__anext__()  # errors before the first token are real HTTP errors
-    except ReqAbortedError as e:
-        return create_error_response(e.message, e.status_code)
+    except ReqAbortedError as e:  # (param: the field, by /generate's own names, where the engine named one)
+        return create_error_response(e.message, e.status_code, param=e.param)
     except ValueError as e:
-        return create_error_response(str(e))
+        return create_error_response(str(e), param=error_param(e))
 
     incremental = tm.server_args.incremental_streaming_output
 
@@ -617,7 +617,7 @@ async def _native_generate(tm: TokenizerManager, request: GenerateRequest, raw_r
                 else:
                     yield sse_data(chunk)
         except ValueError as e:  # after the headers: an error event, then [DONE] as usual (SGLang)
-            yield sse_data(error_body(str(e)))
+            yield sse_data(error_body(str(e), param=error_param(e)))
         finally:
             await gen.aclose()
         yield sse_data("[DONE]")
@@ -636,7 +636,7 @@ async def _native_encode(tm: TokenizerManager, request: EncodeRequest, raw_reque
         body = await asyncio.to_thread(json_list_in_pieces, outs)
         return Response(content=body.encode(), media_type="application/json")
     except Exception as e:
-        return handler_error_response(e)
+        return handler_error_response(e, error_param(e))  # (/encode's fields are /generate's: text, input_ids)
 
 
 # --------------------------------------------------------------------------- launch
