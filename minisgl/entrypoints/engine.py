@@ -60,6 +60,7 @@ from minisgl.managers.tokenization import (
 )  # fmt: skip
 from minisgl.sampling.sampling_params import SamplingParams
 from minisgl.server_args import SERVER_ONLY_FIELDS, SGLANG_OPTIONS_ALREADY_SO, ServerArgs, resolve_server_args
+from minisgl.utils import ParamError
 
 logger = logging.getLogger("minisgl")
 
@@ -1234,9 +1235,11 @@ def _processor_str(value: Any) -> Any:
 def _refused_raises(outputs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """generate()'s outputs as they are, unless the scheduler refused one with a 400 (a grammar
     that does not compile, a prompt past its gate, a custom logit processor that failed): then the ValueError the server's 400 is,
-    as SGLang's Engine raises it (for a batch, the first; the others were released or finished)."""
+    as SGLang's Engine raises it (for a batch, the first; the others were released or finished): a
+    ParamError naming the field when the abort names one (a grammar's key), as verify's errors do."""
     for out in outputs:
         reason = out["meta_info"]["finish_reason"]
         if isinstance(reason, dict) and reason.get("type") == "abort" and reason.get("status_code") == 400:
-            raise ValueError(reason.get("message") or "Bad request")
+            message = reason.get("message") or "Bad request"
+            raise ParamError(message, reason["param"]) if reason.get("param") else ValueError(message)
     return outputs
