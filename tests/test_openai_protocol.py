@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 from minisgl.entrypoints.http_server import create_app
 from minisgl.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from minisgl.managers.io_struct import AbortReq, BatchStrOutput, GenerateReqInput, GetLoadReqOutput, TokenizedGenerateReqInput
-from minisgl.managers.tokenizer_manager import AsyncDynamicBatchTokenizer, TokenizerManager, coalesce_streaming_chunks
+from minisgl.managers.tokenizer_manager import AsyncDynamicBatchTokenizer, ReqAbortedError, TokenizerManager, coalesce_streaming_chunks
 from minisgl.sampling.sampling_params import SamplingParams
 from minisgl.models.model_config import default_sampling_params
 from minisgl.server_args import PortArgs, ServerArgs, resolve_server_args
@@ -1014,7 +1014,6 @@ def test_a_completions_batch_may_name_one_rid_per_prompt(tiny_model: str, tmp_pa
 def test_fail_all_requests_answers_every_waiting_handler(tiny_model: str, tmp_path: Any) -> None:
     """What the server does when a child dies: each request in flight ends here as an abort
     with the reason and a 503, so its handler answers instead of being cancelled into a 500."""
-    from minisgl.managers.tokenizer_manager import ReqAbortedError
 
     async def run() -> None:
         tm, _ = _recording_tm(tiny_model, tmp_path, refuse_generate=False)
@@ -1502,3 +1501,119 @@ def test_a_chat_stream_refused_for_its_grammar_names_response_format(tiny_model:
         r = _chat(client, stream=True, response_format={"type": "json_object"})
     first = json.loads(r.text.split("\n\n")[0][len("data: ") :])
     assert first["error"]["param"] == "response_format" and first["error"]["message"] == "Invalid json_schema: bad"
+
+
+def _checked_client(tiny_model: str, tmp_path: Any) -> TestClient:
+    """An app whose TokenizerManager runs its own checks for real (verify, the prompt's length, the
+    context gate) and answers a request that passes them with one token."""
+    tm = _make_tm(tiny_model, tmp_path)
+
+    async def checked(obj: Any, request: Any = None) -> Any:
+        obj.normalize_batch_and_arguments()  # (as generate_request does first: a token-id prompt is one request)
+        SamplingParams.from_dict(obj.sampling_params).verify()  # (as _validate_request_shape does)
+        await tm._tokenize_one_request(obj)
+        yield _out("r", "x", 1, {"type": "length", "length": 1})
+
+    tm.generate_request = checked  # type: ignore[method-assign]
+    client = TestClient(create_app(tm.server_args, tm, is_healthy=lambda: True))
+    client.model = tm.model_name  # type: ignore[attr-defined]
+    return client
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": "x" * 10**6}, "prompt"),  # (past the characters any context holds: the TokenizerManager's first check)
+        ({"prompt": [1] * (CONTEXT_LEN + 8)}, "prompt"),  # (token ids past the context: the gate)
+        ({"prompt": "a", "max_tokens": 10**6}, "max_tokens"),  # (a budget no prompt fits beside: the budget's fault)
+        ({"prompt": "a", "max_tokens": CONTEXT_LEN}, "max_tokens"),
+        ({"prompt": [1] * 20, "max_tokens": CONTEXT_LEN - 10}, "prompt"),  # (each fits alone, not both: OpenAI's param, the prompt)
+        ({"prompt": "a", "top_k": 0}, "top_k"),
+        ({"prompt": "a", "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_400s_name_the_field_as_param(tiny_model: str, tmp_path: Any, body: Dict[str, Any], param: str, stream: bool) -> None:
+    """/v1/completions names the field of the engine's errors by its own names (route_param:
+    text/input_ids -> prompt, max_new_tokens -> max_tokens), streamed or not."""
+    with _checked_client(tiny_model, tmp_path) as client:
+        r = client.post("/v1/completions", json={"model": client.model, "stream": stream, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_a_chat_budget_past_the_context_names_the_field_the_client_sent(tiny_model: str, tmp_path: Any) -> None:
+    """With --allow-auto-truncate off the chat precheck refuses it first; the TokenizerManager's gate
+    names the same field for a budget that fills the context (max_completion_tokens wins)."""
+    with _checked_client(tiny_model, tmp_path) as client:
+        for field in ("max_tokens", "max_completion_tokens"):
+            r = _chat(client, **{field: CONTEXT_LEN})
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def _refusing_client(tiny_model: str, tmp_path: Any, reason: Dict[str, Any]) -> TestClient:
+    """An app whose TokenizerManager refuses every request as its non-streaming path does a
+    scheduler's abort with a status (ReqAbortedError, carrying the reason's param)."""
+    tm = _make_tm(tiny_model, tmp_path)
+
+    async def refuse(obj: Any, request: Any = None) -> Any:
+        raise ReqAbortedError(reason["message"], reason["status_code"], reason.get("param"))
+        yield  # (a generator, as generate_request)
+
+    tm.generate_request = refuse  # type: ignore[method-assign]
+    client = TestClient(create_app(tm.server_args, tm, is_healthy=lambda: True))
+    client.model = tm.model_name  # type: ignore[attr-defined]
+    return client
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"response_format": {"type": "json_object"}}, "response_format"),  # (its grammar is a json_schema)
+        ({"json_schema": '{"type": "object"}'}, "json_schema"),  # (SGLang's own field: named as it is)
+        ({"regex": "a+"}, "regex"),
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_completion_refused_for_its_grammar_names_the_field_it_came_from(tiny_model: str, tmp_path: Any, body: Dict[str, Any], param: str,
+                                                                          stream: bool) -> None:  # fmt: skip
+    """A scheduler's grammar abort names the grammar's key (json_schema); /v1/completions says which
+    of its own fields built it, as chat does."""
+    key = "json_schema" if param == "response_format" else param
+    refused = {"type": "abort", "status_code": 400, "message": "Invalid grammar: bad", "param": key, "err_type": "BadRequestError"}
+    client = _scripted_client(tiny_model, tmp_path, [_out("r", "", 0, refused)])[0] if stream else _refusing_client(tiny_model, tmp_path, refused)
+    with client:
+        r = client.post("/v1/completions", json={"model": client.model, "prompt": "a", "stream": stream, **body})
+    error = json.loads(r.text.split("\n\n")[0][len("data: ") :])["error"] if stream else r.json()["error"]
+    assert error["param"] == param and error["message"] == "Invalid grammar: bad", r.text
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"text": "x" * 10**6}, "text"),
+        ({"input_ids": [1] * (CONTEXT_LEN + 8)}, "input_ids"),
+        ({"text": "a", "sampling_params": {"top_k": 0}}, "top_k"),
+        ({"text": "a", "sampling_params": {"max_new_tokens": 10**6}}, "max_new_tokens"),
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_generate_400s_name_the_field_by_its_own_names(tiny_model: str, tmp_path: Any, body: Dict[str, Any], param: str, stream: bool) -> None:
+    """/generate's 400 bodies carry `param` too (minisgl's: SGLang's is null), by /generate's names."""
+    with _checked_client(tiny_model, tmp_path) as client:
+        r = client.post("/generate", json={"stream": stream, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_a_generate_refused_for_its_grammar_names_its_key_in_the_body_and_in_the_stream(tiny_model: str, tmp_path: Any) -> None:
+    """The abort's `param` (minisgl's key of SGLang's finish_reason) reaches /generate's 400 body, and a
+    /generate stream passes the finish_reason on whole, param included."""
+    refused = {"type": "abort", "status_code": 400, "message": "Invalid regex: bad", "param": "regex", "err_type": "BadRequestError"}
+    with _refusing_client(tiny_model, tmp_path, refused) as client:
+        r = client.post("/generate", json={"text": "a", "sampling_params": {"regex": "["}})
+    client, _ = _scripted_client(tiny_model, tmp_path, [_out("r", "", 0, refused)])
+    with client:
+        streamed = client.post("/generate", json={"text": "a", "sampling_params": {"regex": "["}, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "regex", r.text
+    chunk = json.loads(streamed.text.split("\n\n")[0][len("data: ") :])
+    assert chunk["meta_info"]["finish_reason"] == refused, streamed.text
