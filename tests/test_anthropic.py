@@ -13,7 +13,7 @@ from anthropic.types import Message, MessageTokensCount, RawMessageStreamEvent
 from anthropic.types.shared import ErrorResponse
 from pydantic import TypeAdapter
 
-from test_openai_protocol import _out, _scripted_client
+from test_openai_protocol import _out, _scripted_client, _sse_events
 
 from minisgl.entrypoints.anthropic.convert import thinking_template_kwargs, to_chat_request
 from minisgl.entrypoints.anthropic.protocol import BadMessagesRequest, MessagesRequest
@@ -37,11 +37,8 @@ EVENTS = TypeAdapter(RawMessageStreamEvent)
 
 
 def _client(tiny_model: str, tmp_path: Any, outs: List[Dict[str, Any]], template: Optional[str] = None, **args: Any) -> Tuple[Any, List[Any]]:
-    if template is None:
-        return _scripted_client(tiny_model, tmp_path, outs, args=args)
-    tokenizer = get_tokenizer(tiny_model)
-    tokenizer.chat_template = template
-    return _scripted_client(tiny_model, tmp_path, outs, args=args, tokenizer=tokenizer)
+    """A scripted server (ServerArgs `args` changed); `template`: its tokenizer's chat template instead (--chat-template)."""
+    return _scripted_client(tiny_model, tmp_path, outs, args=args, template=template)
 
 
 def _create(client: Any, headers: Optional[Dict[str, str]] = None, **body: Any) -> Any:
@@ -51,15 +48,11 @@ def _create(client: Any, headers: Optional[Dict[str, str]] = None, **body: Any) 
 
 def _events(r: Any) -> List[Tuple[str, Dict[str, Any]]]:
     """(event name, data) of each SSE event, each data read by the SDK's event type (but `error`)."""
-    events = []
-    for block in r.text.strip().split("\n\n"):
-        name, data = block.split("\n")
-        assert name.startswith("event: ") and data.startswith("data: ")
-        body = json.loads(data[len("data: ") :])
-        assert body["type"] == name[len("event: ") :]
-        if body["type"] != "error":
+    events = _sse_events(r)
+    for name, body in events:
+        assert body["type"] == name
+        if name != "error":
             EVENTS.validate_python(body)
-        events.append((body["type"], body))
     return events
 
 

@@ -13,9 +13,8 @@ import httpx
 import openai
 import pytest
 
-from test_server_e2e import Server
+from test_server_e2e import TOOL_CALLS_TEMPLATE, Server
 
-from minisgl.test_utils import CHAT_TEMPLATE
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -24,14 +23,13 @@ PROMPT = "The quick brown fox"
 # (an enum: a random model's free string could run past any token budget)
 WEATHER = {"name": "get_weather", "description": "Weather of a city",
            "input_schema": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}}  # fmt: skip
-CALLS = "{% for c in m['tool_calls'] or [] %}{{ '<call>' + c['function']['name'] + (c['function']['arguments'] | tojson) + '</call>' }}{% endfor %}"
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     folder = tmp_path_factory.mktemp("srv")
     template = folder / "calls.jinja"
-    template.write_text(CHAT_TEMPLATE.replace("+ '<|im_end|>\n' }}", "}}" + CALLS + "{{ '<|im_end|>\n' }}"))
+    template.write_text(TOOL_CALLS_TEMPLATE)
     s = Server(tiny_model, str(folder / "server.log"), "--chat-template", str(template), "--constrained-json-disable-any-whitespace", "--api-key", KEY)
     yield s
     s.stop()

@@ -930,10 +930,15 @@ def test_a_finished_samples_rid_reused_by_another_client_is_not_aborted_with_its
 
 # --------------------------------------------------------------------------- scripted outputs
 def _scripted_client(
-    tiny_model: str, tmp_path: Any, outs: List[Dict[str, Any]], args: Optional[Dict[str, Any]] = None, **tm_attrs: Any
+    tiny_model: str, tmp_path: Any, outs: List[Dict[str, Any]], args: Optional[Dict[str, Any]] = None,
+    template: Optional[str] = None, **tm_attrs: Any,
 ) -> Tuple[TestClient, List[Any]]:
     """An app whose TokenizerManager (ServerArgs `args` changed) answers every request with `outs`
-    and records what it got."""
+    and records what it got; `template`: its tokenizer's chat template instead (as --chat-template)."""
+    if template is not None:
+        tokenizer = get_tokenizer(tiny_model)
+        tokenizer.chat_template = template
+        tm_attrs["tokenizer"] = tokenizer
     tm = _make_tm(tiny_model, tmp_path, **(args or {}))
     for name, value in tm_attrs.items():
         setattr(tm, name, value)
@@ -948,6 +953,17 @@ def _scripted_client(
     client = TestClient(create_app(tm.server_args, tm, is_healthy=lambda: True))
     client.model = tm.model_name  # type: ignore[attr-defined]
     return client, seen
+
+
+def _sse_events(r: Any) -> List[Tuple[str, Dict[str, Any]]]:
+    """(event name, data) of each `event:` + `data:` pair of a named-event SSE stream (the Responses' and the
+    Messages API's; chat's stream has data lines only)."""
+    events = []
+    for block in r.text.strip().split("\n\n"):
+        name, data = block.split("\n")
+        assert name.startswith("event: ") and data.startswith("data: ")
+        events.append((name[len("event: ") :], json.loads(data[len("data: ") :])))
+    return events
 
 
 def _out(rid: str, text: str, completion: int, finish: Any = None, index: Any = None) -> Dict[str, Any]:

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import pytest
 from fastapi.testclient import TestClient
 
-from test_openai_protocol import _make_tm, _out, _scripted_client
+from test_openai_protocol import _make_tm, _out, _scripted_client, _sse_events
 
 from minisgl.entrypoints.openai.responses_store import ResponseStore, StoredResponse
 from minisgl.entrypoints.openai.responses_convert import BadResponsesRequest, to_chat_request
@@ -37,25 +37,14 @@ TOOLS_TEMPLATE = (
 
 def _client(tiny_model: str, tmp_path: Any, outs: List[Dict[str, Any]], template: Optional[str] = None, **args: Any) -> Tuple[TestClient, List[Any]]:
     """A scripted server (ServerArgs `args` changed); `template`: its tokenizer's chat template instead (--chat-template)."""
-    if template is None:
-        return _scripted_client(tiny_model, tmp_path, outs, args=args)
-    tokenizer = get_tokenizer(tiny_model)
-    tokenizer.chat_template = template
-    return _scripted_client(tiny_model, tmp_path, outs, args=args, tokenizer=tokenizer)
+    return _scripted_client(tiny_model, tmp_path, outs, args=args, template=template)
 
 
 def _create(client: TestClient, **body: Any) -> Any:
     return client.post("/v1/responses", json={"model": client.model, "input": "hi", **body})
 
 
-def _events(r: Any) -> List[Tuple[str, Dict[str, Any]]]:
-    """(event name, data) of each SSE event of a Responses stream."""
-    events = []
-    for block in r.text.strip().split("\n\n"):
-        name, data = block.split("\n")
-        assert name.startswith("event: ") and data.startswith("data: ")
-        events.append((name[len("event: ") :], json.loads(data[len("data: ") :])))
-    return events
+_events = _sse_events  # (event name, data) of each SSE event of a Responses stream
 
 
 # --------------------------------------------------------------------------- translation

@@ -12,9 +12,8 @@ import httpx
 import openai
 import pytest
 
-from test_server_e2e import Server, _load
+from test_server_e2e import TOOL_CALLS_TEMPLATE, Server, _load
 
-from minisgl.test_utils import CHAT_TEMPLATE
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -22,14 +21,13 @@ PROMPT = "The quick brown fox"
 # (an enum: a random model's free string could run past any token budget)
 WEATHER = {"type": "function", "name": "get_weather", "strict": True,
            "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}}  # fmt: skip
-CALLS = "{% for c in m['tool_calls'] or [] %}{{ '<call>' + c['function']['name'] + (c['function']['arguments'] | tojson) + '</call>' }}{% endfor %}"
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     folder = tmp_path_factory.mktemp("srv")
     template = folder / "calls.jinja"
-    template.write_text(CHAT_TEMPLATE.replace("+ '<|im_end|>\n' }}", "}}" + CALLS + "{{ '<|im_end|>\n' }}"))
+    template.write_text(TOOL_CALLS_TEMPLATE)
     # (compact JSON: a grammar's answers are short whatever the random weights like)
     s = Server(tiny_model, str(folder / "server.log"), "--chat-template", str(template), "--constrained-json-disable-any-whitespace")
     yield s

@@ -31,6 +31,15 @@ MAX_TOKENS = 8
 PROMPTS = ["The quick brown fox", "def main():", "Python lists are", "In the beginning"]
 
 
+# The tiny model's chat template, plus an assistant's tool calls (the Responses and Messages e2e tests
+# send tool results back, and check what the template renders of the calls before them)
+TOOL_CALLS_TEMPLATE = CHAT_TEMPLATE.replace(
+    "+ '<|im_end|>\n' }}",
+    "}}{% for c in m['tool_calls'] or [] %}{{ '<call>' + c['function']['name'] + (c['function']['arguments'] | tojson) + '</call>' }}{% endfor %}"
+    "{{ '<|im_end|>\n' }}",
+)
+
+
 class Server:
     """A `minisgl serve` child on a free port (the e2e tests' server): its log, its ready URL, the
     pids its processes print (`minisgl NAME pid=N`). `flags` come last, so they override the
