@@ -319,19 +319,24 @@ class DecoderForCausalLM(nn.Module):
             return (0, 1)
         return (None,)
 
+    def check_tied_head_shape(self, head: torch.Tensor, what: str) -> None:
+        """A tied model's lm_head.weight must be the whole [V, H] embedding table (`what` names the
+        tensor's source in the error). Checked first, on every rank alike: a rank compares only its
+        rows of the embedding, and a head one row short would match them (the last rank's short by one)."""
+        embedding = self.model.embed_tokens
+        expected = (embedding.org_vocab_size, embedding.embedding_dim)
+        if tuple(head.shape) != expected:
+            raise ValueError(
+                f"{what} 'lm_head.weight' does not fit 'model.embed_tokens.weight' (tie_word_embeddings): "
+                f"shape mismatch: parameter {expected} vs checkpoint {tuple(head.shape)}"
+            )
+
     def _load_tied_head(self, head: torch.Tensor, loaded: Set[Tuple[str, object]]) -> None:
         """A tied model's lm_head.weight: the embedding itself when the checkpoint stores only
         the head's name, else a copy that must equal it. A different matrix would be dropped
         without a word (transformers 5 unties the two instead): refused, naming the fix."""
         embedding = self.model.embed_tokens
-        # the whole [V, H] first, on every rank alike: a rank compares only its rows below, and a
-        # head one row short would match them (the last rank's short by one) and load
-        expected = (embedding.org_vocab_size, embedding.embedding_dim)
-        if tuple(head.shape) != expected:
-            raise ValueError(
-                f"checkpoint tensor 'lm_head.weight' does not fit 'model.embed_tokens.weight' (tie_word_embeddings): "
-                f"shape mismatch: parameter {expected} vs checkpoint {tuple(head.shape)}"
-            )
+        self.check_tied_head_shape(head, "checkpoint tensor")
         key = ("model.embed_tokens.weight", None)
         if key not in loaded:
             embedding.weight_loader(embedding.weight, head)

@@ -124,12 +124,7 @@ def _stage_tied_head(
     embed_tokens.weight, else a copy that must equal it (decoder._load_tied_head's rule; the
     ranks' agreement comes after staging, for every error alike)."""
     embedding = model.model.embed_tokens
-    expected = (embedding.org_vocab_size, embedding.embedding_dim)
-    if tuple(head.shape) != expected:
-        raise ValueError(
-            f"tensor 'lm_head.weight' does not fit 'model.embed_tokens.weight' (tie_word_embeddings): "
-            f"shape mismatch: parameter {expected} vs checkpoint {tuple(head.shape)}"
-        )
+    model.check_tied_head_shape(head, "tensor")
     if (EMBEDDING, None) not in loaded:
         staged[EMBEDDING] = _dense_cpu_copy(model, EMBEDDING, embedding_param)
         with _loading_into(embedding_param, staged[EMBEDDING]):
