@@ -5,14 +5,13 @@ renders an assistant's tool calls, so that a function call's result can come bac
 from __future__ import annotations
 
 import json
-import time
 from typing import Any, Iterator
 
 import httpx
 import openai
 import pytest
 
-from test_server_e2e import TOOL_CALLS_TEMPLATE, Server, _load
+from test_server_e2e import TOOL_CALLS_TEMPLATE, Server, wait_until_freed
 
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -127,10 +126,5 @@ def test_a_client_that_hangs_up_aborts_its_response(server: Server) -> None:
         for line in r.iter_lines():
             if line.startswith("data:") and "output_text.delta" in line:
                 break  # got a token: hang up mid-stream
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        load = _load(server)
-        if load["num_running_reqs"] == 0 and load["num_used_tokens"] == 0:
-            break
-        time.sleep(0.2)
+    load = wait_until_freed(server)
     assert load["num_running_reqs"] == 0 and load["num_used_tokens"] == 0

@@ -512,8 +512,19 @@ def test_64_concurrent_streaming_clients(server: Server, reference: Dict[str, An
     assert texts == [reference[("raw", PROMPTS[i % len(PROMPTS)])]["text"] for i in range(64)]
 
 
-def _load(s: Server) -> Dict[str, Any]:
-    return httpx.get(s.url + "/get_load", timeout=10).json()
+def _load(s: Server, headers: Dict[str, str] | None = None) -> Dict[str, Any]:
+    return httpx.get(s.url + "/get_load", headers=headers, timeout=10).json()
+
+
+def wait_until_freed(s: Server, headers: Dict[str, str] | None = None, timeout_s: float = 20) -> Dict[str, Any]:
+    """/get_load once no request runs and no KV slot is used (a hung-up request's abort has run), or the
+    last load seen when timeout_s passes first: the caller asserts on it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        load = _load(s, headers)
+        if (load["num_running_reqs"] == 0 and load["num_used_tokens"] == 0) or time.monotonic() > deadline:
+            return load
+        time.sleep(0.2)
 
 
 def _metric(s: Server, name: str, headers: Dict[str, str] | None = None) -> float:
@@ -532,12 +543,7 @@ def test_client_disconnect_aborts_and_frees_kv(server: Server) -> None:
             if line.startswith("data:"):
                 break  # got a token: hang up mid-stream
     assert _load(server)["num_running_reqs"] <= 1
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        load = _load(server)
-        if load["num_running_reqs"] == 0 and load["num_used_tokens"] == 0:
-            break
-        time.sleep(0.2)
+    load = wait_until_freed(server)
     assert load["num_running_reqs"] == 0 and load["num_used_tokens"] == 0 and load["token_usage"] == 0.0
     assert _metric(server, "sglang:num_aborted_requests_total") == aborted_before + 1
 
