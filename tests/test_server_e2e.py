@@ -825,8 +825,13 @@ def test_visualizer_shows_arrivals_and_an_abort_while_waiting(server_viz: Server
 
     threads = [threading.Thread(target=generate, args=("viz-A", 1500)), threading.Thread(target=generate, args=("viz-B", 4))]
     threads[0].start()
+
+    def running() -> List[Dict[str, Any]]:  # (the snapshot is null before the server's first step)
+        snap = httpx.get(server_viz.url + "/visualizer/snapshot", params={"api_key": "vk"}).json()
+        return snap["running_batch"] if snap is not None else []
+
     deadline = time.monotonic() + 30
-    while not any(r["rid"] == "viz-A" for r in httpx.get(server_viz.url + "/visualizer/snapshot", params={"api_key": "vk"}).json()["running_batch"]):
+    while not any(r["rid"] == "viz-A" for r in running()):
         assert time.monotonic() < deadline, "viz-A never ran"
         time.sleep(0.05)
     threads[1].start()  # after A runs: with max_running_requests=1, B must wait
