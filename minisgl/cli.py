@@ -14,7 +14,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from minisgl.server_args import SGLANG_OPTIONS_ALREADY_SO, ServerArgs
+from minisgl.server_args import SGLANG_OPTIONS_ALREADY_SO, SGLANG_OPTIONS_REFUSED, ServerArgs
 
 
 def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
@@ -26,6 +26,9 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     for name, why in SGLANG_OPTIONS_ALREADY_SO.items():
         serve.add_argument("--" + name.replace("_", "-"), action="store_true", dest="sglang_" + name,
                            help=f"SGLang's flag, accepted as is: {why}.")  # fmt: skip
+    for name, why in SGLANG_OPTIONS_REFUSED.items():  # (argparse's "unrecognized arguments" would not say why)
+        serve.add_argument("--" + name.replace("_", "-"), default=None, dest="sglang_refused_" + name, metavar="TOKEN_ID",
+                           help=f"SGLang's flag, refused: {why}.")  # fmt: skip
 
     gen = sub.add_parser("generate", help="Generate one completion in-process and print it.")
     gen.add_argument("--model", "--model-path", dest="model_path", default=None, help="Model directory. Default: the built-in model.")
@@ -61,6 +64,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from minisgl.entrypoints.http_server import launch_server
         from minisgl.server_args import resolve_server_args
 
+        for name, why in SGLANG_OPTIONS_REFUSED.items():
+            if getattr(args, "sglang_refused_" + name) is not None:
+                commands["serve"].error(f"--{name.replace('_', '-')}: {why}")
         try:  # settings that cannot work: argparse's one-line error (exit 2), not a traceback
             server_args = resolve_server_args(ServerArgs.from_cli_args(args))
         except ValueError as e:

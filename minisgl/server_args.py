@@ -35,6 +35,15 @@ SGLANG_OPTIONS_ALREADY_SO = {
     "enable_cache_report": "cached_tokens is always reported (usage.prompt_tokens_details; the Engine's meta_info)",
     "disable_overlap_schedule": "minisgl's scheduler never overlaps a step's scheduling with the forward",
 }
+# SGLang options for what minisgl does not build: `serve` refuses the flag and the Engine the
+# keyword (None, SGLang's default, asks for nothing and is taken), each with why and what to do
+SGLANG_OPTIONS_REFUSED = {
+    "multi_item_scoring_delimiter": (
+        "SGLang's multi-item scoring (all items of a /v1/score call in one sequence, split by this delimiter "
+        "token under a custom attention mask) is not built in minisgl: /v1/score and Engine.score score each "
+        "item as its own request in one batch; leave the option out"
+    ),
+}
 # The options of `minisgl serve`'s HTTP server and its processes: the in-process Engine has
 # neither, so it refuses them (log_level it applies to its loggers).
 SERVER_ONLY_FIELDS = (

@@ -451,6 +451,25 @@ def test_native_generate_token_ids_logprob_scores_the_named_ids(server: Server, 
     assert outs[1]["meta_info"]["output_token_ids_logprobs"] == outs[1]["meta_info"]["input_token_logprobs"] == []
 
 
+def test_v1_score_matches_the_engine_and_reuses_a_scored_query(server: Server, engine: Any) -> None:
+    """SGLang's /v1/score over a real server: the Engine's scores, SGLang's response shape, and a
+    query scored again found in the radix cache (every prompt but its last token)."""
+    body = {"query": "Zebras eat grass. Question: is it true? Answer:", "items": [" yes", " no", " maybe so"],
+            "label_token_ids": [5, 17, 300], "apply_softmax": True}  # fmt: skip
+    first = httpx.post(server.url + "/v1/score", json=body, timeout=60).json()
+    assert set(first) == {"scores", "model", "usage", "object"} and first["object"] == "scoring" and first["model"] == "default"
+    ref = engine.score(body["query"], body["items"], body["label_token_ids"], apply_softmax=True)
+    for ours, theirs in zip(first["scores"], ref):
+        assert ours == pytest.approx(theirs, abs=1e-4)
+    usage = first["usage"]
+    assert usage["completion_tokens"] == 0 and usage["total_tokens"] == usage["prompt_tokens"]
+    again = httpx.post(server.url + "/v1/score", json=body, timeout=60).json()["usage"]
+    assert again["prompt_tokens"] == usage["prompt_tokens"]
+    assert again["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - len(body["items"])
+    r = httpx.post(server.url + "/v1/score", json={**body, "label_token_ids": [10**6]}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "label_token_ids"
+
+
 def test_native_generate_wrong_types_are_400_and_the_server_survives(server: Server, engine: Any) -> None:
     """These bodies used to crash the scheduler (2.5, "x") or run with a silently coerced value."""
     for params in ({"max_new_tokens": 2.5}, {"seed": "x"}, {"ignore_eos": "no"}, {"stop_token_ids": [1.5]}, {"stop": [""]}):

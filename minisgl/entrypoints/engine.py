@@ -58,8 +58,9 @@ from minisgl.managers.tokenization import (
     check_custom_logit_processor, check_dimensions, check_extra_key, check_priority, check_return_hidden_states,
     resolve_lora_ids, tokenize_one_request, validate_context_length,
 )  # fmt: skip
+from minisgl.managers.tokenizer_manager_score_mixin import build_score_request, check_apply_softmax, scores_from_outputs
 from minisgl.sampling.sampling_params import SamplingParams
-from minisgl.server_args import SERVER_ONLY_FIELDS, SGLANG_OPTIONS_ALREADY_SO, ServerArgs, resolve_server_args
+from minisgl.server_args import SERVER_ONLY_FIELDS, SGLANG_OPTIONS_ALREADY_SO, SGLANG_OPTIONS_REFUSED, ServerArgs, resolve_server_args
 from minisgl.utils import ParamError
 
 logger = logging.getLogger("minisgl")
@@ -75,6 +76,10 @@ GENERATE_ON_EMBEDDING_ENGINE = (
 )
 # what the Engine adds to SGLang's refusal (tokenization.RETURN_HIDDEN_STATES_DISABLED), which names the server's flag
 RETURN_HIDDEN_STATES_ENGINE_HINT = " (The Engine's argument: Engine(..., enable_return_hidden_states=True).)"
+SCORE_ON_EMBEDDING_ENGINE = (
+    "This Engine serves an embedding model (is_embedding=True): its model ends in a Pooler, not an LM head, so it has "
+    "no next-token probabilities to score; score() needs an Engine built without is_embedding"
+)
 ENCODE_ON_GENERATION_ENGINE = (
     "This model does not appear to be an embedding model by default: build the Engine with is_embedding=True "
     "(the server: --is-embedding) to call encode()"
@@ -134,6 +139,9 @@ class Engine:
         for name, why in SGLANG_OPTIONS_ALREADY_SO.items():  # (an SGLang script's sgl.Engine(..., enable_metrics=True))
             if kwargs.pop(name, False):
                 logger.info("%s: nothing to change, %s", name, why)
+        for name, why in SGLANG_OPTIONS_REFUSED.items():
+            if kwargs.pop(name, None) is not None:
+                raise ValueError(f"{name}: {why}")
         defaults = {f.name: f.default for f in dataclasses.fields(ServerArgs)}
         server_only = [k for k in SERVER_ONLY_FIELDS if k in kwargs and kwargs[k] != defaults[k]]
         if server_only:  # (they would be accepted and do nothing)
@@ -437,6 +445,43 @@ class Engine:
                 reason = out["meta_info"]["finish_reason"] or {}
                 raise RuntimeError(f"The embedding of prompt {i} was not computed: {reason.get('message') or 'aborted'}")
         return results[0] if single else results
+
+    def score(
+        self, query: Any = None, items: Any = None, label_token_ids: Optional[List[int]] = None,
+        apply_softmax: bool = False, item_first: bool = False,
+    ) -> List[List[float]]:  # fmt: skip
+        """SGLang's Engine.score: for each item, the probabilities of `label_token_ids` as the next token
+        after query + item (item + query with item_first), in the order of the labels. `query` a
+        string with `items` a string or a list of strings, or `query` a list of ids with `items` a list
+        of id lists. apply_softmax: a softmax over the labels only (they add up to 1); otherwise each
+        label's probability over the whole vocabulary. No items -> []. The items are one batch of
+        generate() prompts (docs/engine.md, "Scoring"); bad input raises ValueError (ParamError)."""
+        obj = self._score_request(query, items, label_token_ids, apply_softmax, item_first)
+        if obj is None:
+            return []
+        outs = self.generate(obj.text, obj.sampling_params, obj.input_ids, return_logprob=True, token_ids_logprob=obj.token_ids_logprob)
+        return scores_from_outputs(outs, obj.token_ids_logprob, apply_softmax).scores
+
+    async def async_score(
+        self, query: Any = None, items: Any = None, label_token_ids: Optional[List[int]] = None,
+        apply_softmax: bool = False, item_first: bool = False,
+    ) -> List[List[float]]:  # fmt: skip
+        """score() for asyncio code (SGLang's async_score): the work runs as async_generate's does."""
+        obj = self._score_request(query, items, label_token_ids, apply_softmax, item_first)
+        if obj is None:
+            return []
+        outs = await self.async_generate(
+            obj.text, obj.sampling_params, obj.input_ids, return_logprob=True, token_ids_logprob=obj.token_ids_logprob
+        )
+        return scores_from_outputs(outs, obj.token_ids_logprob, apply_softmax).scores
+
+    def _score_request(self, query: Any, items: Any, label_token_ids: Any, apply_softmax: Any, item_first: Any) -> Optional[GenerateReqInput]:
+        """The score call's checks (the server's: tokenizer_manager_score_mixin) and its batch request."""
+        self._check_open()
+        if self.server_args.is_embedding:
+            raise ValueError(SCORE_ON_EMBEDDING_ENGINE)
+        check_apply_softmax(apply_softmax)
+        return build_score_request(query, items, label_token_ids, item_first, self.vocab_size)
 
     @_locked
     def _submit_embedding(self, prompt: Prompt, input_ids: InputIds, dimensions: Optional[int]) -> tuple[List[str], bool]:

@@ -59,6 +59,7 @@ from minisgl.entrypoints.openai.protocol import (
     ModelCard,
     ModelList,
     ProfileReqInput,
+    ScoringRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
     UpdateWeightsFromDiskRequest,
@@ -74,6 +75,7 @@ from minisgl.entrypoints.openai.serving_responses import OpenAIServingResponses
 from minisgl.entrypoints.openai import serving_tokenize
 from minisgl.entrypoints.openai.serving_completions import OpenAIServingCompletions
 from minisgl.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, json_list_in_pieces
+from minisgl.entrypoints.openai.serving_score import OpenAIServingScore
 from minisgl.managers.io_struct import (
     LOGPROB_META_KEYS, EmbeddingReqInput, GenerateReqInput, GetWeightsByNameReqInput, LoadLoRAAdapterReqInput, LoRAUpdateOutput,
     ProfileReq, ProfileReqType, UnloadLoRAAdapterReqInput, UpdateWeightFromDiskReqInput, UpdateWeightsFromTensorReqInput,
@@ -324,6 +326,12 @@ def _add_generate_routes(app: FastAPI, tm: TokenizerManager) -> None:
     @app.post("/v1/embeddings")
     async def embeddings(request: EmbeddingRequest, raw_request: Request) -> Response:
         return await serving_embedding.handle_request(request, raw_request)
+
+    serving_score = OpenAIServingScore(tm)
+
+    @app.post("/v1/score")  # (SGLang's decoder-only scoring: docs/server.md, "Scoring")
+    async def score(request: ScoringRequest, raw_request: Request) -> Response:
+        return await serving_score.handle_request(request, raw_request)
 
     @app.api_route("/encode", methods=["POST", "PUT"])  # (SGLang's native embedding route, its methods)
     async def encode(request: EncodeRequest, raw_request: Request) -> Response:

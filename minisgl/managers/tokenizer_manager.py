@@ -86,6 +86,7 @@ from minisgl.managers.io_struct import (
     spec_meta_info,
 )
 from minisgl.lora.lora_registry import LORA_NOT_ENABLED, LoRAInFlight, LoRARegistry, check_lora_load_args
+from minisgl.managers.tokenizer_manager_score_mixin import TokenizerManagerScoreMixin
 from minisgl.sampling.sampling_params import MAX_TOP_LOGPROBS_NUM, SamplingParams
 from minisgl.server_args import PortArgs, ServerArgs
 from minisgl.utils import ParamError, freeze_gc, get_zmq_socket
@@ -300,8 +301,9 @@ class AsyncDynamicBatchTokenizer:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-class TokenizerManager:
-    """The HTTP process's end of the pipeline: GenerateReqInput in, response dicts out."""
+class TokenizerManager(TokenizerManagerScoreMixin):
+    """The HTTP process's end of the pipeline: GenerateReqInput in, response dicts out (and
+    `score_request`, /v1/score's: the mixin, tokenizer_manager_score_mixin.py)."""
 
     def __init__(
         self,

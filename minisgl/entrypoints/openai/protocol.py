@@ -3,7 +3,8 @@
 Where it sits: the HTTP routes validate the body into `ChatCompletionRequest` /
 `CompletionRequest`; the serving classes turn those into `GenerateReqInput` through
 `to_sampling_params`, and build the responses and stream chunks defined here.
-`EmbeddingRequest` (/v1/embeddings) and SGLang's `/encode` body become an `EmbeddingReqInput`.
+`EmbeddingRequest` (/v1/embeddings) and SGLang's `/encode` body become an `EmbeddingReqInput`;
+`ScoringRequest` (/v1/score) goes to `TokenizerManager.score_request`.
 
 Every request model is `extra="forbid"` and `strict=True`: a field minisgl does not
 implement (functions, audio, ...) or a value of the wrong type is a
@@ -715,6 +716,31 @@ class EncodeRequest(BaseModel):
     input_ids: Optional[Union[List[int], List[List[int]]]] = None
     rid: Optional[Union[str, List[str]]] = None
     dimensions: Optional[int] = None
+
+
+# --------------------------------------------------------------------------- /v1/score
+class ScoringRequest(BaseModel):
+    """SGLang's /v1/score body (its ScoringRequest): a text query with text items (a string or a
+    list of strings), or a token-id query with token-id items (a list of id lists); the labels
+    whose next-token probabilities to return. Which pairs are accepted is checked by
+    tokenizer_manager_score_mixin.build_score_request (a 400 naming the field)."""
+
+    model_config = STRICT
+    query: Optional[Union[str, List[int]]] = None
+    items: Optional[Union[str, List[str], List[List[int]]]] = None
+    label_token_ids: Optional[List[int]] = None
+    apply_softmax: bool = False  # softmax over the labels only; else each label's probability
+    item_first: bool = False  # item + query instead of query + item
+    model: str = "default"
+
+
+class ScoringResponse(BaseModel):
+    """SGLang's ScoringResponse, its field order; `usage` with minisgl's cached tokens (the radix hit)."""
+
+    scores: List[List[float]]  # one list per item, in the order of label_token_ids
+    model: str
+    usage: Optional[UsageInfo] = None
+    object: Literal["scoring"] = "scoring"
 
 
 # --------------------------------------------------------------------------- /start_profile
