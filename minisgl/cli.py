@@ -27,7 +27,7 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
         serve.add_argument("--" + name.replace("_", "-"), action="store_true", dest="sglang_" + name,
                            help=f"SGLang's flag, accepted as is: {why}.")  # fmt: skip
     for name, why in SGLANG_OPTIONS_REFUSED.items():  # (argparse's "unrecognized arguments" would not say why)
-        serve.add_argument("--" + name.replace("_", "-"), default=None, dest="sglang_refused_" + name, metavar="TOKEN_ID",
+        serve.add_argument("--" + name.replace("_", "-"), default=None, dest="sglang_refused_" + name, metavar="VALUE",
                            help=f"SGLang's flag, refused: {why}.")  # fmt: skip
 
     gen = sub.add_parser("generate", help="Generate one completion in-process and print it.")

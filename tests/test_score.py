@@ -111,6 +111,23 @@ def test_a_query_scored_again_comes_from_the_radix_cache(tiny_model: str) -> Non
         assert eng.get_load().cache_hit_rate == pytest.approx(cached / (2 * sum(lengths)))
 
 
+def test_scoring_leaves_the_sampling_generator_alone(tiny_model: str) -> None:
+    """Score requests are greedy (temperature 0): they draw nothing from the Engine's generator, so
+    a sampled generation after a score call is the one it would have been without it."""
+    from minisgl import Engine
+
+    params = {"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True}
+    runs = []
+    for with_score in (False, True):
+        with Engine(tiny_model, device="cpu", random_seed=7) as eng:
+            first = eng.generate("Once upon a time", params)["output_ids"]
+            if with_score:
+                eng.score(QUERY, ITEMS, LABELS)
+            runs.append((first, eng.generate("Once upon a time", params)["output_ids"]))
+    assert runs[0][0] == runs[1][0]  # (the same seed: the same first generation)
+    assert runs[1][1] == runs[0][1]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "param", "needle"),
     [
@@ -126,11 +143,20 @@ def test_a_query_scored_again_comes_from_the_radix_cache(tiny_model: str) -> Non
         ({"query": [1, 600], "items": [[3]], "label_token_ids": LABELS}, "query", "token id 600 is outside the vocabulary"),
         ({"query": QUERY, "items": ITEMS, "label_token_ids": LABELS, "item_first": "yes"}, "item_first", "true or false"),
         ({"query": QUERY, "items": ITEMS, "label_token_ids": LABELS, "apply_softmax": 1}, "apply_softmax", "true or false"),
+        # (found by the generation path, which names input_ids and text: the route's name instead)
+        ({"query": [1] * 3000, "items": [[2]], "label_token_ids": LABELS}, "items", "longer than the model's context length (2048"),
+        ({"query": "a " * 3000, "items": ["b"], "label_token_ids": LABELS}, "items", "longer than the model's context length (2048"),
     ],
 )
 def test_engine_refusals_name_the_field(engine: Any, kwargs: Any, param: str, needle: str) -> None:
+    """The server's field names (the 400's `param`), from score and async_score alike."""
+    import asyncio
+
     with pytest.raises(ParamError) as e:
         engine.score(**kwargs)
+    assert e.value.param == param and needle in str(e.value)
+    with pytest.raises(ParamError) as e:
+        asyncio.run(engine.async_score(**kwargs))
     assert e.value.param == param and needle in str(e.value)
 
 
@@ -148,7 +174,7 @@ def test_an_embedding_engine_refuses_to_score(tiny_model: str) -> None:
             eng.score(QUERY, ITEMS, LABELS)
 
 
-def test_multi_item_scoring_is_refused_by_name(tiny_model: str) -> None:
+def test_multi_item_scoring_is_refused_by_name(tiny_model: str, capsys: pytest.CaptureFixture[str]) -> None:
     """SGLang's --multi-item-scoring-delimiter is not built: the flag and the Engine keyword say so
     (None, SGLang's default, is taken)."""
     from minisgl import Engine
@@ -158,7 +184,9 @@ def test_multi_item_scoring_is_refused_by_name(tiny_model: str) -> None:
         Engine(tiny_model, device="cpu", multi_item_scoring_delimiter=5)
     with pytest.raises(SystemExit) as e:
         main(["serve", "--model", tiny_model, "--multi-item-scoring-delimiter", "5"])
+    # (exit 2 is argparse's for any bad flag: the message says it is this refusal, with why)
     assert e.value.code == 2
+    assert "error: --multi-item-scoring-delimiter: SGLang's multi-item scoring" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- HTTP refusals
@@ -192,7 +220,8 @@ def client(tiny_model: str, tmp_path: Any) -> Iterator[TestClient]:
         ({"query": QUERY, "label_token_ids": LABELS}, "items", "items must be provided"),
         ({"items": ITEMS, "label_token_ids": LABELS}, "query", "Invalid combination of query/items types"),
         ({"query": [1, 2], "items": ITEMS, "label_token_ids": LABELS}, "items", "Invalid combination"),
-        ({"query": QUERY, "items": ["a", [1]], "label_token_ids": LABELS}, "items", "items"),  # (pydantic: no such union)
+        # (pydantic: no branch of the union takes a list mixing strings and id lists)
+        ({"query": QUERY, "items": ["a", [1]], "label_token_ids": LABELS}, "items", "'items.list[str].1': Input should be a valid string"),
         ({"query": QUERY, "items": ITEMS, "label_token_ids": LABELS, "apply_softmax": "true"}, "apply_softmax", "boolean"),
         ({"query": QUERY, "items": ITEMS, "label_token_ids": LABELS, "multi_item": True}, "multi_item", "multi_item"),
         ({"query": QUERY * 20, "items": ITEMS, "label_token_ids": LABELS}, "items", "longer than"),  # context 64

@@ -58,7 +58,7 @@ from minisgl.managers.tokenization import (
     check_custom_logit_processor, check_dimensions, check_extra_key, check_priority, check_return_hidden_states,
     resolve_lora_ids, tokenize_one_request, validate_context_length,
 )  # fmt: skip
-from minisgl.managers.tokenizer_manager_score_mixin import build_score_request, check_apply_softmax, scores_from_outputs
+from minisgl.managers.tokenizer_manager_score_mixin import build_score_request, check_apply_softmax, score_param_error, scores_from_outputs
 from minisgl.sampling.sampling_params import SamplingParams
 from minisgl.server_args import SERVER_ONLY_FIELDS, SGLANG_OPTIONS_ALREADY_SO, SGLANG_OPTIONS_REFUSED, ServerArgs, resolve_server_args
 from minisgl.utils import ParamError
@@ -455,11 +455,15 @@ class Engine:
         string with `items` a string or a list of strings, or `query` a list of ids with `items` a list
         of id lists. apply_softmax: a softmax over the labels only (they add up to 1); otherwise each
         label's probability over the whole vocabulary. No items -> []. The items are one batch of
-        generate() prompts (docs/engine.md, "Scoring"); bad input raises ValueError (ParamError)."""
+        generate() prompts (docs/engine.md, "Scoring"); bad input raises ValueError (ParamError, with
+        /v1/score's field names: a prompt too long is about `items`)."""
         obj = self._score_request(query, items, label_token_ids, apply_softmax, item_first)
         if obj is None:
             return []
-        outs = self.generate(obj.text, obj.sampling_params, obj.input_ids, return_logprob=True, token_ids_logprob=obj.token_ids_logprob)
+        try:
+            outs = self.generate(obj.text, obj.sampling_params, obj.input_ids, return_logprob=True, token_ids_logprob=obj.token_ids_logprob)
+        except ParamError as e:  # (generate's names, input_ids and text: the route's instead)
+            raise score_param_error(e) from None
         return scores_from_outputs(outs, obj.token_ids_logprob, apply_softmax).scores
 
     async def async_score(
@@ -470,9 +474,12 @@ class Engine:
         obj = self._score_request(query, items, label_token_ids, apply_softmax, item_first)
         if obj is None:
             return []
-        outs = await self.async_generate(
-            obj.text, obj.sampling_params, obj.input_ids, return_logprob=True, token_ids_logprob=obj.token_ids_logprob
-        )
+        try:
+            outs = await self.async_generate(
+                obj.text, obj.sampling_params, obj.input_ids, return_logprob=True, token_ids_logprob=obj.token_ids_logprob
+            )
+        except ParamError as e:
+            raise score_param_error(e) from None
         return scores_from_outputs(outs, obj.token_ids_logprob, apply_softmax).scores
 
     def _score_request(self, query: Any, items: Any, label_token_ids: Any, apply_softmax: Any, item_first: Any) -> Optional[GenerateReqInput]:

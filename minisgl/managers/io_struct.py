@@ -34,6 +34,13 @@ from minisgl.sampling.sampling_params import GRAMMAR_KEYS, SamplingParams
 from minisgl.utils import lone_surrogate_at
 
 
+# The server's caps on one GenerateReqInput (the TokenizerManager's checks; /v1/score's mixin
+# applies them to a score call's items and labels before building one). The in-process Engine,
+# one user's, has none.
+MAX_SUB_REQUESTS = 4096  # prompts x n
+MAX_TOKEN_IDS_LOGPROB = 256  # ids of token_ids_logprob (class labels are a handful; each is reported at every position)
+
+
 def new_rid() -> str:
     return uuid.uuid4().hex
 

@@ -50,6 +50,8 @@ from minisgl.aio_rwlock import RWLock
 from minisgl.managers import tokenization
 from minisgl.managers.io_struct import (
     LOGPROB_META_KEYS,
+    MAX_SUB_REQUESTS,
+    MAX_TOKEN_IDS_LOGPROB,
     AbortReq,
     BatchEmbeddingOutput,
     BatchStrOutput,
@@ -97,8 +99,8 @@ logger = logging.getLogger("minisgl.tokenizer_manager")
 REQUEST_STATE_WAIT_TIMEOUT = float(os.environ.get("MINISGL_REQUEST_STATE_WAIT_TIMEOUT", "4"))
 # --log-requests: how much of a prompt or an answer one log line shows (SGLang's partial logging)
 LOG_REQUEST_CHARS = 2048
-# The server's caps on one request's size (the in-process Engine, one user's, has none).
-MAX_SUB_REQUESTS = 4096  # prompts x n
+# The server's caps on one request's size (the in-process Engine, one user's, has none);
+# MAX_SUB_REQUESTS and MAX_TOKEN_IDS_LOGPROB live in io_struct.py (the score mixin reads them too).
 MAX_STOP_STRINGS = 64  # OpenAI takes 4
 # stop_regex: searched at every step too, and compiled on the event loop (a 200k-character
 # pattern took 0.9 s, once here and once in the scheduler)
@@ -110,7 +112,6 @@ MAX_RID_CHARS = 256  # a rid rides in every step's output message and snapshot: 
 # Requests with more text than this (prompt and stop strings, in characters) are tokenized in
 # a worker thread: ~1 ms per 2,000 characters, so this is where one starts to stall others.
 TOKENIZE_OFF_LOOP_CHARS = 20_000
-MAX_TOKEN_IDS_LOGPROB = 256  # ids of token_ids_logprob (class labels are a handful; each is reported at every position)
 # a load's or an unload's message (TokenizerManager._update_lora runs either)
 _LoRAUpdateReq = TypeVar("_LoRAUpdateReq", LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput)
 # SGLang's HEALTH_CHECK_TIMEOUT: how long /health_generate waits for the pipeline to answer.

@@ -18,8 +18,12 @@ Why `max_new_tokens: 1` where SGLang sends 0: SGLang's prefill samples a token f
 asked for none and reports that position's logprobs (then drops the token); minisgl's
 `max_new_tokens: 0` reports no output position at all (docs/scheduler.md). With 1 the prefill
 computes the same row, the request ends right after it (no decode pass), and the sampled token
-is dropped here. `temperature` is 1, so the logprobs are the model's own (the output logprobs are
-taken after temperature). SGLang's multi-item scoring (`--multi-item-scoring-delimiter`: all items
+is dropped here. `temperature` is 0 (greedy): the sampler maps it to temperature 1 with top_k 1
+(SamplingParams.normalize), and takes the logprobs unscaled, before any top-k truncation
+(layers/sampler.py), so they are the model's own. Greedy also keeps the scoring out of the
+ModelRunner's generator: a batch of score requests is all greedy, an argmax that draws nothing,
+so a seeded Engine's sampled generations are the same with or without a score call between
+them (at temperature 1 each score batch drew from it). SGLang's multi-item scoring (`--multi-item-scoring-delimiter`: all items
 in one sequence under a custom attention mask) is not built (server_args.SGLANG_OPTIONS_REFUSED).
 """
 
@@ -29,11 +33,14 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
-from minisgl.managers.io_struct import GenerateReqInput
+from minisgl.managers.io_struct import MAX_SUB_REQUESTS, MAX_TOKEN_IDS_LOGPROB, GenerateReqInput
 from minisgl.utils import ParamError
 
-# one output position, at temperature 1 (the logprobs of the model itself); see the module docstring
-SCORE_SAMPLING_PARAMS: Dict[str, Any] = {"max_new_tokens": 1, "temperature": 1.0}
+# one output position, greedy (the model's own logprobs, nothing drawn); see the module docstring
+SCORE_SAMPLING_PARAMS: Dict[str, Any] = {"max_new_tokens": 1, "temperature": 0.0}
+# /generate's names of the fields an error from the generation path is about -> /v1/score's
+# (a prompt, query + item, too long is about the items; the labels are label_token_ids)
+ROUTE_PARAMS = {"text": "items", "input_ids": "items", "max_new_tokens": "items", "token_ids_logprob": "label_token_ids"}
 # SGLang's message for a query/items pair that is neither text + text nor ids + ids
 INVALID_COMBINATION = "Invalid combination of query/items types for score_request."
 
@@ -45,6 +52,19 @@ class ScoreResult:
     scores: List[List[float]]  # one list per item, in the order of label_token_ids
     prompt_tokens: int  # all items' prompts together
     cached_tokens: int  # of those, the tokens a radix match covered (not computed again)
+
+
+def route_param(param: Optional[str]) -> Optional[str]:
+    """An error's field by /v1/score's names (the route's and Engine.score's): the generation
+    path's names mapped by ROUTE_PARAMS; the score checks' own names pass as they are. None
+    (an error about no one field) stays None."""
+    return ROUTE_PARAMS.get(param, param) if param is not None else None
+
+
+def score_param_error(e: ParamError) -> ParamError:
+    """The generation path's ParamError with its field renamed by route_param (Engine.score's: the
+    same names the server's 400 gives), its message as it is."""
+    return ParamError(str(e), ROUTE_PARAMS.get(e.param, e.param))
 
 
 def _is_ids(value: Any) -> bool:
@@ -185,9 +205,6 @@ class TokenizerManagerScoreMixin:
         item_first: Any = False, request: Any = None,
     ) -> ScoreResult:  # fmt: skip
         """Score each item (SGLang's arguments): one batch of prompts through the scheduler."""
-        # (imported here: tokenizer_manager.py imports this module for the mixin)
-        from minisgl.managers.tokenizer_manager import MAX_SUB_REQUESTS, MAX_TOKEN_IDS_LOGPROB
-
         tm: Any = self
         if tm.is_embedding:
             raise ValueError(SCORE_ON_EMBEDDING_SERVER)

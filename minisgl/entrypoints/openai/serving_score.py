@@ -11,24 +11,13 @@ cache held (a query scored before is not computed again). Scoring does not strea
 
 from __future__ import annotations
 
-from typing import Optional
-
 from fastapi import Request
 from fastapi.responses import Response
 
 from minisgl.entrypoints.openai.protocol import PromptTokensDetails, ScoringRequest, ScoringResponse, UsageInfo
 from minisgl.entrypoints.openai.serving_base import create_error_response, error_param, handler_error_response, unknown_model_response
 from minisgl.managers.tokenizer_manager import TokenizerManager
-from minisgl.managers.tokenizer_manager_score_mixin import SCORE_ON_EMBEDDING_SERVER
-
-# /generate's names of the fields an error from the generation path is about -> this route's
-ROUTE_PARAMS = {"text": "items", "input_ids": "items", "max_new_tokens": "items", "token_ids_logprob": "label_token_ids"}
-
-
-def route_param(param: Optional[str]) -> Optional[str]:
-    """An error's field by /v1/score's names: a prompt (query + item) too long is about the items,
-    the labels' ids are `label_token_ids`; the score checks' own names pass as they are."""
-    return ROUTE_PARAMS.get(param, param) if param is not None else None
+from minisgl.managers.tokenizer_manager_score_mixin import SCORE_ON_EMBEDDING_SERVER, route_param
 
 
 class OpenAIServingScore:
