@@ -468,6 +468,37 @@ def test_v1_score_matches_the_engine_and_reuses_a_scored_query(server: Server, e
     assert again["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - len(body["items"])
     r = httpx.post(server.url + "/v1/score", json={**body, "label_token_ids": [10**6]}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "label_token_ids"
+    # item_first: the prompts are item + query, the Engine's item_first scores (not query + item's)
+    flipped = httpx.post(server.url + "/v1/score", json={**body, "item_first": True}, timeout=60).json()["scores"]
+    ref = engine.score(body["query"], body["items"], body["label_token_ids"], apply_softmax=True, item_first=True)
+    for ours, theirs in zip(flipped, ref):
+        assert ours == pytest.approx(theirs, abs=1e-4)
+    assert flipped[0] != pytest.approx(first["scores"][0], abs=1e-4)
+
+
+def test_v1_score_aborted_is_400_not_computed_and_frees_everything(server: Server) -> None:
+    """/abort_request while a many-item /v1/score runs: the call answers the documented 400 (an item
+    whose score was not computed), and the server is healthy and idle afterwards."""
+    import threading
+
+    # item_first and distinct items: no item shares a prefix, so the call keeps the scheduler busy
+    items = [f" item number {i} of the list" for i in range(2000)]
+    body = {"query": " Zebras eat grass. Question: is it true? Answer:" * 4, "items": items, "label_token_ids": [5, 17], "item_first": True}
+    answer: Dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: answer.update(r=httpx.post(server.url + "/v1/score", json=body, timeout=120)))
+    thread.start()
+    deadline = time.monotonic() + 30
+    while (load := _load(server))["num_running_reqs"] + load["num_waiting_reqs"] == 0:  # wait for the call to arrive
+        assert thread.is_alive() and time.monotonic() < deadline, "the score call ended before it could be aborted"
+        time.sleep(0.05)
+    assert httpx.post(server.url + "/abort_request", json={"abort_all": True}, timeout=10).status_code == 200
+    thread.join(timeout=60)
+    r = answer["r"]
+    assert r.status_code == 400, r.text
+    assert re.fullmatch(r"The score of item \d+ was not computed: .+", r.json()["error"]["message"]), r.text
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    load = wait_until_freed(server)
+    assert load["num_running_reqs"] == load["num_waiting_reqs"] == load["num_used_tokens"] == 0
 
 
 def test_native_generate_wrong_types_are_400_and_the_server_survives(server: Server, engine: Any) -> None:
