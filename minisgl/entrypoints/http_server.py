@@ -45,6 +45,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minisgl.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
 from minisgl.entrypoints.anthropic.serving import AnthropicServing, anthropic_error_response
+from minisgl.entrypoints.ollama.protocol import OllamaChatRequest, OllamaGenerateRequest, OllamaShowRequest
+from minisgl.entrypoints.ollama.serving import OllamaServing, ollama_error_response
 from minisgl.entrypoints.hidden_states_json import StreamedEntries, answer_json, answer_numbers, off_loop_if_large
 from minisgl.entrypoints.openai.protocol import (
     UNSUPPORTED_FIELDS,
@@ -187,6 +189,11 @@ def _is_anthropic(path: str) -> bool:
     return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
 
 
+def _is_ollama(path: str) -> bool:
+    """The Ollama API's routes (/ and /api/...): their error body is Ollama's {"error": ...}."""
+    return path == "/" or path.startswith("/api/")
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     """Every error leaves as OpenAI's error body (docs/server.md), or Anthropic's on its routes."""
 
@@ -197,16 +204,22 @@ def _add_error_handlers(app: FastAPI) -> None:
             # FastAPI reads a body as JSON only when it says so: `curl -d '{...}'` sends a form
             # type, and pydantic's "Input should be a valid dictionary" said nothing useful
             message = f"Send the request body as JSON with Content-Type: application/json (got {content_type or 'no Content-Type'!r})"
+            if _is_ollama(request.url.path):
+                return ollama_error_response(message, 400)
             return anthropic_error_response(message, 400) if _is_anthropic(request.url.path) else create_error_response(message, 400)
-        message, param = _validation_message(exc, union_tags=not request.url.path.startswith(("/v1/responses", ANTHROPIC_PREFIX)))
+        message, param = _validation_message(exc, union_tags=not request.url.path.startswith(("/v1/responses", ANTHROPIC_PREFIX, "/api/")))
         if _is_anthropic(request.url.path):
             return anthropic_error_response(message, 400)
+        if _is_ollama(request.url.path):
+            return ollama_error_response(message, 400)
         return create_error_response(message, 400, param=param)  # 400, never FastAPI's 422
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if _is_anthropic(request.url.path):
             return anthropic_error_response(str(exc.detail), exc.status_code)
+        if _is_ollama(request.url.path):
+            return ollama_error_response(str(exc.detail), exc.status_code)
         return create_error_response(str(exc.detail), exc.status_code)
 
     @app.exception_handler(Exception)
@@ -214,6 +227,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         logger.exception("Internal server error on %s", request.url.path)
         if _is_anthropic(request.url.path):
             return anthropic_error_response(f"Internal server error: {exc}", 500)
+        if _is_ollama(request.url.path):
+            return ollama_error_response(f"Internal server error: {exc}", 500)
         return create_error_response(f"Internal server error: {exc}", 500, err_type="InternalServerError")
 
 
@@ -262,8 +277,8 @@ def _add_api_key_check(app: FastAPI, api_key: str) -> None:
         # The page's JS and CSS are the same for everyone (nothing secret in them), and a
         # <script src> / <link href> cannot carry the key: without this the page is dead.
         # The health routes and /metrics are for load balancers, probes and scrapers, which carry
-        # no key (SGLang's rule).
-        return path in ("/health", "/health_generate", "/metrics") or path.startswith("/visualizer/static/")
+        # no key (SGLang's rule); so is `/` ("Ollama is running"), the Ollama CLI's probe.
+        return path in ("/", "/health", "/health_generate", "/metrics") or path.startswith("/visualizer/static/")
 
     @app.middleware("http")
     async def _check_api_key(request: Request, call_next: Any) -> Response:
@@ -271,6 +286,8 @@ def _add_api_key_check(app: FastAPI, api_key: str) -> None:
         if request.method != "OPTIONS" and not _public(request.url.path) and not _authorized(request):
             if _is_anthropic(request.url.path):
                 return anthropic_error_response("Invalid or missing API key (send x-api-key: KEY or Authorization: Bearer KEY)", 401)
+            if _is_ollama(request.url.path):
+                return ollama_error_response("unauthorized: invalid or missing API key (send Authorization: Bearer KEY)", 401)
             return create_error_response("Invalid or missing API key", 401, err_type="AuthenticationError")
         return await call_next(request)
 
@@ -318,6 +335,8 @@ def _add_generate_routes(app: FastAPI, tm: TokenizerManager) -> None:
     @app.post("/v1/messages/count_tokens")
     async def count_message_tokens(request: CountTokensRequest) -> Response:
         return serving_anthropic.count_tokens(request)
+
+    _add_ollama_routes(app, OllamaServing(serving_chat))
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:
@@ -372,6 +391,39 @@ def _add_generate_routes(app: FastAPI, tm: TokenizerManager) -> None:
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> Response:
         return await serving_tokenize.detokenize(tm, request)
+
+
+def _add_ollama_routes(app: FastAPI, serving: OllamaServing) -> None:
+    """Ollama's API over the chat path (docs/server.md, "The Ollama API"), so Ollama clients work unchanged."""
+
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def ollama_probe() -> Response:
+        """What the Ollama CLI probes (HEAD /) to see a server is up; nothing else lives at /."""
+        return Response("Ollama is running", media_type="text/plain")
+
+    @app.post("/api/chat")
+    async def ollama_chat(request: OllamaChatRequest, raw_request: Request) -> Response:
+        return await serving.handle_chat(request, raw_request)
+
+    @app.post("/api/generate")
+    async def ollama_generate(request: OllamaGenerateRequest, raw_request: Request) -> Response:
+        return await serving.handle_generate(request, raw_request)
+
+    @app.get("/api/tags")
+    async def ollama_tags() -> Response:
+        return serving.tags()
+
+    @app.get("/api/ps")
+    async def ollama_ps() -> Response:
+        return serving.ps()
+
+    @app.api_route("/api/version", methods=["GET", "HEAD"])  # (Ollama's methods)
+    async def ollama_version() -> Response:
+        return serving.version()
+
+    @app.post("/api/show")
+    async def ollama_show(request: OllamaShowRequest) -> Response:
+        return serving.show(request)
 
 
 def _add_ops_routes(app: FastAPI, tm: TokenizerManager, is_healthy: Callable[[], bool]) -> None:
