@@ -261,6 +261,7 @@ def test_tags_show_ps_version_and_the_probe(tiny_model: str, tmp_path: Any) -> N
         ps = ProcessResponse(**client.get("/api/ps").json())
         version = client.get("/api/version").json()
         _assert_error(client.post("/api/show", json={"model": client.model, "verbose": True}), 400, "verbose")
+        _assert_error(client.post("/api/pull", json={"model": "llama3.2"}), 404, "Not Found")  # (model management: not built)
     config = json.load(open(f"{tiny_model}/config.json"))
     (entry,) = tags.models
     assert entry.model == client.model and len(entry.digest or "") == 64 and (entry.size or 0) > 0
