@@ -116,21 +116,17 @@ def test_format_keep_alive_and_fields_it_refuses() -> None:
         ("/api/generate", {"prompt": "x", "context": [1, 2]}, "context (deprecated by Ollama) is not supported"),
         ("/api/generate", {"prompt": "x", "raw": True, "system": "s"}, "raw: true skips"),
         ("/api/chat", {"keep_alive": 0}, "keep_alive 0 with no prompt is Ollama's call to unload the model"),
-        ("/api/chat", {"keep_alive": "0s"}, "keep_alive 0 asks to unload the model"),
-        ("/api/chat", {"truncate": True}, "truncate true cannot be honoured"),
-        ("/api/chat", {"format": "yaml"}, "format 'yaml' is not supported"),
-        ("/api/chat", {"think": True}, "does not support thinking"),
-        ("/api/chat", {"top_logprobs": 2}, "top_logprobs needs logprobs: true"),
-        ("/api/chat", {"tools": [WEATHER]}, "--tool-call-parser"),
-        ("/api/chat", {"frobnicate": 1}, "Unsupported parameter 'frobnicate'"),
+        ("/api/chat", {"messages": HI, "keep_alive": "0s"}, "keep_alive 0 asks to unload the model"),
+        ("/api/chat", {"messages": HI, "truncate": True}, "truncate true cannot be honoured"),
+        ("/api/chat", {"messages": HI, "format": "yaml"}, "format 'yaml' is not supported"),
+        ("/api/chat", {"messages": HI, "think": True}, "does not support thinking"),
+        ("/api/chat", {"messages": HI, "top_logprobs": 2}, "top_logprobs needs logprobs: true"),
+        ("/api/chat", {"messages": HI, "tools": [WEATHER]}, "--tool-call-parser"),
+        ("/api/chat", {"messages": HI, "frobnicate": 1}, "Unsupported parameter 'frobnicate'"),
     ],
 )
 def test_bad_input_is_ollamas_400(tiny_model: str, tmp_path: Any, route: str, body: Dict[str, Any], needle: str) -> None:
     client, seen = _client(tiny_model, tmp_path, [_out("r", "x", 1, STOP)])
-    if route == "/api/chat" and "messages" not in body and "keep_alive" not in body:
-        body = {"messages": HI, **body}
-    if body.get("keep_alive") == "0s":
-        body["messages"] = HI
     with client:
         _assert_error(client.post(route, json={"model": client.model, **body}), 400, needle)
     assert seen == []
