@@ -16,7 +16,6 @@ Errors are Anthropic's: {"type": "error", "error": {"type": "invalid_request_err
 
 from __future__ import annotations
 
-import json
 from typing import Any, AsyncIterator, Dict, List, Optional, Union
 
 from fastapi import Request
@@ -31,20 +30,20 @@ from minisgl.entrypoints.anthropic.protocol import BadMessagesRequest, CountToke
 from minisgl.entrypoints.anthropic.stream import StreamedBlocks, folded
 from minisgl.entrypoints.openai.protocol import ChatCompletionRequest
 from minisgl.entrypoints.openai.serving_base import (
-    StreamedHiddenStates, UsageCounter, collect_outputs, guarded_stream, handler_error_response, new_id, sse_event, sse_response, start_stream,
+    ABORTED, StreamedHiddenStates, UsageCounter, collect_outputs, encodable, guarded_stream, handler_error_response, new_id,
+    openai_error_message, sse_event, sse_response, start_stream,
 )  # fmt: skip
 from minisgl.entrypoints.openai.serving_chat import OpenAIServingChat
 
 # HTTP status -> Anthropic's error type (anthropic.types.shared.ErrorType); 503 (minisgl's full queue) is overloaded_error
 # (only the statuses these routes answer with; any other 4xx is invalid_request_error, 5xx api_error)
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 503: "overloaded_error"}
-ABORTED = "The request was aborted before it finished (/abort_request, or the server shutting down)"
 
 
 def anthropic_error_body(message: str, status_code: int = 400) -> Dict[str, Any]:
     """Anthropic's error envelope (anthropic.types.ErrorResponse)."""
     kind = _ERROR_TYPES.get(status_code, "api_error" if status_code >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": message.encode("utf-8", "backslashreplace").decode("utf-8")}}
+    return {"type": "error", "error": {"type": kind, "message": encodable(message)}}
 
 
 def anthropic_error_response(message: str, status_code: int = 400) -> JSONResponse:
@@ -53,7 +52,7 @@ def anthropic_error_response(message: str, status_code: int = 400) -> JSONRespon
 
 def from_openai_error(response: JSONResponse) -> JSONResponse:
     """A chat-path error response (OpenAI's envelope) as the Messages API says it."""
-    return anthropic_error_response(anthropic_error(json.loads(response.body)["error"]["message"]), response.status_code)
+    return anthropic_error_response(anthropic_error(openai_error_message(response)), response.status_code)
 
 
 def _event(kind: str, **fields: Any) -> str:

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from minisgl.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, PromptTokensDetails, UsageInfo
-from minisgl.managers.io_struct import GenerateReqInput, entry_as_list
+from minisgl.managers.io_struct import LOGPROB_META_KEYS, GenerateReqInput, entry_as_list
 from minisgl.managers.tokenizer_manager import GENERATION_ON_EMBEDDING_SERVER, ReqAbortedError, TokenizerManager
 from minisgl.sampling.sampling_params import GRAMMAR_KEYS
 from minisgl.utils import ParamError
@@ -40,11 +40,26 @@ def error_body(message: str, status_code: int = 400, err_type: Optional[str] = N
     return ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param, code=status_code)).model_dump()
 
 
+def encodable(message: str) -> str:
+    """`message` with any lone surrogate written as an escape. A message may quote user input with
+    lone surrogates (a "model": "x\\ud800" echoed in a 404), which JSON cannot encode: escaped, the
+    error itself never fails to encode (a 500). Every route's error body (OpenAI's, Anthropic's,
+    Ollama's) goes through it."""
+    return message.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def openai_error_message(response: JSONResponse) -> str:
+    """The message of a chat-path error response (OpenAI's envelope), for a route that says it in its own envelope."""
+    return json.loads(response.body)["error"]["message"]
+
+
+# the message of a request aborted without a status (/abort_request, a shutdown), on the routes
+# whose answer has no finish reason that says it (Anthropic's, Ollama's): a 500
+ABORTED = "The request was aborted before it finished (/abort_request, or the server shutting down)"
+
+
 def create_error_response(message: str, status_code: int = 400, err_type: Optional[str] = None, param: Optional[str] = None) -> JSONResponse:
-    # A message may quote user input with lone surrogates (a "model": "x\ud800" echoed in a
-    # 404): written as escapes, so the error itself never fails to encode (a 500)
-    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-    return JSONResponse(error_body(message, status_code, err_type, param), status_code=status_code)
+    return JSONResponse(error_body(encodable(message), status_code, err_type, param), status_code=status_code)
 
 
 def error_param(e: Exception) -> Optional[str]:
@@ -174,6 +189,16 @@ def response_id(out: Dict[str, Any], n: int) -> str:
     prompts keep their own rids, and the response takes the first one's)."""
     rid = out["meta_info"]["id"]
     return rid.rsplit("-", 1)[0] if n > 1 else rid
+
+
+def joined(outs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """A streamed request's outputs (each what it adds) as the one output a non-streamed request
+    gets: the texts, token ids and logprob lists concatenated, the last output's other meta_info."""
+    meta = dict(outs[-1]["meta_info"])
+    for key in LOGPROB_META_KEYS:
+        if any(key in out["meta_info"] for out in outs):
+            meta[key] = [entry for out in outs for entry in out["meta_info"].get(key) or []]
+    return {"text": "".join(out["text"] for out in outs), "output_ids": [i for out in outs for i in out["output_ids"]], "meta_info": meta}
 
 
 async def prepend(first: Dict[str, Any], rest: AsyncIterator[Dict[str, Any]]) -> AsyncIterator[Dict[str, Any]]:

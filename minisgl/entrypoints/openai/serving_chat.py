@@ -350,9 +350,25 @@ class OpenAIServingChat(OpenAIServingBase):
             sampling_params[key] = constraint
         if self._parses_calls(request):
             sampling_params["skip_special_tokens"] = False  # (SGLang's: a format's markers may be special tokens)
+        # (add_special_tokens False: the template writes the BOS itself where the model wants one)
+        return self._generate_input(request, self._apply_chat_template(request), sampling_params, False, self._thinks(request))
+
+    def to_raw_generate_request(self, request: ChatCompletionRequest, prompt: str) -> GenerateReqInput:
+        """The GenerateReqInput that runs `prompt` as it is (no chat template: Ollama's raw
+        /api/generate) with a checked chat request's every other field: sampling, grammar
+        (response_format), logprobs, LoRA adapter, priority, logit processor, cache namespace.
+        The prompt is tokenized as /v1/completions tokenizes one (special tokens added), and no
+        template said whether the model thinks first, so a grammar holds from the first token."""
+        sampling_params = request.to_sampling_params(self.tokenizer_manager.default_sampling_params)
+        return self._generate_input(request, prompt, sampling_params, True, False)
+
+    def _generate_input(self, request: ChatCompletionRequest, text: str, sampling_params: Dict[str, Any], add_special_tokens: bool,
+                        require_reasoning: bool) -> GenerateReqInput:  # fmt: skip
+        """The one place a chat request's fields become a GenerateReqInput's (so a route that builds
+        its prompt another way cannot drop one)."""
         return GenerateReqInput(
-            text=self._apply_chat_template(request),
-            add_special_tokens=False,  # the template writes the BOS itself where the model wants one
+            text=text,
+            add_special_tokens=add_special_tokens,
             sampling_params=sampling_params,
             rid=request.rid,
             return_logprob=request.logprobs,
@@ -360,7 +376,7 @@ class OpenAIServingChat(OpenAIServingBase):
             stream=request.stream,
             priority=request.priority,
             custom_logit_processor=request.custom_logit_processor,
-            require_reasoning=self._thinks(request),
+            require_reasoning=require_reasoning,
             return_hidden_states=request.return_hidden_states,
             lora_path=self._lora_path(request),
             extra_key=self._extra_key(request),
