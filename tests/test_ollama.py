@@ -13,9 +13,13 @@ from ollama import ChatResponse, GenerateResponse, ListResponse, ProcessResponse
 
 from test_anthropic import CALL, LENGTH, STOP, THOUGHT, TOOLS_TEMPLATE
 from test_openai_protocol import _out, _scripted_client
+from test_responses import TOOLS_TEMPLATE as EFFORT_TEMPLATE  # (it reads reasoning_effort)
 
+from minisgl.entrypoints.ollama import model_info
 from minisgl.entrypoints.ollama.convert import chat_messages, format_fields, keep_alive_seconds, options_fields, to_chat_request
 from minisgl.entrypoints.ollama.protocol import BadOllamaRequest, OllamaChatRequest
+from minisgl.entrypoints.ollama.serving import OLLAMA_API_VERSION
+from minisgl.lora.lora_registry import LoRARegistry
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}}  # fmt: skip
@@ -82,9 +86,11 @@ def test_options_map_to_sampling_fields() -> None:
         ({"num_thread": 8}, "option 'num_thread' is a setting of Ollama's model runner"),
         ({"mirostat": 2}, "option 'mirostat' 2 cannot be honoured: mirostat sampling is not built"),
         ({"typical_p": 0.7}, "typical_p"),
-        ({"repeat_last_n": 64}, "option 'repeat_last_n' cannot be honoured"),
-        ({"num_ctx": 1_000_000}, "option 'num_ctx' 1000000 is larger than this model's context"),
+        ({"repeat_last_n": 64}, "option 'repeat_last_n' 64 cannot be honoured"),
+        ({"repeat_last_n": 0, "repeat_penalty": 1.2}, "option 'repeat_last_n' 0 switches the penalties off, but option 'repeat_penalty' is 1.2"),
+        ({"num_ctx": 0}, "option 'num_ctx' must be a positive number of tokens"),
         ({"num_predict": -3}, "option 'num_predict' must be >= 0"),
+        ({"seed": -2}, "option 'seed' must be >= 0, or -1 (a random seed)"),
         ({"wat": 1}, "option 'wat' is not an option minisgl knows"),
         ({"top_k": "many"}, "option 'top_k' must be of type integer"),
         ({"temperature": 5}, "option 'temperature': Input should be less than or equal to 2"),
@@ -274,3 +280,133 @@ def test_the_api_key_guards_the_api_but_not_the_probe(tiny_model: str, tmp_path:
         assert client.get("/").status_code == 200
         _assert_error(client.get("/api/tags"), 401, "unauthorized")
         assert client.get("/api/tags", headers={"authorization": "Bearer sekret"}).status_code == 200
+
+
+# --------------------------------------------------------------------------- what Ollama's own clients send
+def test_show_takes_the_go_clients_empty_fields_and_refuses_set_ones_by_name(tiny_model: str, tmp_path: Any) -> None:
+    client, _ = _client(tiny_model, tmp_path, [])
+    with client:
+        # (the body `ollama show` / `ollama run` send: api.ShowRequest has no omitempty)
+        go_body = {"model": client.model, "system": "", "template": "", "verbose": False, "options": None, "name": ""}
+        r = client.post("/api/show", json=go_body)
+        assert r.status_code == 200, r.text
+        assert ShowResponse(**r.json()).capabilities == ["completion"]
+        _assert_error(client.post("/api/show", json={"model": client.model, "system": "x"}), 400, "system cannot be honoured by /api/show")
+        _assert_error(client.post("/api/show", json={"model": client.model, "options": {"temperature": 0}}), 400, "options cannot be honoured")
+        _assert_error(client.post("/api/show", json={"model": "", "name": ""}), 400, "model is required")
+
+
+def test_seed_minus_one_is_random_and_num_predict_zero_is_no_limit(tiny_model: str, tmp_path: Any) -> None:
+    client, seen = _client(tiny_model, tmp_path, [_out("r", "x", 1, STOP)])
+    with client:
+        for options in ({"seed": -1, "num_predict": 0}, {"seed": 7, "num_predict": -1}, {}):
+            assert _chat(client, stream=False, options=options).status_code == 200
+    random, seeded, default = (obj.sampling_params for obj in seen)
+    assert random.get("seed") is None and seeded["seed"] == 7  # (-1: Ollama's default, a random seed)
+    assert random["max_new_tokens"] == seeded["max_new_tokens"] == default["max_new_tokens"]  # (0 like -1: no limit)
+
+
+def test_num_ctx_above_the_context_is_clamped_below_it_a_longer_prompt_is_refused(tiny_model: str, tmp_path: Any) -> None:
+    client, seen = _client(tiny_model, tmp_path, [_out("r", "Hi", 1, STOP)])  # (the prompt: 3 tokens)
+    with client:
+        assert _chat(client, stream=False, options={"num_ctx": 1_000_000}).json()["message"]["content"] == "Hi"
+        assert _chat(client, stream=False, options={"num_ctx": 3}).status_code == 200
+        _assert_error(_chat(client, stream=False, options={"num_ctx": 2}), 400, "option 'num_ctx' 2 is shorter than the prompt (3 tokens)")
+        _assert_error(_chat(client, options={"num_ctx": 2}), 400, "option 'num_ctx' 2")  # (streamed: before the first line)
+        _assert_error(client.post("/api/generate", json={"model": client.model, "prompt": "hi", "options": {"num_ctx": 2}}), 400, "num_ctx")
+    assert len(seen) == 5
+
+
+def test_repeat_last_n_zero_switches_the_penalties_off(tiny_model: str, tmp_path: Any) -> None:
+    client, seen = _client(tiny_model, tmp_path, [_out("r", "x", 1, STOP)])
+    with client:
+        assert _chat(client, stream=False, options={"repeat_last_n": 0, "repeat_penalty": 1.0}).status_code == 200
+    params = seen[0].sampling_params
+    assert (params["repetition_penalty"], params["presence_penalty"], params["frequency_penalty"]) == (1.0, 0.0, 0.0)
+
+
+def test_raw_generate_keeps_the_adapter_and_the_chat_fields(tiny_model: str, tmp_path: Any) -> None:
+    client, seen = _scripted_client(tiny_model, tmp_path, [_out("r", "x", 1, STOP)], lora_registry=LoRARegistry([("ad", str(tmp_path))]))
+    with client:
+        for raw in (True, False):
+            body = {"model": f"{client.model}:ad", "prompt": "hi", "raw": raw, "stream": False, "logprobs": True, "options": {"seed": 3}}
+            assert client.post("/api/generate", json=body).status_code == 200
+    raw_obj, templated = seen
+    assert raw_obj.text == "hi" and raw_obj.lora_path == templated.lora_path == "ad"
+    for name in ("return_logprob", "priority", "custom_logit_processor", "extra_key", "rid"):
+        assert (getattr(raw_obj, name) is None) == (getattr(templated, name) is None), name
+    assert raw_obj.return_logprob and raw_obj.sampling_params["seed"] == templated.sampling_params["seed"] == 3
+
+
+def test_think_max_is_the_highest_reasoning_effort(tiny_model: str, tmp_path: Any) -> None:
+    client, seen = _client(tiny_model, tmp_path, [_out("r", THOUGHT, 3, STOP)], template=EFFORT_TEMPLATE, reasoning_parser="qwen3")
+    with client:
+        assert ChatResponse(**_chat(client, stream=False, think="max").json()).message.thinking == "The user greets me."
+    assert seen[0].text.startswith("effort=high\n")
+
+
+def test_lowercase_roles_head_tags_version_and_an_empty_body(tiny_model: str, tmp_path: Any) -> None:
+    client, seen = _client(tiny_model, tmp_path, [_out("r", "x", 1, STOP)])
+    with client:
+        r = client.post("/api/chat", json={"model": client.model, "messages": [{"role": "User", "content": "hello"}], "stream": False})
+        assert r.status_code == 200, r.text
+        assert client.head("/api/tags").status_code == 200
+        assert client.get("/api/version").json() == {"version": OLLAMA_API_VERSION}
+        _assert_error(client.post("/api/chat"), 400, "missing request body")
+        _assert_error(client.post("/api/chat", content=b"", headers={"content-type": "application/json"}), 400, "missing request body")
+    assert "hello" in seen[0].text
+
+
+def test_a_streamed_tool_answer_keeps_its_logprobs_and_thinking(tiny_model: str, tmp_path: Any) -> None:
+    answer = "<think>\nLook it up.\n</think>\n\n" + CALL
+    pieces = [answer[k : k + 9] for k in range(0, len(answer), 9)]
+    outs = []
+    for i, piece in enumerate(pieces):
+        out = _out("r", piece, i + 1, STOP if i == len(pieces) - 1 else None)
+        out["meta_info"]["output_token_logprobs"] = [(-0.1 * (i + 1), 5, None)]  # (one token per piece)
+        outs.append(out)
+    whole_out = _out("r", answer, len(pieces), STOP)
+    whole_out["meta_info"]["output_token_logprobs"] = [(-0.1 * (i + 1), 5, None) for i in range(len(pieces))]
+    args = dict(template=TOOLS_TEMPLATE, tool_call_parser="qwen25", reasoning_parser="qwen3")
+    streamed, _ = _client(tiny_model, tmp_path, outs, **args)
+    whole, _ = _client(tiny_model, tmp_path, [whole_out], **args)
+    with streamed:
+        lines = _lines(_chat(streamed, tools=[WEATHER], logprobs=True))
+    with whole:
+        body = _chat(whole, tools=[WEATHER], logprobs=True, stream=False).json()
+    assert [e["logprob"] for line in lines for e in line.get("logprobs", [])] == [e["logprob"] for e in body["logprobs"]]
+    assert len(body["logprobs"]) == len(pieces) and body["message"]["tool_calls"]
+    assert "".join(line["message"].get("thinking", "") for line in lines).strip() == body["message"]["thinking"].strip() == "Look it up."
+
+
+# --------------------------------------------------------------------------- the model's fields, read once
+def test_the_model_fields_are_read_once_per_weight_version(tiny_model: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    reads: List[str] = []
+    read = model_info.read_weights
+    monkeypatch.setattr(model_info, "read_weights", lambda d: reads.append(d) or read(d))
+    model_info.served_model.cache_clear()
+    client, _ = _client(tiny_model, tmp_path, [])
+    with client:
+        first = client.get("/api/tags").json()
+        assert client.get("/api/tags").json() == first and client.get("/api/ps").status_code == 200
+        assert len(reads) == 1
+        client.tm.weight_version = "v2"  # (a weight update: read again)
+        assert client.get("/api/tags").json()["models"][0]["digest"] != first["models"][0]["digest"] and len(reads) == 2
+
+
+def test_a_hub_id_is_read_from_its_snapshot_in_the_cache(tiny_model: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    from huggingface_hub import constants
+
+    # the cache layout the loader's snapshot_download leaves: models--ORG--NAME/{refs/main, snapshots/<commit>/}
+    repo = tmp_path / "hub" / "models--minisgl-test--tiny"
+    commit = "0" * 40
+    shutil.copytree(tiny_model, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    served = model_info.ServedModel("tiny", "minisgl-test/tiny", "default", 2048)
+    local = model_info.ServedModel("tiny", tiny_model, "default", 2048)
+    assert served.model_dir == str(repo / "snapshots" / commit)
+    assert served.weights == local.weights and served.weights.size > 0 and served.family == local.family != "unknown"

@@ -11,7 +11,7 @@ import ollama
 import openai
 import pytest
 
-from test_server_e2e import Server, wait_until_freed
+from test_server_e2e import Server, _metric, wait_until_freed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -94,11 +94,15 @@ def test_errors_are_ollamas(server: Server, client: ollama.Client) -> None:
 
 
 def test_a_client_that_hangs_up_aborts_its_chat(server: Server) -> None:
+    headers = {"authorization": f"Bearer {KEY}"}
+    aborted_before = _metric(server, "sglang:num_aborted_requests_total", headers)
     body = {"model": server.model, "messages": _user(PROMPT), "options": {"num_predict": 1500}}
-    with httpx.stream("POST", server.url + "/api/chat", json=body, headers={"authorization": f"Bearer {KEY}"}, timeout=60) as r:
+    with httpx.stream("POST", server.url + "/api/chat", json=body, headers=headers, timeout=60) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if '"done":false' in line:
                 break  # got a token: hang up mid-stream
-    load = wait_until_freed(server, headers={"authorization": f"Bearer {KEY}"})
+    load = wait_until_freed(server, headers=headers)
     assert load["num_running_reqs"] == 0 and load["num_used_tokens"] == 0
+    # (freed is not enough: an answer that ran to its end frees too; the hang-up aborted it)
+    assert _metric(server, "sglang:num_aborted_requests_total", headers) == aborted_before + 1

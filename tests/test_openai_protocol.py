@@ -952,6 +952,7 @@ def _scripted_client(
     tm.generate_request = scripted  # type: ignore[method-assign]
     client = TestClient(create_app(tm.server_args, tm, is_healthy=lambda: True))
     client.model = tm.model_name  # type: ignore[attr-defined]
+    client.tm = tm  # type: ignore[attr-defined]  # (a test changes what it serves: a weight update's version)
     return client, seen
 
 

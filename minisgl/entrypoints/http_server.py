@@ -200,6 +200,8 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         content_type = request.headers.get("content-type", "")
+        if _is_ollama(request.url.path) and any(tuple(err.get("loc", ())) == ("body",) and err.get("type") == "missing" for err in exc.errors()):
+            return ollama_error_response("missing request body", 400)  # (Ollama's words for it)
         if "json" not in content_type and any(tuple(err.get("loc", ())) == ("body",) for err in exc.errors()):
             # FastAPI reads a body as JSON only when it says so: `curl -d '{...}'` sends a form
             # type, and pydantic's "Input should be a valid dictionary" said nothing useful
@@ -409,7 +411,7 @@ def _add_ollama_routes(app: FastAPI, serving: OllamaServing) -> None:
     async def ollama_generate(request: OllamaGenerateRequest, raw_request: Request) -> Response:
         return await serving.handle_generate(request, raw_request)
 
-    @app.get("/api/tags")
+    @app.api_route("/api/tags", methods=["GET", "HEAD"])  # (Ollama's methods)
     async def ollama_tags() -> Response:
         return serving.tags()
 

@@ -15,6 +15,7 @@ checks (the template, the tools, a grammar) it checks here too.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
@@ -23,6 +24,8 @@ from pydantic import ValidationError
 
 from minisgl.entrypoints.ollama.protocol import BadOllamaRequest, OllamaGenerateRequest, OllamaMessage, _OllamaRequest
 from minisgl.entrypoints.openai.protocol import ChatChoiceLogprobs, ChatCompletionRequest, Tool, ToolCall, validation_message
+
+logger = logging.getLogger("minisgl.ollama")
 
 # --------------------------------------------------------------------------- options
 # Ollama's runner settings (api/types.go Runner, and the Python client's older load-time
@@ -65,10 +68,12 @@ def _only(name: str, allowed: Any, why: str) -> Callable[[Any, int], Dict[str, A
 
 def _num_predict(value: Any, context_len: int) -> Dict[str, Any]:
     n = _integer("num_predict", value)
-    if n in (-1, -2):  # (Ollama's "until a stop" and "fill the context": the scheduler stops at the context)
+    # (-1 "until a stop", -2 "fill the context", and 0, which Ollama reads as unset, so no limit
+    # (llm/llama_server.go, boundedNumPredict): the scheduler stops at the context)
+    if n in (0, -1, -2):
         return {"max_tokens": None}
     if n < 0:
-        raise BadOllamaRequest(f"option 'num_predict' must be >= 0, or -1 (no limit) or -2 (fill the context), got {n}")
+        raise BadOllamaRequest(f"option 'num_predict' must be >= 0 (0: no limit), or -1 (no limit) or -2 (fill the context), got {n}")
     return {"max_tokens": n}
 
 
@@ -77,14 +82,35 @@ def _top_k(value: Any, context_len: int) -> Dict[str, Any]:
     return {"top_k": k if k > 0 else -1}  # (llama.cpp's: top_k <= 0 samples from every token)
 
 
+def _seed(value: Any, context_len: int) -> Dict[str, Any]:
+    n = _integer("seed", value)
+    if n == -1:  # (Ollama's default: a random seed each request, which is what no seed is)
+        return {}
+    if n < -1:
+        raise BadOllamaRequest(f"option 'seed' must be >= 0, or -1 (a random seed), got {n}")
+    return {"seed": n}
+
+
 def _num_ctx(value: Any, context_len: int) -> Dict[str, Any]:
+    num_ctx(value, context_len)
+    return {}  # (checked against the prompt once its tokens are counted: serving.py)
+
+
+def num_ctx(value: Any, context_len: int) -> Optional[int]:
+    """The prompt's limit that option num_ctx sets: None when it is not given or not below the
+    model's context. Larger than the context, it is clamped to it, as Ollama clamps it (with a
+    warning in the log: minisgl cannot extend a context). Below, Ollama would cut a longer prompt
+    (keeping num_keep tokens); minisgl does not cut, so the route refuses a longer prompt
+    (a 400 naming num_ctx) and leaves a shorter one alone: the answer may run past num_ctx."""
+    if value is None:
+        return None
     n = _integer("num_ctx", value)
-    if n > context_len:
-        raise BadOllamaRequest(f"option 'num_ctx' {n} is larger than this model's context ({context_len} tokens), which minisgl "
-                               f"cannot extend; send num_ctx <= {context_len} or leave it out")  # fmt: skip
     if n <= 0:
         raise BadOllamaRequest(f"option 'num_ctx' must be a positive number of tokens, got {n}")
-    return {}  # (a smaller window is not imposed: docs/server.md)
+    if n > context_len:
+        logger.warning("option num_ctx %d is larger than the model's context (%d tokens): clamped to it", n, context_len)
+        return None
+    return n if n < context_len else None
 
 
 def _num_keep(value: Any, context_len: int) -> Dict[str, Any]:
@@ -96,15 +122,6 @@ def _stop(value: Any, context_len: int) -> Dict[str, Any]:
     if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
         raise BadOllamaRequest(f"option 'stop' must be a list of strings, got {value!r}")
     return {"stop": value} if value else {}
-
-
-def _refused(name: str, why: str) -> Callable[[Any, int], Dict[str, Any]]:
-    """An option refused at any value."""
-
-    def check(value: Any, context_len: int) -> Dict[str, Any]:
-        raise BadOllamaRequest(f"option {name!r} cannot be honoured: {why}; leave it out")
-
-    return check
 
 
 def _mapped(name: str, field: str, kind: Callable[[str, Any], Any]) -> Callable[[Any, int], Dict[str, Any]]:
@@ -126,7 +143,7 @@ OPTIONS: Dict[str, Callable[[Any, int], Dict[str, Any]]] = {
     "top_p": _mapped("top_p", "top_p", _number),
     "top_k": _top_k,
     "min_p": _mapped("min_p", "min_p", _number),
-    "seed": _mapped("seed", "seed", _integer),
+    "seed": _seed,
     "num_predict": _num_predict,
     "stop": _stop,
     "repeat_penalty": _mapped("repeat_penalty", "repetition_penalty", _number),
@@ -134,7 +151,7 @@ OPTIONS: Dict[str, Callable[[Any, int], Dict[str, Any]]] = {
     "frequency_penalty": _mapped("frequency_penalty", "frequency_penalty", _number),
     "num_ctx": _num_ctx,
     "num_keep": _num_keep,
-    "repeat_last_n": _refused("repeat_last_n", _WINDOWLESS),
+    "repeat_last_n": _only("repeat_last_n", 0, _WINDOWLESS + " (0, which switches the penalties off, is taken)"),
     "typical_p": _only("typical_p", 1.0, "locally typical sampling is not built"),
     "tfs_z": _only("tfs_z", 1.0, "tail-free sampling is not built"),
     "mirostat": _only("mirostat", 0, "mirostat sampling is not built"),
@@ -157,7 +174,24 @@ def options_fields(options: Optional[Dict[str, Any]], context_len: int) -> Dict[
         if check is None:
             raise BadOllamaRequest(f"option {name!r} is not an option minisgl knows; the options it takes: {', '.join(OPTIONS)}")
         fields.update(check(value, context_len))
+    if (options or {}).get("repeat_last_n") == 0:
+        fields.update(_penalties_off(fields))
     return fields
+
+
+# the penalties' fields at the value that penalises nothing
+_NO_PENALTY = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
+def _penalties_off(fields: Dict[str, Any]) -> Dict[str, Any]:
+    """repeat_last_n 0: llama.cpp's window of no tokens, so no penalty applies. Every penalty set
+    to its neutral value (the model's generation_config may set one); one the request sets too is
+    a contradiction, refused by name."""
+    for field, neutral in _NO_PENALTY.items():
+        if fields.get(field, neutral) != neutral:
+            raise BadOllamaRequest(f"option 'repeat_last_n' 0 switches the penalties off, but option {_OPTION_OF[field]!r} is "
+                                   f"{fields[field]}; leave one of them out")  # fmt: skip
+    return dict(_NO_PENALTY)
 
 
 # --------------------------------------------------------------------------- keep_alive, format, think
@@ -200,7 +234,10 @@ def format_fields(fmt: Any) -> Dict[str, Any]:
     raise BadOllamaRequest(f'format {fmt!r} is not supported: send "json" or a JSON schema (an object)')
 
 
-THINK_LEVELS = ("low", "medium", "high")
+THINK_LEVELS = ("low", "medium", "high", "max")
+# a level -> chat's reasoning_effort: "max" is Ollama's newest level, and where a model's levels
+# stop at "high" (harmony's), Ollama sends it as "high" too
+_EFFORT = {"low": "low", "medium": "medium", "high": "high", "max": "high"}
 
 
 def think_fields(think: Any, model: str, reasoning_parser: Optional[str], read: Optional[FrozenSet[str]]) -> Dict[str, Any]:
@@ -209,7 +246,8 @@ def think_fields(think: Any, model: str, reasoning_parser: Optional[str], read: 
     - omitted: the model's own default; its thinking comes back in `thinking` when the parser finds it;
     - false: enable_thinking false where the template has the switch; nothing to turn off without a parser;
     - true: thinking on; needs a reasoning parser (Ollama's 400 "does not support thinking" otherwise);
-    - "low" / "medium" / "high": thinking on, the level as chat's reasoning_effort (a template variable)."""
+    - "low" / "medium" / "high" / "max": thinking on, the level as chat's reasoning_effort (a template
+      variable; "max" as "high", the highest level chat's reasoning_effort has)."""
     if think is None:
         return {}
     switch = read is None or "enable_thinking" in read
@@ -227,7 +265,7 @@ def think_fields(think: Any, model: str, reasoning_parser: Optional[str], read: 
                                "--reasoning-parser (qwen3 or deepseek-r1); leave think out")  # fmt: skip
     fields: Dict[str, Any] = {"chat_template_kwargs": {"enable_thinking": True}} if read is not None and "enable_thinking" in read else {}
     if isinstance(think, str):
-        fields["reasoning_effort"] = think
+        fields["reasoning_effort"] = _EFFORT[think]
     return fields
 
 

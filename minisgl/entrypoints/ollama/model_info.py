@@ -21,9 +21,10 @@ import json
 import os
 import struct
 from collections import Counter
+from functools import lru_cache
 from typing import Any, Dict, List, NamedTuple, Optional
 
-from minisgl.models.loader import safetensors_files
+from minisgl.models.loader import HUB_PATTERNS, safetensors_files
 
 # /api/ps' expires_at: the model stays loaded for the server's life (Ollama writes a date as far
 # off for keep_alive < 0)
@@ -85,15 +86,29 @@ def _modified_at(model_dir: str) -> str:
     return datetime.datetime.fromtimestamp(mtime, datetime.timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-class ServedModel:
-    """What /api/tags, /api/show and /api/ps say about the served model (read when asked: a weight
-    update may point the server at another directory)."""
+def local_dir(model_path: str) -> str:
+    """The directory the loader read `model_path` from: itself, or for a hub id the snapshot in the
+    Hugging Face cache that loading it downloaded (looked up in the cache only, never on the
+    network: this runs on the event loop); the id itself when there is none."""
+    if os.path.isdir(model_path) or not model_path:
+        return model_path
+    try:
+        from huggingface_hub import snapshot_download
 
-    def __init__(self, name: str, model_dir: str, weight_version: str, context_len: int) -> None:
+        return snapshot_download(repo_id=model_path, allow_patterns=HUB_PATTERNS, local_files_only=True)
+    except Exception:  # (not in the cache: nothing to read, the fields say "unknown")
+        return model_path
+
+
+class ServedModel:
+    """What /api/tags, /api/show and /api/ps say about the served model."""
+
+    def __init__(self, name: str, model_path: str, weight_version: str, context_len: int) -> None:
+        model_dir = local_dir(model_path)
         self.name, self.model_dir, self.context_len = name, model_dir, context_len
         self.config = _config(model_dir)
         self.weights = read_weights(model_dir)
-        self.digest = hashlib.sha256(f"{name}\n{model_dir}\n{weight_version}".encode()).hexdigest()
+        self.digest = hashlib.sha256(f"{name}\n{model_path}\n{weight_version}".encode()).hexdigest()
         self.modified_at = _modified_at(model_dir)
 
     @property
@@ -139,3 +154,11 @@ class ServedModel:
                             [f"PARAMETER {names.get(k, k)} {v}\n" for k, v in sorted(defaults.items())])  # fmt: skip
         return {"modelfile": modelfile, "parameters": parameters, "template": template or "", "details": self.details(),
                 "model_info": self.model_info(), "capabilities": capabilities, "modified_at": self.modified_at}  # fmt: skip
+
+
+@lru_cache(maxsize=4)
+def served_model(name: str, model_path: str, weight_version: str, context_len: int) -> ServedModel:
+    """The ServedModel of what is served, read once per (model, weight version): every shard's
+    header is read on the event loop, so not on each /api/tags, /api/ps, /api/show; a weight update
+    (a new model_path or weight_version) reads it again."""
+    return ServedModel(name, model_path, weight_version, context_len)

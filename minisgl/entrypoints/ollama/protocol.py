@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from minisgl.entrypoints.openai.protocol import STRICT
 
@@ -52,6 +52,12 @@ class OllamaMessage(BaseModel):
     tool_calls: Optional[List[OllamaToolCall]] = None
     tool_name: Optional[str] = None  # a tool message: the tool that ran
     tool_call_id: Optional[str] = None  # a tool message: the call it answers (newer Ollama)
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _lowercase_role(cls, role: Any) -> Any:
+        # (Ollama's Message.UnmarshalJSON lowercases the role: "User" is "user" there too)
+        return role.lower() if isinstance(role, str) else role
 
 
 class _OllamaRequest(BaseModel):
@@ -98,9 +104,15 @@ class OllamaGenerateRequest(_OllamaRequest):
 
 
 class OllamaShowRequest(BaseModel):
-    """POST /api/show: `model` (`name`, its older spelling, is taken too)."""
+    """POST /api/show: `model` (`name`, its older spelling, is taken too). Ollama's Go client sends
+    every field of its ShowRequest (no omitempty): system, template and name "", options null;
+    those empty values ask for nothing and are taken, a non-empty system, template or options is
+    refused by name (serving.py)."""
 
     model_config = STRICT
     model: Optional[str] = None
     name: Optional[str] = None
     verbose: Optional[bool] = None  # (true asks for the tokenizer's arrays: refused)
+    system: Optional[str] = None  # (Ollama: show the model as if created with this system message)
+    template: Optional[str] = None  # (Ollama: ... with this Go template)
+    options: Optional[Dict[str, Any]] = None  # (Ollama: ... with these parameters)

@@ -26,34 +26,33 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minisgl.chat_template import template_variables
 from minisgl.entrypoints.ollama.convert import (
-    BadOllamaRequest, chat_messages, check_generate, check_keep_alive, done_reason, generate_messages, keep_alive_seconds,
-    ollama_logprobs, ollama_tool_calls, think_fields, to_chat_request,
+    BadOllamaRequest, chat_messages, check_generate, done_reason, generate_messages, keep_alive_seconds, num_ctx, ollama_logprobs,
+    ollama_tool_calls, think_fields, to_chat_request,
 )  # fmt: skip
-from minisgl.entrypoints.ollama.model_info import ServedModel
+from minisgl.entrypoints.ollama.model_info import ServedModel, served_model
 from minisgl.entrypoints.ollama.protocol import OllamaChatRequest, OllamaGenerateRequest, OllamaShowRequest, _OllamaRequest
 from minisgl.entrypoints.ollama.stream import StreamedAnswer, Timings
 from minisgl.entrypoints.openai.protocol import ChatCompletionRequest
 from minisgl.entrypoints.openai.serving_base import (
-    SSE_HEADERS, StreamedHiddenStates, abort_status, UsageCounter, guarded_stream, handler_error_response, new_id, start_stream,
+    ABORTED, SSE_HEADERS, StreamedHiddenStates, abort_status, UsageCounter, encodable, guarded_stream, handler_error_response, joined,
+    new_id, openai_error_message, start_stream,
 )  # fmt: skip
 from minisgl.entrypoints.openai.serving_chat import OpenAIServingChat
-from minisgl.managers.io_struct import LOGPROB_META_KEYS, GenerateReqInput
 
 # GET /api/version: the Ollama release whose API (docs/api.md, api/types.go) these routes follow.
 # Clients read it to decide what a server can do (think, tools, ...): minisgl's own version (0.x)
 # would read as an Ollama from before those existed.
 OLLAMA_API_VERSION = "0.32.15"
-ABORTED = "The request was aborted before it finished (/abort_request, or the server shutting down)"
 
 
 def ollama_error_response(message: str, status_code: int = 400) -> JSONResponse:
     """Ollama's error body: {"error": message} (what the `ollama` client's ResponseError reads)."""
-    return JSONResponse({"error": message.encode("utf-8", "backslashreplace").decode("utf-8")}, status_code=status_code)
+    return JSONResponse({"error": encodable(message)}, status_code=status_code)
 
 
 def from_openai_error(response: JSONResponse) -> JSONResponse:
     """A chat-path error response (OpenAI's envelope) as Ollama says it."""
-    return ollama_error_response(json.loads(response.body)["error"]["message"], response.status_code)
+    return ollama_error_response(openai_error_message(response), response.status_code)
 
 
 def _line(obj: Dict[str, Any]) -> str:
@@ -78,15 +77,6 @@ def created_at() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-def joined(outs: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """A streamed request's outputs (each what it adds) as the one output a non-streamed request gets."""
-    meta = dict(outs[-1]["meta_info"])
-    for key in LOGPROB_META_KEYS:
-        if any(key in out["meta_info"] for out in outs):
-            meta[key] = [entry for out in outs for entry in out["meta_info"].get(key) or []]
-    return {"text": "".join(out["text"] for out in outs), "output_ids": [i for out in outs for i in out["output_ids"]], "meta_info": meta}
-
-
 class OllamaServing:
     """The Ollama API's routes over the chat path."""
 
@@ -108,7 +98,7 @@ class OllamaServing:
 
     def _served_model(self) -> ServedModel:
         tm = self.tokenizer_manager
-        return ServedModel(tm.model_name, tm.model_path or "", tm.weight_version, tm.context_len)
+        return served_model(tm.model_name, tm.model_path or "", tm.weight_version, tm.context_len)
 
     # --- POST /api/chat and /api/generate
     async def handle_chat(self, request: OllamaChatRequest, raw_request: Request) -> Response:
@@ -136,13 +126,16 @@ class OllamaServing:
             body = self._head(request, chat, "")
             return JSONResponse({**body, "done": True, "done_reason": "load"})
         try:
-            adapted = self._raw_request(translated, request) if raw else self.chat.to_generate_request(translated)
+            if raw:  # (the prompt as it is, every other field as the chat path sets it)
+                adapted = self.chat.to_raw_generate_request(translated, translated.messages[-1].text())
+            else:
+                adapted = self.chat.to_generate_request(translated)
             first, gen = await start_stream(self.tokenizer_manager, adapted, raw_request)
         except Exception as e:
             return from_openai_error(handler_error_response(e))
         timings.first_output()
-        refused = _refused(first)
-        if refused is not None:  # (refused before any token, e.g. a grammar without xgrammar: a real HTTP error)
+        refused = _refused(first) or self._past_num_ctx(request, first)
+        if refused is not None:  # (refused before any token is sent, e.g. a grammar without xgrammar: a real HTTP error)
             await gen.aclose()
             return refused
         if request.streams:
@@ -160,6 +153,17 @@ class OllamaServing:
             return refused
         return self._whole(joined(outs), translated, request, chat, timings)
 
+    def _past_num_ctx(self, request: _OllamaRequest, first: Dict[str, Any]) -> Optional[JSONResponse]:
+        """The 400 for a prompt longer than option num_ctx (convert.num_ctx: Ollama would cut it,
+        minisgl does not), known from the first output's prompt_tokens; else None."""
+        limit = num_ctx((request.options or {}).get("num_ctx"), self.tokenizer_manager.context_len)
+        prompt_tokens = first["meta_info"].get("prompt_tokens", 0)
+        if limit is None or prompt_tokens <= limit:
+            return None
+        return ollama_error_response(f"option 'num_ctx' {limit} is shorter than the prompt ({prompt_tokens} tokens): Ollama would cut "
+                                     "the prompt to fit, minisgl does not cut one; send a shorter prompt, a larger num_ctx, or "
+                                     "leave num_ctx out")  # fmt: skip
+
     def _translate(self, request: _OllamaRequest, messages: List[Dict[str, Any]], raw: bool) -> Union[ChatCompletionRequest, JSONResponse]:
         """The chat request that runs `request`, or the error response that says why there is none (no
         `messages`: Ollama's load call, checked as a request of one empty user message)."""
@@ -171,7 +175,6 @@ class OllamaServing:
             if not messages and keep_alive_seconds(request.keep_alive) == 0:
                 raise BadOllamaRequest("keep_alive 0 with no prompt is Ollama's call to unload the model, which minisgl cannot do: it "
                                        "serves one model for its whole life (stop the server to free its memory)")  # fmt: skip
-            check_keep_alive(request.keep_alive)
             translated = to_chat_request(request, messages or [{"role": "user", "content": ""}], new_id("ollama"), tm.context_len, fields, raw=raw)
         except BadOllamaRequest as e:
             return ollama_error_response(str(e))
@@ -180,12 +183,6 @@ class OllamaServing:
         if refused is not None:
             return self._not_found(request.model) if refused.status_code == 404 else from_openai_error(refused)
         return translated
-
-    def _raw_request(self, chat: ChatCompletionRequest, request: _OllamaRequest) -> GenerateReqInput:
-        """raw: true: the prompt as it is (no template), with the chat request's sampling fields and grammar."""
-        prompt = chat.messages[-1].text()
-        return GenerateReqInput(text=prompt, sampling_params=chat.to_sampling_params(self.tokenizer_manager.default_sampling_params),
-                                rid=chat.rid, return_logprob=chat.logprobs, top_logprobs_num=chat.top_logprobs or 0, stream=True)  # fmt: skip
 
     def _head(self, request: _OllamaRequest, chat: bool, content: str) -> Dict[str, Any]:
         body: Dict[str, Any] = {"model": request.model, "created_at": created_at()}
@@ -240,8 +237,12 @@ class OllamaServing:
 
     def show(self, request: OllamaShowRequest) -> Response:
         model = request.model or request.name
-        if model is None:
+        if not model:
             return ollama_error_response("model is required")
+        for field in ("system", "template", "options"):  # (Ollama's client sends them empty: taken)
+            if getattr(request, field):
+                return ollama_error_response(f"{field} cannot be honoured by /api/show: it shows the model as if created with "
+                                             f"another {field}, which minisgl cannot create (it serves one model as it is); leave it out")  # fmt: skip
         if request.verbose:
             return ollama_error_response("verbose: true asks for the tokenizer's arrays in GGUF's keys, which minisgl does not write; leave it out")
         if self.served_name(model) not in (self.tokenizer_manager.model_name, "default"):

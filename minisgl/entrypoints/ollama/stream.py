@@ -75,27 +75,32 @@ class StreamedAnswer:
 
     def _pieces(self, deltas: List[ChatDelta], with_calls: bool) -> List[Dict[str, Any]]:
         """One piece per delta that adds reasoning or content (or logprobs), and with_calls one piece
-        holding the text of `deltas` and their calls, whole."""
+        holding the text, the reasoning, the logprobs of `deltas` and their calls, whole (so a
+        streamed answer's lines add up to the whole answer's fields)."""
         pieces = []
         calls: Dict[int, Dict[str, Any]] = {}
         text: List[str] = []
+        reasoning: List[str] = []
+        held_logprobs: List[Dict[str, Any]] = []
         for d in deltas:
             delta = d.delta
             for call in delta.tool_calls or []:  # (a call's id and name come first, then its arguments' pieces)
                 entry = calls.setdefault(call.index, {"id": call.id, "name": call.function.name, "arguments": ""})
                 entry["arguments"] += call.function.arguments
-            if delta.role is not None and not delta.content:
+            logprobs = [entry.model_dump() for entry in d.logprobs.content or []] if d.logprobs is not None else []
+            if delta.role is not None and not delta.content and not delta.reasoning_content and not logprobs:
                 continue  # (the role delta: Ollama has no chunk for it)
             if with_calls:
                 text.append(delta.content or "")
+                reasoning.append(delta.reasoning_content or "")
+                held_logprobs += logprobs
                 continue
-            logprobs = [entry.model_dump() for entry in d.logprobs.content or []] if d.logprobs is not None else []
             if delta.reasoning_content or delta.content or logprobs:
                 pieces.append(self._piece(delta.content or "", delta.reasoning_content, logprobs))
         if with_calls:
             ollama_calls = [{"id": c["id"], "function": {"index": k, "name": c["name"], "arguments": json.loads(c["arguments"] or "{}")}}
                             for k, c in enumerate(calls[i] for i in sorted(calls))]  # fmt: skip
-            piece = self._piece("".join(text), None, [])
+            piece = self._piece("".join(text), "".join(reasoning) or None, held_logprobs)
             piece["message"]["tool_calls"] = ollama_calls
             pieces.append(piece)
         return pieces
