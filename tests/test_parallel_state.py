@@ -23,6 +23,12 @@ def _rank_main(rank: int, store_path: str, results: Any) -> None:
     out["bytes"] = group.broadcast_bytes(b"hello \x00 ranks" if rank == 0 else None)
     out["empty"] = group.broadcast_bytes(b"" if rank == 0 else None)
     out["from1"] = group.broadcast_bytes(b"one" if rank == 1 else None, src=1)
+    group.destroy()
+    group.destroy()  # (idempotent)
+    try:
+        group.all_reduce(x)
+    except RuntimeError as e:
+        out["after_destroy"] = str(e)
     results.put((rank, out))
 
 
@@ -45,6 +51,7 @@ def test_two_ranks_agree_on_every_collective(tmp_path: Any) -> None:
         assert out["bytes"] == b"hello \x00 ranks"
         assert out["empty"] == b""
         assert out["from1"] == b"one"
+        assert "group was destroyed" in out["after_destroy"]
 
 
 def test_single_rank_group_is_the_identity() -> None:

@@ -28,7 +28,7 @@ import os
 import threading
 import time
 from datetime import timedelta
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -65,7 +65,7 @@ class GroupCoordinator:
             return x
         opts = dist.AllreduceOptions()
         opts.reduceOp = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
-        self.device_group.allreduce([x], opts).wait()  # type: ignore[union-attr]
+        self._live(self.device_group).allreduce([x], opts).wait()
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -74,7 +74,7 @@ class GroupCoordinator:
             return x
         x = x.contiguous()
         parts: List[torch.Tensor] = [torch.empty_like(x) for _ in range(self.world_size)]
-        self.device_group.allgather([parts], [x]).wait()  # type: ignore[union-attr]
+        self._live(self.device_group).allgather([parts], [x]).wait()
         return torch.cat(parts, dim=dim)
 
     def broadcast_bytes(self, data: Optional[bytes], src: int = 0) -> bytes:
@@ -90,11 +90,37 @@ class GroupCoordinator:
         opts.rootRank = src
         mine = self.rank_in_group == src
         size = torch.tensor([len(data) if mine and data is not None else 0], dtype=torch.int64)
-        self.cpu_group.broadcast([size], opts).wait()  # type: ignore[union-attr]
+        self._live(self.cpu_group).broadcast([size], opts).wait()
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if mine and data else torch.empty(int(size), dtype=torch.uint8)
         if int(size):
-            self.cpu_group.broadcast([buf], opts).wait()  # type: ignore[union-attr]
+            self._live(self.cpu_group).broadcast([buf], opts).wait()
         return bytes(buf.numpy()) if not mine else (data or b"")
+
+    def destroy(self) -> None:
+        """The rank's orderly end: shut the process groups down and join their worker threads, before
+        the interpreter finalizes. Idempotent; no collective runs afterwards.
+
+        Why it is needed: gloo runs each collective on a C++ worker thread that lets go of the
+        collective's tensors only after wait() has returned here. A tensor Python has dropped by then
+        needs the GIL to be freed; if the interpreter is finalizing, Python ends that thread with
+        pthread_exit, whose unwinding through a C++ destructor aborts the process ("terminate called
+        without an active exception", exit code -6; rare, on a loaded machine). Dropping the last
+        reference runs the group's destructor (torch's binding releases the GIL first), which waits
+        for its queue to drain and joins its threads. shutdown() first, as torch.distributed's
+        destroy_process_group: it ends NCCL's communicators and threads (a no-op for gloo).
+        """
+        groups = {id(g): g for g in (self.device_group, self.cpu_group) if g is not None}  # (one object on the CPU)
+        self.device_group = self.cpu_group = None
+        while groups:
+            _, group = groups.popitem()
+            if hasattr(group, "shutdown"):  # (an older torch's may have none)
+                group.shutdown()
+            del group  # the last reference: its destructor joins the threads now
+
+    def _live(self, group: Optional[object]) -> Any:
+        if group is None:
+            raise RuntimeError("this tensor-parallel group was destroyed (GroupCoordinator.destroy): no collective can run on it")
+        return group
 
 
 def _gloo_group(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> object:
