@@ -444,6 +444,40 @@ def test_sync_token_ids_across_tp_keeps_such_a_rank_in_step(oracle: Engine, tiny
     assert [p.exitcode for p in procs] == [0]
 
 
+def _gloo_threads() -> int:
+    """How many of this process's threads are gloo process groups' workers (by their Linux name)."""
+    names = [open(f"/proc/self/task/{tid}/comm").read().strip() for tid in os.listdir("/proc/self/task")]
+    return names.count("pt_gloo_runloop")
+
+
+def _follower_that_counts_gloo_threads(*args: Any) -> None:
+    """An Engine's rank > 0 that exits 3 (at once: no finalization) when gloo's workers outlive its run."""
+    from minisgl.managers.scheduler import run_tp_follower_process
+
+    run_tp_follower_process(*args)
+    if _gloo_threads():
+        os._exit(3)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread names are read from Linux's /proc")
+def test_an_orderly_shutdown_joins_the_gloo_threads_of_every_rank(tiny_model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gloo worker still freeing a collective's tensor while the interpreter finalized aborted the
+    rank (exit -6, "terminate called without an active exception"; 1 run in ~15 on a loaded machine):
+    each rank destroys its group before it exits, joining them; rank 0, this process, at shutdown()."""
+    from minisgl.entrypoints import engine_tp
+
+    monkeypatch.setattr(engine_tp, "run_tp_follower_process", _follower_that_counts_gloo_threads)
+    before = _gloo_threads()  # (a module fixture's Engine may hold its own)
+    engine = Engine(tiny_model, tp_size=2, **ENGINE_ARGS)
+    procs = list(engine._tp.procs)
+    if _gloo_threads() == before:
+        pytest.skip("this torch does not name gloo's threads")
+    engine.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)
+    engine.shutdown()
+    assert [p.exitcode for p in procs] == [0]
+    assert _gloo_threads() == before
+
+
 def test_the_engine_heartbeat_never_falls_inside_a_call() -> None:
     """A beat sent while rank 0 is in a step would pair with that step's collectives (the grammar
     all_reduce, the forward's) on the other ranks: it waits for the Engine's lock to be free."""

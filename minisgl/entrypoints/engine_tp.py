@@ -257,6 +257,9 @@ class EngineTpRanks:
                     proc.join(timeout=max(0.1, deadline - time.monotonic()))
                     if proc.is_alive():
                         logger.warning("tensor-parallel rank process %s did not stop; terminating it", proc.pid)
+                # rank 0's gloo threads joined now, as the ranks' own (run_tp_follower_process), not left to
+                # the caller's exit; only here, where no call of another thread can be inside a collective
+                self.group.destroy()
         for proc in self.procs:  # (never started following, as when the start failed: they go now)
             if proc.is_alive():
                 proc.terminate()

@@ -1270,6 +1270,9 @@ def run_scheduler_process(server_args: ServerArgs, port_args: Any, pipe_writer: 
     except Exception:
         logger.exception("Scheduler hit an exception")
         sys.exit(1)
+    finally:  # (as a follower's end: exit 1, not an abort; a stop by SIGTERM never gets here)
+        if tp_group is not None:
+            tp_group.destroy()
 
 
 def run_tp_follower_process(
@@ -1319,3 +1322,5 @@ def run_tp_follower_process(
     except Exception:
         logger.exception("Scheduler TP%d hit an exception", tp_rank)
         sys.exit(1)
+    finally:  # (before the interpreter finalizes: a gloo thread still freeing a tensor then aborts it)
+        group.destroy()
