@@ -289,16 +289,25 @@ def test_closing_the_terminal_shuts_the_server_down_cleanly(tiny_model: str, tmp
     ignore_hup = (lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if nohup else None
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env={**os.environ, "TMPDIR": str(tmp_path)}, preexec_fn=ignore_hup)  # fmt: skip
-    deadline = time.monotonic() + 120
-    while not healthy() and time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stdout.read()
-        time.sleep(0.25)
-    os.killpg(proc.pid, signal.SIGHUP)  # what a closing terminal sends its foreground job
-    if nohup:
-        time.sleep(1.5)
-        assert proc.poll() is None and healthy(), "a server started under nohup stopped on SIGHUP"
-        proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=30)
+    try:
+        deadline = time.monotonic() + 120
+        while not healthy() and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.25)
+        os.killpg(proc.pid, signal.SIGHUP)  # what a closing terminal sends its foreground job
+        if nohup:
+            time.sleep(1.5)
+            assert proc.poll() is None and healthy(), "a server started under nohup stopped on SIGHUP"
+            proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # (say how far the shutdown got: its log, not only a timeout)
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"the server did not exit within 30 s of the signal; its output:\n{proc.communicate()[0][-3000:]}")
+    finally:  # a failed assertion above must not leave the server (and its children) running for hours
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     assert proc.returncode == 0, out[-2000:]
     assert "Shutdown requested" in out and "died" not in out, out[-2000:]
     assert [p for p in os.listdir(tmp_path) if p.startswith("minisgl-")] == []
