@@ -177,6 +177,16 @@ def test_a_whole_answer_and_done_reason_length(tiny_model: str, tmp_path: Any) -
     assert "Be brief." in seen[1].text and seen[1].text.index("Be brief.") < seen[1].text.index("hi")  # (system, then the prompt, templated)
 
 
+def test_a_body_sent_without_a_json_content_type_is_read_as_json(tiny_model: str, tmp_path: Any) -> None:
+    """Ollama's documented `curl .../api/chat -d '{...}'` sends a form Content-Type; Ollama reads JSON anyway."""
+    client, seen = _client(tiny_model, tmp_path, [_out("r", "Hi", 1, LENGTH)])
+    body = json.dumps({"model": client.model, "messages": [{"role": "user", "content": "hi"}], "stream": False})
+    with client:
+        r = client.post("/api/chat", content=body, headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 200, r.text
+    assert ChatResponse(**r.json()).message.content == "Hi" and len(seen) == 1
+
+
 def test_raw_sends_the_prompt_as_it_is(tiny_model: str, tmp_path: Any) -> None:
     client, seen = _client(tiny_model, tmp_path, [_out("r", "<think>not split</think> ok", 2, STOP)], reasoning_parser="qwen3")
     with client:

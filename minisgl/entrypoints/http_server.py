@@ -168,6 +168,7 @@ def create_app(
     app = FastAPI(title="minisgl")
     _add_error_handlers(app)
     _add_body_caps(app)  # (added before the key check: the key is checked first, the size next)
+    app.add_middleware(OllamaBodyIsJson)
     if server_args.api_key:
         _add_api_key_check(app, server_args.api_key)
     # SGLang's CORS: a browser page on another origin may call the server (the key still guards it).
@@ -187,6 +188,20 @@ ANTHROPIC_PREFIX = "/v1/messages"  # the Anthropic Messages API's routes: its er
 
 def _is_anthropic(path: str) -> bool:
     return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+
+
+class OllamaBodyIsJson:
+    """Ollama reads every /api/* body as JSON whatever its Content-Type, and its documented calls are
+    `curl .../api/chat -d '{...}'` (a form type): say JSON, so FastAPI parses them as Ollama would."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/api/") and scope["method"] == "POST":
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            scope = {**scope, "headers": headers + [(b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)
 
 
 def _is_ollama(path: str) -> bool:
